@@ -1,0 +1,3 @@
+from specverify.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,57 @@
+"""Test set-up shared by every test file.
+
+Without a CUDA device the Triton kernels run in Triton's CPU interpreter; ``TRITON_INTERPRET`` must be set before
+triton (and so specverify's kernels) is first imported, which is why this happens at the top of conftest.
+"""
+from __future__ import annotations
+
+import os
+
+try:
+    import torch
+
+    _HAS_CUDA = torch.cuda.is_available()
+except Exception:  # pragma: no cover - torch missing is reported by the imports below
+    _HAS_CUDA = False
+
+if not _HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+DEVICE = "cuda" if _HAS_CUDA else "cpu"
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_multi = pytest.mark.skip(reason="needs several CUDA GPUs")
+    n_gpu = torch.cuda.device_count() if _HAS_CUDA else 0
+    for item in items:
+        if "gpu" in item.keywords and not _HAS_CUDA:
+            item.add_marker(skip_gpu)
+        if "multigpu" in item.keywords and n_gpu < 2:
+            item.add_marker(skip_multi)
+
+
+@pytest.fixture
+def device() -> str:
+    """``cuda`` when a GPU is present, else ``cpu`` (Triton kernels then run in the interpreter)."""
+    return DEVICE
+
+
+def nan_like(t: torch.Tensor) -> torch.Tensor:
+    """An output buffer poisoned with NaN (or -1 for integers) so unwritten elements cannot pass."""
+    out = torch.empty_like(t)
+    if out.is_floating_point():
+        out.fill_(math.nan)
+    else:
+        out.fill_(-1)
+    return out
+
+
+@pytest.fixture
+def poison():
+    return nan_like

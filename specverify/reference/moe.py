@@ -1,0 +1,119 @@
+"""Reference MoE routing, token→expert alignment and SwiGLU experts, in plain torch.
+
+Routing semantics (DeepSeek-V3 "noaux_tc" and relatives; Qwen3 softmax):
+
+* ``scores = sigmoid(logits)`` or ``softmax(logits)`` in fp32.
+* ``choice = scores + correction_bias`` (bias only chooses experts; weights use the unbiased scores).
+* With ``n_group > 1`` the experts split into ``n_group`` equal groups; a group's rank is the sum of its two best
+  choice scores; only the best ``topk_group`` groups compete (ties: lowest group id).
+* The ``top_k`` best choice scores win (ties: lowest expert id). Only finite choice scores are candidates: a NaN
+  never wins. A slot left without a finite candidate (a row with no finite score, e.g. all -inf logits under
+  softmax) is *reported* as expert id -1 with weight 0: the alignment skips it and the experts add nothing for it.
+* ``weights = scores[chosen]``; with ``renormalize`` divided by their sum where the sum is > 0; then times
+  ``routed_scaling_factor``.
+
+Alignment (the expert GEMM's input): slots ``s = m * top_k + j`` grouped by expert in expert order, slots in
+increasing order inside an expert, each expert's run padded with the sentinel ``M * top_k`` to a multiple of
+``block_size``; ``expert_ids[blk]`` is the expert of block ``blk``; experts without tokens get no block.
+
+Expert weights: ``w13`` [E, 2 * I, H] (rows 0..I-1 gate, I..2I-1 up), ``w2`` [E, H, I].
+"""
+from __future__ import annotations
+
+import torch
+
+
+def route_reference(router_logits, top_k, scoring="sigmoid", correction_bias=None, n_group=1, topk_group=1,
+                    renormalize=True, routed_scaling_factor=1.0):
+    """Returns (topk_ids int32 [M, top_k], topk_weights fp32 [M, top_k]). Capturable (no host sync)."""
+    logits = router_logits.float()
+    m, e = logits.shape
+    if scoring == "sigmoid":
+        scores = torch.sigmoid(logits)
+    elif scoring == "softmax":
+        scores = torch.softmax(logits, dim=-1)
+    else:
+        raise ValueError(f"scoring must be 'sigmoid' or 'softmax', got {scoring!r}")
+    choice = scores if correction_bias is None else scores + correction_bias.float().view(1, e)
+    neg_inf = torch.tensor(float("-inf"), device=logits.device)
+    choice = torch.where(torch.isfinite(choice), choice, neg_inf)
+    if n_group > 1:
+        gsize = e // n_group
+        grouped = choice.view(m, n_group, gsize)
+        best2 = torch.sort(grouped, dim=-1, descending=True, stable=True).values[..., : min(2, gsize)]
+        group_score = best2.sum(-1)
+        group_score = torch.where(torch.isnan(group_score), neg_inf, group_score)
+        group_order = torch.sort(group_score, dim=-1, descending=True, stable=True).indices[:, :topk_group]
+        keep = torch.zeros(m, n_group, dtype=torch.bool, device=logits.device)
+        keep.scatter_(1, group_order, True)
+        choice = torch.where(keep.unsqueeze(-1).expand(m, n_group, gsize).reshape(m, e), choice, neg_inf)
+    order = torch.sort(choice, dim=-1, descending=True, stable=True)
+    ids = order.indices[:, :top_k]
+    valid = torch.isfinite(order.values[:, :top_k])
+    weights = torch.gather(scores, 1, ids)
+    weights = torch.where(valid, weights, torch.zeros_like(weights))
+    ids = torch.where(valid, ids, torch.full_like(ids, -1))
+    if renormalize:
+        total = weights.sum(-1, keepdim=True)
+        weights = torch.where(total > 0, weights / torch.where(total > 0, total, torch.ones_like(total)), weights)
+    weights = weights * routed_scaling_factor
+    return ids.to(torch.int32), weights.float()
+
+
+def align_reference(topk_ids, num_experts, block_size):
+    """Returns (sorted_token_ids int32 [T], expert_ids int32 [T // block_size], num_tokens_post_padded int32 [1]).
+
+    Exactly sized (``T`` = num_tokens_post_padded); host-synchronising, so not for graphs.
+    """
+    flat = topk_ids.reshape(-1).long().cpu()
+    sentinel = flat.numel()
+    sorted_ids, expert_ids = [], []
+    for e in range(num_experts):
+        slots = (flat == e).nonzero().flatten().tolist()
+        if not slots:
+            continue
+        padded = -(-len(slots) // block_size) * block_size
+        sorted_ids += slots + [sentinel] * (padded - len(slots))
+        expert_ids += [e] * (padded // block_size)
+    dev = topk_ids.device
+    return (torch.tensor(sorted_ids, dtype=torch.int32, device=dev),
+            torch.tensor(expert_ids, dtype=torch.int32, device=dev),
+            torch.tensor([len(sorted_ids)], dtype=torch.int32, device=dev))
+
+
+def fused_moe_reference(hidden, w13, w2, topk_ids, topk_weights, compute_dtype=torch.float32):
+    """SwiGLU experts. hidden [M, H]; returns [M, H] in hidden's dtype. Slots with id -1 add nothing.
+
+    Gathers each slot's expert weights (fixed shapes, no host sync: capturable), computes in ``compute_dtype``.
+    """
+    m, h = hidden.shape
+    top_k = topk_ids.shape[1]
+    inter = w2.shape[2]
+    ids = topk_ids.long().reshape(-1)
+    valid = ids >= 0
+    safe = torch.where(valid, ids, torch.zeros_like(ids))
+    x = hidden.to(compute_dtype).repeat_interleave(top_k, dim=0).unsqueeze(-1)  # [S, H, 1]
+    gate_up = torch.bmm(w13[safe].to(compute_dtype), x).squeeze(-1)  # [S, 2I]
+    act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    y = torch.bmm(w2[safe].to(compute_dtype), act.unsqueeze(-1)).squeeze(-1)  # [S, H]
+    w = torch.where(valid, topk_weights.reshape(-1).to(compute_dtype), torch.zeros((), dtype=compute_dtype,
+                                                                                    device=hidden.device))
+    y = y * w.unsqueeze(-1)
+    return y.view(m, top_k, h).sum(1).to(hidden.dtype)
+
+
+def fused_moe_loop_reference(hidden, w13, w2, topk_ids, topk_weights):
+    """Per-token loop in fp64: the slow, obviously-correct check for the kernels' tests."""
+    m, h = hidden.shape
+    inter = w2.shape[2]
+    out = torch.zeros(m, h, dtype=torch.float64, device=hidden.device)
+    for i in range(m):
+        for j in range(topk_ids.shape[1]):
+            e = int(topk_ids[i, j])
+            if e < 0:
+                continue
+            x = hidden[i].double()
+            gu = w13[e].double() @ x
+            a = torch.nn.functional.silu(gu[:inter]) * gu[inter:]
+            out[i] += float(topk_weights[i, j]) * (w2[e].double() @ a)
+    return out

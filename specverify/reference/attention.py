@@ -71,6 +71,8 @@ def tree_attention_reference(q, k_cache, v_cache, page_table, prefix_lens, tree_
 
     Returns out [batch, k, Hq, D] in q's dtype (and lse fp32 [batch, k, Hq], natural log, of the scaled scores).
     """
+    if q.dtype == torch.float64:
+        compute_dtype = torch.float64
     batch, k, hq, d = q.shape
     hkv = k_cache.shape[2]
     group = hq // hkv
@@ -95,6 +97,8 @@ def tree_attention_mla_reference(q_latent, q_rope, kv_cache, page_table, prefix_
     score = (q_latent · c + q_rope · k_rope) * sm_scale, V = c (the latent part). Returns [b, k, H, R] in
     q_latent's dtype (and lse fp32 [b, k, H]).
     """
+    if q_latent.dtype == torch.float64:
+        compute_dtype = torch.float64
     batch, k, h, r = q_latent.shape
     kv, length = _gather_kv(kv_cache, page_table, prefix_lens, k)  # [b, L, R + Dr]
     kv = kv.to(compute_dtype)

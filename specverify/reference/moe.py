@@ -26,7 +26,7 @@ import torch
 def route_reference(router_logits, top_k, scoring="sigmoid", correction_bias=None, n_group=1, topk_group=1,
                     renormalize=True, routed_scaling_factor=1.0):
     """Returns (topk_ids int32 [M, top_k], topk_weights fp32 [M, top_k]). Capturable (no host sync)."""
-    logits = router_logits.float()
+    logits = router_logits.double() if router_logits.dtype == torch.float64 else router_logits.float()
     m, e = logits.shape
     if scoring == "sigmoid":
         scores = torch.sigmoid(logits)
@@ -34,7 +34,7 @@ def route_reference(router_logits, top_k, scoring="sigmoid", correction_bias=Non
         scores = torch.softmax(logits, dim=-1)
     else:
         raise ValueError(f"scoring must be 'sigmoid' or 'softmax', got {scoring!r}")
-    choice = scores if correction_bias is None else scores + correction_bias.float().view(1, e)
+    choice = scores if correction_bias is None else scores + correction_bias.to(scores.dtype).view(1, e)
     neg_inf = torch.tensor(float("-inf"), device=logits.device)
     choice = torch.where(torch.isfinite(choice), choice, neg_inf)
     if n_group > 1:
@@ -57,7 +57,7 @@ def route_reference(router_logits, top_k, scoring="sigmoid", correction_bias=Non
         total = weights.sum(-1, keepdim=True)
         weights = torch.where(total > 0, weights / torch.where(total > 0, total, torch.ones_like(total)), weights)
     weights = weights * routed_scaling_factor
-    return ids.to(torch.int32), weights.float()
+    return ids.to(torch.int32), (weights if weights.dtype == torch.float64 else weights.float())
 
 
 def align_reference(topk_ids, num_experts, block_size):
@@ -86,6 +86,8 @@ def fused_moe_reference(hidden, w13, w2, topk_ids, topk_weights, compute_dtype=t
 
     Gathers each slot's expert weights (fixed shapes, no host sync: capturable), computes in ``compute_dtype``.
     """
+    if hidden.dtype == torch.float64:
+        compute_dtype = torch.float64
     m, h = hidden.shape
     top_k = topk_ids.shape[1]
     inter = w2.shape[2]

@@ -1,0 +1,242 @@
+r"""Tree attention over a paged KV cache: Triton kernels (GQA/MHA and absorbed MLA) and their configs.
+
+Math. Request b has ``L_b = prefix_lens[b] + k`` KV tokens; token t lives at page ``page_table[b, t // P]``, slot
+``t % P``. For query row (draft token i, head h, KV head g = h // G):
+
+    s_t      = sm_scale * (q[b, i, h] . K[t, g]  +  q_rope[b, i, h] . K_rope[t])        (rope term: MLA only)
+    visible  = t < prefix_lens[b]                                  (the whole prefix)
+             | bit (t - prefix_lens[b]) of tree_mask[b, i]          (the draft tokens; chain: j <= i)
+    lse      = log sum_{t visible} exp(s_t)
+    out      = sum_{t visible} exp(s_t - lse) * V[t, g]
+
+computed with an online softmax in the exp2 domain (``qk_scale = sm_scale * log2(e)``), fp32 accumulation.
+
+Tiling. The G query heads of one KV group times the k draft tokens form the tile's rows (row m = i * G + hg), so one
+KV tile read feeds ``G * k`` rows through ``tl.dot``; MLA is the case of one KV group with G = H heads. Grid:
+
+    axis 0: kv_head * (M_TILES * DV_TILES) + m_tile * DV_TILES + dv_tile   (programs sharing a KV tile adjacent)
+    axis 1: split                                                           (split-KV over the prefix)
+    axis 2: batch
+
+Split s covers prefix tokens ``[s * C, min((s + 1) * C, prefix))`` with ``C = ceil(ceil(prefix / S) / BLOCK_N) *
+BLOCK_N``; the last split also attends to the k draft tokens (one tile of BLOCK_K rows read through the bit-packed
+mask). With S > 1 each split writes a normalised partial output and its lse to the workspace and
+``_tree_attention_merge_kernel`` combines them: ``lse = logsumexp_s lse_s``, ``out = sum_s exp(lse_s - lse) o_s``.
+Empty splits write ``lse_s = -inf, o_s = 0``. Loads past a request's length are masked (``other=0``) and their scores
+set to -inf, so NaN in unused cache slots or garbage page ids past the length never reach the result.
+
+Tensors (B batch, k draft tokens, H query heads, Hkv KV heads, G = H / Hkv, D qk dim, Dr rope dim (0 for GQA),
+Dv value dim, P page size, S splits):
+
+| name      | shape                                   | dtype        | meaning                                         |
+| --------- | --------------------------------------- | ------------ | ----------------------------------------------- |
+| Q         | [B, k, H, D] (any strides, last 1)      | bf16 / fp16  | queries (MLA: the absorbed latent query)        |
+| QR        | [B, k, H, Dr]                           | as Q         | MLA rope query (unused for GQA)                 |
+| K         | [num_pages, P, Hkv, D (+ Dr)] strided   | as Q         | key cache (MLA: latent + rope key, Hkv = 1)     |
+| V         | [num_pages, P, Hkv, Dv] strided         | as Q         | value cache (MLA: the latent part of K)         |
+| PT        | [B, max_pages]                          | int32/int64  | page table                                      |
+| PREFIX    | [B]                                     | int32/int64  | prefix length (tokens before the draft tokens)  |
+| MASK      | [k, ceil(k/8)] or [B, k, ceil(k/8)]     | uint8        | ancestor mask, little-endian bits incl. diagonal|
+| OUT       | [B, k, H, Dv] (last stride 1)           | as Q         | output                                          |
+| LSE       | [B, k, H] contiguous                    | fp32         | natural-log lse of the scaled scores            |
+| WS_O      | [>= B, S, k, H, Dv] contiguous          | fp32         | split partial outputs (normalised)              |
+| WS_LSE    | [>= B, S, k, H] contiguous              | fp32         | split partial lse (natural log)                 |
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Configs. The launcher (specverify/attention.py) picks one by kind and sizes; the bench sweeps these lists.
+# keys: BLOCK_N (KV tokens per tile), BLOCK_DV (value columns per program), num_warps, num_stages.
+# BLOCK_DV = None means the whole value dim in one program.
+GQA_CONFIGS = [
+    {"BLOCK_N": 64, "BLOCK_DV": None, "num_warps": 4, "num_stages": 3},
+    {"BLOCK_N": 32, "BLOCK_DV": None, "num_warps": 4, "num_stages": 3},
+    {"BLOCK_N": 128, "BLOCK_DV": None, "num_warps": 8, "num_stages": 2},
+    {"BLOCK_N": 64, "BLOCK_DV": None, "num_warps": 8, "num_stages": 2},
+]
+MLA_CONFIGS = [
+    {"BLOCK_N": 32, "BLOCK_DV": 512, "num_warps": 8, "num_stages": 2},
+    {"BLOCK_N": 32, "BLOCK_DV": 256, "num_warps": 4, "num_stages": 2},
+    {"BLOCK_N": 64, "BLOCK_DV": 512, "num_warps": 8, "num_stages": 2},
+    {"BLOCK_N": 16, "BLOCK_DV": 512, "num_warps": 4, "num_stages": 3},
+    {"BLOCK_N": 32, "BLOCK_DV": 128, "num_warps": 4, "num_stages": 3},
+]
+#: The one config used under TRITON_INTERPRET=1 (small tiles keep the CPU interpreter fast).
+INTERPRETER_CONFIG = {"BLOCK_N": 16, "BLOCK_DV": None, "num_warps": 4, "num_stages": 1}
+#: Rows of one program's tile (query heads of a group x draft tokens) are capped here; more rows use M tiles.
+MAX_BLOCK_M = 64
+
+
+@triton.jit
+def _online_softmax_step(s, vis, v, acc, m_i, l_i):
+    """One online-softmax update with scores ``s`` (log2 domain) [M, N], visibility [M, N], values [N, DV]."""
+    s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # a row that has seen nothing yet keeps m = -inf; subtracting 0 instead keeps exp2 away from (-inf) - (-inf)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _tree_attention_fwd_kernel(
+    Q, QR, K, V, PT, PREFIX, MASK, OUT, LSE, WS_O, WS_LSE,
+    qk_scale,
+    stride_qb, stride_qt, stride_qh,
+    stride_qrb, stride_qrt, stride_qrh,
+    stride_kp, stride_ks, stride_kh,
+    stride_vp, stride_vs, stride_vh,
+    stride_ptb,
+    stride_mb, stride_mt,
+    stride_ob, stride_ot, stride_oh,
+    NUM_DRAFT: tl.constexpr, GROUP: tl.constexpr, NUM_Q_HEADS: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, D: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_K: tl.constexpr, M_TILES: tl.constexpr, DV_TILES: tl.constexpr,
+    HAS_MASK: tl.constexpr, V_IS_K: tl.constexpr, STORE_LSE: tl.constexpr,
+):
+    pid0 = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    kvh = pid0 // (M_TILES * DV_TILES)
+    m_tile = (pid0 // DV_TILES) % M_TILES
+    dv_tile = pid0 % DV_TILES
+
+    offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_valid = offs_m < NUM_DRAFT * GROUP
+    tok = offs_m // GROUP  # draft token of each row
+    head = kvh * GROUP + offs_m % GROUP  # query head of each row
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = dv_tile * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    d_mask = offs_d < D
+    dv_mask = offs_dv < DV
+
+    b64 = b.to(tl.int64)
+    q_rows = b64 * stride_qb + tok.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
+    q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+    if DR > 0:
+        offs_dr = tl.arange(0, BLOCK_DR)
+        dr_mask = offs_dr < DR
+        qr_rows = b64 * stride_qrb + tok.to(tl.int64) * stride_qrt + head.to(tl.int64) * stride_qrh
+        qr = tl.load(QR + qr_rows[:, None] + offs_dr[None, :], mask=row_valid[:, None] & dr_mask[None, :],
+                     other=0.0)
+
+    prefix = tl.load(PREFIX + b).to(tl.int32)
+    pt_row = PT + b64 * stride_ptb
+    k_head = kvh.to(tl.int64) * stride_kh
+    v_head = kvh.to(tl.int64) * stride_vh
+
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+
+    # ---- prefix: this split's chunk, every row sees every token ------------------------------------------------
+    chunk = tl.cdiv(tl.cdiv(prefix, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, prefix)
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(start, end, BLOCK_N):
+        pos = start_n + offs_n
+        valid = pos < end
+        page = tl.load(pt_row + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+        slot = (pos % PAGE_SIZE).to(tl.int64)
+        k_rows = page * stride_kp + slot * stride_ks + k_head
+        kt = tl.load(K + k_rows[:, None] + offs_d[None, :], mask=valid[:, None] & d_mask[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(kt))
+        if DR > 0:
+            kr = tl.load(K + k_rows[:, None] + D + offs_dr[None, :], mask=valid[:, None] & dr_mask[None, :],
+                         other=0.0)
+            s = tl.dot(qr, tl.trans(kr), s)
+        s = s * qk_scale
+        if V_IS_K and BLOCK_DV == BLOCK_D and DV_TILES == 1:
+            vt = kt
+        else:
+            v_rows = page * stride_vp + slot * stride_vs + v_head
+            vt = tl.load(V + v_rows[:, None] + offs_dv[None, :], mask=valid[:, None] & dv_mask[None, :], other=0.0)
+        vis = valid[None, :] & row_valid[:, None]
+        acc, m_i, l_i = _online_softmax_step(s, vis, vt, acc, m_i, l_i)
+
+    # ---- draft tokens: last split only, visibility from the bit-packed tree mask ------------------------------
+    if split == NUM_SPLITS - 1:
+        j = tl.arange(0, BLOCK_K)
+        valid_j = j < NUM_DRAFT
+        pos = prefix + j
+        page = tl.load(pt_row + pos // PAGE_SIZE, mask=valid_j, other=0).to(tl.int64)
+        slot = (pos % PAGE_SIZE).to(tl.int64)
+        k_rows = page * stride_kp + slot * stride_ks + k_head
+        kt = tl.load(K + k_rows[:, None] + offs_d[None, :], mask=valid_j[:, None] & d_mask[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(kt))
+        if DR > 0:
+            kr = tl.load(K + k_rows[:, None] + D + offs_dr[None, :], mask=valid_j[:, None] & dr_mask[None, :],
+                         other=0.0)
+            s = tl.dot(qr, tl.trans(kr), s)
+        s = s * qk_scale
+        if V_IS_K and BLOCK_DV == BLOCK_D and DV_TILES == 1:
+            vt = kt
+        else:
+            v_rows = page * stride_vp + slot * stride_vs + v_head
+            vt = tl.load(V + v_rows[:, None] + offs_dv[None, :], mask=valid_j[:, None] & dv_mask[None, :],
+                         other=0.0)
+        both = row_valid[:, None] & valid_j[None, :]
+        if HAS_MASK:
+            byte = tl.load(MASK + b64 * stride_mb + tok[:, None] * stride_mt + (j // 8)[None, :], mask=both,
+                           other=0)
+            vis = (((byte.to(tl.int32) >> (j % 8)[None, :]) & 1) != 0) & both
+        else:
+            vis = (j[None, :] <= tok[:, None]) & both
+        acc, m_i, l_i = _online_softmax_step(s, vis, vt, acc, m_i, l_i)
+
+    # ---- epilogue -----------------------------------------------------------------------------------------------
+    has_any = l_i > 0.0
+    out = acc / tl.where(has_any, l_i, 1.0)[:, None]
+    lse = tl.where(has_any, (m_i + tl.log2(tl.where(has_any, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    if NUM_SPLITS == 1:
+        o_rows = b64 * stride_ob + tok.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
+        tl.store(OUT + o_rows[:, None] + offs_dv[None, :], out.to(OUT.dtype.element_ty),
+                 mask=row_valid[:, None] & dv_mask[None, :])
+        if STORE_LSE:
+            l_rows = (b64 * NUM_DRAFT + tok) * NUM_Q_HEADS + head
+            tl.store(LSE + l_rows, lse, mask=row_valid & (dv_tile == 0))
+    else:
+        ws_rows = ((b64 * NUM_SPLITS + split) * NUM_DRAFT + tok) * NUM_Q_HEADS + head  # [BLOCK_M] int64
+        tl.store(WS_O + ws_rows[:, None] * DV + offs_dv[None, :], out, mask=row_valid[:, None] & dv_mask[None, :])
+        tl.store(WS_LSE + ws_rows, lse, mask=row_valid & (dv_tile == 0))
+
+
+@triton.jit
+def _tree_attention_merge_kernel(
+    WS_O, WS_LSE, OUT, LSE,
+    stride_ob, stride_ot, stride_oh,
+    NUM_DRAFT: tl.constexpr, NUM_Q_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, DV: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, STORE_LSE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # (b * k + i) * H + h
+    dv_tile = tl.program_id(1)
+    b = row // (NUM_DRAFT * NUM_Q_HEADS)
+    rem = row % (NUM_DRAFT * NUM_Q_HEADS)
+    i = rem // NUM_Q_HEADS
+    h = rem % NUM_Q_HEADS
+    offs_s = tl.arange(0, BLOCK_S)
+    s_mask = offs_s < NUM_SPLITS
+    ws_rows = ((b * NUM_SPLITS + offs_s) * NUM_DRAFT + i) * NUM_Q_HEADS + h  # [BLOCK_S]
+    lse_s = tl.load(WS_LSE + ws_rows, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse_s - m_safe)  # 0 for empty splits
+    total = tl.sum(w, 0)
+    offs_dv = dv_tile * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    dv_mask = offs_dv < DV
+    o = tl.load(WS_O + ws_rows[:, None] * DV + offs_dv[None, :], mask=s_mask[:, None] & dv_mask[None, :], other=0.0)
+    # an empty split wrote o = 0, and its weight is 0: no 0 * NaN can arise
+    out = tl.sum(w[:, None] * o, 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(OUT + b * stride_ob + i * stride_ot + h * stride_oh + offs_dv, out.to(OUT.dtype.element_ty),
+             mask=dv_mask)
+    if STORE_LSE:
+        lse = tl.where(total > 0.0, m_safe + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf"))
+        tl.store(LSE + row, lse, mask=dv_tile == 0)

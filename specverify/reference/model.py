@@ -1,0 +1,413 @@
+"""Reference verify forward of a whole model (MLA+MoE, GQA+MoE, dense GQA) in plain torch, batched.
+
+One pass takes ``k`` draft tokens per request (node 0 = the last verified token), writes their KV into a paged
+cache at positions ``prefix_lens[b] + i``, attends over the prefix plus the tree (tree mask), runs the MLP / MoE
+layers and the LM head, and returns the logits of every node. ``verify`` adds greedy acceptance; compaction of the
+accepted path's KV is :func:`specverify.reference.kv.compact_kv_reference` (or ``ops.compact_kv``).
+
+Every op goes through an :class:`Ops` table so the ``specverify`` provider can swap kernels in piece by piece while
+the model code stays one. Under tensor parallelism each rank holds its shard (heads, intermediate sizes and
+vocabulary split ``tp`` ways); with a ``torch.distributed`` group of more than one rank the attention and MLP
+outputs are all-reduced and the logits all-gathered. With ``tp > 1`` and no group (one GPU standing in for one
+rank, as ``verify-wall`` does) the collectives are skipped and their cost is modelled by the caller.
+
+Dummy weights are drawn from a seed with standard deviation ``1/sqrt(fan_in)`` so activations stay finite over
+61 layers. RoPE is the rotate-half form at each node's tree position ``prefix_len + depth``; long-context scaling
+(YaRN) is left out, as it changes no shapes or bytes.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from specverify.configs import ModelConfig, RankShapes, get_config, per_rank_shapes
+from specverify.reference.accept import greedy_accept_reference
+from specverify.reference.attention import tree_attention_mla_reference, tree_attention_reference
+from specverify.reference.kv import compact_kv_reference, write_draft_kv
+from specverify.reference.moe import fused_moe_reference, route_reference
+
+
+def rmsnorm_reference(x, weight, eps):
+    xf = x.float() if x.dtype != torch.float64 else x
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (out * weight.to(out.dtype)).to(x.dtype)
+
+
+def apply_rope(x, positions, theta):
+    """Rotate-half RoPE. x [b, k, heads, d] (or [b, k, d]); positions int [b, k]."""
+    d = x.shape[-1]
+    ctype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=ctype) / d))
+    ang = positions.to(ctype).unsqueeze(-1) * inv  # [b, k, d/2]
+    if x.dim() == 4:
+        ang = ang.unsqueeze(2)
+    cos, sin = torch.cos(ang), torch.sin(ang)
+    xf = x.to(ctype)
+    x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+@dataclass
+class Ops:
+    """The op table a model runs through. ``pieces`` names, per component, which implementation is used."""
+
+    attention_mla: Callable = tree_attention_mla_reference
+    attention_gqa: Callable = tree_attention_reference
+    write_kv: Callable = write_draft_kv
+    route: Callable = None  # (logits, config) -> (ids, weights)
+    experts: Callable = fused_moe_reference
+    accept_greedy: Callable = greedy_accept_reference
+    compact_kv: Callable = compact_kv_reference
+    rmsnorm: Callable = rmsnorm_reference
+    pieces: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.route is None:
+            self.route = _route_with_config
+        for name in ("attention", "moe_route", "experts", "acceptance", "kv_compaction", "allreduce"):
+            self.pieces.setdefault(name, "reference")
+
+
+def _route_with_config(logits, cfg):
+    return route_reference(
+        logits, cfg.num_experts_per_tok, scoring=cfg.scoring_func, correction_bias=cfg.correction_bias,
+        n_group=cfg.n_group, topk_group=cfg.topk_group, renormalize=cfg.norm_topk_prob,
+        routed_scaling_factor=cfg.routed_scaling_factor)
+
+
+@dataclass
+class RouteParams:
+    """What the routing op needs from the config, plus the layer's correction bias tensor."""
+
+    num_experts_per_tok: int
+    scoring_func: str
+    correction_bias: torch.Tensor | None
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    n_routed_experts: int
+
+
+class _ParamFactory:
+    """Deterministic dummy weights: full tensors sliced per rank, or the rank's shard drawn directly."""
+
+    def __init__(self, seed, device, dtype, tp, rank, full_weights):
+        self.seed, self.device, self.dtype = seed, device, dtype
+        self.tp, self.rank, self.full = tp, rank, full_weights
+
+    def _gen(self, name, extra=0):
+        g = torch.Generator(device=self.device)
+        g.manual_seed((self.seed * 1000003 + zlib.crc32(name.encode()) + extra * 7919) % (2 ** 63))
+        return g
+
+    def rand(self, name, full_shape, shard_dim=None, fan_in=None, std=None, shard_index=None):
+        """A weight of ``full_shape`` sharded on ``shard_dim`` (None: replicated)."""
+        std = std if std is not None else 1.0 / math.sqrt(fan_in)
+        if shard_dim is None or self.tp == 1:
+            shape, extra = list(full_shape), 0
+            if self.full or shard_dim is None:
+                return (torch.randn(shape, generator=self._gen(name), device=self.device, dtype=torch.float32)
+                        * std).to(self.dtype)
+        n = full_shape[shard_dim]
+        part = n // self.tp if n >= self.tp else 1
+        index = self.rank if shard_index is None else shard_index
+        if self.full:
+            full = torch.randn(list(full_shape), generator=self._gen(name), device=self.device,
+                               dtype=torch.float32) * std
+            return full.narrow(shard_dim, index * part, part).contiguous().to(self.dtype)
+        shape = list(full_shape)
+        shape[shard_dim] = part
+        return (torch.randn(shape, generator=self._gen(name, 1 + index), device=self.device, dtype=torch.float32)
+                * std).to(self.dtype)
+
+    def ones(self, shape):
+        return torch.ones(shape, device=self.device, dtype=self.dtype)
+
+
+class VerifyModel:
+    """A model's verify forward on one tensor-parallel rank, with dummy weights.
+
+    Parameters
+    ----------
+    config : ModelConfig or str
+    tp, rank : int
+        Tensor-parallel degree and this rank. ``group``: a ``torch.distributed`` group of ``tp`` ranks, or None
+        (collectives skipped; one process stands in for one rank).
+    num_layers : int, optional
+        Layers to run (default: the model's).
+    distinct_layers : int, optional
+        Weight sets to cycle through (``layer % distinct_layers``), so a many-layer model fits in memory while each
+        layer still reads its weights from memory rather than cache when the sets are large. Default: one per layer.
+    dtype, device, seed
+        Weight/activation dtype (bf16 on GPU; fp32/fp64 for CPU exactness tests), device, weight seed.
+    full_weights : bool
+        Draw full tensors and slice this rank's shard (ranks then agree with a tp=1 model). Default: True when
+        ``tp == 1`` or a group is given; otherwise each rank's shard is drawn directly (cheaper).
+    ops : Ops
+        The op table (default: all reference).
+    """
+
+    def __init__(self, config: ModelConfig | str, tp: int = 1, rank: int = 0, *, group=None,
+                 num_layers: int | None = None, distinct_layers: int | None = None,
+                 dtype=torch.bfloat16, device="cpu", seed: int = 0, full_weights: bool | None = None,
+                 ops: Ops | None = None):
+        self.config = get_config(config)
+        self.shapes: RankShapes = per_rank_shapes(self.config, tp)
+        self.tp, self.rank, self.group = tp, rank, group
+        self.num_layers = self.config.num_hidden_layers if num_layers is None else int(num_layers)
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
+        self.distinct_layers = self.num_layers if distinct_layers is None else max(1, int(distinct_layers))
+        self.dtype, self.device = dtype, torch.device(device)
+        self.ops = ops or Ops()
+        self.section_hook = None  # callable(name, phase) for --breakdown
+        full = (tp == 1 or group is not None) if full_weights is None else full_weights
+        self._pf = _ParamFactory(seed, self.device, dtype, tp, rank, full)
+        self._build_weights()
+
+    # weights ----------------------------------------------------------------------------------------------
+    def _build_weights(self):
+        s, pf = self.shapes, self._pf
+        h = s.hidden_size
+        self.embed = pf.rand("embed", [s.vocab_size * self.tp, h], shard_dim=0, std=1.0)
+        self.final_norm = pf.ones([h])
+        self.lm_head = pf.rand("lm_head", [s.vocab_size * self.tp, h], shard_dim=0, fan_in=h)
+        self._sets: dict[tuple, dict] = {}
+        self.layers = []
+        for layer in range(self.num_layers):
+            dense = self.config.is_dense_layer(layer)
+            key = ("dense" if dense else "moe", layer % self.distinct_layers)
+            if key not in self._sets:
+                self._sets[key] = self._layer_weights(f"{key[0]}{key[1]}", dense)
+            self.layers.append(self._sets[key])
+
+    def _layer_weights(self, tag, dense):
+        s, pf, c = self.shapes, self._pf, self.config
+        h = s.hidden_size
+        w = {"dense": dense, "attn_norm": pf.ones([h]), "mlp_norm": pf.ones([h])}
+        heads_full = c.num_attention_heads
+        if c.attention == "mla":
+            qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+            w["q_a"] = pf.rand(f"{tag}.q_a", [c.q_lora_rank, h], fan_in=h)
+            w["q_a_norm"] = pf.ones([c.q_lora_rank])
+            w["q_b"] = pf.rand(f"{tag}.q_b", [heads_full, qk, c.q_lora_rank], shard_dim=0, fan_in=c.q_lora_rank)
+            w["kv_a"] = pf.rand(f"{tag}.kv_a", [c.kv_lora_rank + c.qk_rope_head_dim, h], fan_in=h)
+            w["kv_a_norm"] = pf.ones([c.kv_lora_rank])
+            w["w_uk"] = pf.rand(f"{tag}.w_uk", [heads_full, c.qk_nope_head_dim, c.kv_lora_rank], shard_dim=0,
+                                fan_in=c.qk_nope_head_dim)
+            w["w_uv"] = pf.rand(f"{tag}.w_uv", [heads_full, c.kv_lora_rank, c.v_head_dim], shard_dim=0,
+                                fan_in=c.kv_lora_rank)
+            w["o"] = pf.rand(f"{tag}.o", [h, heads_full * c.v_head_dim], shard_dim=1,
+                             fan_in=heads_full * c.v_head_dim)
+        else:
+            d = c.head_dim
+            kvh = c.num_key_value_heads
+            w["wq"] = pf.rand(f"{tag}.wq", [heads_full * d, h], shard_dim=0, fan_in=h)
+            kv_index = None if kvh >= self.tp else self.rank // (self.tp // kvh)
+            for name in ("wk", "wv"):
+                full_shape = [kvh * d, h]
+                if kvh >= self.tp:
+                    w[name] = pf.rand(f"{tag}.{name}", full_shape, shard_dim=0, fan_in=h)
+                else:  # replicated KV heads: this rank keeps head kv_index whole
+                    full = pf.rand(f"{tag}.{name}", full_shape, fan_in=h)
+                    w[name] = full[kv_index * d:(kv_index + 1) * d].contiguous()
+            w["wo"] = pf.rand(f"{tag}.wo", [h, heads_full * d], shard_dim=1, fan_in=heads_full * d)
+            if c.qk_norm:
+                w["q_norm"], w["k_norm"] = pf.ones([d]), pf.ones([d])
+        if dense:
+            inter = c.intermediate_size
+            gate = pf.rand(f"{tag}.mlp_gate", [inter, h], shard_dim=0, fan_in=h)
+            up = pf.rand(f"{tag}.mlp_up", [inter, h], shard_dim=0, fan_in=h)
+            w["gate_up"] = torch.cat([gate, up], 0)
+            w["down"] = pf.rand(f"{tag}.mlp_down", [h, inter], shard_dim=1, fan_in=inter)
+        else:
+            e, inter = c.n_routed_experts, c.moe_intermediate_size
+            w["router"] = pf.rand(f"{tag}.router", [e, h], fan_in=h)
+            w["bias"] = (pf.rand(f"{tag}.bias", [e], std=0.05).float() if c.e_score_correction_bias else None)
+            gate = pf.rand(f"{tag}.exp_gate", [e, inter, h], shard_dim=1, fan_in=h)
+            up = pf.rand(f"{tag}.exp_up", [e, inter, h], shard_dim=1, fan_in=h)
+            w["w13"] = torch.cat([gate, up], 1).contiguous()
+            w["w2"] = pf.rand(f"{tag}.exp_down", [e, h, inter], shard_dim=2, fan_in=inter)
+            if c.n_shared_experts:
+                si = inter * c.n_shared_experts
+                sg = pf.rand(f"{tag}.sh_gate", [si, h], shard_dim=0, fan_in=h)
+                su = pf.rand(f"{tag}.sh_up", [si, h], shard_dim=0, fan_in=h)
+                w["shared_gate_up"] = torch.cat([sg, su], 0)
+                w["shared_down"] = pf.rand(f"{tag}.sh_down", [h, si], shard_dim=1, fan_in=si)
+            w["route"] = RouteParams(c.num_experts_per_tok, c.scoring_func, w["bias"], c.n_group, c.topk_group,
+                                     c.norm_topk_prob, c.routed_scaling_factor, e)
+        return w
+
+    def weight_bytes(self) -> int:
+        seen, total = set(), 0
+        tensors = [self.embed, self.final_norm, self.lm_head]
+        for w in self._sets.values():
+            tensors += [v for v in w.values() if isinstance(v, torch.Tensor)]
+        for t in tensors:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+    # KV cache ---------------------------------------------------------------------------------------------
+    def allocate_kv(self, num_pages: int, page_size: int, fill: float | None = None):
+        """One cache per layer: MLA ``[num_pages, page_size, kv_lora + rope]``; GQA a (k, v) pair of
+        ``[num_pages, page_size, kv_heads, head_dim]``. ``fill`` (e.g. NaN) poisons every slot."""
+        s = self.shapes
+        caches = []
+        for _ in range(self.num_layers):
+            if s.attention == "mla":
+                shape = [(num_pages, page_size, s.kv_lora_rank + s.qk_rope_head_dim)]
+            else:
+                shape = [(num_pages, page_size, s.num_kv_heads, s.head_dim)] * 2
+            bufs = []
+            for sh in shape:
+                t = torch.empty(sh, device=self.device, dtype=self.dtype)
+                t.fill_(0.0 if fill is None else fill)
+                bufs.append(t)
+            caches.append(bufs)
+        return caches
+
+    # collectives -------------------------------------------------------------------------------------------
+    def allreduce(self, x):
+        if self.group is not None and self.tp > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def _gather_vocab(self, logits):
+        if self.group is not None and self.tp > 1:
+            import torch.distributed as dist
+
+            parts = [torch.empty_like(logits) for _ in range(self.tp)]
+            dist.all_gather(parts, logits.contiguous(), group=self.group)
+            return torch.cat(parts, -1)[..., : self.config.vocab_size]
+        return logits
+
+    @contextmanager
+    def section(self, name):
+        if self.section_hook is not None:
+            self.section_hook(name, "start")
+        yield
+        if self.section_hook is not None:
+            self.section_hook(name, "end")
+
+    # forward ----------------------------------------------------------------------------------------------
+    def embed_tokens(self, input_ids):
+        vr = self.shapes.vocab_size
+        if self.tp == 1:
+            return self.embed[input_ids]
+        if self.group is None:  # one rank standing in: look up in the local shard
+            return self.embed[input_ids % vr]
+        local = input_ids - self.rank * vr
+        ok = (local >= 0) & (local < vr)
+        x = self.embed[local.clamp(0, vr - 1)] * ok.unsqueeze(-1).to(self.dtype)
+        return self.allreduce(x)
+
+    def _mla(self, w, x, positions, cache, page_table, prefix_lens, tree_mask):
+        s, c, ops = self.shapes, self.config, self.ops
+        b, k, _ = x.shape
+        heads = s.num_heads
+        q = ops.rmsnorm(x @ w["q_a"].t(), w["q_a_norm"], c.rms_norm_eps)
+        q = torch.einsum("bkr,hdr->bkhd", q, w["q_b"])  # [b, k, heads, nope + rope]
+        q_nope, q_pe = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
+        kv = x @ w["kv_a"].t()  # [b, k, kv_lora + rope]
+        latent = ops.rmsnorm(kv[..., : c.kv_lora_rank], w["kv_a_norm"], c.rms_norm_eps)
+        k_pe = apply_rope(kv[..., c.kv_lora_rank:], positions, c.rope_theta)
+        q_pe = apply_rope(q_pe, positions, c.rope_theta)
+        ops.write_kv(cache[0], page_table, prefix_lens, torch.cat([latent, k_pe], -1))
+        q_latent = torch.einsum("bkhd,hdr->bkhr", q_nope, w["w_uk"])
+        sm_scale = 1.0 / math.sqrt(c.qk_nope_head_dim + c.qk_rope_head_dim)
+        with self.section("attention"):
+            o_latent = ops.attention_mla(q_latent.contiguous(), q_pe.contiguous(), cache[0], page_table,
+                                         prefix_lens, tree_mask, sm_scale)
+        o = torch.einsum("bkhr,hrd->bkhd", o_latent, w["w_uv"]).reshape(b, k, heads * c.v_head_dim)
+        return o @ w["o"].t()
+
+    def _gqa(self, w, x, positions, cache, page_table, prefix_lens, tree_mask):
+        s, c, ops = self.shapes, self.config, self.ops
+        b, k, _ = x.shape
+        d = c.head_dim
+        q = (x @ w["wq"].t()).view(b, k, s.num_heads, d)
+        kk = (x @ w["wk"].t()).view(b, k, s.num_kv_heads, d)
+        v = (x @ w["wv"].t()).view(b, k, s.num_kv_heads, d)
+        if c.qk_norm:
+            q = ops.rmsnorm(q, w["q_norm"], c.rms_norm_eps)
+            kk = ops.rmsnorm(kk, w["k_norm"], c.rms_norm_eps)
+        q = apply_rope(q, positions, c.rope_theta)
+        kk = apply_rope(kk, positions, c.rope_theta)
+        ops.write_kv(cache[0], page_table, prefix_lens, kk)
+        ops.write_kv(cache[1], page_table, prefix_lens, v)
+        with self.section("attention"):
+            o = ops.attention_gqa(q.contiguous(), cache[0], cache[1], page_table, prefix_lens, tree_mask,
+                                  1.0 / math.sqrt(d))
+        return o.reshape(b, k, s.num_heads * d) @ w["wo"].t()
+
+    def _mlp(self, w, x):
+        s = self.shapes
+        flat = x.reshape(-1, x.shape[-1])
+        if w["dense"]:
+            with self.section("dense_mlp"):
+                gu = flat @ w["gate_up"].t()
+                inter = gu.shape[-1] // 2
+                return ((F.silu(gu[:, :inter].float()) * gu[:, inter:].float()).to(x.dtype) @ w["down"].t()
+                        ).view_as(x)
+        with self.section("moe_route"):
+            logits = flat @ w["router"].t()
+            ids, weights = self.ops.route(logits, w["route"])
+        with self.section("experts"):
+            out = self.ops.experts(flat, w["w13"], w["w2"], ids, weights)
+        if "shared_gate_up" in w:
+            with self.section("shared_expert"):
+                gu = flat @ w["shared_gate_up"].t()
+                inter = gu.shape[-1] // 2
+                out = out + (F.silu(gu[:, :inter].float()) * gu[:, inter:].float()).to(x.dtype) @ w["shared_down"].t()
+        del s
+        return out.view_as(x)
+
+    def forward(self, input_ids, positions, kv_caches, page_table, prefix_lens, tree_mask=None):
+        """Logits of every node. input_ids, positions int [b, k]; page_table int32 [b, max_pages]; prefix_lens
+        int32 [b]; tree_mask uint8 packed [k, ceil(k/8)] or [b, k, ceil(k/8)] or None (chain).
+
+        Returns fp32 logits [b, k, vocab] (vocab = the full vocabulary with a group, else this rank's shard).
+        Writes the k nodes' KV into ``kv_caches`` (one entry per layer).
+        """
+        x = self.embed_tokens(input_ids)
+        attn = self._mla if self.config.attention == "mla" else self._gqa
+        for layer in range(self.num_layers):
+            w = self.layers[layer]
+            h = self.ops.rmsnorm(x, w["attn_norm"], self.config.rms_norm_eps)
+            a = attn(w, h, positions, kv_caches[layer], page_table, prefix_lens, tree_mask)
+            with self.section("allreduce"):
+                a = self.allreduce(a)
+            x = x + a
+            h = self.ops.rmsnorm(x, w["mlp_norm"], self.config.rms_norm_eps)
+            m = self._mlp(w, h)
+            with self.section("allreduce"):
+                m = self.allreduce(m)
+            x = x + m
+        with self.section("lm_head"):
+            x = self.ops.rmsnorm(x, self.final_norm, self.config.rms_norm_eps)
+            logits = x @ self.lm_head.t()
+            logits = logits if logits.dtype == torch.float64 else logits.float()
+            logits = self._gather_vocab(logits)
+        return logits
+
+    def verify(self, draft_tokens, parents, depth, tree_mask, kv_caches, page_table, prefix_lens, max_depth):
+        """Forward + greedy acceptance. draft_tokens int [b, k] (node 0 = last verified token); parents, depth
+        int [b, k]. Returns (accepted_nodes, accept_len, accepted_tokens, logits); see
+        :mod:`specverify.reference.accept`."""
+        positions = prefix_lens.long().unsqueeze(1) + depth.long()
+        logits = self.forward(draft_tokens, positions, kv_caches, page_table, prefix_lens, tree_mask)
+        with self.section("acceptance"):
+            target = logits.argmax(-1)
+            nodes, acc, tokens = self.ops.accept_greedy(target, draft_tokens, parents, max_depth)
+        return nodes, acc, tokens, logits

@@ -22,7 +22,8 @@ Split s covers prefix tokens ``[s * C, min((s + 1) * C, prefix))`` with ``C = ce
 BLOCK_N``; the last split also attends to the k draft tokens (one tile of BLOCK_K rows read through the bit-packed
 mask). With S > 1 each split writes a normalised partial output and its lse to the workspace and
 ``_tree_attention_merge_kernel`` combines them: ``lse = logsumexp_s lse_s``, ``out = sum_s exp(lse_s - lse) o_s``.
-Empty splits write ``lse_s = -inf, o_s = 0``. Loads past a request's length are masked (``other=0``) and their scores
+Empty splits write ``lse_s = -inf, o_s = 0``. ``DOT_FP32`` upcasts the dot operands to fp32; the launcher sets it
+only under the CPU interpreter, whose bf16 ``tl.dot`` returns garbage (seen with Triton 3.9 + numpy 2.4). Loads past a request's length are masked (``other=0``) and their scores
 set to -inf, so NaN in unused cache slots or garbage page ids past the length never reach the result.
 
 Tensors (B batch, k draft tokens, H query heads, Hkv KV heads, G = H / Hkv, D qk dim, Dr rope dim (0 for GQA),
@@ -99,7 +100,7 @@ def _tree_attention_fwd_kernel(
     NUM_SPLITS: tl.constexpr, D: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_K: tl.constexpr, M_TILES: tl.constexpr, DV_TILES: tl.constexpr,
-    HAS_MASK: tl.constexpr, V_IS_K: tl.constexpr, STORE_LSE: tl.constexpr,
+    HAS_MASK: tl.constexpr, V_IS_K: tl.constexpr, STORE_LSE: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     pid0 = tl.program_id(0)
     split = tl.program_id(1)
@@ -120,12 +121,16 @@ def _tree_attention_fwd_kernel(
     b64 = b.to(tl.int64)
     q_rows = b64 * stride_qb + tok.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
     q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
     if DR > 0:
         offs_dr = tl.arange(0, BLOCK_DR)
         dr_mask = offs_dr < DR
         qr_rows = b64 * stride_qrb + tok.to(tl.int64) * stride_qrt + head.to(tl.int64) * stride_qrh
         qr = tl.load(QR + qr_rows[:, None] + offs_dr[None, :], mask=row_valid[:, None] & dr_mask[None, :],
                      other=0.0)
+        if DOT_FP32:
+            qr = qr.to(tl.float32)
 
     prefix = tl.load(PREFIX + b).to(tl.int32)
     pt_row = PT + b64 * stride_ptb
@@ -148,10 +153,14 @@ def _tree_attention_fwd_kernel(
         slot = (pos % PAGE_SIZE).to(tl.int64)
         k_rows = page * stride_kp + slot * stride_ks + k_head
         kt = tl.load(K + k_rows[:, None] + offs_d[None, :], mask=valid[:, None] & d_mask[None, :], other=0.0)
+        if DOT_FP32:
+            kt = kt.to(tl.float32)
         s = tl.dot(q, tl.trans(kt))
         if DR > 0:
             kr = tl.load(K + k_rows[:, None] + D + offs_dr[None, :], mask=valid[:, None] & dr_mask[None, :],
                          other=0.0)
+            if DOT_FP32:
+                kr = kr.to(tl.float32)
             s = tl.dot(qr, tl.trans(kr), s)
         s = s * qk_scale
         if V_IS_K and BLOCK_DV == BLOCK_D and DV_TILES == 1:
@@ -159,6 +168,8 @@ def _tree_attention_fwd_kernel(
         else:
             v_rows = page * stride_vp + slot * stride_vs + v_head
             vt = tl.load(V + v_rows[:, None] + offs_dv[None, :], mask=valid[:, None] & dv_mask[None, :], other=0.0)
+            if DOT_FP32:
+                vt = vt.to(tl.float32)
         vis = valid[None, :] & row_valid[:, None]
         acc, m_i, l_i = _online_softmax_step(s, vis, vt, acc, m_i, l_i)
 
@@ -171,10 +182,14 @@ def _tree_attention_fwd_kernel(
         slot = (pos % PAGE_SIZE).to(tl.int64)
         k_rows = page * stride_kp + slot * stride_ks + k_head
         kt = tl.load(K + k_rows[:, None] + offs_d[None, :], mask=valid_j[:, None] & d_mask[None, :], other=0.0)
+        if DOT_FP32:
+            kt = kt.to(tl.float32)
         s = tl.dot(q, tl.trans(kt))
         if DR > 0:
             kr = tl.load(K + k_rows[:, None] + D + offs_dr[None, :], mask=valid_j[:, None] & dr_mask[None, :],
                          other=0.0)
+            if DOT_FP32:
+                kr = kr.to(tl.float32)
             s = tl.dot(qr, tl.trans(kr), s)
         s = s * qk_scale
         if V_IS_K and BLOCK_DV == BLOCK_D and DV_TILES == 1:
@@ -183,6 +198,8 @@ def _tree_attention_fwd_kernel(
             v_rows = page * stride_vp + slot * stride_vs + v_head
             vt = tl.load(V + v_rows[:, None] + offs_dv[None, :], mask=valid_j[:, None] & dv_mask[None, :],
                          other=0.0)
+            if DOT_FP32:
+                vt = vt.to(tl.float32)
         both = row_valid[:, None] & valid_j[None, :]
         if HAS_MASK:
             byte = tl.load(MASK + b64 * stride_mb + tok[:, None] * stride_mt + (j // 8)[None, :], mask=both,
@@ -201,12 +218,14 @@ def _tree_attention_fwd_kernel(
         tl.store(OUT + o_rows[:, None] + offs_dv[None, :], out.to(OUT.dtype.element_ty),
                  mask=row_valid[:, None] & dv_mask[None, :])
         if STORE_LSE:
-            l_rows = (b64 * NUM_DRAFT + tok) * NUM_Q_HEADS + head
-            tl.store(LSE + l_rows, lse, mask=row_valid & (dv_tile == 0))
+            if dv_tile == 0:
+                l_rows = (b64 * NUM_DRAFT + tok) * NUM_Q_HEADS + head
+                tl.store(LSE + l_rows, lse, mask=row_valid)
     else:
         ws_rows = ((b64 * NUM_SPLITS + split) * NUM_DRAFT + tok) * NUM_Q_HEADS + head  # [BLOCK_M] int64
         tl.store(WS_O + ws_rows[:, None] * DV + offs_dv[None, :], out, mask=row_valid[:, None] & dv_mask[None, :])
-        tl.store(WS_LSE + ws_rows, lse, mask=row_valid & (dv_tile == 0))
+        if dv_tile == 0:
+            tl.store(WS_LSE + ws_rows, lse, mask=row_valid)
 
 
 @triton.jit
@@ -238,5 +257,6 @@ def _tree_attention_merge_kernel(
     tl.store(OUT + b * stride_ob + i * stride_ot + h * stride_oh + offs_dv, out.to(OUT.dtype.element_ty),
              mask=dv_mask)
     if STORE_LSE:
-        lse = tl.where(total > 0.0, m_safe + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf"))
-        tl.store(LSE + row, lse, mask=dv_tile == 0)
+        if dv_tile == 0:
+            lse = tl.where(total > 0.0, m_safe + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf"))
+            tl.store(LSE + row, lse)

@@ -69,7 +69,7 @@ class DraftLengthController:
         Relative predicted gain a new k needs over the current one before the controller switches.
     initial_accept : float, default 0.7
         Starting acceptance at every depth (optimistic starts explore long drafts first).
-    probe_interval : int, default 64
+    probe_interval : int, default 16
         While at k = 1, try the smallest k > 1 every this many choices (0 disables).
 
     Raises
@@ -95,7 +95,7 @@ class DraftLengthController:
     def __init__(self, verify_ms: Mapping, draft_ms: float | Mapping[int, float] = 0.0, *,
                  batch_buckets: Sequence[int] | None = None, tree_depths: Mapping[int, int] | None = None,
                  alpha: float = 0.05, hysteresis: float = 0.03, initial_accept: float = 0.7,
-                 probe_interval: int = 64):
+                 probe_interval: int = 16):
         if not verify_ms:
             raise ValueError("verify_ms must hold at least one entry ({k: ms} or {(bucket, k): ms}), got none")
         per_bucket: dict[int | None, dict[int, float]] = {}

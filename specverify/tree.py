@@ -230,10 +230,12 @@ class BatchedDraftTree:
     def __init__(self, trees: Sequence[DraftTree]):
         if not trees:
             raise ValueError("BatchedDraftTree needs at least one tree, got none")
-        k = trees[0].num_nodes
         for b, t in enumerate(trees):
             if not isinstance(t, DraftTree):
-                raise TypeError(f"trees[{b}] must be a DraftTree, got {type(t).__name__}")
+                raise TypeError(f"trees[{b}] must be a DraftTree, got {type(t).__name__}; build it with "
+                                "DraftTree(parents)")
+        k = trees[0].num_nodes
+        for b, t in enumerate(trees):
             if t.num_nodes != k:
                 raise ValueError(f"every tree in a batch needs the same num_nodes: tree 0 has {k}, tree {b} has "
                                  f"{t.num_nodes}; pad the smaller tree with extra leaves")

@@ -1,0 +1,141 @@
+"""SwiGLU experts over block-aligned tokens, built for small M (the verify pass): weights read once per pass.
+
+Math, for a routed slot ``s = m * TOP_K + k`` with expert ``e = topk_ids[m, k]`` and weight ``r = topk_w[m, k]``:
+
+    gate_up[s] = hidden[m] @ w13[e]^T                      (fp32 accumulate; w13[e] rows 0..I-1 gate, I..2I-1 up)
+    act[s]     = silu(gate_up[s, :I]) * gate_up[s, I:]     (stored in the weights' dtype)
+    part[s]    = r * (act[s] @ w2[e]^T)                    (fp32)
+    out[m]     = sum_k part[m * TOP_K + k]                 (fixed k order: deterministic; slots with id -1 skipped)
+
+Three launches: ``_moe_gate_up_kernel`` (grid: blocks x I-tiles), ``_moe_down_kernel`` (grid: blocks x H-tiles),
+``_moe_topk_sum_kernel`` (grid: M x H-tiles). A program owns one block of BLOCK_M slots of one expert (from the
+alignment) and one tile of output columns, so every weight element of an activated expert is loaded by exactly one
+program per block: with tiny M an expert has one block and its weights are read once. Narrow I-tiles in the first
+GEMM (gate and up tiles of BLOCK_N rows each) give enough programs to stream the weights at small M. Blocks past
+the used part (expert id -1) exit at once, so the grid is fixed for a given M (CUDA-graph capturable).
+
+Weight tiles come from ``_load_w_tile``; a quantised format (W4A16, group 32) is meant to add a branch there that
+loads packed nibbles and scales and dequantises into the same [BLOCK_N, BLOCK_K] tile, leaving the callers as is.
+
+Tensors (S = M * TOP_K; NB = number of blocks; B = BLOCK_M):
+
+| name        | shape        | dtype      | meaning                                                        |
+| ----------- | ------------ | ---------- | -------------------------------------------------------------- |
+| hidden      | [M, H]       | bf16/fp16  | token activations, unit column stride                          |
+| w13         | [E, 2I, H]   | as hidden  | gate rows then up rows of each expert, unit column stride      |
+| w2          | [E, H, I]    | as hidden  | down projection, unit column stride                            |
+| sorted_ids  | [NB * B]     | int32      | slots grouped by expert; S = padding                           |
+| expert_ids  | [NB]         | int32      | expert of each block; -1 = unused block                        |
+| num_post_pad| [1]          | int32      | used length of sorted_ids                                      |
+| topk_ids    | [M, TOP_K]   | int32      | expert of each slot (-1 or >= E: none)                              |
+| topk_w      | [M, TOP_K]   | fp32       | routed weight of each slot                                     |
+| act         | [S, I]       | as hidden  | SwiGLU output per slot                                         |
+| part        | [S, H]       | fp32       | weighted expert output per slot                                |
+| out         | [M, H]       | as hidden  | result                                                         |
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _load_w_tile(w_ptr, rows, cols, row_mask, col_mask, stride_row):
+    """A [len(rows), len(cols)] tile of an expert's weight matrix (unquantised)."""
+    return tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_row + cols[None, :],
+                   mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+
+
+@triton.jit
+def _mma(a, w, acc, UPCAST: tl.constexpr):
+    """acc += a @ w^T. UPCAST (interpreter only: its bf16 dot is wrong) multiplies in fp32."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc)
+    return tl.dot(a, tl.trans(w), acc)
+
+
+@triton.jit(do_not_specialize=["S"])
+def _moe_gate_up_kernel(hidden_ptr, w13_ptr, act_ptr, sorted_ptr, eids_ptr, npad_ptr, S, stride_hm, stride_we,
+                        stride_wn, stride_am, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    pid = tl.program_id(0)
+    n_tiles: tl.constexpr = (I + BLOCK_N - 1) // BLOCK_N
+    blk = pid // n_tiles
+    pid_n = pid % n_tiles
+    if blk * BLOCK_M >= tl.load(npad_ptr):
+        return
+    e = tl.load(eids_ptr + blk)
+    if e < 0:
+        return
+    om = tl.arange(0, BLOCK_M)
+    slots = tl.load(sorted_ptr + blk * BLOCK_M + om)
+    valid = slots < S
+    tok = tl.where(valid, slots // TOP_K, 0)
+    on = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = on < I
+    ok = tl.arange(0, BLOCK_K)
+    w_base = w13_ptr + e.to(tl.int64) * stride_we
+    a_base = hidden_ptr + tok[:, None].to(tl.int64) * stride_hm
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        kc = k0 + ok
+        kmask = kc < H
+        a = tl.load(a_base + kc[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
+        wg = _load_w_tile(w_base, on, kc, nmask, kmask, stride_wn)
+        wu = _load_w_tile(w_base, on + I, kc, nmask, kmask, stride_wn)
+        acc_g = _mma(a, wg, acc_g, UPCAST)
+        acc_u = _mma(a, wu, acc_u, UPCAST)
+    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    dst = act_ptr + tl.where(valid, slots, 0)[:, None].to(tl.int64) * stride_am + on[None, :]
+    tl.store(dst, act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
+
+
+@triton.jit(do_not_specialize=["S"])
+def _moe_down_kernel(act_ptr, w2_ptr, part_ptr, tw_ptr, sorted_ptr, eids_ptr, npad_ptr, S, stride_am, stride_we,
+                     stride_wn, stride_pm, H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    pid = tl.program_id(0)
+    n_tiles: tl.constexpr = (H + BLOCK_N - 1) // BLOCK_N
+    blk = pid // n_tiles
+    pid_n = pid % n_tiles
+    if blk * BLOCK_M >= tl.load(npad_ptr):
+        return
+    e = tl.load(eids_ptr + blk)
+    if e < 0:
+        return
+    om = tl.arange(0, BLOCK_M)
+    slots = tl.load(sorted_ptr + blk * BLOCK_M + om)
+    valid = slots < S
+    srow = tl.where(valid, slots, 0)
+    on = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = on < H
+    ok = tl.arange(0, BLOCK_K)
+    w_base = w2_ptr + e.to(tl.int64) * stride_we
+    a_base = act_ptr + srow[:, None].to(tl.int64) * stride_am
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        kc = k0 + ok
+        kmask = kc < I
+        a = tl.load(a_base + kc[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
+        w = _load_w_tile(w_base, on, kc, nmask, kmask, stride_wn)
+        acc = _mma(a, w, acc, UPCAST)
+    r = tl.load(tw_ptr + srow, mask=valid, other=0.0).to(tl.float32)
+    acc = acc * r[:, None]
+    dst = part_ptr + srow[:, None].to(tl.int64) * stride_pm + on[None, :]
+    tl.store(dst, acc, mask=valid[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _moe_topk_sum_kernel(part_ptr, ids_ptr, out_ptr, stride_pm, stride_om, E: tl.constexpr, H: tl.constexpr, TOP_K: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
+    m = tl.program_id(0)
+    on = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = on < H
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for k in tl.static_range(TOP_K):
+        s = m * TOP_K + k
+        eid = tl.load(ids_ptr + s + tl.zeros([BLOCK_N], tl.int32))  # as a vector: mask of the row load
+        v = tl.load(part_ptr + s.to(tl.int64) * stride_pm + on, mask=nmask & (eid >= 0) & (eid < E), other=0.0)
+        acc += v
+    tl.store(out_ptr + m.to(tl.int64) * stride_om + on, acc.to(out_ptr.dtype.element_ty), mask=nmask)

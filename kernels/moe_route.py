@@ -1,0 +1,236 @@
+"""MoE routing (scores, bias, group mask, top-k, renormalise, scale) fused with the token→expert block alignment.
+
+Math, for token row ``m`` of ``logits`` [M, E] (fp32 arithmetic throughout):
+
+* ``s[e] = sigmoid(x[e])`` or ``softmax(x)[e]``; ``c[e] = s[e] + bias[e]``; a non-finite ``c[e]`` becomes -inf
+  (it never wins).
+* With ``N_GROUP > 1`` (equal groups of ``GSIZE`` experts): ``g[j] = c(1) + c(2)`` over the two best ``c`` in
+  group ``j``; the ``TOPK_GROUP`` best groups stay (ties: lowest group id), the other experts' ``c`` become -inf.
+* ``TOP_K`` rounds of argmax over ``c`` (ties: lowest expert id), each winner removed. A round whose best ``c`` is
+  -inf reports id -1 and weight 0.
+* ``w[k] = s[id_k]`` (unbiased score); with ``RENORM`` ``w /= sum(w)`` where the sum is > 0; ``w *= scale``.
+
+Argmax uses one int64 key per expert: high word = the fp32 value's bits mapped to an order-preserving int32,
+low word = ``EP - 1 - e``; the largest key is the largest value and, among equals, the lowest expert id.
+
+Alignment (one launch with the routing): each routed slot ``s = m * TOP_K + k`` takes its rank inside its expert
+with an atomic add on a per-expert counter; the last program to finish (a ticket counter) turns the counts into
+block-padded offsets and scatters. The order of slots inside an expert is the order of the atomics (free: the
+expert GEMM computes each slot's row independently, so its output does not depend on it). The counters and the
+ticket are reset by that last program, so the workspace is zero again for the next call (CUDA-graph replays
+included).
+
+Tensors (S = M * TOP_K; B = BLOCK_SIZE; MAXB = number of blocks the buffers hold):
+
+| name            | shape          | dtype        | meaning                                                      |
+| --------------- | -------------- | ------------ | ------------------------------------------------------------ |
+| logits          | [M, E]         | bf16/fp16/fp32 | router logits, row stride ``stride_lm``, unit column stride |
+| bias            | [E]            | fp32         | correction bias (only when HAS_BIAS)                         |
+| topk_ids        | [M, TOP_K]     | int32        | out (routing) or in (alignment only); -1 = no expert         |
+| topk_weights    | [M, TOP_K]     | fp32         | out: routed weights                                          |
+| rank            | [S]            | int32        | scratch: slot's rank inside its expert                       |
+| sorted_ids      | [MAXB * B]     | int32        | out: slots grouped by expert, padded with S                  |
+| expert_ids      | [MAXB]         | int32        | out: expert of each block, -1 for blocks past the used part  |
+| num_post_pad    | [1]            | int32        | out: used length of sorted_ids (a multiple of B)             |
+| ws_count        | [>= EA]        | int32        | workspace: per-expert counters, zero between calls           |
+| ws_offs         | [>= EA]        | int32        | workspace: padded start offset of each expert                |
+| ws_ticket       | [1]            | int32        | workspace: programs finished, zero between calls             |
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# order-preserving int32 image of -inf: bits 0xFF800000 with the magnitude bits flipped (see _order_key)
+_NEG_INF_ORDERED = tl.constexpr(-2139095041)
+_REMOVED = tl.constexpr(-9223372036854775807)
+
+
+@triton.jit
+def _order_key(v, idx, IDX_P: tl.constexpr):
+    """int64 key: larger value first, then lower index. ``v`` fp32 without NaN, ``idx`` int32 in [0, IDX_P)."""
+    v = tl.where(v == 0.0, 0.0, v)  # -0.0 and +0.0 compare equal, as in torch
+    u = v.to(tl.int32, bitcast=True)
+    ordered = u ^ ((u >> 31) & 0x7FFFFFFF)
+    return (ordered.to(tl.int64) << 32) | (IDX_P - 1 - idx).to(tl.int64)
+
+
+@triton.jit
+def _key_index(key, IDX_P: tl.constexpr):
+    return IDX_P - 1 - (key & 65535).to(tl.int32)
+
+
+@triton.jit
+def _key_is_finite(key):
+    return (key >> 32).to(tl.int32) > _NEG_INF_ORDERED
+
+
+@triton.jit
+def _scores(x, emask, SOFTMAX: tl.constexpr):
+    """fp32 scores of a [ROWS, EP] logit tile (padding columns hold -inf); returns (scores, row max, row sum)."""
+    if SOFTMAX:
+        has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
+        mx = tl.max(x, axis=1)
+        mx = tl.where(has_nan, float("nan"), mx)
+        p = tl.exp(x - mx[:, None])
+        p = tl.where(emask[None, :], p, 0.0)
+        den = tl.sum(p, axis=1)
+        s = p / den[:, None]
+    else:
+        mx = tl.zeros([x.shape[0]], tl.float32)
+        den = mx
+        s = 1.0 / (1.0 + tl.exp(-x))
+    return s, mx, den
+
+
+@triton.jit
+def _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, row0, M, stride_lm, scale,
+                E: tl.constexpr, EP: tl.constexpr, ROWS: tl.constexpr, TOP_K: tl.constexpr,
+                TOPK_P: tl.constexpr, N_GROUP: tl.constexpr, NG_P: tl.constexpr, GSIZE: tl.constexpr,
+                TOPK_GROUP: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
+                DO_ALIGN: tl.constexpr):
+    rows = row0 + tl.arange(0, ROWS)
+    rmask = rows < M
+    e = tl.arange(0, EP)
+    emask = e < E
+    row_off = rows.to(tl.int64) * stride_lm
+    x = tl.load(logits_ptr + row_off[:, None] + e[None, :], mask=rmask[:, None] & emask[None, :],
+                other=float("-inf")).to(tl.float32)
+    s, mx, den = _scores(x, emask, SOFTMAX)
+    c = s
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + e, mask=emask, other=0.0).to(tl.float32)
+        c = s + b[None, :]
+    finite = (c == c) & (tl.abs(c) != float("inf")) & emask[None, :]
+    c = tl.where(finite, c, float("-inf"))
+
+    if N_GROUP > 1:
+        gid = e // GSIZE
+        g_ar = tl.arange(0, NG_P)
+        gscore = tl.full([ROWS, NG_P], float("-inf"), tl.float32)
+        for g in tl.static_range(N_GROUP):
+            inside = (gid == g)[None, :]
+            v = tl.where(inside, c, float("-inf"))
+            m1 = tl.max(v, axis=1)
+            if GSIZE >= 2:
+                n1 = tl.sum(((v == m1[:, None]) & inside).to(tl.int32), axis=1)
+                m2 = tl.max(tl.where(v < m1[:, None], v, float("-inf")), axis=1)
+                sc = m1 + tl.where(n1 >= 2, m1, m2)
+            else:
+                sc = m1
+            sc = tl.where(sc == sc, sc, float("-inf"))
+            gscore = tl.where(g_ar[None, :] == g, sc[:, None], gscore)
+        gkey = _order_key(gscore, g_ar[None, :], NG_P)
+        allowed = tl.zeros([ROWS, EP], tl.int32)
+        for t in tl.static_range(TOPK_GROUP):
+            best = tl.max(gkey, axis=1)
+            gsel = _key_index(best, NG_P)
+            allowed = allowed | (gid[None, :] == gsel[:, None]).to(tl.int32)
+            gkey = tl.where(g_ar[None, :] == gsel[:, None], _REMOVED, gkey)
+        c = tl.where(allowed != 0, c, float("-inf"))
+
+    key = _order_key(c, e[None, :], EP)
+    kk = tl.arange(0, TOPK_P)
+    ids = tl.full([ROWS, TOPK_P], -1, tl.int32)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(key, axis=1)
+        sel = tl.where(_key_is_finite(best), _key_index(best, EP), -1)
+        ids = tl.where(kk[None, :] == k, sel[:, None], ids)
+        key = tl.where(e[None, :] == sel[:, None], _REMOVED, key)
+
+    # weights: the unbiased scores of the winners, recomputed from their logits with the same formula
+    kmask = (kk < TOP_K)[None, :] & rmask[:, None]
+    valid = (ids >= 0) & kmask
+    safe = tl.where(valid, ids, 0)
+    xv = tl.load(logits_ptr + row_off[:, None] + safe, mask=valid, other=0.0).to(tl.float32)
+    if SOFTMAX:
+        sv = tl.exp(xv - mx[:, None]) / den[:, None]
+    else:
+        sv = 1.0 / (1.0 + tl.exp(-xv))
+    w = tl.where(valid, sv, 0.0)
+    if RENORM:
+        tot = tl.sum(w, axis=1)
+        w = tl.where(tot[:, None] > 0, w / tl.where(tot > 0, tot, 1.0)[:, None], w)
+    w = w * scale
+    out_off = rows[:, None] * TOP_K + kk[None, :]
+    tl.store(ids_ptr + out_off, ids, mask=kmask)
+    tl.store(w_ptr + out_off, w, mask=kmask)
+    if DO_ALIGN:
+        rank = tl.atomic_add(count_ptr + safe, 1, mask=valid, sem="relaxed")
+        tl.store(rank_ptr + out_off, rank, mask=valid)
+
+
+@triton.jit
+def _align_finish(ids_ptr, rank_ptr, sorted_ptr, eids_ptr, npad_ptr, count_ptr, offs_ptr, S, max_blocks,
+                  EA: tl.constexpr, EAP: tl.constexpr, B: tl.constexpr, CHUNK: tl.constexpr):
+    """Run by one program once every slot has its rank: offsets, expert of each block, sentinels, scatter."""
+    e = tl.arange(0, EAP)
+    emask = e < EA
+    cnt = tl.load(count_ptr + e, mask=emask, other=0, cache_modifier=".cg")
+    nblk = (cnt + B - 1) // B
+    padded = nblk * B
+    offs = tl.cumsum(padded, axis=0) - padded
+    total = tl.sum(padded, axis=0)
+    tl.store(npad_ptr, total)
+    tl.store(offs_ptr + e, offs, mask=emask)
+    # expert of each used block; a block of expert e starts at offs[e] / B
+    first = offs // B
+    for j in range(0, tl.max(nblk, axis=0)):
+        tl.store(eids_ptr + first + j, e, mask=emask & (j < nblk))
+    ob = tl.arange(0, CHUNK)
+    for b0 in range(total // B, max_blocks, CHUNK):
+        tl.store(eids_ptr + b0 + ob, -1, mask=b0 + ob < max_blocks)
+    # sentinels: each expert's padding, then everything past the used part
+    for j in tl.static_range(B - 1):
+        tl.store(sorted_ptr + offs + cnt + j, S, mask=emask & (j < padded - cnt))
+    for t0 in range(total, max_blocks * B, CHUNK):
+        tl.store(sorted_ptr + t0 + ob, S, mask=t0 + ob < max_blocks * B)
+    tl.debug_barrier()  # offsets visible to every thread; counters read before they are reset
+    for s0 in range(0, S, CHUNK):
+        sl = s0 + ob
+        ids = tl.load(ids_ptr + sl, mask=sl < S, other=-1, cache_modifier=".cg")
+        ok = (sl < S) & (ids >= 0) & (ids < EA)
+        rk = tl.load(rank_ptr + sl, mask=ok, other=0, cache_modifier=".cg")
+        base = tl.load(offs_ptr + tl.where(ok, ids, 0), mask=ok, other=0, cache_modifier=".cg")
+        tl.store(sorted_ptr + base + rk, sl, mask=ok)
+    tl.store(count_ptr + e, tl.zeros([EAP], tl.int32), mask=emask)
+
+
+@triton.jit(do_not_specialize=["M", "S", "max_blocks"])
+def _moe_route_align_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr, sorted_ptr, eids_ptr, npad_ptr,
+                            count_ptr, offs_ptr, ticket_ptr, M, S, max_blocks, stride_lm, scale,
+                            E: tl.constexpr, EP: tl.constexpr, ROWS: tl.constexpr, TOP_K: tl.constexpr,
+                            TOPK_P: tl.constexpr, N_GROUP: tl.constexpr, NG_P: tl.constexpr,
+                            GSIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, SOFTMAX: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, DO_ROUTE: tl.constexpr,
+                            DO_ALIGN: tl.constexpr, EA: tl.constexpr, EAP: tl.constexpr, B: tl.constexpr,
+                            CHUNK: tl.constexpr):
+    """Routing of ROWS rows per program (DO_ROUTE) and/or the alignment (DO_ALIGN; the last program finishes it).
+
+    Without DO_ROUTE the grid must be (1,): the one program ranks every slot itself.
+    """
+    pid = tl.program_id(0)
+    if DO_ROUTE:
+        _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, pid * ROWS, M, stride_lm, scale,
+                    E, EP, ROWS, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS, RENORM,
+                    DO_ALIGN)
+    if DO_ALIGN:
+        if DO_ROUTE:
+            tl.debug_barrier()  # this program's ids, ranks and counter updates precede its ticket
+            ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
+            last = ticket == tl.num_programs(0) - 1
+        else:
+            o = tl.arange(0, CHUNK)
+            for s0 in range(0, S, CHUNK):
+                sl = s0 + o
+                ids = tl.load(ids_ptr + sl, mask=sl < S, other=-1)
+                ok = (sl < S) & (ids >= 0) & (ids < EA)
+                rk = tl.atomic_add(count_ptr + tl.where(ok, ids, 0), 1, mask=ok, sem="relaxed")
+                tl.store(rank_ptr + sl, rk, mask=ok)
+            tl.debug_barrier()
+            last = pid == 0
+        if last:
+            _align_finish(ids_ptr, rank_ptr, sorted_ptr, eids_ptr, npad_ptr, count_ptr, offs_ptr, S, max_blocks,
+                          EA, EAP, B, CHUNK)
+            if DO_ROUTE:
+                tl.atomic_xchg(ticket_ptr, 0)

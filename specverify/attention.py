@@ -1,0 +1,699 @@
+"""Tree attention for the verify pass: k draft tokens per request attend to a paged KV prefix and their tree ancestors.
+
+Public functions: :func:`tree_attention` (GQA/MHA), :func:`tree_attention_mla` (absorbed MLA), and the plan
+builders :func:`plan_tree_attention` / :func:`plan_tree_attention_mla` that fix the split count and workspace from
+maxima so a call can be captured in a CUDA graph. Kernels: ``specverify/kernels/tree_attention.py`` (Triton).
+Reference (the definition of correct): ``specverify/reference/attention.py``.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from specverify import envvars
+
+logger = logging.getLogger("specverify")
+
+__all__ = [
+    "TreeAttentionPlan",
+    "plan_tree_attention",
+    "plan_tree_attention_mla",
+    "tree_attention",
+    "tree_attention_mla",
+]
+
+_IMPLS = ("auto", "triton", "reference")
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+#: Upper bound on the split count (the merge kernel reads all splits of a row in one tile).
+MAX_SPLITS = 64
+#: A split should read at least this many KV bytes per program, or the merge costs more than the split saves.
+MIN_SPLIT_BYTES = 128 * 1024
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------------------------
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _desc(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).replace('torch.', '')} {list(t.shape)} on {t.device}"
+
+
+def _is_capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+@functools.lru_cache(maxsize=None)
+def _log_once(message: str) -> None:
+    logger.info(message)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_type: str, index: int | None) -> int:
+    if device_type == "cuda":
+        return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()
+                                                ).multi_processor_count
+    return 4  # the CPU interpreter: keep grids tiny
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels():
+    from specverify.kernels import tree_attention as kernels  # imports triton
+
+    return kernels
+
+
+def _triton_usable(device: torch.device) -> tuple[bool, str]:
+    try:
+        _kernels()
+    except Exception as exc:  # noqa: BLE001 - any import failure means no Triton path
+        return False, f"Triton could not be imported ({type(exc).__name__}: {exc})"
+    if device.type == "cuda":
+        return True, ""
+    if device.type == "cpu" and envvars.triton_interpret():
+        return True, ""
+    return False, f"tensors are on {device} and TRITON_INTERPRET is not 1 (Triton runs on CUDA devices)"
+
+
+def _resolve_impl(impl: str, device: torch.device, op: str) -> str:
+    if impl not in _IMPLS:
+        raise ValueError(f"{op}: impl must be one of {_IMPLS}, got {impl!r}; use 'auto' unless you need one path")
+    if impl == "reference":
+        return "reference"
+    ok, why = _triton_usable(device)
+    if impl == "triton":
+        if not ok:
+            raise ValueError(f"{op}: impl='triton' cannot run: {why}; pass CUDA tensors, set TRITON_INTERPRET=1 "
+                             "for the CPU interpreter, or use impl='auto'/'reference'")
+        return "triton"
+    if envvars.get_flag("SPECVERIFY_DISABLE_TRITON"):
+        _log_once(f"{op}: impl='auto' uses the torch reference because SPECVERIFY_DISABLE_TRITON=1")
+        return "reference"
+    if not ok:
+        _log_once(f"{op}: impl='auto' falls back to the torch reference: {why}")
+        return "reference"
+    return "triton"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# plan: launch geometry and workspace fixed from maxima
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class TreeAttentionPlan:
+    """Launch geometry and split-KV workspace for tree attention, fixed from maxima (CUDA-graph safe).
+
+    Build it with :func:`plan_tree_attention` or :func:`plan_tree_attention_mla` once per (max batch, max context,
+    draft length) and pass it as ``plan=`` to every call; the split count, tile sizes and workspace addresses then
+    never depend on the values of ``prefix_lens``, so the call can be captured and replayed. A call may use any
+    batch up to ``max_batch`` and any context (longer contexts just make each split's chunk longer).
+
+    Attributes
+    ----------
+    max_batch, num_draft_tokens, num_q_heads, num_kv_heads, head_dim, rope_dim, head_dim_v, max_context : int
+        The sizes the plan was built for (MLA: ``num_kv_heads = 1``, ``head_dim`` = latent rank, ``rope_dim`` 64).
+    num_splits : int
+        KV splits per (request, KV head); 1 means no workspace and no merge kernel.
+    config : dict
+        ``BLOCK_M, M_TILES, BLOCK_N, BLOCK_DV, DV_TILES, BLOCK_K, num_warps, num_stages``.
+    workspace_out : torch.Tensor or None
+        fp32 [max_batch, num_splits, num_draft_tokens, num_q_heads, head_dim_v] (None when ``num_splits == 1``).
+    workspace_lse : torch.Tensor or None
+        fp32 [max_batch, num_splits, num_draft_tokens, num_q_heads].
+    """
+
+    max_batch: int
+    num_draft_tokens: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_dim: int
+    head_dim_v: int
+    max_context: int
+    num_splits: int
+    config: dict
+    device: torch.device
+    workspace_out: torch.Tensor | None = field(default=None, repr=False)
+    workspace_lse: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def is_mla(self) -> bool:
+        return self.rope_dim > 0
+
+    @property
+    def workspace_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.workspace_out, self.workspace_lse) if t is not None)
+
+
+def _choose_config(*, mla: bool, rows: int, head_dim: int, head_dim_v: int, interpret: bool,
+                   config: dict | None) -> dict:
+    kernels = _kernels()
+    if config is not None:
+        base = dict(config)
+    elif interpret:
+        base = dict(kernels.INTERPRETER_CONFIG)
+    elif mla:
+        # one program holds [BLOCK_M, BLOCK_DV] fp32 accumulators: keep it at <= 64 KiB of registers
+        block_m = min(kernels.MAX_BLOCK_M, _next_pow2(max(16, rows)))
+        base = dict(kernels.MLA_CONFIGS[0] if block_m <= 32 else
+                    {"BLOCK_N": 32, "BLOCK_DV": 256, "num_warps": 8, "num_stages": 2})
+    else:
+        base = dict(kernels.GQA_CONFIGS[0] if head_dim <= 128 else
+                    {"BLOCK_N": 32, "BLOCK_DV": None, "num_warps": 4, "num_stages": 2})
+    unknown = set(base) - {"BLOCK_N", "BLOCK_DV", "BLOCK_M", "num_warps", "num_stages"}
+    if unknown:
+        raise ValueError(f"config has unknown keys {sorted(unknown)}; expected BLOCK_N, BLOCK_DV, BLOCK_M, "
+                         "num_warps, num_stages")
+    block_m = base.get("BLOCK_M") or min(kernels.MAX_BLOCK_M, _next_pow2(max(16, rows)))
+    block_dv = base.get("BLOCK_DV") or _next_pow2(max(16, head_dim_v))
+    block_dv = min(block_dv, _next_pow2(max(16, head_dim_v)))
+    block_n = int(base["BLOCK_N"])
+    for name, value in (("BLOCK_M", block_m), ("BLOCK_N", block_n), ("BLOCK_DV", block_dv)):
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"config {name} must be a power of two >= 16 (tl.dot tiles), got {value}")
+    return {
+        "BLOCK_M": block_m,
+        "M_TILES": _cdiv(rows, block_m),
+        "BLOCK_N": block_n,
+        "BLOCK_DV": block_dv,
+        "DV_TILES": _cdiv(head_dim_v, block_dv),
+        "num_warps": int(base.get("num_warps", 4)),
+        "num_stages": int(base.get("num_stages", 2)),
+    }
+
+
+def _choose_num_splits(*, batch: int, programs_per_split: int, max_prefix: int, bytes_per_token: int,
+                       block_n: int, num_sms: int) -> int:
+    """Splits so that batch x programs x splits fills about one wave of SMs, each split reading >= 128 KiB."""
+    base = batch * programs_per_split
+    if base >= num_sms or max_prefix <= 0:
+        return 1
+    min_tokens = _cdiv(max(block_n, MIN_SPLIT_BYTES // max(1, bytes_per_token)), block_n) * block_n
+    by_length = max(1, max_prefix // min_tokens)
+    return max(1, min(num_sms // base, by_length, MAX_SPLITS))
+
+
+def _make_plan(*, max_batch, k, hq, hkv, d, dr, dv, max_context, device, dtype_bytes, v_is_k, num_splits,
+               config, allocate=True) -> TreeAttentionPlan:
+    device = torch.device(device)
+    interpret = device.type == "cpu"
+    cfg = _choose_config(mla=dr > 0, rows=(hq // hkv) * k, head_dim=d, head_dim_v=dv, interpret=interpret,
+                         config=config)
+    cfg["BLOCK_K"] = _next_pow2(max(16, k))
+    if num_splits is None:
+        bytes_per_token = (d + dr + (0 if v_is_k else dv)) * dtype_bytes
+        num_splits = _choose_num_splits(batch=max_batch, programs_per_split=hkv * cfg["M_TILES"] * cfg["DV_TILES"],
+                                        max_prefix=max(0, max_context - k), bytes_per_token=bytes_per_token,
+                                        block_n=cfg["BLOCK_N"], num_sms=_num_sms(device.type, device.index))
+    num_splits = int(num_splits)
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}; pass None for the heuristic")
+    plan = TreeAttentionPlan(max_batch=max_batch, num_draft_tokens=k, num_q_heads=hq, num_kv_heads=hkv,
+                             head_dim=d, rope_dim=dr, head_dim_v=dv, max_context=max_context,
+                             num_splits=num_splits, config=cfg, device=device)
+    if num_splits > 1 and allocate:
+        plan.workspace_out = torch.empty(max_batch, num_splits, k, hq, dv, dtype=torch.float32, device=device)
+        plan.workspace_lse = torch.empty(max_batch, num_splits, k, hq, dtype=torch.float32, device=device)
+    return plan
+
+
+def _check_plan_sizes(**sizes) -> None:
+    for name, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "max_context" else 1):
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def plan_tree_attention(*, max_batch: int, num_draft_tokens: int, num_q_heads: int, num_kv_heads: int,
+                        head_dim: int, max_context: int, device, dtype: torch.dtype = torch.bfloat16,
+                        num_splits: int | None = None, config: dict | None = None) -> TreeAttentionPlan:
+    """Fix the launch geometry and workspace of :func:`tree_attention` (GQA/MHA) from maxima.
+
+    Parameters
+    ----------
+    max_batch : int
+        Largest batch a call will pass.
+    num_draft_tokens : int
+        k, the draft tokens per request (tree nodes, root included).
+    num_q_heads, num_kv_heads, head_dim : int
+        Model sizes per rank; ``num_q_heads % num_kv_heads == 0``.
+    max_context : int
+        Largest ``prefix_len + num_draft_tokens``; the split count is chosen for it (never from run-time lengths).
+    device : torch.device or str
+    dtype : torch.dtype
+        Cache dtype (bf16 or fp16); used for the bytes-per-split heuristic.
+    num_splits : int, optional
+        Force the split count (1..64); default: a heuristic from batch, context and the SM count.
+    config : dict, optional
+        Tile override (``BLOCK_N``, ``BLOCK_DV``, ``BLOCK_M``, ``num_warps``, ``num_stages``), for benchmarks.
+
+    Returns
+    -------
+    TreeAttentionPlan
+        Holds the workspace (allocated here, on ``device``); pass it as ``plan=``.
+
+    Raises
+    ------
+    ValueError
+        Non-positive sizes, heads that do not divide, a split count out of range or a bad config.
+    """
+    _check_plan_sizes(max_batch=max_batch, num_draft_tokens=num_draft_tokens, num_q_heads=num_q_heads,
+                      num_kv_heads=num_kv_heads, head_dim=head_dim, max_context=max_context)
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    return _make_plan(max_batch=max_batch, k=num_draft_tokens, hq=num_q_heads, hkv=num_kv_heads, d=head_dim, dr=0,
+                      dv=head_dim, max_context=max_context, device=device,
+                      dtype_bytes=torch.empty((), dtype=dtype).element_size(), v_is_k=False,
+                      num_splits=num_splits, config=config)
+
+
+def plan_tree_attention_mla(*, max_batch: int, num_draft_tokens: int, num_heads: int, max_context: int, device,
+                            kv_lora_rank: int = 512, rope_dim: int = 64, dtype: torch.dtype = torch.bfloat16,
+                            num_splits: int | None = None, config: dict | None = None) -> TreeAttentionPlan:
+    """Fix the launch geometry and workspace of :func:`tree_attention_mla` from maxima.
+
+    Same as :func:`plan_tree_attention` with ``num_heads`` query heads sharing one latent KV of ``kv_lora_rank``
+    (the value dim too) plus ``rope_dim`` rope key columns.
+    """
+    _check_plan_sizes(max_batch=max_batch, num_draft_tokens=num_draft_tokens, num_heads=num_heads,
+                      max_context=max_context, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim)
+    return _make_plan(max_batch=max_batch, k=num_draft_tokens, hq=num_heads, hkv=1, d=kv_lora_rank, dr=rope_dim,
+                      dv=kv_lora_rank, max_context=max_context, device=device,
+                      dtype_bytes=torch.empty((), dtype=dtype).element_size(), v_is_k=True,
+                      num_splits=num_splits, config=config)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# validation
+# ----------------------------------------------------------------------------------------------------------------
+def _check_tensor(op, name, t, *, ndim, dtypes, what):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor ({what}), got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        names = "/".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{op}: {name} must be {names} ({what}), got {_desc(t)}; convert it with .to(...)")
+    if t.dim() != ndim:
+        raise ValueError(f"{op}: {name} must be {ndim}-D ({what}), got {_desc(t)}")
+
+
+def _check_common(op, *, q, device, page_table, prefix_lens, tree_mask, page_size, batch, k):
+    _check_tensor(op, "page_table", page_table, ndim=2, dtypes=_INDEX_DTYPES, what="[batch, max_pages] page ids")
+    _check_tensor(op, "prefix_lens", prefix_lens, ndim=1, dtypes=_INDEX_DTYPES, what="[batch] prefix lengths")
+    for name, t in (("page_table", page_table), ("prefix_lens", prefix_lens)):
+        if t.device != device:
+            raise ValueError(f"{op}: {name} is on {t.device} but q is on {device}; move it with .to(q.device)")
+    if page_table.shape[0] != batch:
+        raise ValueError(f"{op}: page_table must have one row per request, [batch={batch}, max_pages], got "
+                         f"{list(page_table.shape)}")
+    if prefix_lens.shape[0] != batch:
+        raise ValueError(f"{op}: prefix_lens must be [batch={batch}], got {list(prefix_lens.shape)}")
+    if page_table.shape[1] * page_size < k:
+        raise ValueError(f"{op}: page_table has {page_table.shape[1]} pages of {page_size} tokens per request, "
+                         f"fewer than the {k} draft tokens; widen the page table")
+    if tree_mask is not None:
+        nb = _cdiv(k, 8)
+        if not isinstance(tree_mask, torch.Tensor) or tree_mask.dtype != torch.uint8 or \
+                tuple(tree_mask.shape) not in ((k, nb), (batch, k, nb)):
+            got = _desc(tree_mask) if isinstance(tree_mask, torch.Tensor) else type(tree_mask).__name__
+            raise ValueError(f"{op}: tree_mask must be uint8 of shape [num_draft_tokens, ceil(num_draft_tokens/8)] "
+                             f"= [{k}, {nb}] (shared) or [batch, {k}, {nb}] (per request), got {got}; build it with "
+                             "DraftTree.packed_mask() / BatchedDraftTree.packed_mask, or pass None for a chain")
+        if tree_mask.device != device:
+            raise ValueError(f"{op}: tree_mask is on {tree_mask.device} but q is on {device}; move it with "
+                             ".to(q.device)")
+
+
+def _check_out(op, out, shape, dtype, device):
+    if out is None:
+        return
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(shape) or out.dtype != dtype \
+            or out.device != device:
+        got = _desc(out) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"{op}: out must be {str(dtype).replace('torch.', '')} {list(shape)} on {device}, got {got};"
+                         " allocate it with torch.empty_like on the expected shape or pass None")
+    if out.stride(-1) != 1:
+        raise ValueError(f"{op}: out must have a contiguous last dim (stride 1), got strides {out.stride()}")
+
+
+def _check_data(op, *, page_table, prefix_lens, k, page_size, num_pages) -> None:
+    """Value checks: needs a host sync, so callers skip it under graph capture or with validate=False."""
+    lens = prefix_lens.long()
+    total = lens + k
+    max_pages = page_table.shape[1]
+    n_used = (total + page_size - 1) // page_size  # pages each request reads
+    used = torch.arange(max_pages, device=page_table.device).view(1, -1) < n_used.clamp(max=max_pages).view(-1, 1)
+    ids = page_table.long()
+    bad_page = used & ((ids < 0) | (ids >= num_pages))
+    stats = torch.stack([lens.min(), total.max(), bad_page.any().long()]).tolist()
+    if stats[0] < 0:
+        b = int(torch.nonzero(lens < 0)[0, 0])
+        raise ValueError(f"{op}: prefix_lens must be >= 0, got prefix_lens[{b}] = {int(lens[b])}")
+    capacity = max_pages * page_size
+    if stats[1] > capacity:
+        b = int(torch.argmax(total))
+        raise ValueError(f"{op}: request {b} needs prefix_lens + num_draft_tokens = {stats[1]} KV tokens but the page "
+                         f"table holds {max_pages} pages x {page_size} = {capacity}; widen the page table or shorten "
+                         "the prefix")
+    if stats[2]:
+        b, p = (int(x) for x in torch.nonzero(bad_page)[0])
+        raise ValueError(f"{op}: page_table[{b}, {p}] = {int(ids[b, p])} is out of range [0, {num_pages}) and request "
+                         f"{b} reads that page; every page a request reads must be a page of the cache")
+
+
+def _check_plan(op, plan, *, batch, k, hq, hkv, d, dr, dv, device):
+    if not isinstance(plan, TreeAttentionPlan):
+        raise TypeError(f"{op}: plan must be a TreeAttentionPlan from plan_tree_attention(_mla), got "
+                        f"{type(plan).__name__}")
+    want = dict(num_draft_tokens=k, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, rope_dim=dr, head_dim_v=dv)
+    have = {name: getattr(plan, name) for name in want}
+    if want != have:
+        raise ValueError(f"{op}: plan was built for {have} but the call has {want}; build a plan for these sizes")
+    if batch > plan.max_batch:
+        raise ValueError(f"{op}: batch {batch} exceeds the plan's max_batch {plan.max_batch}; build a larger plan")
+    if plan.device != device and not (plan.device.type == device.type and plan.device.index is None):
+        raise ValueError(f"{op}: plan lives on {plan.device} but the inputs are on {device}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# launch
+# ----------------------------------------------------------------------------------------------------------------
+def _launch(*, q, qr, kc, vc, k_strides, v_strides, page_table, prefix_lens, tree_mask, sm_scale, out, lse,
+            plan, page_size, v_is_k):
+    kernels = _kernels()
+    batch, k, hq, d = q.shape
+    dr = plan.rope_dim
+    dv = plan.head_dim_v
+    hkv = plan.num_kv_heads
+    cfg = plan.config
+    splits = plan.num_splits
+    store_lse = lse is not None
+    if tree_mask is not None:
+        tree_mask = tree_mask.contiguous()
+        smb, smt = (0, tree_mask.stride(0)) if tree_mask.dim() == 2 else (tree_mask.stride(0), tree_mask.stride(1))
+    else:
+        smb, smt = 0, 0
+    if splits > 1:
+        ws_o, ws_lse = plan.workspace_out, plan.workspace_lse
+        if ws_o is None:  # a plan made without allocation (no plan passed): the graph pool serves this under capture
+            ws_o = torch.empty(batch, splits, k, hq, dv, dtype=torch.float32, device=q.device)
+            ws_lse = torch.empty(batch, splits, k, hq, dtype=torch.float32, device=q.device)
+    else:
+        ws_o = ws_lse = out
+    qr_t = qr if qr is not None else q
+    grid = (hkv * cfg["M_TILES"] * cfg["DV_TILES"], splits, batch)
+    kernels._tree_attention_fwd_kernel[grid](
+        q, qr_t, kc, vc, page_table, prefix_lens, tree_mask if tree_mask is not None else page_table,
+        out, lse if store_lse else out, ws_o, ws_lse,
+        float(sm_scale) * 1.4426950408889634,
+        q.stride(0), q.stride(1), q.stride(2),
+        qr_t.stride(0), qr_t.stride(1), qr_t.stride(2),
+        *k_strides, *v_strides,
+        page_table.stride(0),
+        smb, smt,
+        out.stride(0), out.stride(1), out.stride(2),
+        NUM_DRAFT=k, GROUP=hq // hkv, NUM_Q_HEADS=hq, PAGE_SIZE=page_size, NUM_SPLITS=splits,
+        D=d, DR=dr, DV=dv,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=_next_pow2(max(16, d)),
+        BLOCK_DR=_next_pow2(max(16, dr)) if dr else 16, BLOCK_DV=cfg["BLOCK_DV"], BLOCK_K=cfg["BLOCK_K"],
+        M_TILES=cfg["M_TILES"], DV_TILES=cfg["DV_TILES"],
+        HAS_MASK=tree_mask is not None, V_IS_K=v_is_k, STORE_LSE=store_lse, DOT_FP32=q.device.type == "cpu",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if splits > 1:
+        block_s = _next_pow2(max(2, splits))
+        block_dv = min(_next_pow2(max(16, dv)), max(16, 4096 // block_s))
+        kernels._tree_attention_merge_kernel[(batch * k * hq, _cdiv(dv, block_dv))](
+            ws_o, ws_lse, out, lse if store_lse else out,
+            out.stride(0), out.stride(1), out.stride(2),
+            NUM_DRAFT=k, NUM_Q_HEADS=hq, NUM_SPLITS=splits, DV=dv, BLOCK_S=block_s, BLOCK_DV=block_dv,
+            STORE_LSE=store_lse, num_warps=4, num_stages=1,
+        )
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_plan(max_batch, k, hq, hkv, d, dr, dv, max_context, device_type, device_index, dtype_bytes, v_is_k):
+    device = torch.device(device_type, device_index) if device_index is not None else torch.device(device_type)
+    return _make_plan(max_batch=max_batch, k=k, hq=hq, hkv=hkv, d=d, dr=dr, dv=dv, max_context=max_context,
+                      device=device, dtype_bytes=dtype_bytes, v_is_k=v_is_k, num_splits=None, config=None,
+                      allocate=False)
+
+
+def _finish(out_ref, out, lse_ref, return_lse):
+    if out is not None:
+        out.copy_(out_ref)
+        out_ref = out
+    return (out_ref, lse_ref) if return_lse else out_ref
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# public API
+# ----------------------------------------------------------------------------------------------------------------
+def tree_attention(q, k_cache, v_cache, *, page_table, prefix_lens, tree_mask=None, sm_scale, out=None,
+                   return_lse=False, impl="auto", plan=None, validate=True):
+    """Tree attention (GQA/MHA) of k draft tokens per request over a paged KV cache.
+
+    Request b's KV sequence is ``prefix_lens[b] + k`` tokens read through ``page_table[b]`` (token t at page
+    ``page_table[b, t // page_size]``, slot ``t % page_size``); the draft tokens' KV is already written at
+    positions ``prefix_lens[b] .. prefix_lens[b] + k - 1``. Every draft token sees the whole prefix; draft token
+    i sees draft token j iff bit j of row i of ``tree_mask`` is set. Slots past a request's length are never read.
+    Source: tree attention of SpecInfer (Miao et al., 2024) / EAGLE-2 verification, as a split-KV decode kernel.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        Shape: (batch, num_draft_tokens, num_q_heads, head_dim); bf16 or fp16; last dim contiguous.
+    k_cache, v_cache : torch.Tensor
+        Shape: (num_pages, page_size, num_kv_heads, head_dim); q's dtype; last dim contiguous (other strides free,
+        so views into a larger pool work). ``num_q_heads % num_kv_heads == 0``.
+    page_table : torch.Tensor
+        Shape: (batch, max_pages); int32 or int64 page ids. Only the pages a request reads must be valid.
+    prefix_lens : torch.Tensor
+        Shape: (batch,); int32 or int64; tokens before the draft tokens (0 allowed).
+    tree_mask : torch.Tensor or None
+        Shape: (num_draft_tokens, ceil(num_draft_tokens / 8)) shared, or (batch, num_draft_tokens,
+        ceil(num_draft_tokens / 8)) per request; uint8, little-endian bits, diagonal included
+        (:meth:`specverify.tree.DraftTree.packed_mask`). None: a chain (causal).
+    sm_scale : float
+        Softmax scale, usually ``head_dim ** -0.5``.
+    out : torch.Tensor, optional
+        Shape: (batch, num_draft_tokens, num_q_heads, head_dim); q's dtype; mutated in place and returned.
+    return_lse : bool
+        Also return the log-sum-exp (natural log) of the scaled visible scores, fp32 (batch, k, num_q_heads).
+    impl : {"auto", "triton", "reference"}
+        ``auto`` runs Triton on CUDA (or under TRITON_INTERPRET=1) and otherwise falls back to the reference,
+        logging why once; ``triton`` and ``reference`` never fall back.
+    plan : TreeAttentionPlan, optional
+        From :func:`plan_tree_attention`: fixes split count and workspace from maxima. Without one, both are
+        derived from the shapes (batch and ``page_table.shape[1] * page_size``), never from values.
+    validate : bool
+        Check page ids in range and lengths against the page table (a host sync). Skipped automatically under
+        CUDA-graph capture; shape/dtype/device checks always run.
+
+    Returns
+    -------
+    torch.Tensor or (torch.Tensor, torch.Tensor)
+        ``out`` (batch, num_draft_tokens, num_q_heads, head_dim) in q's dtype, and with ``return_lse`` the lse.
+
+    Raises
+    ------
+    TypeError
+        A dtype is wrong (q/caches not bf16/fp16 or different, page_table/prefix_lens not int32/int64).
+    ValueError
+        Shapes disagree, tree_mask has the wrong shape, devices differ, ``out`` or ``plan`` do not fit, an unknown
+        ``impl``; with validation: a negative prefix, a request longer than its page table, a page id out of range.
+
+    Notes
+    -----
+    Graph safety: the Triton path does no host sync when validation is skipped (``validate=False`` or under
+    capture) and its launch geometry depends only on shapes and the plan, so it can be captured; pass a ``plan``
+    so the workspace address is fixed outside the graph's pool. The reference path is not capturable.
+    A tree-mask row without any set bit and ``prefix_lens[b] == 0`` sees nothing: its output is 0, lse -inf.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from specverify.tree import DraftTree
+    >>> q = torch.randn(1, 3, 4, 64, dtype=torch.bfloat16)
+    >>> kc = torch.randn(4, 16, 2, 64, dtype=torch.bfloat16); vc = torch.randn_like(kc)
+    >>> o = tree_attention(q, kc, vc, page_table=torch.tensor([[2, 0]]), prefix_lens=torch.tensor([20]),
+    ...                    tree_mask=DraftTree([-1, 0, 0]).packed_mask(), sm_scale=64 ** -0.5, impl="reference")
+    >>> o.shape
+    torch.Size([1, 3, 4, 64])
+    """
+    op = "tree_attention"
+    _check_tensor(op, "q", q, ndim=4, dtypes=_FLOAT_DTYPES, what="[batch, num_draft_tokens, num_q_heads, head_dim]")
+    _check_tensor(op, "k_cache", k_cache, ndim=4, dtypes=_FLOAT_DTYPES,
+                  what="[num_pages, page_size, num_kv_heads, head_dim]")
+    _check_tensor(op, "v_cache", v_cache, ndim=4, dtypes=_FLOAT_DTYPES,
+                  what="[num_pages, page_size, num_kv_heads, head_dim]")
+    batch, k, hq, d = q.shape
+    num_pages, page_size, hkv, dk = k_cache.shape
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise TypeError(f"{op}: q, k_cache and v_cache must share a dtype, got q {q.dtype}, k_cache {k_cache.dtype}, "
+                        f"v_cache {v_cache.dtype}; cast the queries to the cache dtype")
+    if tuple(v_cache.shape) != tuple(k_cache.shape):
+        raise ValueError(f"{op}: v_cache must have k_cache's shape {list(k_cache.shape)}, got {list(v_cache.shape)}")
+    if dk != d:
+        raise ValueError(f"{op}: q head_dim {d} != cache head_dim {dk}; q must be [batch, k, num_q_heads, {dk}]")
+    if batch < 1 or k < 1 or hq < 1 or d < 1 or num_pages < 1 or page_size < 1 or hkv < 1:
+        raise ValueError(f"{op}: every size must be >= 1, got q {list(q.shape)}, k_cache {list(k_cache.shape)}")
+    if hq % hkv:
+        raise ValueError(f"{op}: num_q_heads ({hq}) must be a multiple of num_kv_heads ({hkv})")
+    device = q.device
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.device != device:
+            raise ValueError(f"{op}: {name} is on {t.device} but q is on {device}; keep every input on one device")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{op}: {name} must have a contiguous head_dim (stride 1), got strides {t.stride()}")
+    _check_common(op, q=q, device=device, page_table=page_table, prefix_lens=prefix_lens, tree_mask=tree_mask,
+                  page_size=page_size, batch=batch, k=k)
+    _check_out(op, out, (batch, k, hq, d), q.dtype, device)
+    if plan is not None:
+        _check_plan(op, plan, batch=batch, k=k, hq=hq, hkv=hkv, d=d, dr=0, dv=d, device=device)
+    which = _resolve_impl(impl, device, op)
+    if validate and not _is_capturing():
+        _check_data(op, page_table=page_table, prefix_lens=prefix_lens, k=k, page_size=page_size,
+                    num_pages=num_pages)
+    if which == "reference":
+        from specverify.reference.attention import tree_attention_reference
+
+        res = tree_attention_reference(q, k_cache, v_cache, page_table, prefix_lens, tree_mask, sm_scale,
+                                       return_lse=True)
+        return _finish(res[0], out, res[1], return_lse)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if plan is None:
+        plan = _cached_plan(batch, k, hq, hkv, d, 0, d, page_table.shape[1] * page_size, device.type, device.index,
+                            q.element_size(), False)
+    if out is None:
+        out = torch.empty(batch, k, hq, d, dtype=q.dtype, device=device)
+    lse = torch.empty(batch, k, hq, dtype=torch.float32, device=device) if return_lse else None
+    _launch(q=q, qr=None, kc=k_cache, vc=v_cache, k_strides=k_cache.stride()[:3], v_strides=v_cache.stride()[:3],
+            page_table=page_table, prefix_lens=prefix_lens, tree_mask=tree_mask, sm_scale=sm_scale, out=out, lse=lse,
+            plan=plan, page_size=page_size, v_is_k=False)
+    return (out, lse) if return_lse else out
+
+
+def tree_attention_mla(q_latent, q_rope, kv_cache, *, page_table, prefix_lens, tree_mask=None, sm_scale, out=None,
+                       return_lse=False, impl="auto", plan=None, validate=True):
+    """Absorbed-MLA tree attention (DeepSeek-V3 / Kimi-K2): every head attends to one latent KV per token.
+
+    ``score = sm_scale * (q_latent . c + q_rope . k_rope)`` with ``c = kv_cache[..., :R]`` (the latent, also the
+    value) and ``k_rope = kv_cache[..., R:]``; the output stays in the latent space (apply W_UV after). Paging,
+    tree-mask and length semantics are those of :func:`tree_attention`.
+    Source: DeepSeek-V2 (MLA with weight absorption) and FlashMLA's decode formulation, with a tree mask.
+
+    Parameters
+    ----------
+    q_latent : torch.Tensor
+        Shape: (batch, num_draft_tokens, num_heads, R), R = kv_lora_rank (512); bf16 or fp16; last dim contiguous.
+    q_rope : torch.Tensor
+        Shape: (batch, num_draft_tokens, num_heads, Dr), Dr = rope dim (64); q_latent's dtype.
+    kv_cache : torch.Tensor
+        Shape: (num_pages, page_size, R + Dr) or (num_pages, page_size, 1, R + Dr); q_latent's dtype; last dim
+        contiguous.
+    page_table, prefix_lens, tree_mask, return_lse, impl, validate
+        As in :func:`tree_attention`.
+    sm_scale : float
+        Softmax scale of the un-absorbed head dim (``(qk_nope_dim + qk_rope_dim) ** -0.5``, 192 ** -0.5 for
+        DeepSeek-V3), not of R + Dr.
+    out : torch.Tensor, optional
+        Shape: (batch, num_draft_tokens, num_heads, R); q_latent's dtype; mutated in place and returned.
+    plan : TreeAttentionPlan, optional
+        From :func:`plan_tree_attention_mla`.
+
+    Returns
+    -------
+    torch.Tensor or (torch.Tensor, torch.Tensor)
+        out (batch, num_draft_tokens, num_heads, R) and, with ``return_lse``, fp32 lse (batch, k, num_heads).
+
+    Raises
+    ------
+    TypeError, ValueError
+        As in :func:`tree_attention`.
+
+    Notes
+    -----
+    Graph safety as in :func:`tree_attention`.
+
+    Examples
+    --------
+    >>> import torch
+    >>> ql = torch.randn(1, 2, 8, 512, dtype=torch.bfloat16); qr = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16)
+    >>> kv = torch.randn(3, 16, 576, dtype=torch.bfloat16)
+    >>> o = tree_attention_mla(ql, qr, kv, page_table=torch.tensor([[1, 2]]), prefix_lens=torch.tensor([17]),
+    ...                        sm_scale=192 ** -0.5, impl="reference")
+    >>> o.shape
+    torch.Size([1, 2, 8, 512])
+    """
+    op = "tree_attention_mla"
+    _check_tensor(op, "q_latent", q_latent, ndim=4, dtypes=_FLOAT_DTYPES,
+                  what="[batch, num_draft_tokens, num_heads, kv_lora_rank]")
+    _check_tensor(op, "q_rope", q_rope, ndim=4, dtypes=_FLOAT_DTYPES,
+                  what="[batch, num_draft_tokens, num_heads, rope_dim]")
+    if not isinstance(kv_cache, torch.Tensor):
+        raise TypeError(f"{op}: kv_cache must be a torch.Tensor, got {type(kv_cache).__name__}")
+    if kv_cache.dim() == 4 and kv_cache.shape[2] == 1:
+        kv_cache = kv_cache.squeeze(2)
+    _check_tensor(op, "kv_cache", kv_cache, ndim=3, dtypes=_FLOAT_DTYPES,
+                  what="[num_pages, page_size, kv_lora_rank + rope_dim]")
+    batch, k, h, r = q_latent.shape
+    num_pages, page_size, width = kv_cache.shape
+    if q_rope.dtype != q_latent.dtype or kv_cache.dtype != q_latent.dtype:
+        raise TypeError(f"{op}: q_latent, q_rope and kv_cache must share a dtype, got {q_latent.dtype}, "
+                        f"{q_rope.dtype}, {kv_cache.dtype}; cast the queries to the cache dtype")
+    if tuple(q_rope.shape[:3]) != (batch, k, h):
+        raise ValueError(f"{op}: q_rope must be [batch={batch}, k={k}, num_heads={h}, rope_dim], got "
+                         f"{list(q_rope.shape)}")
+    dr = q_rope.shape[3]
+    if width != r + dr:
+        raise ValueError(f"{op}: kv_cache last dim must be kv_lora_rank + rope_dim = {r} + {dr} = {r + dr}, got "
+                         f"{width}")
+    if batch < 1 or k < 1 or h < 1 or r < 1 or dr < 1 or num_pages < 1 or page_size < 1:
+        raise ValueError(f"{op}: every size must be >= 1, got q_latent {list(q_latent.shape)}, q_rope "
+                         f"{list(q_rope.shape)}, kv_cache {list(kv_cache.shape)}")
+    device = q_latent.device
+    for name, t in (("q_rope", q_rope), ("kv_cache", kv_cache)):
+        if t.device != device:
+            raise ValueError(f"{op}: {name} is on {t.device} but q_latent is on {device}; keep inputs on one device")
+    if kv_cache.stride(-1) != 1:
+        raise ValueError(f"{op}: kv_cache must have a contiguous last dim (stride 1), got strides {kv_cache.stride()}")
+    _check_common(op, q=q_latent, device=device, page_table=page_table, prefix_lens=prefix_lens,
+                  tree_mask=tree_mask, page_size=page_size, batch=batch, k=k)
+    _check_out(op, out, (batch, k, h, r), q_latent.dtype, device)
+    if plan is not None:
+        _check_plan(op, plan, batch=batch, k=k, hq=h, hkv=1, d=r, dr=dr, dv=r, device=device)
+    which = _resolve_impl(impl, device, op)
+    if validate and not _is_capturing():
+        _check_data(op, page_table=page_table, prefix_lens=prefix_lens, k=k, page_size=page_size,
+                    num_pages=num_pages)
+    if which == "reference":
+        from specverify.reference.attention import tree_attention_mla_reference
+
+        res = tree_attention_mla_reference(q_latent, q_rope, kv_cache, page_table, prefix_lens, tree_mask,
+                                           sm_scale, return_lse=True)
+        return _finish(res[0], out, res[1], return_lse)
+    if q_latent.stride(-1) != 1:
+        q_latent = q_latent.contiguous()
+    if q_rope.stride(-1) != 1:
+        q_rope = q_rope.contiguous()
+    if plan is None:
+        plan = _cached_plan(batch, k, h, 1, r, dr, r, page_table.shape[1] * page_size, device.type, device.index,
+                            q_latent.element_size(), True)
+    if out is None:
+        out = torch.empty(batch, k, h, r, dtype=q_latent.dtype, device=device)
+    lse = torch.empty(batch, k, h, dtype=torch.float32, device=device) if return_lse else None
+    strides = (kv_cache.stride(0), kv_cache.stride(1), 0)
+    _launch(q=q_latent, qr=q_rope, kc=kv_cache, vc=kv_cache, k_strides=strides, v_strides=strides,
+            page_table=page_table, prefix_lens=prefix_lens, tree_mask=tree_mask, sm_scale=sm_scale, out=out, lse=lse,
+            plan=plan, page_size=page_size, v_is_k=True)
+    return (out, lse) if return_lse else out

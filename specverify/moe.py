@@ -1,0 +1,546 @@
+"""MoE routing with token→expert alignment in one launch, and SwiGLU experts at the weight-bytes floor.
+
+Public API: :func:`moe_route`, :func:`fused_moe`, and the :class:`MoEAlignment` / :class:`MoEQuant` records they
+exchange. Kernels: ``specverify.kernels.moe_route`` and ``specverify.kernels.fused_moe``. Definition of correct:
+``specverify.reference.moe``.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from specverify import envvars
+
+__all__ = ["MoEAlignment", "MoEQuant", "moe_route", "fused_moe", "max_num_tokens_padded"]
+
+logger = logging.getLogger("specverify")
+
+_IMPLS = ("auto", "triton", "reference")
+_MAX_EXPERTS = 1024
+_WS_STRIDE = 1024  # workspace layout: counters [0, 1024), offsets [1024, 2048), ticket at 2048
+_LOGGED: set[str] = set()
+_WS: dict[tuple[str, int | None], torch.Tensor] = {}
+_WS_LOCK = threading.Lock()
+
+
+class MoEAlignment(NamedTuple):
+    """Slots grouped by expert in blocks of ``block_size``: the expert GEMM's input.
+
+    Fixed-size buffers (their sizes depend only on ``M``, ``top_k``, the expert count and ``block_size``), so the
+    alignment can be produced and consumed inside a CUDA graph.
+
+    Attributes
+    ----------
+    sorted_token_ids : torch.Tensor
+        int32, shape ``(max_num_tokens_padded,)``: slot ids ``s = m * top_k + k`` grouped by expert in increasing
+        expert order, each expert's run padded to a multiple of ``block_size`` with the sentinel ``M * top_k``;
+        every entry at or past ``num_tokens_post_padded`` is the sentinel too.
+    expert_ids : torch.Tensor
+        int32, shape ``(max_num_tokens_padded // block_size,)``: expert of each block, -1 for unused blocks.
+    num_tokens_post_padded : torch.Tensor
+        int32, shape ``(1,)``: the used length of ``sorted_token_ids``.
+    block_size : int
+        Slots per block.
+    """
+
+    sorted_token_ids: torch.Tensor
+    expert_ids: torch.Tensor
+    num_tokens_post_padded: torch.Tensor
+    block_size: int
+
+
+@dataclass(frozen=True)
+class MoEQuant:
+    """Reserved: quantised expert weights (W4A16, group 32 is the planned format). Not implemented yet.
+
+    ``fused_moe(..., quant=MoEQuant(...))`` is where it will plug in; the weight arguments then hold the packed
+    values and these fields the scales, so callers of the unquantised path do not change.
+    """
+
+    weight_bits: int = 4
+    group_size: int = 32
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+
+
+def max_num_tokens_padded(num_tokens: int, top_k: int, num_experts: int, block_size: int) -> int:
+    """Length of ``sorted_token_ids``: an upper bound on the aligned length, rounded up to a whole block.
+
+    At most ``min(M * top_k, E)`` experts have tokens and each pads fewer than ``block_size`` slots, so the used
+    length is at most ``M * top_k + min(M * top_k, E) * (block_size - 1)``.
+    """
+    s = num_tokens * top_k
+    bound = s + min(s, num_experts) * (block_size - 1)
+    return max(-(-bound // block_size), 1) * block_size
+
+
+# --------------------------------------------------------------------------------------------- helpers
+def _log_once(key: str, msg: str) -> None:
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        logger.info(msg)
+
+
+def _check_impl(impl: str, name: str) -> None:
+    if impl not in _IMPLS:
+        raise ValueError(f"{name}: impl must be one of {_IMPLS}, got {impl!r}")
+
+
+def _triton_usable(t: torch.Tensor) -> tuple[bool, str]:
+    if envvars.get_flag("SPECVERIFY_DISABLE_TRITON"):
+        return False, "SPECVERIFY_DISABLE_TRITON=1"
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:  # pragma: no cover - depends on the install
+        return False, f"triton cannot be imported ({exc})"
+    if t.is_cuda or envvars.triton_interpret():
+        return True, ""
+    return False, f"tensors are on {t.device.type} and TRITON_INTERPRET is not set"
+
+
+def _choose(impl: str, t: torch.Tensor, name: str) -> str:
+    if impl != "auto":
+        return impl
+    ok, why = _triton_usable(t)
+    if ok:
+        return "triton"
+    _log_once(name + why, f"specverify.{name}: impl='auto' uses the torch reference because {why}")
+    return "reference"
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def _workspace(device: torch.device) -> torch.Tensor:
+    """Per-device int32 counters that the routing kernel leaves at zero after every call."""
+    key = (device.type, device.index)
+    ws = _WS.get(key)
+    if ws is not None:
+        return ws
+    with _WS_LOCK:
+        ws = _WS.get(key)
+        if ws is None:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("moe_route: the first call on a device must run outside CUDA-graph capture (it "
+                                   "allocates the zeroed per-device workspace); run one eager warm-up call first")
+            ws = torch.zeros(2 * _WS_STRIDE + 32, dtype=torch.int32, device=device)
+            _WS[key] = ws
+    return ws
+
+
+# --------------------------------------------------------------------------------------------- routing
+def _check_route_args(router_logits, top_k, scoring, correction_bias, n_group, topk_group, renormalize,
+                      routed_scaling_factor, block_size):
+    if not isinstance(router_logits, torch.Tensor):
+        raise TypeError(f"router_logits must be a torch.Tensor of shape [M, E], got {type(router_logits).__name__}")
+    if router_logits.dim() != 2:
+        raise ValueError(f"router_logits must have shape [M, E], got {router_logits.dim()}-d shape "
+                         f"{list(router_logits.shape)}; flatten the token dimensions first")
+    if router_logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"router_logits must be float32, bfloat16 or float16, got {router_logits.dtype}")
+    m, e = router_logits.shape
+    if e < 1 or e > _MAX_EXPERTS:
+        raise ValueError(f"router_logits must have 1..{_MAX_EXPERTS} experts (columns), got {e}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= e:
+        raise ValueError(f"top_k must be an int in [1, num_experts={e}], got {top_k!r}")
+    if scoring not in ("sigmoid", "softmax"):
+        raise ValueError(f"scoring must be 'sigmoid' or 'softmax', got {scoring!r}")
+    if correction_bias is not None:
+        if not isinstance(correction_bias, torch.Tensor):
+            raise TypeError(f"correction_bias must be a torch.Tensor of shape [{e}] or None, got "
+                            f"{type(correction_bias).__name__}")
+        if tuple(correction_bias.shape) != (e,):
+            raise ValueError(f"correction_bias must have shape [{e}] (one per expert), got "
+                             f"{list(correction_bias.shape)}")
+        if not correction_bias.is_floating_point():
+            raise TypeError(f"correction_bias must be a floating-point tensor, got {correction_bias.dtype}")
+        if correction_bias.device != router_logits.device:
+            raise ValueError(f"correction_bias is on {correction_bias.device} but router_logits on "
+                             f"{router_logits.device}; move them to one device")
+    if isinstance(n_group, bool) or not isinstance(n_group, int) or n_group < 1 or e % n_group:
+        raise ValueError(f"n_group must be a positive int dividing num_experts={e}, got {n_group!r}")
+    if n_group > 64:
+        raise ValueError(f"n_group must be at most 64, got {n_group}")
+    if isinstance(topk_group, bool) or not isinstance(topk_group, int) or not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group must be an int in [1, n_group={n_group}], got {topk_group!r}")
+    if n_group > 1 and top_k > topk_group * (e // n_group):
+        raise ValueError(f"top_k={top_k} exceeds the experts of the kept groups (topk_group={topk_group} x "
+                         f"{e // n_group} experts per group); raise topk_group or lower top_k")
+    if not isinstance(renormalize, bool):
+        raise TypeError(f"renormalize must be a bool, got {type(renormalize).__name__}")
+    if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float)):
+        raise TypeError(f"routed_scaling_factor must be a Python float, got {type(routed_scaling_factor).__name__}")
+    if block_size is not None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1 \
+                or block_size & (block_size - 1) or block_size > 256:
+            raise ValueError(f"block_size must be a power of two in [1, 256] or None, got {block_size!r}")
+
+
+def _pad_alignment(sorted_ids, expert_ids, npad, m, top_k, num_experts, block_size):
+    """Reference alignment (exact size) copied into the fixed-size buffers of the kernel path."""
+    dev = sorted_ids.device
+    size = max_num_tokens_padded(m, top_k, num_experts, block_size)
+    out_sorted = torch.full((size,), m * top_k, dtype=torch.int32, device=dev)
+    out_eids = torch.full((size // block_size,), -1, dtype=torch.int32, device=dev)
+    out_sorted[: sorted_ids.numel()] = sorted_ids
+    out_eids[: expert_ids.numel()] = expert_ids
+    return MoEAlignment(out_sorted, out_eids, npad, block_size)
+
+
+def _launch_route_align(logits, bias, top_k, softmax, n_group, topk_group, renormalize, scale, block_size,
+                        topk_ids=None, num_experts=None):
+    """One launch: routing (unless ``topk_ids`` is given) and, with ``block_size``, the alignment."""
+    import triton
+
+    from specverify.kernels.moe_route import _moe_route_align_kernel
+
+    do_route = topk_ids is None
+    do_align = block_size is not None
+    dev = logits.device if do_route else topk_ids.device
+    if do_route:
+        m, e = logits.shape
+        if logits.stride(1) != 1:
+            logits = logits.contiguous()
+        ids = torch.empty((m, top_k), dtype=torch.int32, device=dev)
+        weights = torch.empty((m, top_k), dtype=torch.float32, device=dev)
+    else:
+        m, top_k = topk_ids.shape
+        e = num_experts
+        ids = topk_ids.contiguous()
+        weights = ids  # unused
+    s = m * top_k
+    if do_align:
+        size = max_num_tokens_padded(m, top_k, e, block_size)
+        sorted_ids = torch.empty((size,), dtype=torch.int32, device=dev)
+        expert_ids = torch.empty((size // block_size,), dtype=torch.int32, device=dev)
+        npad = torch.empty((1,), dtype=torch.int32, device=dev)
+        rank = torch.empty((max(s, 1),), dtype=torch.int32, device=dev)
+        ws = _workspace(dev)
+        count, offs, ticket = ws[:_WS_STRIDE], ws[_WS_STRIDE: 2 * _WS_STRIDE], ws[2 * _WS_STRIDE:]
+        max_blocks = size // block_size
+    else:
+        sorted_ids = expert_ids = npad = rank = count = offs = ticket = ids
+        max_blocks = 0
+    ep = max(_next_pow2(e), 16)
+    gsize = e // n_group
+    bias_arg = bias if bias is not None else (logits if do_route else ids)
+    grid = (m,) if do_route else (1,)
+    if m == 0 or (not do_route and not do_align):
+        pass
+    else:
+        _moe_route_align_kernel[grid](
+            logits if do_route else ids, bias_arg, ids, weights, rank, sorted_ids, expert_ids, npad,
+            count, offs, ticket, m, s, max_blocks, logits.stride(0) if do_route else 0, float(scale),
+            E=e, EP=ep, ROWS=1, TOP_K=top_k, TOPK_P=max(_next_pow2(top_k), 2), N_GROUP=n_group,
+            NG_P=max(_next_pow2(n_group), 2), GSIZE=gsize, TOPK_GROUP=topk_group, SOFTMAX=softmax,
+            HAS_BIAS=bias is not None, RENORM=renormalize, DO_ROUTE=do_route, DO_ALIGN=do_align, EA=e,
+            EAP=max(_next_pow2(e), 16), B=block_size or 1, CHUNK=512 if dev.type == "cuda" else 64,
+            num_warps=4)
+    if m == 0 and do_align:
+        sorted_ids.fill_(s)
+        expert_ids.fill_(-1)
+        npad.zero_()
+    alignment = MoEAlignment(sorted_ids, expert_ids, npad, block_size) if do_align else None
+    del triton
+    return ids, weights, alignment
+
+
+def moe_route(router_logits, *, top_k, scoring="sigmoid", correction_bias=None, n_group=1, topk_group=1,
+              renormalize=True, routed_scaling_factor=1.0, block_size=None, impl="auto"):
+    """Choose each token's experts and weights, and (with ``block_size``) align the slots for the expert GEMM.
+
+    DeepSeek-V3 "noaux_tc" routing and its relatives (Kimi-K2: sigmoid, 384 experts, one group; Qwen3: softmax,
+    no bias). Source: DeepSeek-V3 technical report (auxiliary-loss-free balancing, node-limited routing).
+
+    Semantics: scores ``sigmoid(logits)`` or ``softmax(logits)`` in fp32; ``correction_bias`` is added only to
+    choose experts; with ``n_group > 1`` groups rank by the sum of their two best biased scores and only the best
+    ``topk_group`` groups compete; the ``top_k`` best biased scores win (ties: lowest expert id; NaN and
+    infinite biased scores never win); weights are the unbiased scores of the winners, renormalised when asked
+    (only where their sum is > 0), times ``routed_scaling_factor``. A slot with no finite candidate (for example
+    a row of -inf logits under softmax, or a NaN row) is *reported*, not raised: id -1 and weight 0; the
+    alignment skips it and :func:`fused_moe` adds nothing for it.
+
+    Parameters
+    ----------
+    router_logits : torch.Tensor
+        Shape: (M, E); float32, bfloat16 or float16. ``E`` ≤ 1024, any count (384, 160, 257, ...).
+    top_k : int
+        Experts per token, 1 ≤ top_k ≤ E.
+    scoring : {"sigmoid", "softmax"}
+    correction_bias : torch.Tensor, optional
+        Shape: (E,); floating point, same device. Added to the scores to choose experts only.
+    n_group, topk_group : int
+        Expert groups (``n_group`` divides ``E``) and how many of them stay.
+    renormalize : bool
+    routed_scaling_factor : float
+    block_size : int, optional
+        Power of two ≤ 256. When given, also returns the alignment (16 suits :func:`fused_moe` at small M).
+    impl : {"auto", "triton", "reference"}
+        ``auto`` uses Triton on CUDA tensors (or under ``TRITON_INTERPRET=1``), else the reference, logging why
+        once. An explicit choice never falls back.
+
+    Returns
+    -------
+    topk_ids : torch.Tensor
+        int32, shape (M, top_k), in decreasing order of biased score; -1 where no expert was found.
+    topk_weights : torch.Tensor
+        float32, shape (M, top_k).
+    alignment : MoEAlignment
+        Only when ``block_size`` is given. ``sorted_token_ids`` has length
+        :func:`max_num_tokens_padded` ``(M, top_k, E, block_size)``; its used part holds each expert's slots
+        (the order inside an expert is not specified for ``impl="triton"``: it is the order of atomic updates)
+        padded with the sentinel ``M * top_k``; everything past ``num_tokens_post_padded`` is the sentinel and
+        unused ``expert_ids`` are -1.
+
+    Raises
+    ------
+    TypeError
+        Non-tensor or non-float logits or bias, non-bool ``renormalize``, non-float scale.
+    ValueError
+        Wrong shapes, ``top_k`` out of range, ``n_group`` not dividing ``E``, ``topk_group`` out of range, bad
+        ``block_size``, unknown ``scoring`` or ``impl``.
+    RuntimeError
+        The first ``impl="triton"`` call with ``block_size`` on a device happens during CUDA-graph capture.
+
+    Notes
+    -----
+    ``impl="triton"`` is one kernel launch for any M (one program per token; the last program to finish does the
+    alignment) and is CUDA-graph capturable: output sizes depend only on the shapes, there is no host sync, and
+    the per-device workspace (zeroed counters the kernel resets itself) is allocated on the first call, which must
+    therefore run outside capture. Calls on different streams must not overlap in time (they share that
+    workspace). ``impl="reference"`` synchronises with the host when aligning and is not capturable.
+
+    Examples
+    --------
+    >>> import torch, specverify
+    >>> logits = torch.tensor([[0.0, 2.0, 1.0, -1.0]])
+    >>> ids, w = specverify.moe_route(logits, top_k=2, impl="reference")
+    >>> ids.tolist()
+    [[1, 2]]
+    """
+    _check_impl(impl, "moe_route")
+    _check_route_args(router_logits, top_k, scoring, correction_bias, n_group, topk_group, renormalize,
+                      routed_scaling_factor, block_size)
+    m, e = router_logits.shape
+    which = _choose(impl, router_logits, "moe_route")
+    if which == "reference":
+        from specverify.reference.moe import align_reference, route_reference
+
+        ids, weights = route_reference(router_logits, top_k, scoring, correction_bias, n_group, topk_group,
+                                       renormalize, routed_scaling_factor)
+        if block_size is None:
+            return ids, weights
+        return ids, weights, _pad_alignment(*align_reference(ids, e, block_size), m, top_k, e, block_size)
+    bias = None if correction_bias is None else correction_bias.float().contiguous()
+    ids, weights, alignment = _launch_route_align(router_logits, bias, top_k, scoring == "softmax", n_group,
+                                                  topk_group, renormalize, routed_scaling_factor, block_size)
+    if block_size is None:
+        return ids, weights
+    return ids, weights, alignment
+
+
+# --------------------------------------------------------------------------------------------- experts
+def _check_moe_args(hidden, w13, w2, topk_ids, topk_weights, alignment, activation, out, quant):
+    for name, t in (("hidden", hidden), ("w13", w13), ("w2", w2), ("topk_ids", topk_ids),
+                    ("topk_weights", topk_weights)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must have shape [M, H], got shape {list(hidden.shape)}")
+    m, h = hidden.shape
+    if w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"w13 must be [E, 2I, H] and w2 [E, H, I], got w13 {list(w13.shape)} and w2 "
+                         f"{list(w2.shape)}")
+    e, two_i, h13 = w13.shape
+    if two_i % 2 or two_i == 0:
+        raise ValueError(f"w13 must hold gate rows then up rows, [E, 2I, H] with an even second dimension, got "
+                         f"{list(w13.shape)}")
+    inter = two_i // 2
+    if h13 != h or tuple(w2.shape) != (e, h, inter):
+        raise ValueError(f"with hidden [M={m}, H={h}] and w13 {list(w13.shape)}, w2 must be [E={e}, H={h}, "
+                         f"I={inter}] and w13's last dimension {h}; got w13 {list(w13.shape)}, w2 "
+                         f"{list(w2.shape)}")
+    if hidden.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"hidden must be bfloat16, float16 or float32, got {hidden.dtype}")
+    if quant is None and (w13.dtype != hidden.dtype or w2.dtype != hidden.dtype):
+        raise TypeError(f"w13 and w2 must have hidden's dtype {hidden.dtype}, got {w13.dtype} and {w2.dtype}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != m or tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(f"topk_ids and topk_weights must both have shape [M={m}, top_k], got "
+                         f"{list(topk_ids.shape)} and {list(topk_weights.shape)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if not topk_weights.is_floating_point():
+        raise TypeError(f"topk_weights must be floating point, got {topk_weights.dtype}")
+    for name, t in (("w13", w13), ("w2", w2), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if t.device != hidden.device:
+            raise ValueError(f"{name} is on {t.device} but hidden on {hidden.device}; move them to one device")
+    if activation != "silu":
+        raise ValueError(f"activation must be 'silu' (SwiGLU), got {activation!r}")
+    if quant is not None:
+        if not isinstance(quant, MoEQuant):
+            raise TypeError(f"quant must be a specverify.moe.MoEQuant or None, got {type(quant).__name__}")
+        raise NotImplementedError("quantised experts (MoEQuant) are reserved but not implemented yet; pass "
+                                  "bf16/fp16 weights and quant=None")
+    if alignment is not None:
+        if not isinstance(alignment, MoEAlignment):
+            raise TypeError(f"alignment must be the MoEAlignment that moe_route(..., block_size=...) returns, got "
+                            f"{type(alignment).__name__}")
+        bs = alignment.block_size
+        size = max_num_tokens_padded(m, topk_ids.shape[1], e, bs)
+        if alignment.sorted_token_ids.numel() < size or alignment.expert_ids.numel() < size // bs:
+            raise ValueError(f"alignment buffers are too small for M={m}, top_k={topk_ids.shape[1]}, E={e}, "
+                             f"block_size={bs}: need sorted_token_ids >= {size} and expert_ids >= {size // bs}, "
+                             f"got {alignment.sorted_token_ids.numel()} and {alignment.expert_ids.numel()}; "
+                             "make it with moe_route(..., block_size=...) on the same tokens")
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
+        if tuple(out.shape) != (m, h) or out.dtype != hidden.dtype or out.device != hidden.device:
+            raise ValueError(f"out must be {hidden.dtype} [M={m}, H={h}] on {hidden.device}, got {out.dtype} "
+                             f"{list(out.shape)} on {out.device}")
+
+
+def _gemm_configs(m: int, h: int, inter: int, block_m: int, on_gpu: bool):
+    """Pinned tile shapes (no autotuning, so the first call compiles once and graphs stay stable)."""
+    def fit(b, n):
+        return max(16, min(b, _next_pow2(n)))
+    if not on_gpu:  # interpreter: few programs, few iterations; its bf16 tl.dot is wrong, so multiply in fp32
+        return (dict(BLOCK_N=fit(16, inter), BLOCK_K=fit(64, h), UPCAST=True),
+                dict(BLOCK_N=fit(32, h), BLOCK_K=fit(32, inter), UPCAST=True))
+    g1 = dict(BLOCK_N=fit(16 if m <= 64 else 64, inter), BLOCK_K=fit(256 if block_m <= 16 else 128, h),
+              num_warps=4, num_stages=4, UPCAST=False)
+    g2 = dict(BLOCK_N=fit(64 if m <= 64 else 128, h), BLOCK_K=fit(128, inter), num_warps=4, num_stages=3,
+              UPCAST=False)
+    return g1, g2
+
+
+def _fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, alignment, out):
+    from specverify.kernels.fused_moe import _moe_down_kernel, _moe_gate_up_kernel, _moe_topk_sum_kernel
+
+    m, h = hidden.shape
+    e, two_i, _ = w13.shape
+    inter = two_i // 2
+    top_k = topk_ids.shape[1]
+    s = m * top_k
+    dev = hidden.device
+    ids32 = topk_ids.to(torch.int32).contiguous()
+    tw = topk_weights.float().contiguous()
+    if alignment is None:
+        bs = 16
+        _, _, alignment = _launch_route_align(None, None, top_k, False, 1, 1, False, 1.0, bs, topk_ids=ids32,
+                                              num_experts=e)
+    bs = alignment.block_size
+    if bs < 16:
+        raise ValueError(f"fused_moe (impl='triton') needs alignment.block_size >= 16 (tensor-core tiles), got {bs};"
+                         " align with block_size=16")
+    hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
+    w13 = w13 if w13.stride(2) == 1 else w13.contiguous()
+    w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
+    if out is None:
+        out = torch.empty((m, h), dtype=hidden.dtype, device=dev)
+    if m == 0:
+        return out
+    act = torch.empty((s, inter), dtype=hidden.dtype, device=dev)
+    part = torch.empty((s, h), dtype=torch.float32, device=dev)
+    nblocks = alignment.expert_ids.numel()
+    on_gpu = dev.type == "cuda"
+    g1, g2 = _gemm_configs(m, h, inter, bs, on_gpu)
+    n1 = -(-inter // g1["BLOCK_N"])
+    _moe_gate_up_kernel[(nblocks * n1,)](
+        hidden, w13, act, alignment.sorted_token_ids, alignment.expert_ids, alignment.num_tokens_post_padded, s,
+        hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), H=h, I=inter, TOP_K=top_k, BLOCK_M=bs,
+        **g1)
+    n2 = -(-h // g2["BLOCK_N"])
+    _moe_down_kernel[(nblocks * n2,)](
+        act, w2, part, tw, alignment.sorted_token_ids, alignment.expert_ids, alignment.num_tokens_post_padded, s,
+        act.stride(0), w2.stride(0), w2.stride(1), part.stride(0), H=h, I=inter, BLOCK_M=bs, **g2)
+    bn = min(1024, max(16, _next_pow2(h)))
+    _moe_topk_sum_kernel[(m, -(-h // bn))](part, ids32, out, part.stride(0), out.stride(0), E=e, H=h, TOP_K=top_k,
+                                          BLOCK_N=bn)
+    return out
+
+
+def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activation="silu", out=None,
+              quant=None, impl="auto"):
+    """SwiGLU mixture of experts: ``out[m] = sum_k w[m,k] * w2[e] @ (silu(gate) * up)``, ``e = topk_ids[m, k]``.
+
+    Built for the verify pass (1–64 tokens per rank): a program owns one block of one expert's slots and one tile
+    of output columns, so each activated expert's weights are read once per pass however many tokens chose it.
+    Source: SwiGLU (Shazeer 2020); the block alignment follows the grouped-GEMM layout common to MoE kernels.
+
+    Parameters
+    ----------
+    hidden : torch.Tensor
+        Shape: (M, H); bfloat16 or float16 for Triton (float32 only with ``impl="reference"``).
+    w13 : torch.Tensor
+        Shape: (E, 2 * I, H); hidden's dtype. Rows 0..I-1 gate, I..2I-1 up.
+    w2 : torch.Tensor
+        Shape: (E, H, I); hidden's dtype.
+    topk_ids : torch.Tensor
+        Shape: (M, top_k); int32 or int64; -1 = no expert (adds nothing).
+    topk_weights : torch.Tensor
+        Shape: (M, top_k); floating point.
+    alignment : MoEAlignment, optional
+        From ``moe_route(..., block_size=16)`` on the same tokens (block_size ≥ 16 for Triton). When None it is
+        computed here (one extra launch).
+    activation : {"silu"}
+    out : torch.Tensor, optional
+        Shape: (M, H); hidden's dtype. Mutated: receives the result.
+    quant : MoEQuant, optional
+        Reserved for quantised weights (W4A16 group 32); passing one raises NotImplementedError for now.
+    impl : {"auto", "triton", "reference"}
+
+    Returns
+    -------
+    torch.Tensor
+        Shape: (M, H), hidden's dtype (``out`` when given).
+
+    Raises
+    ------
+    TypeError
+        Non-tensor inputs, unsupported or mismatched dtypes, a wrong ``alignment`` or ``quant`` type.
+    ValueError
+        Shapes that do not fit ``[E, 2I, H]`` / ``[E, H, I]`` / ``[M, top_k]``, too-small alignment buffers, a
+        wrong ``out``, unknown ``activation`` or ``impl``.
+    NotImplementedError
+        ``quant`` given.
+
+    Notes
+    -----
+    Triton path: three launches (gate/up GEMM with fused SiLU·up into a [M·top_k, I] buffer; down GEMM with the
+    routed weight applied into a fp32 [M·top_k, H] buffer; a sum over top_k in fixed order), so the result is
+    deterministic. bf16/fp16 inputs, fp32 accumulation, the SwiGLU output rounded to the input dtype. CUDA-graph
+    capturable: grids depend only on shapes, unused blocks exit early, no host sync. The reference path is
+    capturable too but computes in fp32 with gathered weight copies (slow, memory-hungry).
+
+    Examples
+    --------
+    >>> import torch, specverify
+    >>> x = torch.randn(2, 8); w13 = torch.randn(3, 8, 8); w2 = torch.randn(3, 8, 4)
+    >>> ids = torch.tensor([[0, 2], [1, -1]], dtype=torch.int32); w = torch.ones(2, 2)
+    >>> specverify.fused_moe(x, w13, w2, ids, w, impl="reference").shape
+    torch.Size([2, 8])
+    """
+    _check_impl(impl, "fused_moe")
+    _check_moe_args(hidden, w13, w2, topk_ids, topk_weights, alignment, activation, out, quant)
+    which = _choose(impl, hidden, "fused_moe")
+    if which == "triton" and hidden.dtype == torch.float32:
+        if impl == "triton":
+            raise TypeError("fused_moe(impl='triton') needs bfloat16 or float16 hidden/weights, got float32; use "
+                            "impl='reference' or cast the inputs")
+        _log_once("fused_moe-fp32", "specverify.fused_moe: impl='auto' uses the torch reference for float32 inputs")
+        which = "reference"
+    if which == "reference":
+        from specverify.reference.moe import fused_moe_reference
+
+        res = fused_moe_reference(hidden, w13, w2, topk_ids, topk_weights)
+        if out is None:
+            return res
+        out.copy_(res)
+        return out
+    return _fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, alignment, out)

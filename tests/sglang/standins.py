@@ -1,0 +1,95 @@
+"""Import-only stand-ins for the few heavy modules SGLang 0.5.23 imports at module level but never calls in our tests.
+
+* ``IPython`` / ``IPython.display``: ``sglang.utils`` imports ``HTML`` and ``display`` at import time.
+* ``torchvision`` (and any submodule): some SGLang config modules import ``torchvision.transforms`` at import time;
+  PyPI's torchvision does not load beside the CPU torch 2.13.0 build CI uses, and the CUDA build it would pull in is
+  several GB. Any attribute of a stand-in module is an inert placeholder class; calling into it raises.
+
+Install the stand-ins before the first ``import sglang``. A real installed module always wins: a stand-in is
+registered only where the import fails.
+"""
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import types
+
+_STANDIN_ROOTS = ("torchvision",)
+
+
+class _PlaceholderMeta(type):
+    def __getattr__(cls, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _PlaceholderMeta(attr, (_Placeholder,), {"__module__": cls.__module__})
+
+
+class _Placeholder(metaclass=_PlaceholderMeta):
+    """Stands for any class, enum or function of a stand-in module; calling it raises."""
+
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError("this is an import-only stand-in (tests/sglang/standins.py); it cannot be used")
+
+    def __class_getitem__(cls, item):
+        return cls
+
+
+def _standin_module(name: str) -> types.ModuleType:
+    mod = types.ModuleType(name)
+    mod.__file__ = f"<specverify stand-in for {name}>"
+    mod.__path__ = []  # a package, so submodules import
+    mod.__version__ = "0.0.0+standin"
+    mod.__specverify_standin__ = True
+
+    def __getattr__(attr: str):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        placeholder = type(attr, (_Placeholder,), {"__module__": name})
+        setattr(mod, attr, placeholder)
+        return placeholder
+
+    mod.__getattr__ = __getattr__
+    return mod
+
+
+class _StandinFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.split(".")[0] not in _STANDIN_ROOTS:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+
+    def create_module(self, spec):
+        return _standin_module(spec.name)
+
+    def exec_module(self, module):
+        return None
+
+
+def _real_module_importable(name: str) -> bool:
+    try:
+        __import__(name)
+        return True
+    except Exception:
+        sys.modules.pop(name, None)
+        return False
+
+
+def install() -> None:
+    """Register the stand-ins (idempotent)."""
+    if not _real_module_importable("IPython.display"):
+        ipython = _standin_module("IPython")
+        display = _standin_module("IPython.display")
+        display.HTML = type("HTML", (), {"__init__": lambda self, *a, **k: None})
+        display.display = lambda *args, **kwargs: None
+        ipython.display = display
+        sys.modules["IPython"] = ipython
+        sys.modules["IPython.display"] = display
+    if any(isinstance(f, _StandinFinder) for f in sys.meta_path):
+        return
+    for root in _STANDIN_ROOTS:
+        if root in sys.modules or _real_module_importable(root):
+            continue
+        sys.meta_path.append(_StandinFinder())
+        break

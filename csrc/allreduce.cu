@@ -37,7 +37,7 @@ __device__ __forceinline__ bool capacity_ok(const Ranks& r, long long bytes, lon
 #define SV_RANKS specverify::ar::make_ranks(b0, b1, b2, b3, b4, b5, b6, b7, rank, world)
 
 #define SV_DEFINE_ALLREDUCE(ALGO, SUFFIX, TYPE)                                                                \
-  extern "C" __global__ void __launch_bounds__(SV_AR_THREADS)                                                 \
+  extern "C" __global__ void __launch_bounds__(SV_AR_THREADS, 1)                                                 \
       specverify_ar_##ALGO##_##SUFFIX(unsigned long long inp, unsigned long long out, long long n,            \
                                       SV_RANK_PARAMS) {                                                      \
     typedef specverify::ar::TYPE T;                                                                           \
@@ -48,7 +48,7 @@ __device__ __forceinline__ bool capacity_ok(const Ranks& r, long long bytes, lon
   }
 
 #define SV_DEFINE_RMSNORM(SUFFIX, TYPE)                                                                            \
-  extern "C" __global__ void __launch_bounds__(SV_AR_THREADS) specverify_ar_one_shot_rmsnorm_##SUFFIX(            \
+  extern "C" __global__ void __launch_bounds__(SV_AR_THREADS, 1) specverify_ar_one_shot_rmsnorm_##SUFFIX(            \
       unsigned long long inp, unsigned long long out, unsigned long long residual, unsigned long long weight,   \
       long long rows, long long hidden, float eps, SV_RANK_PARAMS) {                                             \
     typedef specverify::ar::TYPE T;                                                                               \

@@ -27,7 +27,7 @@ Tensors (S = M * TOP_K; NB = number of blocks; B = BLOCK_M):
 | sorted_ids  | [NB * B]     | int32      | slots grouped by expert; S = padding                           |
 | expert_ids  | [NB]         | int32      | expert of each block; -1 = unused block                        |
 | num_post_pad| [1]          | int32      | used length of sorted_ids                                      |
-| topk_ids    | [M, TOP_K]   | int32      | expert of each slot (-1 or >= E: none)                              |
+| topk_ids    | [M, TOP_K]   | int32      | expert of each slot (-1 or >= E: none)                         |
 | topk_w      | [M, TOP_K]   | fp32       | routed weight of each slot                                     |
 | act         | [S, I]       | as hidden  | SwiGLU output per slot                                         |
 | part        | [S, H]       | fp32       | weighted expert output per slot                                |
@@ -127,8 +127,8 @@ def _moe_down_kernel(act_ptr, w2_ptr, part_ptr, tw_ptr, sorted_ptr, eids_ptr, np
 
 
 @triton.jit
-def _moe_topk_sum_kernel(part_ptr, ids_ptr, out_ptr, stride_pm, stride_om, E: tl.constexpr, H: tl.constexpr, TOP_K: tl.constexpr,
-                         BLOCK_N: tl.constexpr):
+def _moe_topk_sum_kernel(part_ptr, ids_ptr, out_ptr, stride_pm, stride_om, E: tl.constexpr, H: tl.constexpr,
+                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr):
     m = tl.program_id(0)
     on = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = on < H

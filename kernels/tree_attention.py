@@ -37,7 +37,7 @@ Dv value dim, P page size, S splits):
 | V         | [num_pages, P, Hkv, Dv] strided         | as Q         | value cache (MLA: the latent part of K)         |
 | PT        | [B, max_pages]                          | int32/int64  | page table                                      |
 | PREFIX    | [B]                                     | int32/int64  | prefix length (tokens before the draft tokens)  |
-| MASK      | [k, ceil(k/8)] or [B, k, ceil(k/8)]     | uint8        | ancestor mask, little-endian bits incl. diagonal|
+| MASK      | [k, ceil(k/8)] or [B, k, ceil(k/8)]     | uint8        | ancestor mask, little-endian bits, diagonal set |
 | OUT       | [B, k, H, Dv] (last stride 1)           | as Q         | output                                          |
 | LSE       | [B, k, H] contiguous                    | fp32         | natural-log lse of the scaled scores            |
 | WS_O      | [>= B, S, k, H, Dv] contiguous          | fp32         | split partial outputs (normalised)              |

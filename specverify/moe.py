@@ -112,6 +112,10 @@ def _choose(impl: str, t: torch.Tensor, name: str) -> str:
     return "reference"
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
@@ -195,8 +199,6 @@ def _pad_alignment(sorted_ids, expert_ids, npad, m, top_k, num_experts, block_si
 def _launch_route_align(logits, bias, top_k, softmax, n_group, topk_group, renormalize, scale, block_size,
                         topk_ids=None, num_experts=None):
     """One launch: routing (unless ``topk_ids`` is given) and, with ``block_size``, the alignment."""
-    import triton
-
     from specverify.kernels.moe_route import _moe_route_align_kernel
 
     do_route = topk_ids is None
@@ -229,14 +231,15 @@ def _launch_route_align(logits, bias, top_k, softmax, n_group, topk_group, renor
     ep = max(_next_pow2(e), 16)
     gsize = e // n_group
     bias_arg = bias if bias is not None else (logits if do_route else ids)
-    grid = (m,) if do_route else (1,)
+    rows = 1  # one token row per program: the top-k reductions stay inside one row
+    grid = (_cdiv(m, rows),) if do_route else (1,)
     if m == 0 or (not do_route and not do_align):
         pass
     else:
         _moe_route_align_kernel[grid](
             logits if do_route else ids, bias_arg, ids, weights, rank, sorted_ids, expert_ids, npad,
             count, offs, ticket, m, s, max_blocks, logits.stride(0) if do_route else 0, float(scale),
-            E=e, EP=ep, ROWS=1, TOP_K=top_k, TOPK_P=max(_next_pow2(top_k), 2), N_GROUP=n_group,
+            E=e, EP=ep, ROWS=rows, TOP_K=top_k, TOPK_P=max(_next_pow2(top_k), 2), N_GROUP=n_group,
             NG_P=max(_next_pow2(n_group), 2), GSIZE=gsize, TOPK_GROUP=topk_group, SOFTMAX=softmax,
             HAS_BIAS=bias is not None, RENORM=renormalize, DO_ROUTE=do_route, DO_ALIGN=do_align, EA=e,
             EAP=max(_next_pow2(e), 16), B=block_size or 1, CHUNK=512 if dev.type == "cuda" else 64,
@@ -246,7 +249,6 @@ def _launch_route_align(logits, bias, top_k, softmax, n_group, topk_group, renor
         expert_ids.fill_(-1)
         npad.zero_()
     alignment = MoEAlignment(sorted_ids, expert_ids, npad, block_size) if do_align else None
-    del triton
     return ids, weights, alignment
 
 

@@ -159,7 +159,9 @@ class CustomAllReduce:
     -----
     Construction is collective: every rank of ``group`` must build it, in the same order relative to other
     collectives. Calls are collective too: every rank must call :meth:`all_reduce` /
-    :meth:`all_reduce_residual_rmsnorm` in the same order with the same shapes. A rank that does not arrive within
+    :meth:`all_reduce_residual_rmsnorm` in the same order with the same shapes, and on each rank the calls must be
+    ordered on the GPU (one stream, or streams joined by events: two calls of one communicator must never run at
+    once on one rank, since they share its per-block epoch counters). A rank that does not arrive within
     the timeout makes the others fail with :class:`AllReduceTimeoutError` (raised by the next call or
     :meth:`check`), never hang.
 

@@ -326,9 +326,8 @@ class VerifyModel:
         ops.write_kv(cache[0], page_table, prefix_lens, torch.cat([latent, k_pe], -1))
         q_latent = torch.einsum("bkhd,hdr->bkhr", q_nope, w["w_uk"])
         sm_scale = 1.0 / math.sqrt(c.qk_nope_head_dim + c.qk_rope_head_dim)
-        with self.section("attention"):
-            o_latent = ops.attention_mla(q_latent.contiguous(), q_pe.contiguous(), cache[0], page_table,
-                                         prefix_lens, tree_mask, sm_scale)
+        o_latent = ops.attention_mla(q_latent.contiguous(), q_pe.contiguous(), cache[0], page_table,
+                                     prefix_lens, tree_mask, sm_scale)
         o = torch.einsum("bkhr,hrd->bkhd", o_latent, w["w_uv"]).reshape(b, k, heads * c.v_head_dim)
         return o @ w["o"].t()
 
@@ -346,21 +345,21 @@ class VerifyModel:
         kk = apply_rope(kk, positions, c.rope_theta)
         ops.write_kv(cache[0], page_table, prefix_lens, kk)
         ops.write_kv(cache[1], page_table, prefix_lens, v)
-        with self.section("attention"):
-            o = ops.attention_gqa(q.contiguous(), cache[0], cache[1], page_table, prefix_lens, tree_mask,
-                                  1.0 / math.sqrt(d))
+        o = ops.attention_gqa(q.contiguous(), cache[0], cache[1], page_table, prefix_lens, tree_mask,
+                              1.0 / math.sqrt(d))
         return o.reshape(b, k, s.num_heads * d) @ w["wo"].t()
 
     def _mlp(self, w, x):
-        s = self.shapes
-        flat = x.reshape(-1, x.shape[-1])
+        eps = self.config.rms_norm_eps
         if w["dense"]:
             with self.section("dense_mlp"):
+                flat = self.ops.rmsnorm(x, w["mlp_norm"], eps).reshape(-1, x.shape[-1])
                 gu = flat @ w["gate_up"].t()
                 inter = gu.shape[-1] // 2
                 return ((F.silu(gu[:, :inter].float()) * gu[:, inter:].float()).to(x.dtype) @ w["down"].t()
                         ).view_as(x)
         with self.section("moe_route"):
+            flat = self.ops.rmsnorm(x, w["mlp_norm"], eps).reshape(-1, x.shape[-1])
             logits = flat @ w["router"].t()
             ids, weights = self.ops.route(logits, w["route"])
         with self.section("experts"):
@@ -370,7 +369,6 @@ class VerifyModel:
                 gu = flat @ w["shared_gate_up"].t()
                 inter = gu.shape[-1] // 2
                 out = out + (F.silu(gu[:, :inter].float()) * gu[:, inter:].float()).to(x.dtype) @ w["shared_down"].t()
-        del s
         return out.view_as(x)
 
     def forward(self, input_ids, positions, kv_caches, page_table, prefix_lens, tree_mask=None):
@@ -380,20 +378,19 @@ class VerifyModel:
         Returns fp32 logits [b, k, vocab] (vocab = the full vocabulary with a group, else this rank's shard).
         Writes the k nodes' KV into ``kv_caches`` (one entry per layer).
         """
-        x = self.embed_tokens(input_ids)
+        with self.section("embedding"):
+            x = self.embed_tokens(input_ids)
         attn = self._mla if self.config.attention == "mla" else self._gqa
         for layer in range(self.num_layers):
             w = self.layers[layer]
-            h = self.ops.rmsnorm(x, w["attn_norm"], self.config.rms_norm_eps)
-            a = attn(w, h, positions, kv_caches[layer], page_table, prefix_lens, tree_mask)
+            with self.section("attention"):
+                h = self.ops.rmsnorm(x, w["attn_norm"], self.config.rms_norm_eps)
+                a = attn(w, h, positions, kv_caches[layer], page_table, prefix_lens, tree_mask)
             with self.section("allreduce"):
-                a = self.allreduce(a)
-            x = x + a
-            h = self.ops.rmsnorm(x, w["mlp_norm"], self.config.rms_norm_eps)
-            m = self._mlp(w, h)
+                x = x + self.allreduce(a)
+            m = self._mlp(w, x)
             with self.section("allreduce"):
-                m = self.allreduce(m)
-            x = x + m
+                x = x + self.allreduce(m)
         with self.section("lm_head"):
             x = self.ops.rmsnorm(x, self.final_norm, self.config.rms_norm_eps)
             logits = x @ self.lm_head.t()

@@ -1,0 +1,198 @@
+"""Benchmark: MoE routing + alignment (one launch) and the small-M expert GEMM against its weight-bytes floor.
+
+Providers: ``reference`` (torch), ``triton`` (specverify), ``sglang`` (its Triton router ``moe_fused_gate``, its
+alignment and its fused-MoE kernel, through ``bench/sglang_peer.py`` when that module and SGLang import).
+Shapes: per-rank (tp 8) Kimi-K2, DeepSeek-V3, Qwen3-30B-A3B at M = 1, 2, 4, 8, 16, 32, 64 tokens.
+
+Metrics: µs per call by ``triton.testing.do_bench`` (median, L2 flushed between calls) and by CUDA-graph replay
+(20 calls per graph, L2 warm). For the expert GEMM:
+``floor_us = distinct_experts * (w13 + w2 bytes per expert) / copy_bw`` with ``copy_bw`` a device-to-device copy
+measured in the same run (``2 * bytes / time``), and ``floor_frac = floor_us / measured_us`` (1.0 = at the floor).
+
+Usage: ``python bench/bench_moe.py [--quick] [--json PATH]`` (``--quick``: M = 1, 4, 16, 64, fewer repeats).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+
+import torch
+
+# per-rank shapes at tp 8: hidden H, expert intermediate I (2048/8 etc.), experts, top-k, routing
+MODELS = {
+    "kimi-k2": dict(h=7168, inter=256, e=384, top_k=8, scoring="sigmoid", bias=True, n_group=1, topk_group=1,
+                    scale=2.827),
+    "deepseek-v3": dict(h=7168, inter=256, e=256, top_k=8, scoring="sigmoid", bias=True, n_group=8, topk_group=4,
+                        scale=2.5),
+    "qwen3-30b-a3b": dict(h=2048, inter=96, e=128, top_k=8, scoring="softmax", bias=False, n_group=1,
+                          topk_group=1, scale=1.0),
+}
+BLOCK = 16
+
+
+def _peer():
+    """bench/sglang_peer.py when present and SGLang is importable, else None (with the reason)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    try:
+        import sglang_peer  # noqa: PLC0415
+    except Exception as exc:
+        return None, f"bench/sglang_peer.py not importable ({exc.__class__.__name__}: {exc})"
+    try:
+        if not sglang_peer.available():
+            return None, "sglang_peer.available() is False"
+    except Exception as exc:
+        return None, f"sglang_peer.available() failed ({exc})"
+    return sglang_peer, ""
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except Exception:
+        return "?"
+
+
+def copy_bandwidth_gbps() -> float:
+    from triton.testing import do_bench
+
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median")
+    del src, dst
+    return 2 * n / (ms * 1e-3) / 1e9
+
+
+def bench_us(fn, quick: bool) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=10 if quick else 25, rep=20 if quick else 100, return_mode="median") * 1e3
+
+
+def graph_us(fn, calls: int = 20, replays: int = 10) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (calls * replays)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="M = 1, 4, 16, 64 and fewer repeats (< 90 s on H200)")
+    ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ",".join(MODELS))
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_moe: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import triton
+
+    from specverify.moe import fused_moe, moe_route
+    from specverify.reference.moe import align_reference, fused_moe_reference, route_reference
+
+    peer, peer_why = _peer()
+    if peer is None:
+        print(f"# sglang provider skipped: {peer_why}")
+    ms_list = [1, 4, 16, 64] if args.quick else [1, 2, 4, 8, 16, 32, 64]
+    bw = copy_bandwidth_gbps()
+    print(f"# measured D2D copy bandwidth: {bw:.0f} GB/s")
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                commit=_commit(), date=datetime.datetime.now().isoformat(timespec="seconds"), copy_gbps=bw)
+    rows = []
+    for name in args.models.split(","):
+        cfg = MODELS[name]
+        e, h, inter, top_k = cfg["e"], cfg["h"], cfg["inter"], cfg["top_k"]
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        w13 = (torch.randn(e, 2 * inter, h, device="cuda", generator=gen) / math.sqrt(h)).bfloat16()
+        w2 = (torch.randn(e, h, inter, device="cuda", generator=gen) / math.sqrt(inter)).bfloat16()
+        bias = (torch.randn(e, device="cuda", generator=gen) * 0.05) if cfg["bias"] else None
+        expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
+        rkw = dict(top_k=top_k, scoring=cfg["scoring"], correction_bias=bias, n_group=cfg["n_group"],
+                   topk_group=cfg["topk_group"], routed_scaling_factor=cfg["scale"])
+        for m in ms_list:
+            logits = torch.randn(m, e, device="cuda", generator=gen).bfloat16()
+            hidden = torch.randn(m, h, device="cuda", generator=gen).bfloat16()
+            # correctness before timing
+            ids, w, al = moe_route(logits, block_size=BLOCK, impl="triton", **rkw)
+            rids, rw = route_reference(logits, top_k, cfg["scoring"], bias, cfg["n_group"], cfg["topk_group"], True,
+                                       cfg["scale"])
+            agree = (ids == rids).float().mean().item()
+            out = fused_moe(hidden, w13, w2, ids, w, alignment=al, impl="triton")
+            distinct = int(torch.unique(ids[ids >= 0]).numel())
+            if m <= 16:
+                ref = fused_moe_reference(hidden, w13, w2, ids, w)
+                rel = ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+            else:
+                rel = float("nan")
+            base = dict(model=name, m=m, distinct_experts=distinct, ids_agree=agree, moe_rel_err=rel)
+
+            def add(op, provider, fn, floor_us=None):
+                try:
+                    us = bench_us(fn, args.quick)
+                    gus = graph_us(fn)
+                except Exception as exc:  # a provider that fails is reported, not fatal
+                    print(f"# {name} M={m} {op}/{provider} failed: {exc}")
+                    return
+                row = dict(base, op=op, provider=provider, us=us, graph_us=gus)
+                if floor_us is not None:
+                    row.update(floor_us=floor_us, floor_frac=floor_us / us)
+                rows.append(row)
+
+            add("route+align", "triton", lambda: moe_route(logits, block_size=BLOCK, impl="triton", **rkw))
+            if not args.quick or m <= 4:
+                rows.append(dict(base, op="route+align", provider="reference",
+                                 us=bench_us(lambda: align_reference(route_reference(
+                                     logits, top_k, cfg["scoring"], bias, cfg["n_group"], cfg["topk_group"], True,
+                                     cfg["scale"])[0], e, BLOCK), args.quick), graph_us=float("nan")))
+            if peer is not None and hasattr(peer, "route_and_align"):
+                add("route+align", "sglang", lambda: peer.route_and_align(logits, bias, BLOCK, **{
+                    k: v for k, v in rkw.items() if k != "correction_bias"}))
+            floor_us = distinct * expert_bytes / (bw * 1e9) * 1e6
+            add("experts", "triton", lambda: fused_moe(hidden, w13, w2, ids, w, alignment=al, out=out,
+                                                       impl="triton"), floor_us)
+            if m <= (4 if args.quick else 16):
+                add("experts", "reference", lambda: fused_moe_reference(hidden, w13, w2, ids, w,
+                                                                        compute_dtype=torch.bfloat16), floor_us)
+            if peer is not None and hasattr(peer, "fused_experts"):
+                add("experts", "sglang", lambda: peer.fused_experts(hidden, w13, w2, w, ids), floor_us)
+        del w13, w2
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    hdr = f"{'model':<14} {'M':>3} {'op':<12} {'provider':<10} {'us':>9} {'graph_us':>9} {'floor_us':>9} " \
+          f"{'floor%':>7} {'experts':>7} {'ids_ok':>6}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        fl = r.get("floor_us")
+        fl_s = f"{fl:.2f}" if fl else "-"
+        frac_s = f"{100 * r['floor_frac']:.0f}" if fl else "-"
+        print(f"{r['model']:<14} {r['m']:>3} {r['op']:<12} {r['provider']:<10} {r['us']:>9.2f} {r['graph_us']:>9.2f} "
+              f"{fl_s:>9} {frac_s:>7} "
+              f"{r['distinct_experts']:>7} {r['ids_agree']:>6.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Paged KV compaction after acceptance: move the accepted path into the request's next contiguous positions."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specverify.accept import _choose_impl
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def compact_kv(caches: Sequence[torch.Tensor] | torch.Tensor, page_table: torch.Tensor, prefix_lens: torch.Tensor,
+               accepted_nodes: torch.Tensor, accept_len: torch.Tensor, *, impl: str = "auto") -> None:
+    """Move each request's accepted KV to positions ``prefix_len + d`` in place, for every cache given.
+
+    During verify node i of request b sits at position ``prefix_lens[b] + i``; after acceptance node
+    ``accepted_nodes[b, d]`` must sit at ``prefix_lens[b] + d`` for ``d <= accept_len[b]``. Nothing else in the
+    pool is written (the slots of rejected nodes keep stale values; they are overwritten by the next step).
+    Source and destination ranges may overlap. The layout convention is SGLang's paged KV pool
+    (``token_to_kv_pool``), one page table per request.
+
+    Parameters
+    ----------
+    caches : torch.Tensor or sequence of torch.Tensor
+        Each ``[num_pages, page_size, *row]`` (MLA latent ``[P, page, 576]``, GQA ``[P, page, Hkv, D]``), any dtype,
+        the ``row`` dims contiguous; all on one device with the same ``page_size``. Mutated.
+    page_table : torch.Tensor
+        Shape: (batch, max_pages); int32 or int64. Position t of request b lives at page
+        ``page_table[b, t // page_size]``, slot ``t % page_size``.
+    prefix_lens : torch.Tensor
+        Shape: (batch,); int32 or int64.
+    accepted_nodes : torch.Tensor
+        Shape: (batch, L); int64 (or int32). From :func:`specverify.verify_greedy` / ``verify_sampling``.
+    accept_len : torch.Tensor
+        Shape: (batch,); int64 (or int32).
+    impl : {"auto", "triton", "reference"}
+
+    Raises
+    ------
+    ValueError, TypeError
+        Shapes, devices or dtypes that disagree; a cache whose row dims are not contiguous.
+
+    Notes
+    -----
+    One launch per cache (grid: request x column block), no host sync: CUDA-graph capturable. Copies run in
+    increasing depth inside one program, which is safe for overlapping ranges because accepted node indices
+    strictly increase and are never below their depth.
+
+    Examples
+    --------
+    >>> import torch
+    >>> cache = torch.arange(8.0).view(8, 1, 1)  # 8 pages of one slot
+    >>> compact_kv([cache], torch.arange(8).view(1, 8), torch.tensor([2]), torch.tensor([[0, 3, -1]]),
+    ...            torch.tensor([1]), impl="reference")
+    >>> cache.view(-1).tolist()
+    [0.0, 1.0, 2.0, 5.0, 4.0, 5.0, 6.0, 7.0]
+    """
+    if isinstance(caches, torch.Tensor):
+        caches = [caches]
+    caches = list(caches)
+    if not caches:
+        return
+    for name, t in (("page_table", page_table), ("prefix_lens", prefix_lens), ("accepted_nodes", accepted_nodes),
+                    ("accept_len", accept_len)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
+    if accepted_nodes.dim() != 2:
+        raise ValueError(f"accepted_nodes must have shape [batch, L], got {list(accepted_nodes.shape)}")
+    batch, length = accepted_nodes.shape
+    if page_table.dim() != 2 or page_table.shape[0] != batch:
+        raise ValueError(f"page_table must have shape [batch, max_pages] with batch = {batch}, got "
+                         f"{list(page_table.shape)}")
+    for name, t in (("prefix_lens", prefix_lens), ("accept_len", accept_len)):
+        if tuple(t.shape) != (batch,):
+            raise ValueError(f"{name} must have shape [batch] = [{batch}], got {list(t.shape)}")
+    device = accepted_nodes.device
+    page_size = caches[0].shape[1] if caches[0].dim() >= 2 else 0
+    for i, c in enumerate(caches):
+        if not isinstance(c, torch.Tensor):
+            raise TypeError(f"caches[{i}] must be a torch.Tensor, got {type(c).__name__}")
+        if c.dim() < 3:
+            raise ValueError(f"caches[{i}] must be [num_pages, page_size, ...] with at least 3 dims, got "
+                             f"{list(c.shape)}")
+        if c.shape[1] != page_size:
+            raise ValueError(f"every cache needs the same page_size: caches[0] has {page_size}, caches[{i}] has "
+                             f"{c.shape[1]}")
+        if c.device != device:
+            raise ValueError(f"caches[{i}] is on {c.device}, expected {device} with accepted_nodes")
+        if not c[0, 0].is_contiguous() or c.stride(-1) != 1:
+            raise ValueError(f"caches[{i}] must have contiguous row dims [{', '.join(map(str, c.shape[2:]))}], got "
+                             f"strides {c.stride()}; use a contiguous pool")
+    for name, t in (("page_table", page_table), ("prefix_lens", prefix_lens), ("accept_len", accept_len)):
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, expected {device}")
+    which = _choose_impl(impl, device)
+    if which == "reference":
+        from specverify.reference.kv import compact_kv_reference
+
+        compact_kv_reference(caches, page_table, prefix_lens, accepted_nodes, accept_len)
+        return
+    from specverify.kernels.kv_compact import _kv_compact_kernel
+
+    nodes = accepted_nodes.contiguous()
+    pt = page_table if page_table.stride(1) == 1 else page_table.contiguous()
+    for c in caches:
+        row = c[0, 0].numel()
+        block = min(4096, max(16, _pow2(row)))
+        grid = (batch, -(-row // block))
+        _kv_compact_kernel[grid](c, pt, prefix_lens, nodes, accept_len, length, row, c.stride(0), c.stride(1),
+                                 pt.stride(0), PAGE_SIZE=page_size, BLOCK=block,
+                                 num_warps=4 if block >= 512 else 1)

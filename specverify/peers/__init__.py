@@ -1,0 +1,1 @@
+"""Peer implementations used as yardsticks (SGLang's own kernels), imported only when installed."""

@@ -1,0 +1,590 @@
+"""``specverify bench verify-wall``: what a verify pass of k draft tokens costs, against what its bytes demand.
+
+For a model architecture (dummy weights, per tensor-parallel rank) and each draft length k, it times the verify
+pass — forward over the k tree nodes, LM head, greedy acceptance, compaction of the accepted path's KV — per
+provider, and reports:
+
+* ``verify_ms`` median / p20 / p80 (CUDA events around each pass; CUDA-graph replay with ``--graph on``);
+* ``decode_ms``: the same provider's k = 1 pass (no tree);
+* ``bytes``: what one pass must read per rank (:func:`specverify.configs.verify_bytes`), and the **bytes floor**
+  ``floor_ms = bytes / bandwidth``, the bandwidth measured in the same run by a device-to-device copy
+  (``2 * copy_bytes / time``: read plus write);
+* ``efficiency = floor_ms / verify_ms`` and ``overhead_ms = verify_ms - floor_ms``;
+* with ``tp > 1`` on one GPU, the allreduces one rank would make (``2 * layers + 1`` of ``batch * k * hidden``
+  elements) are modelled from :mod:`specverify.comm.cost_model` and added: ``total_ms = verify_ms + allreduce_ms``;
+* ``break_even = total_ms(k) / total_ms(1)``: the tokens a pass must emit (accept length + 1) for speculation
+  at this k to match plain decoding, before draft cost.
+
+Providers: ``reference`` (the torch path), ``specverify`` (our kernels where they exist, the reference elsewhere; the
+``pieces`` column says which), ``sglang`` (SGLang's own Triton kernels composed as SGLang composes them, where they
+import). All run in one process and one run so ratios hold on a noisy machine. Without a GPU the command runs a
+tiny stand-in config through the reference path (and the Triton interpreter) and says that the figures are not
+performance figures.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import logging
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specverify.configs import get_config, list_configs, verify_bytes
+from specverify.tree import BatchedDraftTree, DraftTree
+
+log = logging.getLogger("specverify")
+
+CPU_STAND_INS = {"mla": "tiny-mla-moe", "gqa-moe": "tiny-gqa-moe", "gqa": "tiny-gqa"}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# settings
+
+
+@dataclass
+class WallSettings:
+    model: str = "kimi-k2"
+    tp: int = 8
+    batch: int = 1
+    context: int = 4096
+    draft_tokens: list = field(default_factory=lambda: [1, 2, 3, 4, 6, 8])
+    tree: str = "chain"
+    layers: int | None = None
+    distinct_layers: int | None = None
+    impl: list = field(default_factory=lambda: ["reference", "specverify", "sglang"])
+    graph: bool = True
+    warmup: int = 5
+    iters: int = 30
+    page_size: int = 64
+    breakdown: bool = False
+    switch: bool = False
+    seed: int = 0
+    json_path: str | None = None
+    plot_path: str | None = None
+    link: str = "nvlink"
+
+
+def make_tree(spec: str, k: int) -> DraftTree:
+    """``chain`` or ``topk:K`` (the first k nodes, breadth first, of a K-ary tree)."""
+    if spec == "chain":
+        return DraftTree.chain(k)
+    if spec.startswith("topk:"):
+        try:
+            branching = int(spec.split(":", 1)[1])
+        except ValueError:
+            raise ValueError(f"--tree topk:K needs an integer K, got {spec!r}") from None
+        return DraftTree.topk_of_size(branching, k)
+    raise ValueError(f"--tree must be 'chain' or 'topk:K', got {spec!r}")
+
+
+def _parse_ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"draft lengths must be >= 1, got {text!r}")
+    return values
+
+
+# ------------------------------------------------------------------------------------------------------------
+# providers
+
+
+def build_ops(provider: str, model):
+    """(Ops, note) for ``provider``; raises RuntimeError with the reason when it cannot be built."""
+    from specverify.reference.model import Ops
+
+    if provider == "reference":
+        return Ops(), ""
+    if provider == "specverify":
+        from specverify.providers import specverify_ops
+
+        return specverify_ops(model)
+    if provider == "sglang":
+        from specverify.providers import sglang_ops
+
+        return sglang_ops(model)
+    raise RuntimeError(f"unknown provider {provider!r}; expected reference, specverify or sglang")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# measurement
+
+
+def measure_copy_bandwidth(device, nbytes: int = 1 << 30) -> float:
+    """Bytes per second of a device-to-device copy, counting the bytes read and written."""
+    if device.type != "cuda":
+        return float("nan")
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * nbytes / statistics.median(times)
+
+
+def _quantile(values, q):
+    s = sorted(values)
+    if not s:
+        return float("nan")
+    pos = (len(s) - 1) * q
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def _time_calls(fn, warmup: int, iters: int, device) -> list[float]:
+    """Milliseconds per call of ``fn`` (CUDA events per call on GPU; wall clock on CPU)."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(iters)]
+        for start, end in events:
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        out = [s.elapsed_time(e) for s, e in events]
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+class VerifyCase:
+    """Static buffers and the pass for one (batch, k): draft tokens, tree tensors, prefix lengths."""
+
+    def __init__(self, model, caches, page_table, batch, k, context, tree_spec, seed):
+        self.model, self.caches, self.page_table = model, caches, page_table
+        dev = model.device
+        self.tree = make_tree(tree_spec, k)
+        bt = BatchedDraftTree.repeat(self.tree, batch)
+        g = torch.Generator(device="cpu").manual_seed(seed + k)
+        self.draft = torch.randint(0, model.config.vocab_size, (batch, k), generator=g).to(dev)
+        self.parents = bt.parents.to(dev)
+        self.depth = bt.depth.to(dev)
+        self.mask = None if self.tree.is_chain else bt.packed_mask.to(dev)
+        self.prefix = torch.full((batch,), context, dtype=torch.int32, device=dev)
+        self.flat_caches = [c for layer in caches for c in layer]
+
+    def run(self):
+        m = self.model
+        nodes, acc, toks, self.logits = m.verify(self.draft, self.parents, self.depth, self.mask, self.caches,
+                                                 self.page_table, self.prefix, self.tree.max_depth)
+        with m.section("kv_compaction"):
+            m.ops.compact_kv(self.flat_caches, self.page_table, self.prefix, nodes, acc)
+        return toks, acc
+
+
+def _capture(fn, device, pool=None):
+    """A CUDA graph of ``fn`` (warmed up on a side stream first, as torch recommends)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        fn()
+    return graph
+
+
+class SectionTimer:
+    """Records CUDA events at section boundaries during one pass (no host sync inside); sums them after."""
+
+    def __init__(self):
+        self.records = []
+        self.stack = []
+
+    def __call__(self, name, phase):
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        if phase == "start":
+            self.stack.append((name, ev))
+        else:
+            start_name, start = self.stack.pop()
+            self.records.append((start_name, start, ev))
+
+    def totals_ms(self) -> dict:
+        torch.cuda.synchronize()
+        out: dict = {}
+        for name, s, e in self.records:
+            out[name] = out.get(name, 0.0) + s.elapsed_time(e)
+        return out
+
+
+def breakdown(case: VerifyCase, device, iters: int = 5) -> dict:
+    """GPU ms per component of one verify pass (eager; median over ``iters`` profiled passes), plus the whole
+    pass timed without section events and the relative gap between the two."""
+    model = case.model
+    per_iter = []
+    for _ in range(iters + 1):
+        timer = SectionTimer()
+        model.section_hook = timer
+        try:
+            whole_s, whole_e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            whole_s.record()
+            case.run()
+            whole_e.record()
+        finally:
+            model.section_hook = None
+        totals = timer.totals_ms()
+        totals["__pass__"] = whole_s.elapsed_time(whole_e)
+        per_iter.append(totals)
+    per_iter = per_iter[1:]
+    names = sorted({n for t in per_iter for n in t})
+    med = {n: statistics.median(t.get(n, 0.0) for t in per_iter) for n in names}
+    whole = med.pop("__pass__")
+    plain = statistics.median(_time_calls(case.run, 2, iters, device))
+    return {"components_ms": med, "sum_ms": sum(med.values()), "profiled_pass_ms": whole, "pass_ms": plain,
+            "gap": abs(sum(med.values()) - plain) / plain if plain else float("nan")}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# allreduce model
+
+
+def modelled_allreduce_ms(s: WallSettings, cfg, layers: int, k: int) -> tuple[float, str]:
+    if s.tp == 1:
+        return 0.0, "none (tp 1)"
+    count = 2 * layers + 1
+    nbytes = s.batch * k * cfg.hidden_size * 2
+    try:
+        from specverify.comm.cost_model import allreduce_cost_us, source
+
+        per = allreduce_cost_us(nbytes, s.tp, link=s.link)
+        src = source() if callable(source) else str(source)
+    except Exception as exc:  # cost model missing: say so, model nothing
+        return 0.0, f"not modelled ({exc})"
+    return count * per / 1e3, f"{count} x {nbytes} B modelled: {src}"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the run
+
+
+def _git_commit() -> str | None:
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                               timeout=5).stdout.strip() or None
+    except Exception:
+        return None
+
+
+def _auto_distinct_layers(cfg, s, device, layers) -> int:
+    """The most weight sets that fit in 45% of free GPU memory (at least 1); all layers on CPU."""
+    if device.type != "cuda":
+        return layers
+    from specverify.configs import per_rank_shapes, verify_bytes as vb
+
+    shapes = per_rank_shapes(cfg, s.tp)
+    e = cfg.n_routed_experts
+    per_layer = vb(cfg, s.tp, 1, 0, 1, distinct_experts=e, num_layers=1).total
+    fixed = (shapes.vocab_size * cfg.hidden_size * 2) * 2
+    free, _ = torch.cuda.mem_get_info(device)
+    n = int((0.45 * free - fixed) // max(per_layer, 1))
+    return max(1, min(layers, n))
+
+
+def run_verify_wall(s: WallSettings, progress=None) -> dict:
+    """Run the whole measurement; returns {"rows": [...], "meta": {...}, "breakdown": {...}}."""
+    from specverify.cli import collect_env
+    from specverify.reference.model import VerifyModel
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = get_config(s.model)
+    notes = []
+    context, layers = s.context, s.layers
+    if device.type == "cpu":
+        kind = "mla" if cfg.attention == "mla" else ("gqa-moe" if cfg.is_moe else "gqa")
+        stand_in = CPU_STAND_INS[kind] if not cfg.name.startswith("tiny-") else cfg.name
+        notes.append(f"no CUDA device: running the tiny stand-in {stand_in!r} for {cfg.name!r} on the CPU with "
+                     "context 64; CPU figures are not performance figures")
+        cfg = get_config(stand_in)
+        context = min(context, 64)
+        layers = None
+        tp = 1
+        s = dataclasses.replace(s, tp=1, graph=False, page_size=min(s.page_size, 16), warmup=min(s.warmup, 1),
+                                iters=min(s.iters, 2))
+    tp = s.tp
+    layers = cfg.num_hidden_layers if layers is None else layers
+    distinct = s.distinct_layers or _auto_distinct_layers(cfg, s, device, layers)
+    dtype = torch.bfloat16  # the kernels' dtype, on the CPU too
+    torch.manual_seed(s.seed)
+    model = VerifyModel(cfg, tp=tp, rank=0, num_layers=layers, distinct_layers=distinct, dtype=dtype,
+                        device=device, seed=s.seed)
+    ks = sorted(set(s.draft_tokens) | {1})
+    max_k = max(ks)
+    per = -(-(context + max_k) // s.page_size)
+    num_pages = s.batch * per + 1
+    caches = model.allocate_kv(num_pages, s.page_size)
+    for layer in caches:
+        for c in layer:
+            c.normal_()  # never time on zeros
+    g = torch.Generator(device="cpu").manual_seed(s.seed)
+    page_table = torch.randperm(num_pages, generator=g)[: s.batch * per].view(s.batch, per).to(torch.int32)
+    page_table = page_table.to(device)
+    bandwidth = measure_copy_bandwidth(device)
+    env = collect_env()
+    meta = {"model": cfg.name, "requested_model": s.model, "tp": tp, "batch": s.batch, "context": context,
+            "layers": layers, "distinct_layers": distinct, "tree": s.tree, "graph": s.graph,
+            "page_size": s.page_size, "copy_bandwidth_gbps": bandwidth / 1e9, "notes": notes,
+            "weight_bytes": model.weight_bytes(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "commit": _git_commit(), "gpu": env.get("gpu"), "versions": {k: env.get(k) for k in (
+                "specverify", "torch", "triton", "cuda_runtime", "cupy", "nccl")}}
+    rows, breakdowns = [], {}
+    ref_logits: dict = {}  # k -> logits of the first provider, the correctness yardstick of the others
+    total_steps = len(s.impl) * len(ks)
+    step = 0
+    for provider in s.impl:
+        try:
+            ops, note = build_ops(provider, model)
+        except Exception as exc:
+            notes.append(f"provider {provider!r} skipped: {exc}")
+            step += len(ks)
+            if progress:
+                progress(step, total_steps, f"{provider}: skipped")
+            continue
+        if note:
+            notes.append(f"{provider}: {note}")
+        model.ops = ops
+        results = {}
+        graphs = []
+        pool = torch.cuda.graph_pool_handle() if (s.graph and device.type == "cuda") else None
+        for k in ks:
+            case = VerifyCase(model, caches, page_table, s.batch, k, context, s.tree, s.seed)
+            fn = case.run
+            host_us = float("nan")
+            check = float("nan")
+            try:
+                case.run()  # correctness before timing: logits against the first provider's
+                logits = case.logits.float()
+                if k not in ref_logits:
+                    ref_logits[k] = logits.clone()
+                else:
+                    check = float((logits - ref_logits[k]).norm() / ref_logits[k].norm())
+                if s.graph and device.type == "cuda":
+                    graph = _capture(case.run, device, pool)
+                    graphs.append(graph)
+                    fn = graph.replay
+                    t0 = time.perf_counter()
+                    for _ in range(10):
+                        graph.replay()
+                    host_us = (time.perf_counter() - t0) / 10 * 1e6
+                    torch.cuda.synchronize()
+                times = _time_calls(fn, s.warmup, s.iters, device)
+            except Exception as exc:
+                notes.append(f"{provider} k={k} failed: {type(exc).__name__}: {exc}")
+                log.exception("verify-wall %s k=%d failed", provider, k)
+                times = []
+            results[k] = (times, host_us, None, check)
+            step += 1
+            if progress:
+                med = statistics.median(times) if times else float("nan")
+                progress(step, total_steps, f"{provider} k={k}: {med:.3f} ms")
+            if s.breakdown and device.type == "cuda" and k in (1, 4) and times:
+                breakdowns[f"{provider}/k={k}"] = breakdown(case, device)
+        if s.switch and device.type == "cuda" and s.graph and len(graphs) == len(ks):
+            order = [ks[(i * 3) % len(ks)] for i in range(len(ks) * 8)]
+            by_k = dict(zip(ks, graphs))
+            ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in order]
+            for kk, (a, b) in zip(order, ev):
+                a.record()
+                by_k[kk].replay()
+                b.record()
+            torch.cuda.synchronize()
+            sw: dict = {}
+            for kk, (a, b) in zip(order, ev):
+                sw.setdefault(kk, []).append(a.elapsed_time(b))
+            for k in ks:
+                times, host_us, _, check = results[k]
+                results[k] = (times, host_us, statistics.median(sw[k]), check)
+        del graphs
+        decode = statistics.median(results[1][0]) if results.get(1) and results[1][0] else float("nan")
+        decode_ar, _ = modelled_allreduce_ms(s, cfg, layers, 1)
+        for k in ks:
+            res = results[k]
+            times, host_us, switch_ms, check = res
+            vb = verify_bytes(cfg, tp, k, context, s.batch, num_layers=layers)
+            floor_ms = vb.total / bandwidth * 1e3 if bandwidth == bandwidth else float("nan")
+            med = statistics.median(times) if times else float("nan")
+            ar_ms, ar_src = modelled_allreduce_ms(s, cfg, layers, k)
+            total = med + ar_ms
+            rows.append({
+                "provider": provider, "k": k, "tree": s.tree if k > 1 else "decode",
+                "verify_ms_median": med, "verify_ms_p20": _quantile(times, 0.2),
+                "verify_ms_p80": _quantile(times, 0.8), "decode_ms": decode,
+                "host_launch_us": host_us, "launch_bound": (host_us / 1e3 > med) if host_us == host_us else None,
+                "switch_ms_median": switch_ms,
+                "bytes": vb.total, "bytes_by_component": vb.as_dict(), "floor_ms": floor_ms,
+                "efficiency": floor_ms / med if med == med and med > 0 else float("nan"),
+                "overhead_ms": med - floor_ms, "allreduce_ms_modelled": ar_ms, "allreduce_source": ar_src,
+                "total_ms": total, "break_even": total / (decode + decode_ar) if decode == decode else float("nan"),
+                "pieces": dict(ops.pieces), "iters": len(times), "logits_rel_err_vs_first": check,
+            })
+        if pool is not None:
+            torch.cuda.empty_cache()
+    for r in rows:
+        r.update({k2: meta[k2] for k2 in ("model", "tp", "batch", "context", "layers", "distinct_layers", "graph",
+                                          "gpu", "commit", "date")})
+        r["versions"] = meta["versions"]
+    return {"rows": rows, "meta": meta, "breakdown": breakdowns}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# output
+
+
+def format_table(result: dict) -> str:
+    rows = result["rows"]
+    meta = result["meta"]
+    head = (f"verify wall: {meta['model']} tp={meta['tp']} batch={meta['batch']} context={meta['context']} "
+            f"layers={meta['layers']} (weight sets {meta['distinct_layers']}) tree={meta['tree']} "
+            f"graph={'on' if meta['graph'] else 'off'} on {meta['gpu']}; copy bandwidth "
+            f"{meta['copy_bandwidth_gbps']:.0f} GB/s")
+    cols = ["provider", "k", "verify ms", "p20", "p80", "floor ms", "eff", "overhead", "AR ms", "total",
+            "break-even", "host us", "rel err"]
+    lines = [head, "  ".join(f"{c:>10}" for c in cols)]
+    for r in rows:
+        bound = "*" if r.get("launch_bound") else ""
+        vals = [r["provider"], r["k"], f"{r['verify_ms_median']:.3f}", f"{r['verify_ms_p20']:.3f}",
+                f"{r['verify_ms_p80']:.3f}", f"{r['floor_ms']:.3f}", f"{r['efficiency']:.2f}",
+                f"{r['overhead_ms']:.3f}", f"{r['allreduce_ms_modelled']:.3f}", f"{r['total_ms']:.3f}",
+                f"{r['break_even']:.2f}", f"{r['host_launch_us']:.0f}{bound}",
+                f"{r['logits_rel_err_vs_first']:.1e}"]
+        lines.append("  ".join(f"{str(v):>10}" for v in vals))
+    pieces = {}
+    for r in rows:
+        pieces.setdefault(r["provider"], r["pieces"])
+    for prov, p in pieces.items():
+        lines.append(f"{prov} pieces: " + ", ".join(f"{k}={v}" for k, v in p.items()))
+    ar = {r["allreduce_source"] for r in rows}
+    lines.append("allreduce: " + "; ".join(sorted(ar)))
+    if any(r.get("switch_ms_median") for r in rows):
+        lines.append("switch mode (k alternates every pass) vs fixed k, median ms:")
+        for r in rows:
+            if r.get("switch_ms_median"):
+                lines.append(f"  {r['provider']} k={r['k']}: fixed {r['verify_ms_median']:.3f} switch "
+                             f"{r['switch_ms_median']:.3f} ({r['switch_ms_median'] / r['verify_ms_median']:.3f}x)")
+    if any(r.get("launch_bound") for r in rows):
+        lines.append("* host launch time of one replay exceeds the pass's GPU time: launch-bound")
+    for name, b in result.get("breakdown", {}).items():
+        comp = ", ".join(f"{k}={v:.3f}" for k, v in sorted(b["components_ms"].items(), key=lambda kv: -kv[1]))
+        lines.append(f"breakdown {name}: pass {b['pass_ms']:.3f} ms, components sum {b['sum_ms']:.3f} ms "
+                     f"(gap {b['gap'] * 100:.1f}%): {comp}")
+    lines.append("rel err: ||logits - first provider's logits|| / ||first provider's logits|| on the same inputs")
+    for note in meta["notes"]:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)
+
+
+def write_plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    rows = result["rows"]
+    for prov in dict.fromkeys(r["provider"] for r in rows):
+        rs = [r for r in rows if r["provider"] == prov]
+        ax.plot([r["k"] for r in rs], [r["total_ms"] for r in rs], marker="o", label=f"{prov}")
+    base = [r for r in rows if r["provider"] == rows[0]["provider"]] if rows else []
+    ax.plot([r["k"] for r in base], [r["floor_ms"] for r in base], "k--", label="bytes floor")
+    meta = result["meta"]
+    ax.set_xlabel("draft tokens per request (k; 1 = decode)")
+    ax.set_ylabel("ms per verify pass (per rank)")
+    ax.set_title(f"verify wall: {meta['model']} tp={meta['tp']} bs={meta['batch']} ctx={meta['context']}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _progress_printer():
+    def show(step, total, text):
+        print(f"[{step}/{total}] {text}", file=sys.stderr, flush=True)
+    return show
+
+
+def _cmd(args) -> int:
+    if not torch.cuda.is_available() and "triton" not in sys.modules:
+        # no GPU: Triton kernels can only run in the interpreter, which must be chosen before triton is imported
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    s = WallSettings(model=args.model, tp=args.tp, batch=args.batch, context=args.context,
+                     draft_tokens=args.draft_tokens, tree=args.tree, layers=args.layers,
+                     distinct_layers=args.distinct_layers, impl=[p for p in args.impl.split(",") if p],
+                     graph=args.graph == "on", warmup=args.warmup, iters=args.iters, page_size=args.page_size,
+                     breakdown=args.breakdown, switch=args.switch, seed=args.seed, json_path=args.json,
+                     plot_path=args.plot, link=args.link)
+    try:
+        make_tree(s.tree, 2)
+        get_config(s.model)
+    except ValueError as exc:
+        print(f"specverify bench verify-wall: {exc}", file=sys.stderr)
+        return 2
+    result = run_verify_wall(s, progress=_progress_printer())
+    print(format_table(result))
+    if s.json_path:
+        with open(s.json_path, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+        print(f"wrote {s.json_path}")
+    if s.plot_path:
+        try:
+            write_plot(result, s.plot_path)
+            print(f"wrote {s.plot_path}")
+        except ImportError:
+            print("plot skipped: matplotlib is not installed (pip install 'specverify-kernels[bench]')")
+    return 0
+
+
+def register_cli(bench_sub) -> None:
+    p = bench_sub.add_parser("verify-wall", help="the verify pass cost per draft length, against the bytes floor",
+                             description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="kimi-k2", help=f"one of {', '.join(list_configs())} (default kimi-k2)")
+    p.add_argument("--tp", type=int, default=8, help="tensor-parallel degree; one rank's shapes are run")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=4096, help="prefix tokens per request")
+    p.add_argument("--draft-tokens", type=_parse_ints, default=[1, 2, 3, 4, 6, 8],
+                   help="comma-separated k values (tree nodes incl. the last verified token; 1 = decode)")
+    p.add_argument("--tree", default="chain", help="chain or topk:K")
+    p.add_argument("--layers", type=int, default=None, help="layers to run (default: the model's)")
+    p.add_argument("--distinct-layers", type=int, default=None,
+                   help="weight sets cycled over the layers (default: as many as fit in 45%% of free memory)")
+    p.add_argument("--impl", default="reference,specverify,sglang", help="comma-separated providers")
+    p.add_argument("--graph", choices=["on", "off"], default="on", help="time CUDA-graph replay (on) or eager")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--breakdown", action="store_true", help="GPU time per component at k = 1 and 4")
+    p.add_argument("--switch", action="store_true", help="also time replays that change k every pass")
+    p.add_argument("--link", choices=["nvlink", "pcie"], default="nvlink", help="link for the allreduce model")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, metavar="PATH")
+    p.add_argument("--plot", default=None, metavar="PATH.png")
+    p.set_defaults(func=_cmd)

@@ -160,7 +160,7 @@ def test_process_logits_reference_filters():
     x = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
     assert torch.allclose(process_logits_reference(x, top_k=2), torch.tensor([[4 / 7, 3 / 7, 0, 0]]))
     assert torch.allclose(process_logits_reference(x, top_p=0.65), torch.tensor([[4 / 7, 3 / 7, 0, 0]]))
-    assert torch.allclose(process_logits_reference(x, min_p=0.5), torch.tensor([[4 / 9, 3 / 9, 2 / 9, 0]]))
+    assert torch.allclose(process_logits_reference(x, min_p=0.4), torch.tensor([[4 / 9, 3 / 9, 2 / 9, 0]]))
     assert torch.equal(process_logits_reference(x, temperature=0.0), torch.tensor([[1.0, 0, 0, 0]]))
 
 

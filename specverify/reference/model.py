@@ -398,10 +398,57 @@ class VerifyModel:
             logits = self._gather_vocab(logits)
         return logits
 
+    def check_verify_inputs(self, draft_tokens, parents, depth, tree_mask, kv_caches, page_table, prefix_lens):
+        """Validate a verify call before any kernel runs (value checks skipped during graph capture).
+
+        Raises
+        ------
+        TypeError
+            Wrong dtypes (ids, parents, depth, page table and prefix lengths are integer; the mask is uint8).
+        ValueError
+            Shapes that disagree, token ids outside the vocabulary, parents that are not a tree, page ids
+            outside the cache, or requests longer than their page-table rows.
+        """
+        from specverify.validation import capturing, check_int_tensor, check_paged_kv
+
+        op = "VerifyModel.verify"
+        check_int_tensor(op, "draft_tokens", draft_tokens, (None, None))
+        batch, k = draft_tokens.shape
+        check_int_tensor(op, "parents", parents, (batch, k))
+        check_int_tensor(op, "depth", depth, (batch, k))
+        check_int_tensor(op, "page_table", page_table, (batch, None))
+        if len(kv_caches) != self.num_layers:
+            raise ValueError(f"{op}: expected {self.num_layers} KV caches (one per layer), got {len(kv_caches)}; "
+                             "allocate them with VerifyModel.allocate_kv")
+        if tree_mask is not None:
+            nbytes = (k + 7) // 8
+            if not isinstance(tree_mask, torch.Tensor) or tree_mask.dtype != torch.uint8:
+                raise TypeError(f"{op}: tree_mask must be uint8 of shape [{k}, {nbytes}] or [{batch}, {k}, "
+                                f"{nbytes}] (bit-packed, DraftTree.packed_mask()), got "
+                                f"{getattr(tree_mask, 'dtype', type(tree_mask).__name__)}")
+            if tuple(tree_mask.shape) not in ((k, nbytes), (batch, k, nbytes)):
+                raise ValueError(f"{op}: tree_mask must be uint8 of shape [{k}, {nbytes}] or [{batch}, {k}, "
+                                 f"{nbytes}], got {list(tree_mask.shape)}")
+        cache = kv_caches[0][0]
+        check_paged_kv(op, page_table, prefix_lens, k, cache.shape[0], cache.shape[1])
+        if capturing():
+            return
+        vocab = self.config.vocab_size
+        if bool(((draft_tokens < 0) | (draft_tokens >= vocab)).any()):
+            raise ValueError(f"{op}: draft_tokens must lie in [0, {vocab}), got min {int(draft_tokens.min())} "
+                             f"max {int(draft_tokens.max())}")
+        p = parents.long()
+        idx = torch.arange(k, device=p.device)
+        ok = (p[:, 0] == -1).all() and ((p[:, 1:] >= 0) & (p[:, 1:] < idx[1:])).all() if k > 1 else (p[:, 0] == -1).all()
+        if not bool(ok):
+            raise ValueError(f"{op}: parents must describe trees with node 0 as root (parents[:, 0] = -1) and "
+                             "parents before children; build them with DraftTree / BatchedDraftTree")
+
     def verify(self, draft_tokens, parents, depth, tree_mask, kv_caches, page_table, prefix_lens, max_depth):
         """Forward + greedy acceptance. draft_tokens int [b, k] (node 0 = last verified token); parents, depth
         int [b, k]. Returns (accepted_nodes, accept_len, accepted_tokens, logits); see
         :mod:`specverify.reference.accept`."""
+        self.check_verify_inputs(draft_tokens, parents, depth, tree_mask, kv_caches, page_table, prefix_lens)
         positions = prefix_lens.long().unsqueeze(1) + depth.long()
         logits = self.forward(draft_tokens, positions, kv_caches, page_table, prefix_lens, tree_mask)
         with self.section("acceptance"):

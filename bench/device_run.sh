@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One device call: install the package (and the SGLang peer wheels if carried in .whl/), then run the named steps,
+# writing logs and JSON under $OUT. Usage: bash bench/device_run.sh STEP [STEP ...]
+# Steps: env tests-<name> bench-<name> wall-<preset>
+set -uo pipefail
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+site=/tmp/svsite; rm -rf "$site"; mkdir -p "$site"
+python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target "$site" . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/peersite .whl/*.whl >>"$OUT/install.log" 2>&1
+  export PYTHONPATH=$site:/tmp/peersite
+else
+  export PYTHONPATH=$site
+fi
+export SPECVERIFY_CACHE_DIR=/tmp/svcache
+run() { local name=$1; shift; local t0=$(date +%s); echo "=== $name: $*"; timeout "${LIMIT:-300}" "$@" >"$OUT/$name.log" 2>&1; local rc=$?; echo "=== $name rc=$rc $(( $(date +%s) - t0 ))s"; tail -n "${TAILN:-25}" "$OUT/$name.log"; }
+for step in "$@"; do
+  case $step in
+    env) run env python3 -P -m specverify env ;;
+    tests-*) n=${step#tests-}; run "tests_$n" python3 -P -m pytest -q -p no:cacheprovider -x --rootdir=. tests/test_$n*.py ;;
+    bench-*) n=${step#bench-}; run "bench_$n" python3 bench/bench_$n.py --quick --json "$OUT/bench_$n.json" ;;
+    *) echo "unknown step $step" ;;
+  esac
+done

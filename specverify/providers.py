@@ -83,6 +83,25 @@ def specverify_ops(model):
         ops.pieces["kv_compaction"] = "triton"
     else:
         missing.append(why)
+    fns, why = _try("specverify.fused_ops", "rmsnorm", "mla_kv_prep", "gqa_prep", "silu_mul")
+    if fns:
+        rmsnorm, mla_kv_prep, gqa_prep, silu_mul = fns
+        ops.rmsnorm = lambda x, w, eps: rmsnorm(x, w, eps, impl="triton")
+        ops.add_rmsnorm = lambda x, r, w, eps: rmsnorm(x, w, eps, residual=r, impl="triton")
+
+        def mla_prep(q, kv, positions, norm_w, cache, page_table, prefix_lens, eps, theta, nope):
+            return mla_kv_prep(q, kv, positions, norm_w, cache, page_table, prefix_lens, eps=eps, theta=theta,
+                               nope_dim=nope, impl="triton")
+
+        def gqa(q, k, v, positions, qn, kn, kc, vc, page_table, prefix_lens, eps, theta):
+            return gqa_prep(q, k, v, positions, qn, kn, kc, vc, page_table, prefix_lens, eps=eps, theta=theta,
+                            impl="triton")
+
+        ops.mla_prep, ops.gqa_prep = mla_prep, gqa
+        ops.silu_mul = lambda gu: silu_mul(gu, impl="triton")
+        ops.pieces["small_ops"] = "triton"
+    else:
+        missing.append(why)
     note = ("reference used for: " + "; ".join(missing)) if missing else ""
     return ops, note
 

@@ -19,11 +19,11 @@ VOCAB = 6
 CHI2_LIMIT = 25.8
 
 CASES = {
-    # chain of 3 proposals: the first proposal is the likeliest token, the second an unlikely one, the third
-    # a token top-k removes (probability 0)
-    "chain_topk": (DraftTree.chain(4), [0, 2, 4, 5], dict(temperature=0.8, top_k=4)),
-    # tree with two children at the root (second one a duplicate of the first) and a second level
-    "tree_topp_minp": (DraftTree([-1, 0, 0, 0, 1, 1]), [0, 1, 1, 3, 2, 0], dict(top_p=0.8, min_p=0.1)),
+    # draft of node i = the token of rank ranks[i] (0 = likeliest) under the processed target at its parent.
+    # chain: likeliest, second likeliest, then the least likely token (probability 0 after top-k)
+    "chain_topk": (DraftTree.chain(4), [0, 0, 1, 5], dict(temperature=0.8, top_k=4)),
+    # tree: root children of rank 1, 1 (a duplicate) and 0; two children of node 1
+    "tree_topp_minp": (DraftTree([-1, 0, 0, 0, 1, 1]), [0, 1, 1, 0, 0, 1], dict(top_p=0.8, min_p=0.1)),
 }
 
 
@@ -53,22 +53,28 @@ def _check(tree: DraftTree, probs: torch.Tensor, tokens: torch.Tensor, nodes: to
             assert _chi2(tokens[sel, 1], probs[j]) < CHI2_LIMIT
 
 
-def _run_reference(tree, draft_row, params, trials, seed):
+def _draft_row(tree, ranks, probs):
+    order = torch.argsort(probs, dim=-1, descending=True, stable=True)
+    return [0] + [int(order[tree.parents[i], ranks[i]]) for i in range(1, tree.num_nodes)]
+
+
+def _run_reference(tree, ranks, params, trials, seed):
     k = tree.num_nodes
     logits = _logits()[:k]
     probs = process_logits_reference(logits, **params)
+    draft_row = _draft_row(tree, ranks, probs)
     g = torch.Generator().manual_seed(seed)
     u = torch.rand(trials, tree.max_depth + 1, generator=g)
     draft = torch.tensor([draft_row] * trials)
     parents = tree.parents_tensor().expand(trials, k)
     tok, ln, nodes = tree_sampling_walk_reference(probs.expand(trials, k, VOCAB), draft, parents, u, tree.max_depth)
-    return probs, tok, ln, nodes, u
+    return probs, tok, ln, nodes, u, draft_row
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_reference_distribution(case):
     tree, draft_row, params = CASES[case]
-    probs, tok, ln, nodes, _ = _run_reference(tree, draft_row, params, 4000, 1)
+    probs, tok, ln, nodes, _, _ = _run_reference(tree, draft_row, params, 4000, 1)
     _check(tree, probs, tok, nodes, ln)
     assert 0 < float(ln.float().mean()) < tree.max_depth  # some acceptance, some rejection
 
@@ -77,7 +83,7 @@ def test_reference_distribution(case):
 def test_triton_reduced_trials_match_reference(case, device):
     tree, draft_row, params = CASES[case]
     trials = 6  # the interpreter is slow; exact agreement with the reference on the same uniforms instead
-    probs, tok, ln, nodes, u = _run_reference(tree, draft_row, params, trials, 2)
+    probs, tok, ln, nodes, u, draft_row = _run_reference(tree, draft_row, params, trials, 2)
     k = tree.num_nodes
     logits = _logits()[:k].expand(trials, k, VOCAB).contiguous()
     res = verify_sampling(logits.to(device), BatchedDraftTree.repeat(tree, trials),
@@ -94,6 +100,7 @@ def test_triton_distribution_gpu(case):
     k = tree.num_nodes
     logits = _logits()[:k]
     probs = process_logits_reference(logits, **params)
+    draft_row = _draft_row(tree, draft_row, probs)
     g = torch.Generator(device="cuda").manual_seed(3)
     tok, ln, nodes = verify_sampling(logits.expand(trials, k, VOCAB).contiguous().cuda(),
                                      BatchedDraftTree.repeat(tree, trials),

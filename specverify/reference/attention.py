@@ -44,7 +44,7 @@ def _gather_kv(cache: torch.Tensor, page_table: torch.Tensor, prefix_lens: torch
     batch = page_table.shape[0]
     page_size = cache.shape[1]
     total = prefix_lens.long() + k
-    length = int(total.max().item())
+    length = page_table.shape[1] * page_size  # static (no host sync), so the reference is graph-capturable
     pos = torch.arange(length, device=page_table.device).expand(batch, length)
     valid = pos < total.view(batch, 1)
     safe_pos = torch.where(valid, pos, torch.zeros_like(pos))

@@ -33,11 +33,12 @@ def compact_kv_reference(caches, page_table, prefix_lens, accepted_nodes, accept
     device = accepted_nodes.device
     d = torch.arange(length, device=device).view(1, length)
     live = d <= accept_len.long().view(batch, 1)
-    src_pos = prefix_lens.long().view(batch, 1) + accepted_nodes.long().clamp(min=0)
     dst_pos = prefix_lens.long().view(batch, 1) + d
+    # positions past the accepted path copy onto themselves: fixed shapes, no host sync (graph-capturable)
+    src_pos = torch.where(live, prefix_lens.long().view(batch, 1) + accepted_nodes.long().clamp(min=0), dst_pos)
     for cache in caches:
         page_size = cache.shape[1]
         flat_cache = cache.view(cache.shape[0] * page_size, *cache.shape[2:])
-        src = gather_positions(page_table, src_pos, page_size)[live]
-        dst = gather_positions(page_table, dst_pos, page_size)[live]
-        flat_cache[dst] = flat_cache[src].clone()
+        src = gather_positions(page_table, src_pos, page_size).reshape(-1)
+        dst = gather_positions(page_table, dst_pos, page_size).reshape(-1)
+        flat_cache.index_copy_(0, dst, flat_cache.index_select(0, src))

@@ -24,33 +24,14 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from specverify.configs import ModelConfig, RankShapes, get_config, per_rank_shapes
 from specverify.reference.accept import greedy_accept_reference
 from specverify.reference.attention import tree_attention_mla_reference, tree_attention_reference
+from specverify.reference.fused_ops import (add_rmsnorm_reference, apply_rope, gqa_prep_reference,
+                                            mla_kv_prep_reference, rmsnorm_reference, silu_mul_reference)
 from specverify.reference.kv import compact_kv_reference, write_draft_kv
 from specverify.reference.moe import fused_moe_reference, route_reference
-
-
-def rmsnorm_reference(x, weight, eps):
-    xf = x.float() if x.dtype != torch.float64 else x
-    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (out * weight.to(out.dtype)).to(x.dtype)
-
-
-def apply_rope(x, positions, theta):
-    """Rotate-half RoPE. x [b, k, heads, d] (or [b, k, d]); positions int [b, k]."""
-    d = x.shape[-1]
-    ctype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=ctype) / d))
-    ang = positions.to(ctype).unsqueeze(-1) * inv  # [b, k, d/2]
-    if x.dim() == 4:
-        ang = ang.unsqueeze(2)
-    cos, sin = torch.cos(ang), torch.sin(ang)
-    xf = x.to(ctype)
-    x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
 @dataclass
@@ -65,12 +46,21 @@ class Ops:
     accept_greedy: Callable = greedy_accept_reference
     compact_kv: Callable = compact_kv_reference
     rmsnorm: Callable = rmsnorm_reference
+    add_rmsnorm: Callable = add_rmsnorm_reference  # (x, residual, weight, eps) -> (normed, x + residual)
+    mla_prep: Callable = None  # (q, kv, positions, norm_w, cache, page_table, prefix_lens, eps, theta, nope)
+    gqa_prep: Callable = None  # (q, k, v, positions, q_norm, k_norm, k_cache, v_cache, pt, prefix, eps, theta)
+    silu_mul: Callable = silu_mul_reference
     pieces: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.route is None:
             self.route = _route_with_config
-        for name in ("attention", "moe_route", "experts", "acceptance", "kv_compaction", "allreduce"):
+        if self.mla_prep is None:
+            self.mla_prep = mla_kv_prep_reference
+        if self.gqa_prep is None:
+            self.gqa_prep = gqa_prep_reference
+        for name in ("attention", "moe_route", "experts", "acceptance", "kv_compaction", "allreduce",
+                     "small_ops"):
             self.pieces.setdefault(name, "reference")
 
 
@@ -317,13 +307,12 @@ class VerifyModel:
         b, k, _ = x.shape
         heads = s.num_heads
         q = ops.rmsnorm(x @ w["q_a"].t(), w["q_a_norm"], c.rms_norm_eps)
-        q = torch.einsum("bkr,hdr->bkhd", q, w["q_b"])  # [b, k, heads, nope + rope]
-        q_nope, q_pe = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
+        q = torch.einsum("bkr,hdr->bkhd", q, w["q_b"]).contiguous()  # [b, k, heads, nope + rope]
         kv = x @ w["kv_a"].t()  # [b, k, kv_lora + rope]
-        latent = ops.rmsnorm(kv[..., : c.kv_lora_rank], w["kv_a_norm"], c.rms_norm_eps)
-        k_pe = apply_rope(kv[..., c.kv_lora_rank:], positions, c.rope_theta)
-        q_pe = apply_rope(q_pe, positions, c.rope_theta)
-        ops.write_kv(cache[0], page_table, prefix_lens, torch.cat([latent, k_pe], -1))
+        # latent norm, rope of key and query rope part, KV written into the cache
+        ops.mla_prep(q, kv, positions, w["kv_a_norm"], cache[0], page_table, prefix_lens, c.rms_norm_eps,
+                     c.rope_theta, c.qk_nope_head_dim)
+        q_nope, q_pe = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
         q_latent = torch.einsum("bkhd,hdr->bkhr", q_nope, w["w_uk"])
         sm_scale = 1.0 / math.sqrt(c.qk_nope_head_dim + c.qk_rope_head_dim)
         o_latent = ops.attention_mla(q_latent.contiguous(), q_pe.contiguous(), cache[0], page_table,
@@ -338,38 +327,27 @@ class VerifyModel:
         q = (x @ w["wq"].t()).view(b, k, s.num_heads, d)
         kk = (x @ w["wk"].t()).view(b, k, s.num_kv_heads, d)
         v = (x @ w["wv"].t()).view(b, k, s.num_kv_heads, d)
-        if c.qk_norm:
-            q = ops.rmsnorm(q, w["q_norm"], c.rms_norm_eps)
-            kk = ops.rmsnorm(kk, w["k_norm"], c.rms_norm_eps)
-        q = apply_rope(q, positions, c.rope_theta)
-        kk = apply_rope(kk, positions, c.rope_theta)
-        ops.write_kv(cache[0], page_table, prefix_lens, kk)
-        ops.write_kv(cache[1], page_table, prefix_lens, v)
-        o = ops.attention_gqa(q.contiguous(), cache[0], cache[1], page_table, prefix_lens, tree_mask,
-                              1.0 / math.sqrt(d))
+        ops.gqa_prep(q, kk, v, positions, w.get("q_norm"), w.get("k_norm"), cache[0], cache[1], page_table,
+                     prefix_lens, c.rms_norm_eps, c.rope_theta)
+        o = ops.attention_gqa(q, cache[0], cache[1], page_table, prefix_lens, tree_mask, 1.0 / math.sqrt(d))
         return o.reshape(b, k, s.num_heads * d) @ w["wo"].t()
 
-    def _mlp(self, w, x):
-        eps = self.config.rms_norm_eps
+    def _mlp(self, w, h):
+        """MLP or MoE block on the already-normalised input ``h`` [b, k, H]."""
+        ops = self.ops
+        flat = h.reshape(-1, h.shape[-1])
         if w["dense"]:
             with self.section("dense_mlp"):
-                flat = self.ops.rmsnorm(x, w["mlp_norm"], eps).reshape(-1, x.shape[-1])
-                gu = flat @ w["gate_up"].t()
-                inter = gu.shape[-1] // 2
-                return ((F.silu(gu[:, :inter].float()) * gu[:, inter:].float()).to(x.dtype) @ w["down"].t()
-                        ).view_as(x)
+                return (ops.silu_mul(flat @ w["gate_up"].t()) @ w["down"].t()).view_as(h)
         with self.section("moe_route"):
-            flat = self.ops.rmsnorm(x, w["mlp_norm"], eps).reshape(-1, x.shape[-1])
             logits = flat @ w["router"].t()
-            ids, weights = self.ops.route(logits, w["route"])
+            ids, weights = ops.route(logits, w["route"])
         with self.section("experts"):
-            out = self.ops.experts(flat, w["w13"], w["w2"], ids, weights)
+            out = ops.experts(flat, w["w13"], w["w2"], ids, weights)
         if "shared_gate_up" in w:
             with self.section("shared_expert"):
-                gu = flat @ w["shared_gate_up"].t()
-                inter = gu.shape[-1] // 2
-                out = out + (F.silu(gu[:, :inter].float()) * gu[:, inter:].float()).to(x.dtype) @ w["shared_down"].t()
-        return out.view_as(x)
+                out = out + ops.silu_mul(flat @ w["shared_gate_up"].t()) @ w["shared_down"].t()
+        return out.view_as(h)
 
     def forward(self, input_ids, positions, kv_caches, page_table, prefix_lens, tree_mask=None):
         """Logits of every node. input_ids, positions int [b, k]; page_table int32 [b, max_pages]; prefix_lens
@@ -378,22 +356,23 @@ class VerifyModel:
         Returns fp32 logits [b, k, vocab] (vocab = the full vocabulary with a group, else this rank's shard).
         Writes the k nodes' KV into ``kv_caches`` (one entry per layer).
         """
+        ops, eps = self.ops, self.config.rms_norm_eps
         with self.section("embedding"):
-            x = self.embed_tokens(input_ids)
+            residual = self.embed_tokens(input_ids)
+            h = ops.rmsnorm(residual, self.layers[0]["attn_norm"], eps)
         attn = self._mla if self.config.attention == "mla" else self._gqa
         for layer in range(self.num_layers):
             w = self.layers[layer]
             with self.section("attention"):
-                h = self.ops.rmsnorm(x, w["attn_norm"], self.config.rms_norm_eps)
                 a = attn(w, h, positions, kv_caches[layer], page_table, prefix_lens, tree_mask)
+            with self.section("allreduce"):  # allreduce, residual add and the next RMSNorm
+                h, residual = ops.add_rmsnorm(self.allreduce(a), residual, w["mlp_norm"], eps)
+            m = self._mlp(w, h)
+            nxt = self.layers[layer + 1]["attn_norm"] if layer + 1 < self.num_layers else self.final_norm
             with self.section("allreduce"):
-                x = x + self.allreduce(a)
-            m = self._mlp(w, x)
-            with self.section("allreduce"):
-                x = x + self.allreduce(m)
+                h, residual = ops.add_rmsnorm(self.allreduce(m), residual, nxt, eps)
         with self.section("lm_head"):
-            x = self.ops.rmsnorm(x, self.final_norm, self.config.rms_norm_eps)
-            logits = x @ self.lm_head.t()
+            logits = h @ self.lm_head.t()
             logits = logits if logits.dtype == torch.float64 else logits.float()
             logits = self._gather_vocab(logits)
         return logits

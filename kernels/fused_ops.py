@@ -1,0 +1,165 @@
+"""Fused small ops of the verify forward: each replaces a string of tiny torch kernels with one launch.
+
+At verify sizes (a few tokens per rank) these ops move kilobytes; their cost is the launch, so the number of
+launches per layer is what matters.
+
+1. RMSNorm with an optional residual add::
+
+       s = x + r            (when HAS_RES; s is written back to RES_OUT in the activation dtype)
+       y = s * rsqrt(mean(s^2) + eps) * w
+
+2. MLA KV preparation (absorbed MLA, one program per draft token t of request b, node i = t % k)::
+
+       latent = rmsnorm(kv[t, :R]) * w                 R = kv_lora_rank
+       k_pe   = rope(kv[t, R:R+Dr], pos[t])            rotate-half RoPE, inv_freq_j = theta^(-2j/Dr)
+       cache[page_table[b, p // S], p % S] = [latent, k_pe]      p = prefix_lens[b] + i
+       q[t, h, NOPE:NOPE+Dr] = rope(q[t, h, NOPE:NOPE+Dr], pos[t])   for every head h (in place)
+
+3. GQA preparation (one program per (token, head)): optional per-head RMSNorm of q and k (Qwen3's qk-norm), RoPE
+   of q in place, RoPE of k, then k and v written into their paged caches at ``prefix_lens[b] + i``.
+
+4. SiLU-and-multiply: ``act[t, j] = silu(gu[t, j]) * gu[t, I + j]``.
+
+Tensors (T = batch * k tokens):
+
+| name        | shape                         | dtype      | meaning                                      |
+|-------------|-------------------------------|------------|----------------------------------------------|
+| X, R        | [T, N]                        | bf16/fp16  | activations, residual                        |
+| W           | [N]                           | bf16/fp16  | RMSNorm weight                               |
+| KV          | [T, R + Dr]                   | bf16/fp16  | kv_a projection output (latent + rope key)   |
+| Q           | [T, H, NOPE + Dr] (strided)   | bf16/fp16  | MLA query; rope part rotated in place        |
+| POS         | [T]                           | int64      | RoPE position (prefix_len + depth)           |
+| PAGE_TABLE  | [B, max_pages]                | int32      | page ids per request                         |
+| PREFIX      | [B]                           | int32      | prefix length per request                    |
+| CACHE       | [num_pages, S, ...]           | bf16/fp16  | paged KV cache                               |
+| GU, ACT     | [T, 2I], [T, I]               | bf16/fp16  | gate/up projection, activation               |
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rmsnorm_kernel(X, R, W, Y, RES_OUT, stride_x, stride_r, stride_y, stride_ro, N, eps,
+                    HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+        s = (x + r).to(RES_OUT.dtype.element_ty)
+        tl.store(RES_OUT + row * stride_ro + offs, s, mask=mask)
+        x = s.to(tl.float32)
+    var = tl.sum(x * x, axis=0) / N
+    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+    y = x * tl.rsqrt(var + eps) * w
+    tl.store(Y + row * stride_y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_half(x1, x2, pos, j, half, log2_theta):
+    # rotate-half RoPE of the pair (x1[j], x2[j]) with inv_freq_j = theta^(-2j / (2 * half))
+    inv = tl.exp2(-(2.0 * j.to(tl.float32) / (2.0 * half)) * log2_theta)
+    ang = pos.to(tl.float32) * inv
+    c = tl.cos(ang)
+    s = tl.sin(ang)
+    return x1 * c - x2 * s, x2 * c + x1 * s
+
+
+@triton.jit
+def _mla_kv_prep_kernel(KV, W, Q, POS, PAGE_TABLE, PREFIX, CACHE,
+                        stride_kv, stride_qt, stride_qh, stride_pt, stride_cp, stride_cs,
+                        k, page_size, num_heads, eps, log2_theta,
+                        R: tl.constexpr, DR: tl.constexpr, NOPE: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0)
+    b = t // k
+    i = t % k
+    HALF: tl.constexpr = DR // 2
+    pos = tl.load(POS + t)
+    # latent: RMSNorm
+    offs = tl.arange(0, BLOCK_R)
+    rmask = offs < R
+    lat = tl.load(KV + t * stride_kv + offs, mask=rmask, other=0.0).to(tl.float32)
+    var = tl.sum(lat * lat, axis=0) / R
+    w = tl.load(W + offs, mask=rmask, other=0.0).to(tl.float32)
+    lat = lat * tl.rsqrt(var + eps) * w
+    # rope key
+    j = tl.arange(0, HALF)
+    x1 = tl.load(KV + t * stride_kv + R + j).to(tl.float32)
+    x2 = tl.load(KV + t * stride_kv + R + HALF + j).to(tl.float32)
+    y1, y2 = _rope_half(x1, x2, pos, j, HALF, log2_theta)
+    # paged slot of node i
+    p = tl.load(PREFIX + b) + i
+    page = tl.load(PAGE_TABLE + b * stride_pt + p // page_size)
+    base = CACHE + page.to(tl.int64) * stride_cp + (p % page_size) * stride_cs
+    tl.store(base + offs, lat.to(CACHE.dtype.element_ty), mask=rmask)
+    tl.store(base + R + j, y1.to(CACHE.dtype.element_ty))
+    tl.store(base + R + HALF + j, y2.to(CACHE.dtype.element_ty))
+    # query rope, every head (in place)
+    h = tl.arange(0, BLOCK_H)
+    hmask = h < num_heads
+    qbase = Q + t * stride_qt + h[:, None] * stride_qh + NOPE
+    q1 = tl.load(qbase + j[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
+    q2 = tl.load(qbase + HALF + j[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
+    r1, r2 = _rope_half(q1, q2, pos, j[None, :], HALF, log2_theta)
+    tl.store(qbase + j[None, :], r1.to(Q.dtype.element_ty), mask=hmask[:, None])
+    tl.store(qbase + HALF + j[None, :], r2.to(Q.dtype.element_ty), mask=hmask[:, None])
+
+
+@triton.jit
+def _gqa_prep_kernel(Q, K, V, QW, KW, POS, PAGE_TABLE, PREFIX, K_CACHE, V_CACHE,
+                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_pt,
+                     stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch,
+                     k, page_size, num_q_heads, eps, log2_theta,
+                     D: tl.constexpr, QK_NORM: tl.constexpr):
+    t = tl.program_id(0)
+    head = tl.program_id(1)
+    HALF: tl.constexpr = D // 2
+    j = tl.arange(0, HALF)
+    pos = tl.load(POS + t)
+    if head < num_q_heads:
+        base = Q + t * stride_qt + head * stride_qh
+        x1 = tl.load(base + j).to(tl.float32)
+        x2 = tl.load(base + HALF + j).to(tl.float32)
+        if QK_NORM:
+            rs = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
+            # the reference rounds the normed value to the activation dtype before RoPE
+            x1 = (x1 * rs * tl.load(QW + j).to(tl.float32)).to(Q.dtype.element_ty).to(tl.float32)
+            x2 = (x2 * rs * tl.load(QW + HALF + j).to(tl.float32)).to(Q.dtype.element_ty).to(tl.float32)
+        y1, y2 = _rope_half(x1, x2, pos, j, HALF, log2_theta)
+        tl.store(base + j, y1.to(Q.dtype.element_ty))
+        tl.store(base + HALF + j, y2.to(Q.dtype.element_ty))
+    else:
+        kh = head - num_q_heads
+        b = t // k
+        i = t % k
+        base = K + t * stride_kt + kh * stride_kh
+        x1 = tl.load(base + j).to(tl.float32)
+        x2 = tl.load(base + HALF + j).to(tl.float32)
+        if QK_NORM:
+            rs = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
+            x1 = (x1 * rs * tl.load(KW + j).to(tl.float32)).to(K.dtype.element_ty).to(tl.float32)
+            x2 = (x2 * rs * tl.load(KW + HALF + j).to(tl.float32)).to(K.dtype.element_ty).to(tl.float32)
+        y1, y2 = _rope_half(x1, x2, pos, j, HALF, log2_theta)
+        p = tl.load(PREFIX + b) + i
+        page = tl.load(PAGE_TABLE + b * stride_pt + p // page_size).to(tl.int64)
+        kc = K_CACHE + page * stride_kcp + (p % page_size) * stride_kcs + kh * stride_kch
+        tl.store(kc + j, y1.to(K_CACHE.dtype.element_ty))
+        tl.store(kc + HALF + j, y2.to(K_CACHE.dtype.element_ty))
+        d = tl.arange(0, D)
+        v = tl.load(V + t * stride_vt + kh * stride_vh + d)
+        vc = V_CACHE + page * stride_vcp + (p % page_size) * stride_vcs + kh * stride_vch
+        tl.store(vc + d, v.to(V_CACHE.dtype.element_ty))
+
+
+@triton.jit
+def _silu_mul_kernel(GU, ACT, stride_gu, stride_act, inter, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    blk = tl.program_id(1)
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < inter
+    g = tl.load(GU + t * stride_gu + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(GU + t * stride_gu + inter + offs, mask=mask, other=0.0).to(tl.float32)
+    a = (g / (1.0 + tl.exp(-g))) * u
+    tl.store(ACT + t * stride_act + offs, a.to(ACT.dtype.element_ty), mask=mask)

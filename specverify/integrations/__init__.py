@@ -1,0 +1,6 @@
+"""Integrations with serving engines.
+
+- :mod:`specverify.integrations.sglang` — the SGLang plugin (entry point ``sglang.srt.plugins: specverify``): the
+  ``specverify`` attention backend, MoE routing/alignment hooks and the custom-allreduce chooser. Importing it
+  imports nothing from SGLang or from our kernels; :func:`~specverify.integrations.sglang.register` does the work.
+"""

@@ -1,0 +1,62 @@
+"""References of the fused small ops (:mod:`specverify.fused_ops`): the same maths as separate torch ops."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from specverify.reference.kv import write_draft_kv
+
+
+def rmsnorm_reference(x, weight, eps):
+    """RMSNorm over the last dim in fp32 (fp64 stays fp64), result in x's dtype."""
+    xf = x.float() if x.dtype != torch.float64 else x
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (out * weight.to(out.dtype)).to(x.dtype)
+
+
+def add_rmsnorm_reference(x, residual, weight, eps):
+    """(rmsnorm(x + residual), x + residual); the sum is rounded to x's dtype first."""
+    s = x + residual
+    return rmsnorm_reference(s, weight, eps), s
+
+
+def apply_rope(x, positions, theta):
+    """Rotate-half RoPE. x [b, k, heads, d] (or [b, k, d]); positions int [b, k]."""
+    d = x.shape[-1]
+    ctype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=ctype) / d))
+    ang = positions.to(ctype).unsqueeze(-1) * inv  # [b, k, d/2]
+    if x.dim() == 4:
+        ang = ang.unsqueeze(2)
+    cos, sin = torch.cos(ang), torch.sin(ang)
+    xf = x.to(ctype)
+    x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def mla_kv_prep_reference(q, kv, positions, norm_weight, cache, page_table, prefix_lens, eps, theta, nope_dim):
+    """q [b, k, h, nope + rope] (rope part rotated in place); kv [b, k, R + rope]; writes the cache."""
+    r = norm_weight.shape[0]
+    latent = rmsnorm_reference(kv[..., :r], norm_weight, eps)
+    k_pe = apply_rope(kv[..., r:], positions, theta)
+    write_draft_kv(cache, page_table, prefix_lens, torch.cat([latent, k_pe], -1))
+    q[..., nope_dim:] = apply_rope(q[..., nope_dim:], positions, theta)
+    return q
+
+
+def gqa_prep_reference(q, k, v, positions, q_norm, k_norm, k_cache, v_cache, page_table, prefix_lens, eps, theta):
+    """q [b, k, hq, d] rotated in place (after the optional qk-norm); k, v written into their caches."""
+    if q_norm is not None:
+        q.copy_(rmsnorm_reference(q, q_norm, eps))
+        k = rmsnorm_reference(k, k_norm, eps)
+    q.copy_(apply_rope(q, positions, theta))
+    write_draft_kv(k_cache, page_table, prefix_lens, apply_rope(k, positions, theta))
+    write_draft_kv(v_cache, page_table, prefix_lens, v)
+    return q
+
+
+def silu_mul_reference(gate_up):
+    """[T, 2I] → [T, I]: silu(gate) * up in fp32, result in the input dtype."""
+    inter = gate_up.shape[-1] // 2
+    ctype = torch.float64 if gate_up.dtype == torch.float64 else torch.float32
+    return (F.silu(gate_up[..., :inter].to(ctype)) * gate_up[..., inter:].to(ctype)).to(gate_up.dtype)

@@ -1,0 +1,101 @@
+"""Fused small ops (RMSNorm+residual, MLA/GQA KV preparation, SiLU-mul) against their torch references."""
+import pytest
+import torch
+
+from specverify import fused_ops
+from specverify.reference import fused_ops as ref
+
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def _tol(dtype):
+    # one rounding of the output in the activation dtype, plus fp32 reduction-order noise
+    eps = torch.finfo(dtype).eps
+    return dict(rtol=2 * eps, atol=2 * eps)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, n", [(1, 64), (5, 96), (3, 7168)])  # 96: not a power of two; 7168: Kimi hidden
+def test_rmsnorm(device, dtype, rows, n, poison):
+    g = torch.Generator().manual_seed(rows * n)
+    x = torch.randn(rows, n, generator=g).to(dtype).to(device)
+    r = torch.randn(rows, n, generator=g).to(dtype).to(device)
+    w = (1 + 0.1 * torch.randn(n, generator=g)).to(dtype).to(device)
+    y = fused_ops.rmsnorm(x, w, 1e-6, impl="triton")
+    torch.testing.assert_close(y, ref.rmsnorm_reference(x, w, 1e-6), **_tol(dtype))
+    y2, s2 = fused_ops.rmsnorm(x, w, 1e-6, residual=r, impl="triton")
+    ey, es = ref.add_rmsnorm_reference(x, r, w, 1e-6)
+    # one rounding of the fp32 sum; the CPU interpreter's bf16 conversion may truncate instead of rounding
+    torch.testing.assert_close(s2, es, **_tol(dtype))
+    torch.testing.assert_close(y2, ey, **_tol(dtype))
+
+
+def _paged(batch, k, prefix, page_size, pool, g, device):
+    per = -(-(max(prefix) + k) // page_size)
+    pt = torch.randperm(pool, generator=g)[: batch * per].view(batch, per).to(torch.int32).to(device)
+    return pt, torch.tensor(prefix, dtype=torch.int32, device=device)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_mla_kv_prep(device, page_size):
+    g = torch.Generator().manual_seed(page_size)
+    b, k, h, nope, dr, r = 2, 3, 5, 16, 8, 32  # 5 heads: not a power of two
+    dtype = torch.bfloat16
+    pt, prefix = _paged(b, k, [4, 15], page_size, 64 // page_size * 2 + 8, g, device)
+    pool = pt.max().item() + 2
+    cache = torch.full((pool, page_size, r + dr), float("nan"), dtype=dtype, device=device)
+    cache_ref = cache.clone()
+    q = torch.randn(b, k, h, nope + dr, generator=g).to(dtype).to(device)
+    q_ref = q.clone()
+    kv = torch.randn(b, k, r + dr, generator=g).to(dtype).to(device)
+    w = (1 + 0.1 * torch.randn(r, generator=g)).to(dtype).to(device)
+    pos = prefix.long().unsqueeze(1) + torch.tensor([0, 1, 1], device=device)  # a tree: two nodes at depth 1
+    fused_ops.mla_kv_prep(q, kv, pos, w, cache, pt, prefix, eps=1e-6, theta=50000.0, nope_dim=nope,
+                          impl="triton")
+    ref.mla_kv_prep_reference(q_ref, kv, pos, w, cache_ref, pt, prefix, 1e-6, 50000.0, nope)
+    torch.testing.assert_close(q, q_ref, **_tol(dtype))
+    written = ~torch.isnan(cache_ref.float())
+    assert torch.equal(written, ~torch.isnan(cache.float()))  # the same slots written, nothing else
+    torch.testing.assert_close(cache[written], cache_ref[written], **_tol(dtype))
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_gqa_prep(device, qk_norm):
+    g = torch.Generator().manual_seed(int(qk_norm))
+    b, k, hq, hkv, d, ps = 2, 4, 4, 2, 16, 4
+    dtype = torch.bfloat16
+    pt, prefix = _paged(b, k, [0, 6], ps, 12, g, device)  # prefix 0; prefix ending inside a page
+    kc = torch.full((12, ps, hkv, d), float("nan"), dtype=dtype, device=device)
+    vc = kc.clone()
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    q = torch.randn(b, k, hq, d, generator=g).to(dtype).to(device)
+    q_ref = q.clone()
+    kk = torch.randn(b, k, hkv, d, generator=g).to(dtype).to(device)
+    v = torch.randn(b, k, hkv, d, generator=g).to(dtype).to(device)
+    qn = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype).to(device) if qk_norm else None
+    kn = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype).to(device) if qk_norm else None
+    pos = prefix.long().unsqueeze(1) + torch.arange(k, device=device)
+    fused_ops.gqa_prep(q, kk, v, pos, qn, kn, kc, vc, pt, prefix, eps=1e-6, theta=1e6, impl="triton")
+    ref.gqa_prep_reference(q_ref, kk, v, pos, qn, kn, kc_ref, vc_ref, pt, prefix, 1e-6, 1e6)
+    torch.testing.assert_close(q, q_ref, **_tol(dtype))
+    for got, exp in ((kc, kc_ref), (vc, vc_ref)):
+        written = ~torch.isnan(exp.float())
+        assert torch.equal(written, ~torch.isnan(got.float()))
+        torch.testing.assert_close(got[written], exp[written], **_tol(dtype))
+
+
+@pytest.mark.parametrize("t, inter", [(1, 256), (3, 100)])  # 100: a partial block
+def test_silu_mul(device, t, inter):
+    g = torch.Generator().manual_seed(t)
+    gu = torch.randn(t, 2 * inter, generator=g).to(torch.bfloat16).to(device)
+    torch.testing.assert_close(fused_ops.silu_mul(gu, impl="triton"), ref.silu_mul_reference(gu),
+                               **_tol(torch.bfloat16))
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="impl must be"):
+        fused_ops.silu_mul(torch.zeros(1, 4), impl="cuda")
+    with pytest.raises(ValueError, match="weight must have shape"):
+        fused_ops.rmsnorm(torch.zeros(2, 8, dtype=torch.bfloat16), torch.ones(4, dtype=torch.bfloat16), 1e-6,
+                          impl="triton" if torch.cuda.is_available() or __import__("os").environ.get(
+                              "TRITON_INTERPRET") == "1" else "auto")

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specverify.configs import get_config, list_configs, verify_bytes
+from specverify.graph_pool import VerifyGraphPool
 from specverify.tree import BatchedDraftTree, DraftTree
 
 log = logging.getLogger("specverify")
@@ -210,20 +211,6 @@ class VerifyCase:
         return toks, acc
 
 
-def _capture(fn, device, pool=None):
-    """A CUDA graph of ``fn`` (warmed up on a side stream first, as torch recommends)."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        fn()
-    return graph
-
-
 class SectionTimer:
     """Records CUDA events at section boundaries during one pass (no host sync inside); sums them after."""
 
@@ -385,61 +372,76 @@ def run_verify_wall(s: WallSettings, progress=None) -> dict:
             notes.append(f"{provider}: {note}")
         model.ops = ops
         results = {}
-        graphs = []
-        pool = torch.cuda.graph_pool_handle() if (s.graph and device.type == "cuda") else None
-        for k in ks:
-            case = VerifyCase(model, caches, page_table, s.batch, k, context, s.tree, s.seed)
-            fn = case.run
-            host_us = float("nan")
-            check = float("nan")
+        cases: dict = {}
+
+        def make_inputs(bucket, k):
+            case = VerifyCase(model, caches, page_table[:bucket], bucket, k, context, s.tree, s.seed)
+            cases[k] = case
+            return {"draft": case.draft, "parents": case.parents, "depth": case.depth, "prefix": case.prefix}
+
+        def forward(inputs, k):  # the inputs are the case's own buffers
+            return cases[k].run()
+
+        use_graphs = s.graph and device.type == "cuda"
+        pool = VerifyGraphPool(forward, make_inputs, batch_buckets=[s.batch], draft_lengths=ks, capture="lazy",
+                               use_graphs=use_graphs, warmup_iters=2, device=device)
+        failed: dict = {}
+        for k in sorted(ks, reverse=True):  # largest first: smaller graphs reuse its pool memory
             try:
+                pool.static_inputs(s.batch, k)
+            except Exception as exc:
+                failed[k] = exc
+                log.exception("verify-wall %s k=%d capture failed", provider, k)
+        for k in ks:
+            host_us, gpu_us, check, times = float("nan"), float("nan"), float("nan"), []
+            try:
+                if k in failed:
+                    raise failed[k]
+                case = cases[k]
                 logits = case.check_logits()  # correctness before timing: against the first provider's
                 if k not in ref_logits:
                     ref_logits[k] = logits.clone()
                 else:
                     check = float((logits - ref_logits[k]).norm() / ref_logits[k].norm())
-                if s.graph and device.type == "cuda":
-                    graph = _capture(case.run, device, pool)
-                    graphs.append(graph)
-                    fn = graph.replay
-                    t0 = time.perf_counter()
-                    for _ in range(10):
-                        graph.replay()
-                    host_us = (time.perf_counter() - t0) / 10 * 1e6
-                    torch.cuda.synchronize()
-                times = _time_calls(fn, s.warmup, s.iters, device)
+                if use_graphs:
+                    tr = pool.time_replay(s.batch, k, iters=20)
+                    host_us, gpu_us = tr["host_us"], tr["gpu_us"]
+                times = _time_calls(lambda: pool.replay(s.batch, k), s.warmup, s.iters, device)
             except Exception as exc:
                 notes.append(f"{provider} k={k} failed: {type(exc).__name__}: {exc}")
                 log.exception("verify-wall %s k=%d failed", provider, k)
-                times = []
-            results[k] = (times, host_us, None, check)
+            results[k] = (times, host_us, None, check, gpu_us)
             step += 1
             if progress:
                 med = statistics.median(times) if times else float("nan")
                 progress(step, total_steps, f"{provider} k={k}: {med:.3f} ms")
             if s.breakdown and device.type == "cuda" and k in (1, 4) and times:
-                breakdowns[f"{provider}/k={k}"] = breakdown(case, device)
-        if s.switch and device.type == "cuda" and s.graph and len(graphs) == len(ks):
+                breakdowns[f"{provider}/k={k}"] = breakdown(cases[k], device)
+        if use_graphs:
+            meta.setdefault("graph_pools", {})[provider] = {
+                "graphs": [g.as_dict() if hasattr(g, "as_dict") else g for g in pool.report()],
+                "pool_bytes": pool.pool_bytes(), "largest_graph_bytes": pool.largest_graph_bytes()}
+        if s.switch and use_graphs and not failed:
             order = [ks[(i * 3) % len(ks)] for i in range(len(ks) * 8)]
-            by_k = dict(zip(ks, graphs))
             ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in order]
             for kk, (a, b) in zip(order, ev):
                 a.record()
-                by_k[kk].replay()
+                pool.replay(s.batch, kk)
                 b.record()
             torch.cuda.synchronize()
             sw: dict = {}
             for kk, (a, b) in zip(order, ev):
                 sw.setdefault(kk, []).append(a.elapsed_time(b))
             for k in ks:
-                times, host_us, _, check = results[k]
-                results[k] = (times, host_us, statistics.median(sw[k]), check)
-        del graphs
+                times, host_us, _, check, gpu_us = results[k]
+                results[k] = (times, host_us, statistics.median(sw[k]), check, gpu_us)
+        pool.invalidate()
+        del pool, cases
         decode = statistics.median(results[1][0]) if results.get(1) and results[1][0] else float("nan")
         decode_ar, _ = modelled_allreduce_ms(s, cfg, layers, 1)
         for k in ks:
             res = results[k]
-            times, host_us, switch_ms, check = res
+            times, host_us, switch_ms, check, gpu_us = res
             vb = verify_bytes(cfg, tp, k, context, s.batch, num_layers=layers)
             floor_ms = vb.total / bandwidth * 1e3 if bandwidth == bandwidth else float("nan")
             med = statistics.median(times) if times else float("nan")
@@ -449,7 +451,8 @@ def run_verify_wall(s: WallSettings, progress=None) -> dict:
                 "provider": provider, "k": k, "tree": s.tree if k > 1 else "decode",
                 "verify_ms_median": med, "verify_ms_p20": _quantile(times, 0.2),
                 "verify_ms_p80": _quantile(times, 0.8), "decode_ms": decode,
-                "host_launch_us": host_us, "launch_bound": (host_us / 1e3 > med) if host_us == host_us else None,
+                "host_launch_us": host_us, "gpu_pass_us_back_to_back": gpu_us,
+                "launch_bound": (host_us > gpu_us) if host_us == host_us and gpu_us == gpu_us else None,
                 "switch_ms_median": switch_ms,
                 "bytes": vb.total, "bytes_by_component": vb.as_dict(), "floor_ms": floor_ms,
                 "efficiency": floor_ms / med if med == med and med > 0 else float("nan"),
@@ -457,7 +460,7 @@ def run_verify_wall(s: WallSettings, progress=None) -> dict:
                 "total_ms": total, "break_even": total / (decode + decode_ar) if decode == decode else float("nan"),
                 "pieces": dict(ops.pieces), "iters": len(times), "logits_rel_err_vs_first": check,
             })
-        if pool is not None:
+        if device.type == "cuda":
             torch.cuda.empty_cache()
     for r in rows:
         r.update({k2: meta[k2] for k2 in ("model", "tp", "batch", "context", "layers", "distinct_layers", "graph",

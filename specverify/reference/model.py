@@ -423,14 +423,62 @@ class VerifyModel:
             raise ValueError(f"{op}: parents must describe trees with node 0 as root (parents[:, 0] = -1) and "
                              "parents before children; build them with DraftTree / BatchedDraftTree")
 
-    def verify(self, draft_tokens, parents, depth, tree_mask, kv_caches, page_table, prefix_lens, max_depth):
+    def verify(self, draft_tokens, parents, depth, tree_mask, kv_caches, page_table, prefix_lens, max_depth,
+               validate: bool = True):
         """Forward + greedy acceptance. draft_tokens int [b, k] (node 0 = last verified token); parents, depth
         int [b, k]. Returns (accepted_nodes, accept_len, accepted_tokens, logits); see
         :mod:`specverify.reference.accept`."""
-        self.check_verify_inputs(draft_tokens, parents, depth, tree_mask, kv_caches, page_table, prefix_lens)
+        if validate:  # value checks synchronise with the device; callers that checked once pass False
+            self.check_verify_inputs(draft_tokens, parents, depth, tree_mask, kv_caches, page_table, prefix_lens)
         positions = prefix_lens.long().unsqueeze(1) + depth.long()
         logits = self.forward(draft_tokens, positions, kv_caches, page_table, prefix_lens, tree_mask)
         with self.section("acceptance"):
             target = logits.argmax(-1)
             nodes, acc, tokens = self.ops.accept_greedy(target, draft_tokens, parents, max_depth)
         return nodes, acc, tokens, logits
+
+
+class VerifyPassAdapter:
+    """A verify pass with static buffers per (batch, k), in the form :class:`specverify.VerifyGraphPool` takes.
+
+    ``make_inputs(batch, k)`` returns ``{"draft": int64 [batch, k], "prefix": int32 [batch]}`` (valid values);
+    ``verify(inputs, k)`` runs forward + greedy acceptance on a chain of k nodes and returns
+    ``{"tokens": int64 [batch, k], "accept_len": int64 [batch]}``. All requests share one paged KV cache sized for
+    ``max_batch`` requests of ``context + max_k`` tokens (filled with random values).
+    """
+
+    def __init__(self, model: VerifyModel, *, max_batch: int = 32, max_k: int = 8, context: int = 256,
+                 page_size: int = 64, seed: int = 0):
+        self.model, self.context = model, context
+        per = -(-(context + max_k) // page_size)
+        self.caches = model.allocate_kv(max_batch * per + 1, page_size)
+        for layer in self.caches:
+            for c in layer:
+                c.normal_()
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        perm = torch.randperm(max_batch * per + 1, generator=g)[: max_batch * per]
+        self.page_table = perm.view(max_batch, per).to(torch.int32).to(model.device)
+        self.seed = seed
+
+    def make_inputs(self, batch: int, k: int) -> dict:
+        g = torch.Generator(device="cpu").manual_seed(self.seed + 131 * batch + k)
+        draft = torch.randint(0, self.model.config.vocab_size, (batch, k), generator=g)
+        prefix = torch.full((batch,), self.context, dtype=torch.int32)
+        return {"draft": draft.to(self.model.device), "prefix": prefix.to(self.model.device)}
+
+    def verify(self, inputs: dict, k: int) -> dict:
+        draft = inputs["draft"]
+        batch = draft.shape[0]
+        dev = draft.device
+        parents = (torch.arange(k, device=dev) - 1).expand(batch, k)
+        depth = torch.arange(k, device=dev).expand(batch, k)
+        _, acc, toks, _ = self.model.verify(draft, parents, depth, None, self.caches, self.page_table[:batch],
+                                            inputs["prefix"], k - 1)
+        return {"tokens": toks, "accept_len": acc}
+
+
+def build_reference_model(config, tp: int = 1, num_layers: int | None = None, device="cuda",
+                          dtype=torch.bfloat16, **kwargs) -> VerifyPassAdapter:
+    """A :class:`VerifyPassAdapter` over a :class:`VerifyModel` (reference ops) with dummy weights."""
+    model = VerifyModel(config, tp=tp, num_layers=num_layers, device=device, dtype=dtype)
+    return VerifyPassAdapter(model, **kwargs)

@@ -7,12 +7,14 @@ Math, for a routed slot ``s = m * TOP_K + k`` with expert ``e = topk_ids[m, k]``
     part[s]    = r * (act[s] @ w2[e]^T)                    (fp32)
     out[m]     = sum_k part[m * TOP_K + k]                 (fixed k order: deterministic; slots with id -1 skipped)
 
-Three launches: ``_moe_gate_up_kernel`` (grid: blocks x I-tiles), ``_moe_down_kernel`` (grid: blocks x H-tiles),
+Three launches: ``_moe_gate_up_kernel`` (grid: blocks x I-tiles x SPLIT_K), ``_moe_down_kernel`` (grid: blocks x H-tiles),
 ``_moe_topk_sum_kernel`` (grid: M x H-tiles). A program owns one block of BLOCK_M slots of one expert (from the
 alignment) and one tile of output columns, so every weight element of an activated expert is loaded by exactly one
 program per block: with tiny M an expert has one block and its weights are read once. Narrow I-tiles in the first
 GEMM (gate and up tiles of BLOCK_N rows each) give enough programs to stream the weights at small M. Blocks past
-the used part (expert id -1) exit at once, so the grid is fixed for a given M (CUDA-graph capturable).
+the used part (expert id -1) exit at once, so the grid is fixed for a given M (CUDA-graph capturable). At tiny M
+(one block per expert) the gate/up GEMM also splits H over ``SPLIT_K`` programs so that enough weight loads are in
+flight; their fp32 partials ``gu`` [SPLIT_K, S, 2I] are summed by the down kernel in a fixed order (deterministic).
 
 Weight tiles come from ``_load_w_tile``; a quantised format (W4A16, group 32) is meant to add a branch there that
 loads packed nibbles and scales and dequantises into the same [BLOCK_N, BLOCK_K] tile, leaving the callers as is.
@@ -29,7 +31,8 @@ Tensors (S = M * TOP_K; NB = number of blocks; B = BLOCK_M):
 | num_post_pad| [1]          | int32      | used length of sorted_ids                                      |
 | topk_ids    | [M, TOP_K]   | int32      | expert of each slot (-1 or >= E: none)                         |
 | topk_w      | [M, TOP_K]   | fp32       | routed weight of each slot                                     |
-| act         | [S, I]       | as hidden  | SwiGLU output per slot                                         |
+| act         | [S, I]       | as hidden  | SwiGLU output per slot (SPLIT_K == 1)                          |
+| gu          | [SPLIT_K, S, 2I] | fp32   | partial gate/up sums per H split (SPLIT_K > 1), in act's place |
 | part        | [S, H]       | fp32       | weighted expert output per slot                                |
 | out         | [M, H]       | as hidden  | result                                                         |
 """
@@ -57,11 +60,16 @@ def _mma(a, w, acc, UPCAST: tl.constexpr):
 @triton.jit(do_not_specialize=["S"])
 def _moe_gate_up_kernel(hidden_ptr, w13_ptr, act_ptr, sorted_ptr, eids_ptr, npad_ptr, S, stride_hm, stride_we,
                         stride_wn, stride_am, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+                        SPLIT_K: tl.constexpr = 1):
+    """SPLIT_K == 1: act[s] = silu(gate) * up. SPLIT_K > 1: program ``ks`` of a tile writes its fp32 partial gate and
+    up sums over its share of H to ``act_ptr`` viewed as gu [SPLIT_K, S, 2I] (row stride ``stride_am`` = 2I); the
+    down kernel adds the partials in a fixed order and applies the activation (deterministic, no atomics)."""
     pid = tl.program_id(0)
     n_tiles: tl.constexpr = (I + BLOCK_N - 1) // BLOCK_N
-    blk = pid // n_tiles
-    pid_n = pid % n_tiles
+    ks = pid % SPLIT_K
+    blk = pid // (n_tiles * SPLIT_K)
+    pid_n = (pid // SPLIT_K) % n_tiles
     if blk * BLOCK_M >= tl.load(npad_ptr):
         return
     e = tl.load(eids_ptr + blk)
@@ -78,7 +86,9 @@ def _moe_gate_up_kernel(hidden_ptr, w13_ptr, act_ptr, sorted_ptr, eids_ptr, npad
     a_base = hidden_ptr + tok[:, None].to(tl.int64) * stride_hm
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, H, BLOCK_K):
+    k_per: tl.constexpr = ((H + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K * BLOCK_K
+    k_lo = ks * k_per
+    for k0 in range(k_lo, tl.minimum(k_lo + k_per, H), BLOCK_K):
         kc = k0 + ok
         kmask = kc < H
         a = tl.load(a_base + kc[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
@@ -86,15 +96,24 @@ def _moe_gate_up_kernel(hidden_ptr, w13_ptr, act_ptr, sorted_ptr, eids_ptr, npad
         wu = _load_w_tile(w_base, on + I, kc, nmask, kmask, stride_wn)
         acc_g = _mma(a, wg, acc_g, UPCAST)
         acc_u = _mma(a, wu, acc_u, UPCAST)
-    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    dst = act_ptr + tl.where(valid, slots, 0)[:, None].to(tl.int64) * stride_am + on[None, :]
-    tl.store(dst, act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
+    srow = tl.where(valid, slots, 0)[:, None].to(tl.int64)
+    smask = valid[:, None] & nmask[None, :]
+    if SPLIT_K == 1:
+        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        tl.store(act_ptr + srow * stride_am + on[None, :], act.to(act_ptr.dtype.element_ty), mask=smask)
+    else:
+        dst = act_ptr + (ks * S + srow) * stride_am + on[None, :]
+        tl.store(dst, acc_g, mask=smask)
+        tl.store(dst + I, acc_u, mask=smask)
 
 
 @triton.jit(do_not_specialize=["S"])
 def _moe_down_kernel(act_ptr, w2_ptr, part_ptr, tw_ptr, sorted_ptr, eids_ptr, npad_ptr, S, stride_am, stride_we,
                      stride_wn, stride_pm, H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, SPLIT_K: tl.constexpr = 1):
+    """SPLIT_K == 1: ``act_ptr`` is act [S, I]. SPLIT_K > 1: it is the fp32 gu [SPLIT_K, S, 2I] partials of the
+    gate/up kernel; they are summed in split order and the activation is applied (rounded to the weights' dtype,
+    as the SPLIT_K == 1 path stores it)."""
     pid = tl.program_id(0)
     n_tiles: tl.constexpr = (H + BLOCK_N - 1) // BLOCK_N
     blk = pid // n_tiles
@@ -117,7 +136,16 @@ def _moe_down_kernel(act_ptr, w2_ptr, part_ptr, tw_ptr, sorted_ptr, eids_ptr, np
     for k0 in range(0, I, BLOCK_K):
         kc = k0 + ok
         kmask = kc < I
-        a = tl.load(a_base + kc[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
+        amask = valid[:, None] & kmask[None, :]
+        if SPLIT_K == 1:
+            a = tl.load(a_base + kc[None, :], mask=amask, other=0.0)
+        else:
+            g = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+            u = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+            for t in tl.static_range(SPLIT_K):
+                g += tl.load(a_base + (S * t).to(tl.int64) * stride_am + kc[None, :], mask=amask, other=0.0)
+                u += tl.load(a_base + (S * t).to(tl.int64) * stride_am + I + kc[None, :], mask=amask, other=0.0)
+            a = (g / (1.0 + tl.exp(-g)) * u).to(w2_ptr.dtype.element_ty)
         w = _load_w_tile(w_base, on, kc, nmask, kmask, stride_wn)
         acc = _mma(a, w, acc, UPCAST)
     r = tl.load(tw_ptr + srow, mask=valid, other=0.0).to(tl.float32)

@@ -14,8 +14,8 @@ Argmax uses one int64 key per expert: high word = the fp32 value's bits mapped t
 low word = ``EP - 1 - e``; the largest key is the largest value and, among equals, the lowest expert id.
 
 Alignment (one launch with the routing): each routed slot ``s = m * TOP_K + k`` takes its rank inside its expert
-with an atomic add on a per-expert counter; the last program to finish (a ticket counter) turns the counts into
-block-padded offsets and scatters. The order of slots inside an expert is the order of the atomics (free: the
+with an atomic add on a per-expert counter; the last program to finish (a ticket counter; with a
+one-program grid, ``SINGLE``, that program without a ticket) turns the counts into block-padded offsets and scatters. The order of slots inside an expert is the order of the atomics (free: the
 expert GEMM computes each slot's row independently, so its output does not depend on it). The counters and the
 ticket are reset by that last program, so the workspace is zero again for the next call (CUDA-graph replays
 included).
@@ -204,7 +204,7 @@ def _moe_route_align_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr, sort
                             GSIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, SOFTMAX: tl.constexpr,
                             HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, DO_ROUTE: tl.constexpr,
                             DO_ALIGN: tl.constexpr, EA: tl.constexpr, EAP: tl.constexpr, B: tl.constexpr,
-                            CHUNK: tl.constexpr):
+                            CHUNK: tl.constexpr, SINGLE: tl.constexpr = False):
     """Routing of ROWS rows per program (DO_ROUTE) and/or the alignment (DO_ALIGN; the last program finishes it).
 
     Without DO_ROUTE the grid must be (1,): the one program ranks every slot itself.
@@ -215,7 +215,10 @@ def _moe_route_align_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr, sort
                     E, EP, ROWS, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS, RENORM,
                     DO_ALIGN)
     if DO_ALIGN:
-        if DO_ROUTE:
+        if DO_ROUTE and SINGLE:
+            tl.debug_barrier()  # the grid is one program: it finishes the alignment itself, no ticket
+            last = True
+        elif DO_ROUTE:
             tl.debug_barrier()  # this program's ids, ranks and counter updates precede its ticket
             ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
             last = ticket == tl.num_programs(0) - 1
@@ -232,5 +235,5 @@ def _moe_route_align_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr, sort
         if last:
             _align_finish(ids_ptr, rank_ptr, sorted_ptr, eids_ptr, npad_ptr, count_ptr, offs_ptr, S, max_blocks,
                           EA, EAP, B, CHUNK)
-            if DO_ROUTE:
+            if DO_ROUTE and not SINGLE:
                 tl.atomic_xchg(ticket_ptr, 0)

@@ -19,8 +19,8 @@ KV tile read feeds ``G * k`` rows through ``tl.dot``; MLA is the case of one KV 
     axis 2: batch
 
 Split s covers prefix tokens ``[s * C, min((s + 1) * C, prefix))`` with ``C = ceil(ceil(prefix / S) / BLOCK_N) *
-BLOCK_N``; the last split also attends to the k draft tokens (one tile of BLOCK_K rows read through the bit-packed
-mask). With S > 1 each split writes a normalised partial output and its lse to the workspace and
+BLOCK_N``; the last split continues through the k draft tokens in the same loop (their visibility read through the
+bit-packed mask; ``BLOCK_K`` is unused and kept for launcher compatibility). With S > 1 each split writes a normalised partial output and its lse to the workspace and
 ``_tree_attention_merge_kernel`` combines them: ``lse = logsumexp_s lse_s``, ``out = sum_s exp(lse_s - lse) o_s``.
 Empty splits write ``lse_s = -inf, o_s = 0``. ``DOT_FP32`` upcasts the dot operands to fp32; the launcher sets it
 only under the CPU interpreter, whose bf16 ``tl.dot`` returns garbage (seen with Triton 3.9 + numpy 2.4). Loads past a request's length are masked (``other=0``) and their scores
@@ -57,12 +57,15 @@ GQA_CONFIGS = [
     {"BLOCK_N": 128, "BLOCK_DV": None, "num_warps": 8, "num_stages": 2},
     {"BLOCK_N": 64, "BLOCK_DV": None, "num_warps": 8, "num_stages": 2},
 ]
+# MLA: 32 rows (heads x draft tokens) per program with 8 warps keeps the [32, 512] fp32 accumulator and the mma.sync
+# operands in registers without spills (sm_90 resource usage); 64-row tiles (wgmma) spill. The first is the default.
 MLA_CONFIGS = [
-    {"BLOCK_N": 32, "BLOCK_DV": 512, "num_warps": 8, "num_stages": 2},
-    {"BLOCK_N": 32, "BLOCK_DV": 256, "num_warps": 4, "num_stages": 2},
-    {"BLOCK_N": 64, "BLOCK_DV": 512, "num_warps": 8, "num_stages": 2},
-    {"BLOCK_N": 16, "BLOCK_DV": 512, "num_warps": 4, "num_stages": 3},
-    {"BLOCK_N": 32, "BLOCK_DV": 128, "num_warps": 4, "num_stages": 3},
+    {"BLOCK_N": 32, "BLOCK_DV": 512, "BLOCK_M": 32, "num_warps": 8, "num_stages": 2},
+    {"BLOCK_N": 64, "BLOCK_DV": 512, "BLOCK_M": 32, "num_warps": 8, "num_stages": 2},
+    {"BLOCK_N": 16, "BLOCK_DV": 512, "BLOCK_M": 32, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_N": 32, "BLOCK_DV": 512, "BLOCK_M": 32, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_N": 64, "BLOCK_DV": 512, "BLOCK_M": 32, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_N": 32, "BLOCK_DV": 512, "BLOCK_M": 64, "num_warps": 8, "num_stages": 2},
 ]
 #: The one config used under TRITON_INTERPRET=1 (small tiles keep the CPU interpreter fast).
 INTERPRETER_CONFIG = {"BLOCK_N": 16, "BLOCK_DV": None, "num_warps": 4, "num_stages": 1}
@@ -141,10 +144,15 @@ def _tree_attention_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
 
-    # ---- prefix: this split's chunk, every row sees every token ------------------------------------------------
+    # ---- one loop: this split's prefix chunk; the last split also takes the k draft tokens ---------------------
+    # Draft positions (pos >= prefix) are visible through the bit-packed tree mask; the mask load is predicated off
+    # for prefix tiles, so they pay no memory traffic for it. One loop body keeps registers and code size down.
     chunk = tl.cdiv(tl.cdiv(prefix, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, prefix)
+    if split == NUM_SPLITS - 1:
+        start = tl.minimum(start, prefix)
+        end = prefix + NUM_DRAFT
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(start, end, BLOCK_N):
         pos = start_n + offs_n
@@ -170,43 +178,16 @@ def _tree_attention_fwd_kernel(
             vt = tl.load(V + v_rows[:, None] + offs_dv[None, :], mask=valid[:, None] & dv_mask[None, :], other=0.0)
             if DOT_FP32:
                 vt = vt.to(tl.float32)
-        vis = valid[None, :] & row_valid[:, None]
-        acc, m_i, l_i = _online_softmax_step(s, vis, vt, acc, m_i, l_i)
-
-    # ---- draft tokens: last split only, visibility from the bit-packed tree mask ------------------------------
-    if split == NUM_SPLITS - 1:
-        j = tl.arange(0, BLOCK_K)
-        valid_j = j < NUM_DRAFT
-        pos = prefix + j
-        page = tl.load(pt_row + pos // PAGE_SIZE, mask=valid_j, other=0).to(tl.int64)
-        slot = (pos % PAGE_SIZE).to(tl.int64)
-        k_rows = page * stride_kp + slot * stride_ks + k_head
-        kt = tl.load(K + k_rows[:, None] + offs_d[None, :], mask=valid_j[:, None] & d_mask[None, :], other=0.0)
-        if DOT_FP32:
-            kt = kt.to(tl.float32)
-        s = tl.dot(q, tl.trans(kt))
-        if DR > 0:
-            kr = tl.load(K + k_rows[:, None] + D + offs_dr[None, :], mask=valid_j[:, None] & dr_mask[None, :],
-                         other=0.0)
-            if DOT_FP32:
-                kr = kr.to(tl.float32)
-            s = tl.dot(qr, tl.trans(kr), s)
-        s = s * qk_scale
-        if V_IS_K and BLOCK_DV == BLOCK_D and DV_TILES == 1:
-            vt = kt
-        else:
-            v_rows = page * stride_vp + slot * stride_vs + v_head
-            vt = tl.load(V + v_rows[:, None] + offs_dv[None, :], mask=valid_j[:, None] & dv_mask[None, :],
-                         other=0.0)
-            if DOT_FP32:
-                vt = vt.to(tl.float32)
-        both = row_valid[:, None] & valid_j[None, :]
+        jd = pos - prefix  # draft index (>= 0 on draft tokens)
+        is_draft = valid & (jd >= 0)
+        jd = tl.where(is_draft, jd, 0)
         if HAS_MASK:
-            byte = tl.load(MASK + b64 * stride_mb + tok[:, None] * stride_mt + (j // 8)[None, :], mask=both,
-                           other=0)
-            vis = (((byte.to(tl.int32) >> (j % 8)[None, :]) & 1) != 0) & both
+            byte = tl.load(MASK + b64 * stride_mb + tok[:, None] * stride_mt + (jd // 8)[None, :],
+                           mask=row_valid[:, None] & is_draft[None, :], other=0)
+            dvis = ((byte.to(tl.int32) >> (jd % 8)[None, :]) & 1) != 0
         else:
-            vis = (j[None, :] <= tok[:, None]) & both
+            dvis = jd[None, :] <= tok[:, None]
+        vis = (valid[None, :] & row_valid[:, None]) & ((pos < prefix)[None, :] | dvis)
         acc, m_i, l_i = _online_softmax_step(s, vis, vt, acc, m_i, l_i)
 
     # ---- epilogue -----------------------------------------------------------------------------------------------

@@ -162,10 +162,9 @@ def _choose_config(*, mla: bool, rows: int, head_dim: int, head_dim_v: int, inte
     elif interpret:
         base = dict(kernels.INTERPRETER_CONFIG)
     elif mla:
-        # one program holds [BLOCK_M, BLOCK_DV] fp32 accumulators: keep it at <= 64 KiB of registers
-        block_m = min(kernels.MAX_BLOCK_M, _next_pow2(max(16, rows)))
-        base = dict(kernels.MLA_CONFIGS[0] if block_m <= 32 else
-                    {"BLOCK_N": 32, "BLOCK_DV": 256, "num_warps": 8, "num_stages": 2})
+        # 16 or 32 rows per program (more rows use M tiles): the [BLOCK_M, 512] fp32 accumulator stays in registers
+        base = dict(kernels.MLA_CONFIGS[0])
+        base["BLOCK_M"] = min(32, _next_pow2(max(16, rows)))
     else:
         base = dict(kernels.GQA_CONFIGS[0] if head_dim <= 128 else
                     {"BLOCK_N": 32, "BLOCK_DV": None, "num_warps": 4, "num_stages": 2})

@@ -243,7 +243,7 @@ def _launch_route_align(logits, bias, top_k, softmax, n_group, topk_group, renor
             NG_P=max(_next_pow2(n_group), 2), GSIZE=gsize, TOPK_GROUP=topk_group, SOFTMAX=softmax,
             HAS_BIAS=bias is not None, RENORM=renormalize, DO_ROUTE=do_route, DO_ALIGN=do_align, EA=e,
             EAP=max(_next_pow2(e), 16), B=block_size or 1, CHUNK=512 if dev.type == "cuda" else 64,
-            num_warps=4)
+            SINGLE=grid[0] == 1, num_warps=_ROUTE_NUM_WARPS.get("num_warps", 4))
     if m == 0 and do_align:
         sorted_ids.fill_(s)
         expert_ids.fill_(-1)
@@ -407,17 +407,45 @@ def _check_moe_args(hidden, w13, w2, topk_ids, topk_weights, alignment, activati
                              f"{list(out.shape)} on {out.device}")
 
 
-def _gemm_configs(m: int, h: int, inter: int, block_m: int, on_gpu: bool):
-    """Pinned tile shapes (no autotuning, so the first call compiles once and graphs stay stable)."""
+#: Warps of the routing kernel (one token row per program); a dict so benchmarks can sweep it.
+_ROUTE_NUM_WARPS: dict = {"num_warps": 4}
+#: Tile overrides for benchmarks and sweeps only: keys ``g1`` / ``g2`` (dicts merged into the gate/up and down
+#: configs, e.g. ``{"g1": {"SPLIT_K": 4, "num_stages": 5}}``). Empty in normal use.
+_CONFIG_OVERRIDE: dict = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _gemm_configs(m: int, h: int, inter: int, block_m: int, on_gpu: bool, *, top_k: int = 1, num_experts: int = 1,
+                  num_sms: int = 132):
+    """Pinned tile shapes (no autotuning, so the first call compiles once and graphs stay stable).
+
+    ``SPLIT_K`` of the gate/up GEMM: when the activated blocks times the I-tiles give fewer than ~4 programs per SM
+    (M = 1: 8 blocks x 16 tiles = 128 programs for 132 SMs), H is split so more weight loads are in flight.
+    """
     def fit(b, n):
         return max(16, min(b, _next_pow2(n)))
     if not on_gpu:  # interpreter: few programs, few iterations; its bf16 tl.dot is wrong, so multiply in fp32
-        return (dict(BLOCK_N=fit(16, inter), BLOCK_K=fit(64, h), UPCAST=True),
-                dict(BLOCK_N=fit(32, h), BLOCK_K=fit(32, inter), UPCAST=True))
-    g1 = dict(BLOCK_N=fit(16 if m <= 64 else 64, inter), BLOCK_K=fit(256 if block_m <= 16 else 128, h),
-              num_warps=4, num_stages=4, UPCAST=False)
-    g2 = dict(BLOCK_N=fit(64 if m <= 64 else 128, h), BLOCK_K=fit(128, inter), num_warps=4, num_stages=3,
-              UPCAST=False)
+        g1 = dict(BLOCK_N=fit(16, inter), BLOCK_K=fit(64, h), UPCAST=True, SPLIT_K=1)
+        g2 = dict(BLOCK_N=fit(32, h), BLOCK_K=fit(32, inter), UPCAST=True, SPLIT_K=1)
+    else:
+        g1 = dict(BLOCK_N=fit(16 if m <= 64 else 64, inter), BLOCK_K=fit(256 if block_m <= 16 else 128, h),
+                  num_warps=4, num_stages=4, UPCAST=False, SPLIT_K=1)
+        g2 = dict(BLOCK_N=fit(64 if m <= 64 else 128, h), BLOCK_K=fit(128, inter), num_warps=4, num_stages=3,
+                  UPCAST=False, SPLIT_K=1)
+        blocks = min(m * top_k, num_experts)  # activated experts (one block each at small M)
+        programs = blocks * _cdiv(inter, g1["BLOCK_N"])
+        split = 1
+        while split < 8 and programs * split * 2 <= 4 * num_sms and _cdiv(h, split * 2) >= 2 * g1["BLOCK_K"]:
+            split *= 2
+        g1["SPLIT_K"] = split
+    g1.update(_CONFIG_OVERRIDE.get("g1", {}))
+    g2.update(_CONFIG_OVERRIDE.get("g2", {}))
+    g2["SPLIT_K"] = g1["SPLIT_K"]
     return g1, g2
 
 
@@ -447,20 +475,25 @@ def _fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, alignment, out):
         out = torch.empty((m, h), dtype=hidden.dtype, device=dev)
     if m == 0:
         return out
-    act = torch.empty((s, inter), dtype=hidden.dtype, device=dev)
     part = torch.empty((s, h), dtype=torch.float32, device=dev)
     nblocks = alignment.expert_ids.numel()
     on_gpu = dev.type == "cuda"
-    g1, g2 = _gemm_configs(m, h, inter, bs, on_gpu)
+    g1, g2 = _gemm_configs(m, h, inter, bs, on_gpu, top_k=top_k, num_experts=e,
+                           num_sms=_num_sms(dev) if on_gpu else 4)
+    split_k = g1["SPLIT_K"]
+    if split_k == 1:
+        act = torch.empty((s, inter), dtype=hidden.dtype, device=dev)
+    else:  # fp32 partial gate/up sums per H split, summed (in order) by the down kernel
+        act = torch.empty((split_k, s, 2 * inter), dtype=torch.float32, device=dev)
     n1 = -(-inter // g1["BLOCK_N"])
-    _moe_gate_up_kernel[(nblocks * n1,)](
+    _moe_gate_up_kernel[(nblocks * n1 * split_k,)](
         hidden, w13, act, alignment.sorted_token_ids, alignment.expert_ids, alignment.num_tokens_post_padded, s,
-        hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), H=h, I=inter, TOP_K=top_k, BLOCK_M=bs,
+        hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(-2), H=h, I=inter, TOP_K=top_k, BLOCK_M=bs,
         **g1)
     n2 = -(-h // g2["BLOCK_N"])
     _moe_down_kernel[(nblocks * n2,)](
         act, w2, part, tw, alignment.sorted_token_ids, alignment.expert_ids, alignment.num_tokens_post_padded, s,
-        act.stride(0), w2.stride(0), w2.stride(1), part.stride(0), H=h, I=inter, BLOCK_M=bs, **g2)
+        act.stride(-2), w2.stride(0), w2.stride(1), part.stride(0), H=h, I=inter, BLOCK_M=bs, **g2)
     bn = min(1024, max(16, _next_pow2(h)))
     _moe_topk_sum_kernel[(m, -(-h // bn))](part, ids32, out, part.stride(0), out.stride(0), E=e, H=h, TOP_K=top_k,
                                           BLOCK_N=bn)

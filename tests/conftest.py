@@ -24,6 +24,21 @@ import torch  # noqa: E402
 
 DEVICE = "cuda" if _HAS_CUDA else "cpu"
 
+# The SGLang plugin tests run in their own environment (sglang installed without its dependencies); elsewhere the
+# folder is not collected at all.
+import importlib.metadata  # noqa: E402
+
+
+def _sglang_installed() -> bool:
+    try:  # the installed distribution, not the tests/sglang folder (a namespace package on sys.path)
+        importlib.metadata.version("sglang")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+collect_ignore = [] if _sglang_installed() else ["sglang"]
+
 
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")

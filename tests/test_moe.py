@@ -281,6 +281,23 @@ def test_fused_moe_aligns_itself_and_skips_missing(device):
     assert torch.equal(a, b), "fused_moe must be deterministic"
 
 
+@pytest.mark.parametrize("split_k", [2, 3])
+def test_fused_moe_split_k(device, monkeypatch, split_k):
+    # the gate/up GEMM split over H (the tiny-M path on the GPU): fp32 partials summed in order by the down kernel.
+    # H = 80 with BLOCK_K 16: 5 K tiles, so split 2 gives uneven shares and split 3 leaves one share short
+    import specverify.moe as moe_mod
+
+    monkeypatch.setattr(moe_mod, "_CONFIG_OVERRIDE", {"g1": {"SPLIT_K": split_k, "BLOCK_K": 16}})
+    m, e, h, inter = 3, 5, 80, 16
+    w13, w2 = _weights(e, h, inter, torch.bfloat16, device, 27)
+    hidden = torch.randn(m, h, generator=torch.Generator().manual_seed(28)).bfloat16().to(device)
+    ids, w, al = moe_route(torch.randn(m, e, generator=torch.Generator().manual_seed(29)).to(device), top_k=2,
+                           block_size=16, impl="triton")
+    a = check_experts(hidden, w13, w2, ids, w, alignment=al)
+    b = fused_moe(hidden, w13, w2, ids, w, alignment=al, impl="triton")
+    assert torch.equal(a, b), "split-K must stay deterministic"
+
+
 def test_fused_moe_reference_impl(device):
     m, e, h, inter = 3, 4, 16, 8
     w13, w2 = _weights(e, h, inter, torch.float32, device, 25)

@@ -6,16 +6,17 @@ way every SGLang process does it. Every test in this folder carries the ``sglang
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
+if importlib.util.find_spec("sglang") is not None:  # only in the SGLang venv: never alter other test sessions
+    sys.path.insert(0, os.path.dirname(__file__))
+    import standins
 
-import standins  # noqa: E402
-
-standins.install()
+    standins.install()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,747 @@
+"""SGLang's own Triton kernels as a peer baseline, with specverify's semantics.
+
+Source: SGLang 0.5.23 (``pip install --no-deps sglang==0.5.23`` plus its small pure-Python dependencies; see
+``shared/gpu-machine.md``). Every wrapper here calls SGLang's kernels with the metadata SGLang itself would build,
+so a benchmark against them compares kernels, not semantics. Metadata is built in a ``prepare_*`` step (or, inside
+:func:`make_ops`, once per forward into static buffers), never from host copies of tensor values.
+
+Call paths (module : function, and the SGLang code whose call it reproduces)
+
+================  ================================================================================================
+piece             SGLang kernel and how it is called
+================  ================================================================================================
+tree attention    ``sglang.kernels.ops.attention.extend_attention : extend_attention_fwd``, called as
+                  ``TritonAttnBackend.forward_extend`` does for ``ForwardMode.TARGET_VERIFY``
+                  (``srt/layers/attention/triton_backend.py``): ``qo_indptr = arange(0, (b+1)k, k)``,
+                  ``kv_indptr = cumsum(prefix_lens)`` over the *prefix* only, token-level ``kv_indices`` (slot
+                  ``page * page_size + offset``, SGLang's ``page_size = 1`` addressing), the draft tokens' K/V passed
+                  as ``k_extend``/``v_extend``, ``custom_mask`` a flat bool buffer of ``k * (prefix_b + k)`` entries
+                  per request (prefix columns true, draft columns the tree) with ``mask_indptr = cumsum``,
+                  ``is_causal = True``, ``max_len_extend = k``. MLA: ``k_buffer`` is the 576-wide latent+rope cache
+                  viewed ``[slots, 1, 576]``, ``v_buffer`` its first 512 columns, ``q = cat(q_latent, q_rope)``.
+routing           ``sglang.kernels.ops.moe.moe_fused_gate : moe_fused_gate`` (its Triton router), which is what
+                  ``srt/layers/moe/topk.py`` reaches on CUDA for Kimi-K2 (``biased_grouped_topk_gpu``, one group),
+                  DeepSeek-V3 grouped routing when FlashInfer is absent, sigmoid ``fused_topk`` and softmax
+                  ``fused_topk`` (Qwen3). ``apply_routed_scaling_factor_on_output=True`` folds the scaling factor
+                  into the weights (specverify's semantics; SGLang may apply it at the expert sum instead, the same
+                  product).
+alignment         ``sglang.kernels.ops.moe.moe_align_small_numel : moe_align_small_numel`` under SGLang's own gate
+                  (``srt/layers/moe/moe_runner/triton_utils/moe_align_block_size.py``): ``numel <= 64`` and more
+                  than 63 experts. Outside that gate SGLang calls ``sgl_kernel.moe_align_block_size`` (CUDA); it is
+                  used when installed, otherwise the Triton kernel runs there too and the note says so.
+experts           ``sglang.kernels.ops.moe.fused_moe_triton_kernels : invoke_fused_moe_kernel`` twice (gate/up with
+                  ``top_k``, down with the router weights), as ``_fused_moe_kernel_sequence`` in
+                  ``triton_utils/fused_moe.py`` does, with the block config SGLang picks
+                  (``get_moe_configs`` tuned JSON for the device, else ``get_default_config``); activation
+                  ``act_and_mul_triton`` (SGLang's Triton SiLU-and-mul; its CUDA path uses a JIT-CUDA
+                  ``silu_and_mul`` that needs ``tvm_ffi``); combine as ``moe_combine_topk``: direct write for
+                  top-1, ``torch.add`` for top-2, ``moe_sum_reduce_triton`` otherwise (SGLang's choice up to 32
+                  tokens on Hopper; above that it calls ``sgl_kernel.moe_sum_reduce``, used when installed).
+================  ================================================================================================
+
+Not provided: tree greedy verification and tree speculative sampling. On CUDA SGLang 0.5.23 runs
+``verify_tree_greedy`` and ``tree_speculative_sampling_target_only`` as JIT-compiled CUDA (``tvm_ffi``) or
+``sgl_kernel`` ops, not Triton; its Triton ``verify_tree_greedy_triton`` (``kernels/ops/speculative/spec_tree.py``)
+is the XPU path only, and that module imports ``sgl_kernel`` at import time on CPU. ``chain_speculative_sampling_triton``
+handles chains only. Acceptance therefore stays on specverify's reference in :func:`make_ops`.
+
+Stand-ins: ``sglang.utils`` imports ``IPython.display`` at import time; when IPython is missing an import-only
+stand-in module (``HTML``, ``display``) is registered in ``sys.modules`` before SGLang is imported. Nothing else of
+SGLang's is patched: the MoE config lookup module is loaded privately from its file (its package ``__init__``
+imports ``sgl_kernel`` on CUDA), and where SGLang's server context is not published its ``get_exec`` is replaced in
+that private copy only, by one reporting deterministic inference off (SGLang's default).
+
+Graph safety: the wrappers allocate with torch (captured into the graph's pool), never synchronise with the host
+and never branch on tensor values. SGLang's kernels are launched with ``launch_pdl`` on Hopper, as SGLang does.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import sys
+import threading
+import types
+
+import torch
+
+__all__ = ["available", "prepare_tree_attention", "tree_attention", "tree_attention_mla", "route_and_align",
+           "align", "prepare_fused_experts", "fused_experts", "make_ops", "SGLANG_VERSION"]
+
+SGLANG_VERSION = "0.5.23"  # the version these call paths were read from
+
+_LOCK = threading.Lock()
+_STATE: dict = {}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# import
+
+
+def _install_ipython_standin() -> None:
+    """Register an import-only ``IPython`` / ``IPython.display`` when IPython is not importable."""
+    try:
+        importlib.import_module("IPython.display")
+        return
+    except Exception:
+        for name in ("IPython.display", "IPython"):
+            sys.modules.pop(name, None)
+    ipython = types.ModuleType("IPython")
+    display = types.ModuleType("IPython.display")
+
+    class HTML:  # noqa: D401 - import-only placeholder
+        """Placeholder for ``IPython.display.HTML`` (sglang.utils imports it; kernels never call it)."""
+
+        def __init__(self, *args, **kwargs):
+            self.data = args[0] if args else kwargs.get("data")
+
+    def _display(*args, **kwargs):
+        return None
+
+    display.HTML, display.display = HTML, _display
+    ipython.display = display
+    ipython.__path__ = []
+    ipython.__specverify_standin__ = True
+    display.__specverify_standin__ = True
+    sys.modules["IPython"], sys.modules["IPython.display"] = ipython, display
+
+
+def _load_private(relpath: str, name: str):
+    """Load one SGLang source file as a private module (its package ``__init__`` is not executed)."""
+    spec = importlib.util.find_spec("sglang")
+    root = spec.submodule_search_locations[0]
+    path = f"{root}/{relpath}"
+    mspec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(mspec)
+    mspec.loader.exec_module(mod)
+    return mod
+
+
+class _ExecDefaults:
+    """What ``get_exec()`` reports without a server: deterministic inference off (SGLang's default)."""
+
+    class deterministic:  # noqa: N801 - mirrors the attribute path SGLang reads
+        enable_deterministic_inference = False
+
+
+def _load() -> dict:
+    """Import the SGLang pieces once; returns {piece: namespace or None} and {piece: reason}."""
+    with _LOCK:
+        if _STATE:
+            return _STATE
+        mods, why = {}, {}
+        try:
+            _install_ipython_standin()
+            importlib.import_module("sglang")
+        except Exception as exc:
+            why["sglang"] = f"import sglang failed: {type(exc).__name__}: {exc}"
+            _STATE.update(mods=mods, why=why)
+            return _STATE
+
+        def attempt(piece, fn):
+            try:
+                mods[piece] = fn()
+            except Exception as exc:
+                mods[piece] = None
+                why[piece] = f"{type(exc).__name__}: {exc}"
+
+        def _attn():
+            m = importlib.import_module("sglang.kernels.ops.attention.extend_attention")
+            return types.SimpleNamespace(extend_attention_fwd=m.extend_attention_fwd)
+
+        def _router():
+            m = importlib.import_module("sglang.kernels.ops.moe.moe_fused_gate")
+            return types.SimpleNamespace(moe_fused_gate=m.moe_fused_gate)
+
+        def _align():
+            m = importlib.import_module("sglang.kernels.ops.moe.moe_align_small_numel")
+            ns = types.SimpleNamespace(small=m.moe_align_small_numel, limit=int(m.SMALL_NUMEL_LIMIT), large=None)
+            try:  # SGLang's AOT CUDA alignment (its kernel registry's "moe.moe_align_block_size" AOT target)
+                ns.large = importlib.import_module("sgl_kernel").moe_align_block_size
+            except Exception:
+                ns.large = None
+            return ns
+
+        def _experts():
+            k = importlib.import_module("sglang.kernels.ops.moe.fused_moe_triton_kernels")
+            cfg = _load_private("srt/layers/moe/moe_runner/triton_utils/fused_moe_triton_config.py",
+                                "_specverify_sglang_moe_config")
+            try:
+                cfg.get_exec()
+            except Exception:  # no server context published: report SGLang's defaults
+                cfg.get_exec = lambda: _ExecDefaults
+            ns = types.SimpleNamespace(invoke=k.invoke_fused_moe_kernel, act_and_mul=k.act_and_mul_triton,
+                                       sum_reduce=k.moe_sum_reduce_triton, config=cfg, cuda_sum=None)
+            try:
+                ns.cuda_sum = importlib.import_module("sgl_kernel").moe_sum_reduce
+            except Exception:
+                ns.cuda_sum = None
+            return ns
+
+        attempt("attention", _attn)
+        attempt("router", _router)
+        attempt("align", _align)
+        attempt("experts", _experts)
+        try:
+            from importlib.metadata import version
+
+            mods["version"] = version("sglang")
+        except Exception:
+            mods["version"] = getattr(sys.modules.get("sglang"), "__version__", "unknown")
+        _STATE.update(mods=mods, why=why)
+        return _STATE
+
+
+def available() -> tuple[bool, str]:
+    """Whether SGLang's kernel modules import here, and why not (or which pieces are missing). Never raises.
+
+    Returns
+    -------
+    ok : bool
+        True when at least SGLang's tree/extend attention kernel imports.
+    reason : str
+        The exact import error when not available; otherwise the version and any missing pieces.
+    """
+    try:
+        st = _load()
+    except Exception as exc:  # pragma: no cover - _load already catches; belt and braces for "never raise"
+        return False, f"SGLang peer: unexpected {type(exc).__name__}: {exc}"
+    mods, why = st["mods"], st["why"]
+    if "sglang" in why:
+        return False, why["sglang"]
+    if mods.get("attention") is None:
+        return False, f"sglang.kernels.ops.attention.extend_attention: {why.get('attention')}"
+    missing = [f"{p}: {why[p]}" for p in ("router", "align", "experts") if mods.get(p) is None]
+    text = f"sglang {mods.get('version')} Triton kernels importable"
+    if missing:
+        text += "; missing: " + "; ".join(missing)
+    return True, text
+
+
+def _need(piece: str):
+    st = _load()
+    mod = st["mods"].get(piece)
+    if mod is None:
+        raise RuntimeError(f"SGLang peer piece {piece!r} unavailable: "
+                           f"{st['why'].get(piece) or st['why'].get('sglang')}")
+    return mod
+
+
+# ------------------------------------------------------------------------------------------------------------
+# tree attention
+
+
+def _unpack_tree(tree_mask: torch.Tensor, k: int) -> torch.Tensor:
+    """bool [..., k, k] from the bit-packed little-endian uint8 mask [..., k, ceil(k/8)] (no host sync)."""
+    j = torch.arange(k, device=tree_mask.device)
+    byte = tree_mask.long().index_select(-1, j // 8)  # [..., k, k]
+    return ((byte >> (j % 8)) & 1).bool()
+
+
+class _AttnPlan:
+    """SGLang TARGET_VERIFY metadata for one (batch, k, page-table shape, page size, tree or chain), in static
+    buffers that :meth:`refresh` rewrites in place from the current page table, prefix lengths and tree mask.
+
+    Buffers: ``qo_indptr`` int32 [b+1]; ``kv_indptr`` int32 [b+1] (prefix only); ``kv_indices`` int64
+    [b * L + 1] (L = pages per row * page_size; the last entry is a dump slot for masked writes);
+    ``draft_slots`` int64 [b * k]; with a tree, ``custom_mask`` bool [b * k * (L + k) + 1] and ``mask_indptr``
+    int64 [b+1].
+    """
+
+    def __init__(self, batch, k, max_pages, page_size, tree, device):
+        self.b, self.k, self.page_size, self.tree = batch, k, page_size, tree
+        self.L = max_pages * page_size
+        dev = device
+        self.qo_indptr = torch.arange(0, (batch + 1) * k, k, dtype=torch.int32, device=dev)
+        self.kv_indptr = torch.zeros(batch + 1, dtype=torch.int32, device=dev)
+        self.kv_indices = torch.zeros(batch * self.L + 1, dtype=torch.int64, device=dev)
+        self.draft_slots = torch.zeros(batch * k, dtype=torch.int64, device=dev)
+        self.pos = torch.arange(self.L, device=dev)
+        self.jk = torch.arange(k, device=dev)
+        if tree:
+            self.cols = torch.arange(self.L + k, device=dev)
+            self.custom_mask = torch.zeros(batch * k * (self.L + k) + 1, dtype=torch.bool, device=dev)
+            self.mask_indptr = torch.zeros(batch + 1, dtype=torch.int64, device=dev)
+        else:
+            self.custom_mask = self.mask_indptr = None
+        self.first_cache_ptr = None
+
+    def _slots(self, page_table, positions):
+        pages = torch.gather(page_table.long(), 1, positions // self.page_size)
+        return pages * self.page_size + positions % self.page_size
+
+    def refresh(self, page_table, prefix_lens, tree_mask):
+        b, k, L = self.b, self.k, self.L
+        prefix = prefix_lens.long()
+        starts = torch.cumsum(prefix, 0)
+        self.kv_indptr[1:].copy_(starts)
+        begin = (starts - prefix).view(b, 1)
+        pos = self.pos.view(1, L).expand(b, L)
+        dest = torch.where(pos < prefix.view(b, 1), begin + pos, torch.full_like(pos, b * L))
+        self.kv_indices.scatter_(0, dest.reshape(-1), self._slots(page_table, pos).reshape(-1))
+        dpos = prefix.view(b, 1) + self.jk.view(1, k)
+        self.draft_slots.copy_(self._slots(page_table, dpos).reshape(-1))
+        if self.tree:
+            rowlen = prefix + k  # [b]
+            mstarts = torch.cumsum(k * rowlen, 0)
+            self.mask_indptr[1:].copy_(mstarts)
+            mbegin = (mstarts - k * rowlen).view(b, 1, 1)
+            cols = self.cols.view(1, 1, L + k)
+            rows = self.jk.view(1, k, 1)
+            dest = mbegin + rows * rowlen.view(b, 1, 1) + cols
+            valid = cols < rowlen.view(b, 1, 1)
+            dest = torch.where(valid, dest, torch.full_like(dest, b * k * (L + k)))
+            tree = _unpack_tree(tree_mask, k)
+            if tree.dim() == 2:
+                tree = tree.unsqueeze(0).expand(b, k, k)
+            rel = cols - prefix.view(b, 1, 1)  # draft index of each column
+            bits = torch.gather(tree, 2, rel.clamp(0, k - 1).expand(b, k, L + k))
+            val = (rel < 0) | bits  # prefix columns true, as SGLang's tree builder writes them
+            self.custom_mask.scatter_(0, dest.reshape(-1), val.reshape(-1))
+
+    def run(self, q3, k_buffer, v_buffer, sm_scale, v_dim):
+        """q3 [b*k, H, Lq]; k_buffer/v_buffer [slots, Hkv, *]; returns o [b*k, H, v_dim]."""
+        fwd = _need("attention").extend_attention_fwd
+        k_ext = k_buffer[self.draft_slots]  # the draft tokens' K (SGLang passes the freshly projected k)
+        v_ext = v_buffer[self.draft_slots].contiguous()
+        o = q3.new_empty((q3.shape[0], q3.shape[1], v_dim))
+        fwd(q3, k_ext, v_ext, o, k_buffer, v_buffer, self.qo_indptr, self.kv_indptr, self.kv_indices,
+            self.custom_mask, True, self.mask_indptr, self.k, 1.0, 1.0, sm_scale)
+        return o
+
+
+def _check_paged(op, page_table, prefix_lens, batch):
+    if not isinstance(page_table, torch.Tensor) or page_table.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{op}: page_table must be int32/int64 [batch, max_pages], got "
+                        f"{getattr(page_table, 'dtype', type(page_table).__name__)}")
+    if page_table.dim() != 2 or page_table.shape[0] != batch:
+        raise ValueError(f"{op}: page_table must have shape [{batch}, max_pages], got {list(page_table.shape)}")
+    if not isinstance(prefix_lens, torch.Tensor) or prefix_lens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{op}: prefix_lens must be int32/int64 [{batch}], got "
+                        f"{getattr(prefix_lens, 'dtype', type(prefix_lens).__name__)}")
+    if tuple(prefix_lens.shape) != (batch,):
+        raise ValueError(f"{op}: prefix_lens must have shape [{batch}], got {list(prefix_lens.shape)}")
+
+
+def _check_tree(op, tree_mask, batch, k):
+    if tree_mask is None:
+        return
+    nb = (k + 7) // 8
+    if not isinstance(tree_mask, torch.Tensor) or tree_mask.dtype != torch.uint8:
+        raise TypeError(f"{op}: tree_mask must be uint8 of shape [{k}, {nb}] or [{batch}, {k}, {nb}] "
+                        f"(bit-packed), got {getattr(tree_mask, 'dtype', type(tree_mask).__name__)}")
+    if tuple(tree_mask.shape) not in ((k, nb), (batch, k, nb)):
+        raise ValueError(f"{op}: tree_mask must be uint8 of shape [{k}, {nb}] or [{batch}, {k}, {nb}], "
+                         f"got {list(tree_mask.shape)}")
+
+
+def _mla_views(q_latent, q_rope, kv_cache):
+    b, k, h, r = q_latent.shape
+    q3 = torch.cat([q_latent, q_rope], dim=-1).reshape(b * k, h, -1)  # SGLang's MLA q: [tokens, H, 576]
+    k_buffer = kv_cache.view(-1, 1, kv_cache.shape[-1])
+    v_buffer = k_buffer[..., :r]
+    return q3, k_buffer, v_buffer, r
+
+
+def _gqa_views(q, k_cache, v_cache):
+    b, k, hq, d = q.shape
+    return (q.reshape(b * k, hq, d), k_cache.view(-1, k_cache.shape[2], k_cache.shape[3]),
+            v_cache.view(-1, v_cache.shape[2], v_cache.shape[3]), v_cache.shape[3])
+
+
+def prepare_tree_attention(kind, *tensors, page_table, prefix_lens, tree_mask=None, sm_scale):
+    """Build SGLang's TARGET_VERIFY metadata once and return a zero-argument callable running the attention.
+
+    Parameters
+    ----------
+    kind : {"gqa", "mla"}
+    *tensors
+        ``gqa``: ``q`` [batch, k, Hq, D], ``k_cache``, ``v_cache`` [num_pages, page_size, Hkv, D].
+        ``mla``: ``q_latent`` [batch, k, H, R], ``q_rope`` [batch, k, H, Dr], ``kv_cache`` [num_pages, page_size,
+        R + Dr]. fp16/bf16 (fp32 works too); caches contiguous.
+    page_table : torch.Tensor
+        int32 [batch, max_pages]. prefix_lens: int32 [batch]; request b's draft KV is at positions
+        ``prefix_lens[b] .. prefix_lens[b] + k - 1`` already.
+    tree_mask : torch.Tensor, optional
+        uint8 [k, ceil(k/8)] or [batch, k, ceil(k/8)], bit j of row i = draft i sees draft j. None: a chain.
+    sm_scale : float
+
+    Returns
+    -------
+    callable
+        ``fn()`` returns the output [batch, k, H, Dv] (Dv = D, or R for MLA) from the tensors' current values;
+        the metadata is that of ``page_table`` / ``prefix_lens`` / ``tree_mask`` at prepare time.
+
+    Notes
+    -----
+    Per call the callable gathers the draft tokens' K/V rows from the cache (SGLang hands the freshly projected
+    K/V to the kernel instead; this is ``b * k`` rows) and, for MLA, concatenates ``q_latent`` and ``q_rope``.
+    Graph-capturable after the first call.
+    """
+    if kind == "mla":
+        q_latent, q_rope, kv_cache = tensors
+        batch, k = q_latent.shape[:2]
+        page_size, num_pages = kv_cache.shape[1], kv_cache.shape[0]
+    elif kind == "gqa":
+        q, k_cache, v_cache = tensors
+        batch, k = q.shape[:2]
+        page_size, num_pages = k_cache.shape[1], k_cache.shape[0]
+    else:
+        raise ValueError(f"prepare_tree_attention: kind must be 'gqa' or 'mla', got {kind!r}")
+    op = f"sglang peer tree_attention ({kind})"
+    _check_paged(op, page_table, prefix_lens, batch)
+    _check_tree(op, tree_mask, batch, k)
+    plan = _AttnPlan(batch, k, page_table.shape[1], page_size, tree_mask is not None, page_table.device)
+    plan.refresh(page_table, prefix_lens, tree_mask)
+    if kind == "mla":
+        def fn():
+            q3, kb, vb, r = _mla_views(q_latent, q_rope, kv_cache)
+            return plan.run(q3, kb, vb, sm_scale, r).view(batch, k, q_latent.shape[2], r)
+    else:
+        def fn():
+            q3, kb, vb, dv = _gqa_views(q, k_cache, v_cache)
+            return plan.run(q3, kb, vb, sm_scale, dv).view(batch, k, q.shape[2], dv)
+    return fn
+
+
+def tree_attention(q, k_cache, v_cache, *, page_table, prefix_lens, tree_mask=None, sm_scale):
+    """GQA/MHA tree attention through SGLang's ``extend_attention_fwd`` (TARGET_VERIFY call).
+
+    Same semantics as :func:`specverify.reference.attention.tree_attention_reference`; see
+    :func:`prepare_tree_attention` for shapes. Returns [batch, k, Hq, D] in q's dtype.
+
+    Examples
+    --------
+    >>> ok, why = available()  # doctest: +SKIP
+    >>> out = tree_attention(q, kc, vc, page_table=pt, prefix_lens=pl, tree_mask=None, sm_scale=0.125)  # doctest: +SKIP
+    """
+    return prepare_tree_attention("gqa", q, k_cache, v_cache, page_table=page_table, prefix_lens=prefix_lens,
+                                  tree_mask=tree_mask, sm_scale=sm_scale)()
+
+
+def tree_attention_mla(q_latent, q_rope, kv_cache, *, page_table, prefix_lens, tree_mask=None, sm_scale):
+    """Absorbed-MLA tree attention through SGLang's ``extend_attention_fwd`` (MLA TARGET_VERIFY call).
+
+    Same semantics as :func:`specverify.reference.attention.tree_attention_mla_reference`. Returns
+    [batch, k, H, R] in q_latent's dtype.
+    """
+    return prepare_tree_attention("mla", q_latent, q_rope, kv_cache, page_table=page_table,
+                                  prefix_lens=prefix_lens, tree_mask=tree_mask, sm_scale=sm_scale)()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# routing and alignment
+
+
+def _route(logits, bias, *, top_k, scoring, n_group, topk_group, renormalize, routed_scaling_factor):
+    gate = _need("router").moe_fused_gate
+    if scoring == "softmax":
+        if bias is not None:
+            raise ValueError("sglang peer route: softmax routing takes no correction_bias in SGLang, got a bias; "
+                             "pass correction_bias=None")
+        w, ids = gate(logits, None, top_k, scoring_func="softmax", renormalize=renormalize,
+                      routed_scaling_factor=routed_scaling_factor, apply_routed_scaling_factor_on_output=True,
+                      num_expert_group=n_group, topk_group=topk_group)
+    elif scoring == "sigmoid":
+        b = (bias.to(torch.float32) if bias is not None
+             else torch.zeros(logits.shape[1], dtype=torch.float32, device=logits.device))
+        scores = logits.to(torch.float32) if (n_group > 1 or logits.dtype != torch.bfloat16) else logits
+        w, ids = gate(scores, b, top_k, scoring_func="sigmoid", renormalize=renormalize,
+                      routed_scaling_factor=routed_scaling_factor, apply_routed_scaling_factor_on_output=True,
+                      num_expert_group=n_group, topk_group=topk_group)
+    else:
+        raise ValueError(f"sglang peer route: scoring must be 'sigmoid' or 'softmax', got {scoring!r}")
+    return ids, w
+
+
+def _align_buffers(numel, num_experts, block_size, device):
+    """Buffers sized as SGLang's ``moe_align_block_size`` wrapper sizes them ("+1 offset" buckets)."""
+    if numel < num_experts + 1:
+        max_pad = numel * block_size
+    else:
+        max_pad = numel + (num_experts + 1) * (block_size - 1)
+    max_pad = (max_pad + 3) // 4 * 4
+    sorted_ids = torch.empty(max_pad, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(-(-max_pad // block_size), dtype=torch.int32, device=device)
+    ntpp = torch.empty(1, dtype=torch.int32, device=device)
+    return sorted_ids, expert_ids, ntpp
+
+
+def align_path(numel: int, num_experts: int) -> str:
+    """Which alignment kernel runs: ``"small_numel"`` (SGLang's Triton kernel, under SGLang's own gate),
+    ``"sgl_kernel"`` (SGLang's CUDA kernel), or ``"small_numel_outside_gate"`` (SGLang would call sgl_kernel,
+    which is not installed here)."""
+    al = _need("align")
+    if numel <= al.limit and num_experts + 1 > 64:
+        return "small_numel"
+    return "sgl_kernel" if al.large is not None else "small_numel_outside_gate"
+
+
+def align(topk_ids, num_experts, block_size):
+    """SGLang's token→expert alignment. Returns (sorted_token_ids int32, expert_ids int32, ntpp int32 [1]).
+
+    Only the first ``ntpp`` entries of ``sorted_token_ids`` (and ``ntpp // block_size`` of ``expert_ids``) are
+    defined; padding slots hold ``topk_ids.numel()``; experts come in increasing order, stable inside an expert.
+    """
+    al = _need("align")
+    numel = topk_ids.numel()
+    sorted_ids, expert_ids, ntpp = _align_buffers(numel, num_experts, block_size, topk_ids.device)
+    if align_path(numel, num_experts) == "sgl_kernel":
+        cumsum = torch.empty(num_experts + 2, dtype=torch.int32, device=topk_ids.device)
+        al.large(topk_ids, num_experts + 1, block_size, sorted_ids, expert_ids, ntpp, cumsum, True)
+    else:
+        al.small(topk_ids, num_experts + 1, block_size, sorted_ids, expert_ids, ntpp)
+    return sorted_ids, expert_ids, ntpp
+
+
+def route_and_align(logits, bias, block_size, *, top_k, scoring="sigmoid", n_group=1, topk_group=1,
+                    routed_scaling_factor=1.0, renormalize=True):
+    """Route with SGLang's Triton router, then align with SGLang's alignment.
+
+    Parameters
+    ----------
+    logits : torch.Tensor
+        Router logits [M, E]; fp32/bf16/fp16.
+    bias : torch.Tensor or None
+        Correction bias [E] (sigmoid routing only).
+    block_size : int
+        Alignment block (the expert GEMM's BLOCK_SIZE_M).
+    top_k, scoring, n_group, topk_group, routed_scaling_factor, renormalize
+        As :func:`specverify.reference.moe.route_reference`.
+
+    Returns
+    -------
+    (topk_ids int32 [M, top_k], topk_weights fp32 [M, top_k], sorted_token_ids, expert_ids,
+    num_tokens_post_padded) — the last three as :func:`align`.
+    """
+    ids, w = _route(logits, bias, top_k=top_k, scoring=scoring, n_group=n_group, topk_group=topk_group,
+                    renormalize=renormalize, routed_scaling_factor=routed_scaling_factor)
+    return (ids, w) + align(ids, logits.shape[1], block_size)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# experts
+
+
+def _moe_configs(w13_shape, w2_shape, top_k, dtype, m):
+    """SGLang's block config choice for an unquantised MoE: (config, down_config or None)."""
+    cfg = _need("experts").config
+    e, _, n = w2_shape
+    dtype_str = cfg.get_config_dtype_str(dtype)
+    configs = cfg.get_moe_configs(e, n, dtype_str, 0, 0, per_channel_quant=False, down_moe=False)
+    if configs:
+        config = dict(configs[min(configs.keys(), key=lambda x: abs(x - m))])
+    else:
+        config = dict(cfg.get_default_config(m, e, n, w13_shape[2], top_k, dtype_str, False, None))
+    down = None
+    down_configs = cfg.get_moe_configs(e, n, dtype_str, 0, 0, per_channel_quant=False, down_moe=True)
+    if down_configs:
+        down = dict(down_configs[min(down_configs.keys(), key=lambda x: abs(x - m))])
+        down["BLOCK_SIZE_M"] = config["BLOCK_SIZE_M"]  # one alignment serves both GEMMs, as in SGLang
+        down.pop("USE_TMA", None)
+    config.pop("USE_TMA", None)  # TMA is opt-in through tuned files; left off (SGLang's default files lack it)
+    return config, down
+
+
+_CONFIG_CACHE: dict = {}
+
+
+def _config_for(hidden, w13, w2, top_k):
+    key = (tuple(w13.shape), tuple(w2.shape), top_k, hidden.dtype, hidden.shape[0])
+    got = _CONFIG_CACHE.get(key)
+    if got is None:
+        got = _CONFIG_CACHE[key] = _moe_configs(tuple(w13.shape), tuple(w2.shape), top_k, hidden.dtype,
+                                                hidden.shape[0])
+    return got
+
+
+def _check_experts(hidden, w13, w2, topk_weights, topk_ids):
+    op = "sglang peer fused_experts"
+    if hidden.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"{op}: expected hidden [M, H], w13 [E, 2I, H], w2 [E, H, I], got "
+                         f"{list(hidden.shape)}, {list(w13.shape)}, {list(w2.shape)}")
+    m, h = hidden.shape
+    e, two_i, h2 = w13.shape
+    if h2 != h or tuple(w2.shape) != (e, h, two_i // 2) or two_i % 2:
+        raise ValueError(f"{op}: expected w13 [E, 2I, {h}] and w2 [E, {h}, I], got {list(w13.shape)} and "
+                         f"{list(w2.shape)}")
+    if hidden.dtype not in (torch.float16, torch.bfloat16) or w13.dtype != hidden.dtype or w2.dtype != hidden.dtype:
+        raise TypeError(f"{op}: hidden, w13 and w2 must share dtype float16 or bfloat16 (SGLang's unquantised "
+                        f"Triton MoE), got {hidden.dtype}, {w13.dtype}, {w2.dtype}; cast them")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != m:
+        raise ValueError(f"{op}: topk_ids and topk_weights must both be [{m}, top_k], got "
+                         f"{list(topk_ids.shape)} and {list(topk_weights.shape)}")
+
+
+def _combine(cache3, out, topk, sum_reduce, cuda_sum):
+    m = cache3.shape[0]
+    if topk == 2:
+        torch.add(cache3[:, 0], cache3[:, 1], out=out)
+    elif m <= 32 or cuda_sum is None:
+        sum_reduce(cache3, out, 1.0)
+    else:
+        cuda_sum(cache3, out, 1.0)
+
+
+def prepare_fused_experts(hidden, w13, w2, topk_weights, topk_ids):
+    """Resolve SGLang's config for these shapes and return ``fn()`` running align + the two expert GEMMs.
+
+    Parameters
+    ----------
+    hidden : torch.Tensor
+        [M, H], fp16/bf16. w13: [E, 2I, H] (gate rows then up rows, SGLang's ``w13_weight`` layout);
+        w2: [E, H, I] (SGLang's ``w2_weight``). topk_weights fp32 [M, top_k] (already scaled); topk_ids int32.
+
+    Returns
+    -------
+    callable
+        ``fn()`` returns [M, H] in hidden's dtype: ``sum_j w[m, j] * W2[e] silu(W1_gate[e] x) * (W1_up[e] x)``.
+    """
+    _check_experts(hidden, w13, w2, topk_weights, topk_ids)
+    ex = _need("experts")
+    import triton.language as tl
+
+    config, down = _config_for(hidden, w13, w2, topk_ids.shape[1])
+    m, h = hidden.shape
+    e, n, _ = w13.shape
+    topk = topk_ids.shape[1]
+    compute_type = tl.bfloat16 if hidden.dtype == torch.bfloat16 else tl.float16
+    flags = dict(compute_type=compute_type, use_fp8_w8a8=False, use_int8_w8a8=False, use_int8_w8a16=False,
+                 use_int4_w4a16=False, per_channel_quant=False, block_shape=None, filter_expert=False)
+
+    def fn():
+        ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
+        wts = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
+        sorted_ids, expert_ids, ntpp = align(ids, e, config["BLOCK_SIZE_M"])
+        cache1 = hidden.new_empty((m * topk, n))
+        ex.invoke(hidden, w13, None, cache1, None, None, None, wts, ids, sorted_ids, expert_ids, ntpp, False,
+                  topk, config, **flags)
+        cache2 = hidden.new_empty((m * topk, n // 2))
+        ex.act_and_mul(cache1, cache2, config)
+        out = torch.empty_like(hidden)
+        direct = topk == 1  # routed scaling is folded into the weights, so SGLang's "scale == 1" case applies
+        dst = out.unsqueeze(0) if direct else hidden.new_empty((m, topk, w2.shape[1]))
+        ex.invoke(cache2, w2, None, dst, None, None, None, wts, ids, sorted_ids, expert_ids, ntpp, True, 1,
+                  down or config, router_topk=topk, **flags)
+        if not direct:
+            _combine(dst, out, topk, ex.sum_reduce, ex.cuda_sum)
+        return out
+
+    return fn
+
+
+def fused_experts(hidden, w13, w2, topk_weights, topk_ids):
+    """SGLang's Triton fused-MoE sequence (see :func:`prepare_fused_experts`). Returns [M, H]."""
+    return prepare_fused_experts(hidden, w13, w2, topk_weights, topk_ids)()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# op table
+
+
+class _AttentionOp:
+    """Attention for the model's op table: one :class:`_AttnPlan` per (shapes, page table, inputs), refreshed in
+    place at the first layer of every forward (detected by that layer's cache), so a captured graph refreshes it
+    on every replay from the current prefix lengths and tree mask."""
+
+    def __init__(self):
+        self.plans: dict = {}
+
+    def plan(self, batch, k, cache, page_table, prefix_lens, tree_mask):
+        key = (batch, k, tuple(page_table.shape), page_table.data_ptr(), prefix_lens.data_ptr(),
+               None if tree_mask is None else (tree_mask.data_ptr(), tuple(tree_mask.shape)), cache.shape[1],
+               str(page_table.device))
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = _AttnPlan(batch, k, page_table.shape[1], cache.shape[1], tree_mask is not None,
+                             page_table.device)
+            plan.first_cache_ptr = cache.data_ptr()
+            self.plans[key] = plan
+            plan.refresh(page_table, prefix_lens, tree_mask)
+        elif cache.data_ptr() == plan.first_cache_ptr:
+            plan.refresh(page_table, prefix_lens, tree_mask)
+        return plan
+
+    def mla(self, q_latent, q_rope, cache, page_table, prefix_lens, tree_mask, sm_scale):
+        b, k, h, _ = q_latent.shape
+        plan = self.plan(b, k, cache, page_table, prefix_lens, tree_mask)
+        q3, kb, vb, r = _mla_views(q_latent, q_rope, cache)
+        return plan.run(q3, kb, vb, sm_scale, r).view(b, k, h, r)
+
+    def gqa(self, q, k_cache, v_cache, page_table, prefix_lens, tree_mask, sm_scale):
+        b, k, h, _ = q.shape
+        plan = self.plan(b, k, k_cache, page_table, prefix_lens, tree_mask)
+        q3, kb, vb, dv = _gqa_views(q, k_cache, v_cache)
+        return plan.run(q3, kb, vb, sm_scale, dv).view(b, k, h, dv)
+
+
+def make_ops(model):
+    """An :class:`~specverify.reference.model.Ops` table running SGLang's Triton kernels where they exist.
+
+    Parameters
+    ----------
+    model : specverify.reference.model.VerifyModel
+
+    Returns
+    -------
+    ops : Ops
+        ``attention_mla`` / ``attention_gqa`` (SGLang's extend attention, TARGET_VERIFY metadata refreshed once
+        per forward), ``route`` (SGLang's router), ``experts`` (SGLang's alignment and fused-MoE kernels); the rest
+        is specverify's reference. ``ops.pieces`` names the SGLang pieces.
+    note : str
+        What is SGLang's, what was substituted, and what stays on the reference.
+
+    Raises
+    ------
+    RuntimeError
+        When SGLang's attention kernel cannot be imported (the reason is in the message).
+    """
+    from specverify.reference.model import Ops
+
+    ok, why = available()
+    if not ok:
+        raise RuntimeError(why)
+    mods = _load()["mods"]
+    ops = Ops()
+    used, ref, subs = [], [], []
+    attn = _AttentionOp()
+    ops.attention_mla, ops.attention_gqa = attn.mla, attn.gqa
+    ops.pieces["attention"] = "sglang"
+    used.append("attention: extend_attention_fwd (TARGET_VERIFY metadata, refreshed once per forward; "
+                "draft K/V rows gathered from the cache per layer)")
+    if mods.get("router") is not None:
+        def route(logits, p):
+            return _route(logits, p.correction_bias, top_k=p.num_experts_per_tok, scoring=p.scoring_func,
+                          n_group=p.n_group, topk_group=p.topk_group, renormalize=p.norm_topk_prob,
+                          routed_scaling_factor=p.routed_scaling_factor)
+
+        ops.route = route
+        ops.pieces["moe_route"] = "sglang"
+        used.append("routing: moe_fused_gate")
+    else:
+        ref.append(f"routing ({_load()['why'].get('router')})")
+    if mods.get("experts") is not None and mods.get("align") is not None:
+        ops.experts = lambda hidden, w13, w2, ids, weights: fused_experts(hidden, w13, w2, weights, ids)
+        ops.pieces["experts"] = "sglang"
+        used.append("experts: SGLang alignment + invoke_fused_moe_kernel x2 + act_and_mul_triton + combine")
+        subs.append("activation: act_and_mul_triton instead of SGLang's JIT-CUDA silu_and_mul (needs tvm_ffi)")
+        cfg = model.config
+        if getattr(cfg, "n_routed_experts", 0):
+            # the alignment path for the verify-wall's largest pass is decided per call; name the rule here
+            al = mods["align"]
+            if al.large is None:
+                subs.append(f"alignment: SGLang's Triton moe_align_small_numel also beyond its gate (numel > "
+                            f"{al.limit} or <= 64 experts), where SGLang calls sgl_kernel.moe_align_block_size "
+                            "(not installed)")
+            if mods["experts"].cuda_sum is None:
+                subs.append("expert sum: moe_sum_reduce_triton also above 32 tokens, where SGLang calls "
+                            "sgl_kernel.moe_sum_reduce (not installed)")
+    else:
+        ref.append(f"experts ({_load()['why'].get('experts') or _load()['why'].get('align')})")
+    ref += ["acceptance (SGLang runs tree greedy verification as JIT CUDA/sgl_kernel on CUDA, not Triton)",
+            "kv compaction", "rmsnorm/rope/KV write/activation small ops", "dense MLP and shared expert GEMMs "
+            "(torch matmul, as SGLang's unquantised linear layers)"]
+    note = (f"sglang {mods.get('version')}: " + "; ".join(used)
+            + (". substituted: " + "; ".join(subs) if subs else "")
+            + ". reference: " + "; ".join(ref))
+    return ops, note

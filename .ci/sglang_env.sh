@@ -7,6 +7,7 @@ set -euo pipefail
 venv=${1:?usage: sglang_env.sh VENV_DIR WHEEL}
 wheel=${2:?usage: sglang_env.sh VENV_DIR WHEEL}
 py=${PYTHON:-python3}
+repo=$(cd "$(dirname "$0")/.." && pwd)
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 rm -rf "$venv"
@@ -24,7 +25,8 @@ pip --no-deps "sglang==0.5.23" "apache-tvm-ffi==0.1.11" \
   mdurl msgspec==0.22.0 multidict openai==3.57.0 orjson partial-json-parser pillow propcache psutil pybase64 \
   pydantic==2.14.4 pydantic_core==2.50.5 PyYAML pyzmq regex requests rich safetensors sentencepiece shellingham \
   sniffio starlette==1.10.0 tokenizers==0.23.3 tqdm transformers==5.24.0 typer typing-inspection \
-  typing_extensions urllib3 uvicorn==0.54.0 yarl httpx2 httpcore2 truststore
+  typing_extensions urllib3 uvicorn==0.54.0 yarl httpx2 httpcore2 truststore opentelemetry-api==1.45.2 \
+  importlib-metadata zipp
 # 3. Our package (its torch/triton/numpy requirements are already met).
 pip --no-deps "$wheel"
 
@@ -39,7 +41,7 @@ if bad or "+cpu" not in torch_v:
 PY
 (cd /tmp && TRITON_INTERPRET=1 "$venv/bin/python" - <<PY
 import sys
-sys.path.insert(0, "$(cd "$(dirname "$0")/.." && pwd)/tests/sglang")
+sys.path.insert(0, "$repo/tests/sglang")
 import standins; standins.install()
 import sglang.srt.plugins, sglang.srt.layers.attention.triton_backend, sglang.srt.layers.moe.topk
 import sglang.test.kits.attention_unittest.runner_modes.speculative_target_verify_runner

@@ -215,14 +215,24 @@ class VerifyCase:
 
 
 class SectionTimer:
-    """Records CUDA events at section boundaries during one pass (no host sync inside); sums them after."""
+    """Records CUDA events at section boundaries of one pass (no host sync inside); sums them afterwards.
 
-    def __init__(self):
+    With ``external=True`` the events become event-record nodes when the pass is captured in a CUDA graph, so the
+    components are timed inside graph replay, where launch gaps are what a served pass really has.
+    """
+
+    def __init__(self, external: bool = False):
+        self.external = external
         self.records = []
         self.stack = []
 
+    def event(self):
+        if self.external:
+            return torch.cuda.Event(enable_timing=True, external=True)
+        return torch.cuda.Event(enable_timing=True)
+
     def __call__(self, name, phase):
-        ev = torch.cuda.Event(enable_timing=True)
+        ev = self.event()
         ev.record()
         if phase == "start":
             self.stack.append((name, ev))
@@ -238,31 +248,55 @@ class SectionTimer:
         return out
 
 
-def breakdown(case: VerifyCase, device, iters: int = 5) -> dict:
-    """GPU ms per component of one verify pass (eager; median over ``iters`` profiled passes), plus the whole
-    pass timed without section events and the relative gap between the two."""
+def breakdown(case: VerifyCase, device, plain_fn, iters: int = 5) -> dict:
+    """GPU ms per component of one verify pass, timed inside a CUDA graph of the pass (events as graph nodes),
+    median over ``iters`` replays; ``pass_ms`` is the pass without section events (``plain_fn``, the provider's
+    own graph) and ``gap`` the relative difference between the components' sum and it. Falls back to eager
+    timing (``mode: eager``) where events cannot be captured."""
     model = case.model
     per_iter = []
-    for _ in range(iters + 1):
-        timer = SectionTimer()
+    mode = "graph"
+    try:
+        timer = SectionTimer(external=True)
+        whole_s, whole_e = timer.event(), timer.event()
+        graph = torch.cuda.CUDAGraph()
         model.section_hook = timer
         try:
-            whole_s, whole_e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            whole_s.record()
-            case.run()
-            whole_e.record()
+            with torch.cuda.graph(graph):
+                whole_s.record()
+                case.run()
+                whole_e.record()
         finally:
             model.section_hook = None
-        totals = timer.totals_ms()
-        totals["__pass__"] = whole_s.elapsed_time(whole_e)
-        per_iter.append(totals)
+        for _ in range(iters + 1):
+            graph.replay()
+            totals = timer.totals_ms()
+            totals["__pass__"] = whole_s.elapsed_time(whole_e)
+            per_iter.append(totals)
+        del graph
+    except Exception as exc:  # events as graph nodes unsupported here: time the sections eagerly instead
+        log.warning("breakdown inside a CUDA graph failed (%s); timing sections eagerly", exc)
+        mode, per_iter = f"eager ({type(exc).__name__})", []
+        for _ in range(iters + 1):
+            timer = SectionTimer()
+            model.section_hook = timer
+            try:
+                whole_s, whole_e = timer.event(), timer.event()
+                whole_s.record()
+                case.run()
+                whole_e.record()
+            finally:
+                model.section_hook = None
+            totals = timer.totals_ms()
+            totals["__pass__"] = whole_s.elapsed_time(whole_e)
+            per_iter.append(totals)
     per_iter = per_iter[1:]
     names = sorted({n for t in per_iter for n in t})
     med = {n: statistics.median(t.get(n, 0.0) for t in per_iter) for n in names}
     whole = med.pop("__pass__")
-    plain = statistics.median(_time_calls(case.run, 2, iters, device))
-    return {"components_ms": med, "sum_ms": sum(med.values()), "profiled_pass_ms": whole, "pass_ms": plain,
-            "gap": abs(sum(med.values()) - plain) / plain if plain else float("nan")}
+    plain = statistics.median(_time_calls(plain_fn, 2, iters, device))
+    return {"mode": mode, "components_ms": med, "sum_ms": sum(med.values()), "profiled_pass_ms": whole,
+            "pass_ms": plain, "gap": abs(sum(med.values()) - plain) / plain if plain else float("nan")}
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -419,7 +453,7 @@ def run_verify_wall(s: WallSettings, progress=None) -> dict:
                 med = statistics.median(times) if times else float("nan")
                 progress(step, total_steps, f"{provider} k={k}: {med:.3f} ms")
             if s.breakdown and device.type == "cuda" and k in (1, 4) and times:
-                breakdowns[f"{provider}/k={k}"] = breakdown(cases[k], device)
+                breakdowns[f"{provider}/k={k}"] = breakdown(cases[k], device, lambda: pool.replay(s.batch, k))
         if use_graphs:
             meta.setdefault("graph_pools", {})[provider] = {
                 "graphs": [g.as_dict() if hasattr(g, "as_dict") else g for g in pool.report()],
@@ -511,8 +545,8 @@ def format_table(result: dict) -> str:
         lines.append("* host launch time of one replay exceeds the pass's GPU time: launch-bound")
     for name, b in result.get("breakdown", {}).items():
         comp = ", ".join(f"{k}={v:.3f}" for k, v in sorted(b["components_ms"].items(), key=lambda kv: -kv[1]))
-        lines.append(f"breakdown {name}: pass {b['pass_ms']:.3f} ms, components sum {b['sum_ms']:.3f} ms "
-                     f"(gap {b['gap'] * 100:.1f}%): {comp}")
+        lines.append(f"breakdown {name} ({b['mode']}): pass {b['pass_ms']:.3f} ms, components sum "
+                     f"{b['sum_ms']:.3f} ms (gap {b['gap'] * 100:.1f}%): {comp}")
     lines.append("rel err: ||logits - first provider's logits|| / ||first provider's logits||, same inputs, "
                  "first 2 layers + LM head")
     for note in meta["notes"]:

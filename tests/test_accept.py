@@ -195,7 +195,7 @@ def test_sampling_graph_capture_gpu():
     out = tuple(t.cuda() for t in (torch.empty(batch, 3, dtype=torch.int64), torch.empty(batch, dtype=torch.int64),
                                    torch.empty(batch, 3, dtype=torch.int64)))
     parents = trees.parents.cuda()
-    verify_sampling(logits, parents[:, :], draft, uniform_samples=u, top_p=top_p, out=None)  # warm-up, counters
+    verify_sampling(logits, trees, draft, uniform_samples=u, top_p=top_p, out=None)  # warm-up, counters
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         verify_sampling(logits, trees, draft, uniform_samples=u, top_p=top_p, out=out)

@@ -51,6 +51,11 @@ SGLang's is patched: the MoE config lookup module is loaded privately from its f
 imports ``sgl_kernel`` on CUDA), and where SGLang's server context is not published its ``get_exec`` is replaced in
 that private copy only, by one reporting deterministic inference off (SGLang's default).
 
+Import chain of the experts piece: ``fused_moe_triton_kernels`` imports ``sglang.srt.layers.moe``, whose package
+``__init__`` reaches ``sglang.srt.configs`` and so ``transformers`` and ``torchvision``. Where those do not import
+(the GPU test machine has neither), the experts piece is reported missing with the exact error and
+:func:`make_ops` keeps specverify's reference experts, saying so in its note.
+
 Graph safety: the wrappers allocate with torch (captured into the graph's pool), never synchronise with the host
 and never branch on tensor values. SGLang's kernels are launched with ``launch_pdl`` on Hopper, as SGLang does.
 """
@@ -523,18 +528,27 @@ def route_and_align(logits, bias, block_size, *, top_k, scoring="sigmoid", n_gro
 # experts
 
 
-def _moe_configs(w13_shape, w2_shape, top_k, dtype, m):
-    """SGLang's block config choice for an unquantised MoE: (config, down_config or None)."""
+def _moe_configs(w13_shape, w2_shape, top_k, dtype, m, on_cuda):
+    """SGLang's block config choice for an unquantised MoE: (config, down_config or None).
+
+    Tuned files are keyed by the CUDA device name; off CUDA there is none, and SGLang's default config applies.
+    """
     cfg = _need("experts").config
     e, _, n = w2_shape
     dtype_str = cfg.get_config_dtype_str(dtype)
-    configs = cfg.get_moe_configs(e, n, dtype_str, 0, 0, per_channel_quant=False, down_moe=False)
+
+    def lookup(down):
+        if not on_cuda:
+            return None
+        return cfg.get_moe_configs(e, n, dtype_str, 0, 0, per_channel_quant=False, down_moe=down)
+
+    configs = lookup(False)
     if configs:
         config = dict(configs[min(configs.keys(), key=lambda x: abs(x - m))])
     else:
         config = dict(cfg.get_default_config(m, e, n, w13_shape[2], top_k, dtype_str, False, None))
     down = None
-    down_configs = cfg.get_moe_configs(e, n, dtype_str, 0, 0, per_channel_quant=False, down_moe=True)
+    down_configs = lookup(True)
     if down_configs:
         down = dict(down_configs[min(down_configs.keys(), key=lambda x: abs(x - m))])
         down["BLOCK_SIZE_M"] = config["BLOCK_SIZE_M"]  # one alignment serves both GEMMs, as in SGLang
@@ -547,11 +561,12 @@ _CONFIG_CACHE: dict = {}
 
 
 def _config_for(hidden, w13, w2, top_k):
-    key = (tuple(w13.shape), tuple(w2.shape), top_k, hidden.dtype, hidden.shape[0])
+    on_cuda = hidden.is_cuda
+    key = (tuple(w13.shape), tuple(w2.shape), top_k, hidden.dtype, hidden.shape[0], on_cuda)
     got = _CONFIG_CACHE.get(key)
     if got is None:
         got = _CONFIG_CACHE[key] = _moe_configs(tuple(w13.shape), tuple(w2.shape), top_k, hidden.dtype,
-                                                hidden.shape[0])
+                                                hidden.shape[0], on_cuda)
     return got
 
 

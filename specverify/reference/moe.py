@@ -35,7 +35,7 @@ def route_reference(router_logits, top_k, scoring="sigmoid", correction_bias=Non
     else:
         raise ValueError(f"scoring must be 'sigmoid' or 'softmax', got {scoring!r}")
     choice = scores if correction_bias is None else scores + correction_bias.to(scores.dtype).view(1, e)
-    neg_inf = torch.tensor(float("-inf"), device=logits.device)
+    neg_inf = float("-inf")  # a Python scalar: no host-to-device copy, so the reference stays capturable
     choice = torch.where(torch.isfinite(choice), choice, neg_inf)
     if n_group > 1:
         gsize = e // n_group

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: install the package (and the SGLang peer wheels if carried in .whl/), then run the named steps,
 # writing logs and JSON under $OUT. Usage: bash bench/device_run.sh STEP [STEP ...]
-# Steps: env tests-<name> bench-<name> wall-<preset>
+# Steps: env tests-<name> bench-<name> wall-<preset> pack (tar everything under $OUT into results.tgz: the
+# device tool brings back at most 8 files)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -21,6 +22,7 @@ for step in "$@"; do
     tests-*) n=${step#tests-}; run "tests_$n" python3 -P -m pytest -q -p no:cacheprovider -x --rootdir=. tests/test_$n*.py ;;
     bench-*) n=${step#bench-}; run "bench_$n" python3 bench/bench_$n.py --quick --json "$OUT/bench_$n.json" ;;
     wall-*) n=${step#wall-}; run "wall_$n" python3 -P -m specverify bench verify-wall ${WALL_ARGS:-} --json "$OUT/wall_$n.json" --plot "$OUT/wall_$n.png" ;;
+    pack) tar czf /tmp/results.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/results.tgz "$OUT/" ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib
 import logging
 
+import torch
+
 log = logging.getLogger("specverify")
 
 
@@ -56,7 +58,15 @@ def specverify_ops(model):
         def experts(hidden, w13, w2, ids, weights):
             return fused_moe(hidden, w13, w2, ids, weights, impl="triton")
 
-        ops.route, ops.experts = route, experts
+        def experts_with_shared(hidden, w13_all, w2_all, ids, weights):
+            # the shared expert is expert E of the stacked weights, chosen by every token with weight 1
+            shared = w13_all.shape[0] - 1
+            ids = torch.cat([ids, torch.full_like(ids[:, :1], shared)], 1)
+            weights = torch.cat([weights, torch.ones_like(weights[:, :1])], 1)
+            return fused_moe(hidden, w13_all, w2_all, ids, weights, impl="triton")
+
+        ops.route, ops.experts, ops.experts_with_shared = route, experts, experts_with_shared
+        ops.pieces["shared_expert"] = "triton (fused into the expert pass)"
         ops.pieces["moe_route"] = "triton"
         ops.pieces["experts"] = "triton"
     else:

@@ -43,7 +43,8 @@ Not provided: tree greedy verification and tree speculative sampling. On CUDA SG
 ``verify_tree_greedy`` and ``tree_speculative_sampling_target_only`` as JIT-compiled CUDA (``tvm_ffi``) or
 ``sgl_kernel`` ops, not Triton; its Triton ``verify_tree_greedy_triton`` (``kernels/ops/speculative/spec_tree.py``)
 is the XPU path only, and that module imports ``sgl_kernel`` at import time on CPU;
-``chain_speculative_sampling_triton`` handles chains only. Acceptance therefore stays on specverify's reference in :func:`make_ops`.
+``chain_speculative_sampling_triton`` handles chains only. Acceptance therefore stays on specverify's reference
+in :func:`make_ops`.
 
 Stand-ins: ``sglang.utils`` imports ``IPython.display`` at import time; when IPython is missing an import-only
 stand-in module (``HTML``, ``display``) is registered in ``sys.modules`` before SGLang is imported. Nothing else of

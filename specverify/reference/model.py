@@ -50,6 +50,7 @@ class Ops:
     mla_prep: Callable = None  # (q, kv, positions, norm_w, cache, page_table, prefix_lens, eps, theta, nope)
     gqa_prep: Callable = None  # (q, k, v, positions, q_norm, k_norm, k_cache, v_cache, pt, prefix, eps, theta)
     silu_mul: Callable = silu_mul_reference
+    experts_with_shared: Callable = None  # (hidden, w13_all, w2_all, ids, weights): expert E is the shared one
     pieces: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -223,14 +224,24 @@ class VerifyModel:
             w["bias"] = (pf.rand(f"{tag}.bias", [e], std=0.05).float() if c.e_score_correction_bias else None)
             gate = pf.rand(f"{tag}.exp_gate", [e, inter, h], shard_dim=1, fan_in=h)
             up = pf.rand(f"{tag}.exp_up", [e, inter, h], shard_dim=1, fan_in=h)
-            w["w13"] = torch.cat([gate, up], 1).contiguous()
-            w["w2"] = pf.rand(f"{tag}.exp_down", [e, h, inter], shard_dim=2, fan_in=inter)
+            w13 = torch.cat([gate, up], 1)
+            del gate, up
+            w2 = pf.rand(f"{tag}.exp_down", [e, h, inter], shard_dim=2, fan_in=inter)
             if c.n_shared_experts:
                 si = inter * c.n_shared_experts
                 sg = pf.rand(f"{tag}.sh_gate", [si, h], shard_dim=0, fan_in=h)
                 su = pf.rand(f"{tag}.sh_up", [si, h], shard_dim=0, fan_in=h)
-                w["shared_gate_up"] = torch.cat([sg, su], 0)
-                w["shared_down"] = pf.rand(f"{tag}.sh_down", [h, si], shard_dim=1, fan_in=si)
+                sd = pf.rand(f"{tag}.sh_down", [h, si], shard_dim=1, fan_in=si)
+                if si == inter:
+                    # stored as expert e of one [e + 1, ...] tensor, so an expert kernel can run the shared expert
+                    # as one more always-chosen expert; the routed views below are unchanged
+                    w13 = torch.cat([w13, torch.cat([sg, su], 0).unsqueeze(0)], 0)
+                    w2 = torch.cat([w2, sd.unsqueeze(0)], 0)
+                    w["w13_all"], w["w2_all"] = w13, w2
+                    w["shared_gate_up"], w["shared_down"] = w13[e], w2[e]
+                else:
+                    w["shared_gate_up"], w["shared_down"] = torch.cat([sg, su], 0), sd
+            w["w13"], w["w2"] = w13[:e], w2[:e]
             w["route"] = RouteParams(c.num_experts_per_tok, c.scoring_func, w["bias"], c.n_group, c.topk_group,
                                      c.norm_topk_prob, c.routed_scaling_factor, e)
         return w
@@ -342,6 +353,9 @@ class VerifyModel:
         with self.section("moe_route"):
             logits = flat @ w["router"].t()
             ids, weights = ops.route(logits, w["route"])
+        if "w13_all" in w and ops.experts_with_shared is not None:
+            with self.section("experts"):  # routed experts and the shared expert in one expert pass
+                return ops.experts_with_shared(flat, w["w13_all"], w["w2_all"], ids, weights).view_as(h)
         with self.section("experts"):
             out = ops.experts(flat, w["w13"], w["w2"], ids, weights)
         if "shared_gate_up" in w:

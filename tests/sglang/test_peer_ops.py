@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import os
 
 import pytest
 import torch
@@ -15,6 +16,11 @@ import torch
 pytest.importorskip("sglang", reason="SGLang is not installed: run in the venv made by .ci/sglang_env.sh")
 
 pytestmark = pytest.mark.sglang
+
+# These checks run SGLang's kernels on CPU tensors under the interpreter; on a GPU machine run them with
+# TRITON_INTERPRET=1 (the GPU check is test_make_ops_forward_captures_in_a_cuda_graph).
+interpreter = pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="CPU-tensor interpreter check: set TRITON_INTERPRET=1 to run it here")
 
 
 def _transformers_sees_no_torchvision():
@@ -93,6 +99,7 @@ def _tol(out, ref64, torch_out):
 # prefix 7 with page 4: the draft tokens start mid-page and cross a page boundary; prefix 0: no prefix at all
 # (the kernel's prefix loop is empty); k = 1: a one-token (decode-shaped) pass.
 @pytest.mark.parametrize("k, prefix", [(5, [7, 0]), (1, [9, 3])])
+@interpreter
 def test_tree_attention_gqa_matches_reference(k, prefix):
     _piece("attention")
     gen = torch.Generator().manual_seed(11 + k)
@@ -114,6 +121,7 @@ def test_tree_attention_gqa_matches_reference(k, prefix):
 
 
 @pytest.mark.parametrize("k, prefix", [(5, [6, 11])])
+@interpreter
 def test_tree_attention_mla_matches_reference(k, prefix):
     _piece("attention")
     gen = torch.Generator().manual_seed(23)
@@ -131,6 +139,7 @@ def test_tree_attention_mla_matches_reference(k, prefix):
         assert err <= _tol(out, ref64, ref32), (name, err)
 
 
+@interpreter
 def test_tree_attention_rejects_a_wrong_mask():
     _piece("attention")
     q = torch.zeros(1, 3, 2, 16)
@@ -153,6 +162,7 @@ _ROUTES = [(3, 12, 3, 1, 1, "sigmoid"), (4, 16, 4, 4, 2, "sigmoid"), (5, 10, 2, 
 
 
 @pytest.mark.parametrize("m, e, top_k, n_group, topk_group, scoring", _ROUTES)
+@interpreter
 def test_route_and_align_match_reference(m, e, top_k, n_group, topk_group, scoring):
     _piece("router")
     _piece("align")
@@ -177,6 +187,7 @@ def test_route_and_align_match_reference(m, e, top_k, n_group, topk_group, scori
 # top-1 writes the expert output directly, top-2 adds two rows, top-3 goes through SGLang's sum-reduce kernel;
 # 7 experts with 5 tokens x 3 leaves experts empty.
 @pytest.mark.parametrize("m, e, top_k", [(2, 4, 1), (3, 8, 2), (5, 7, 3)])
+@interpreter
 def test_fused_experts_matches_reference(m, e, top_k):
     _piece("experts")
     _piece("align")
@@ -210,6 +221,7 @@ def _forward_case(model, gen, prefix, k=4):
 
 
 @pytest.mark.parametrize("name", ["tiny-mla-moe", "tiny-gqa-moe"])
+@interpreter
 def test_make_ops_forward_matches_reference_and_refreshes(name):
     _piece("experts")
     from specverify.reference.model import Ops, VerifyModel

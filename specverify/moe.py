@@ -424,8 +424,8 @@ def _gemm_configs(m: int, h: int, inter: int, block_m: int, on_gpu: bool, *, top
                   num_sms: int = 132):
     """Pinned tile shapes (no autotuning, so the first call compiles once and graphs stay stable).
 
-    ``SPLIT_K`` of the gate/up GEMM: when the activated blocks times the I-tiles give fewer than ~4 programs per SM
-    (M = 1: 8 blocks x 16 tiles = 128 programs for 132 SMs), H is split so more weight loads are in flight.
+    ``SPLIT_K`` (split of H in the gate/up GEMM) is 1 unless overridden through ``_CONFIG_OVERRIDE`` (measured
+    slower on the H200, see below); the path is kept, tested on the CPU, for other shapes and a later retune.
     """
     def fit(b, n):
         return max(16, min(b, _next_pow2(n)))
@@ -437,12 +437,8 @@ def _gemm_configs(m: int, h: int, inter: int, block_m: int, on_gpu: bool, *, top
                   num_warps=4, num_stages=4, UPCAST=False, SPLIT_K=1)
         g2 = dict(BLOCK_N=fit(64 if m <= 64 else 128, h), BLOCK_K=fit(128, inter), num_warps=4, num_stages=3,
                   UPCAST=False, SPLIT_K=1)
-        blocks = min(m * top_k, num_experts)  # activated experts (one block each at small M)
-        programs = blocks * _cdiv(inter, g1["BLOCK_N"])
-        split = 1
-        while split < 8 and programs * split * 2 <= 4 * num_sms and _cdiv(h, split * 2) >= 2 * g1["BLOCK_K"]:
-            split *= 2
-        g1["SPLIT_K"] = split
+        # SPLIT_K stays 1: on the H200 (Kimi-K2 per rank) split 2 / 4 made M = 1 slower (63 / 71 us against 37 us):
+        # the fp32 partials the down kernel re-reads per H tile cost more than the extra weight loads in flight.
     g1.update(_CONFIG_OVERRIDE.get("g1", {}))
     g2.update(_CONFIG_OVERRIDE.get("g2", {}))
     g2["SPLIT_K"] = g1["SPLIT_K"]

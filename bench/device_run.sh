@@ -22,6 +22,8 @@ for step in "$@"; do
     tests-*) n=${step#tests-}; run "tests_$n" python3 -P -m pytest -q -p no:cacheprovider -x --rootdir=. tests/test_$n*.py ;;
     bench-*) n=${step#bench-}; run "bench_$n" python3 bench/bench_$n.py --quick --json "$OUT/bench_$n.json" ;;
     wall-*) n=${step#wall-}; run "wall_$n" python3 -P -m specverify bench verify-wall ${WALL_ARGS:-} --json "$OUT/wall_$n.json" --plot "$OUT/wall_$n.png" ;;
+    peer) run peer python3 -P -c "from specverify.peers import sglang as p; print(p.available())" ;;
+    sglang-tests) run sglang_tests python3 -P -m pytest -q -p no:cacheprovider --rootdir=. tests/sglang -m sglang ;;
     pack) tar czf /tmp/results.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/results.tgz "$OUT/" ;;
     *) echo "unknown step $step" ;;
   esac

@@ -192,18 +192,18 @@ def _choose_config(*, mla: bool, rows: int, head_dim: int, head_dim_v: int, inte
 
 def _choose_num_splits(*, batch: int, programs_per_split: int, max_prefix: int, bytes_per_token: int,
                        block_n: int, num_sms: int) -> int:
-    """Splits so that batch x programs x splits is about two waves of SMs, each split reading >= 64 KiB of KV.
+    """Splits so that batch x programs x splits is about one wave of SMs, each split reading >= 64 KiB of KV.
 
-    Two waves (not one) because on the H200 sweep the extra programs hid the per-program latency: Llama-3.1-8B
-    batch 8 at 32k went from 42% of the copy bandwidth at 2 splits to 71% at 4; Kimi-K2 batch 1 at 4k from 27 us
-    at 31 splits to 14 us at 63.
+    H200 sweep (bench/sweep_verify_kernels.py): at batch 1 more, shorter splits win (Kimi-K2 at 4k: 27 us at 31
+    splits, 14 us at 63); where the batch already gives about a wave, two waves were slower for MLA (Kimi-K2
+    batch 64: 190 us at 2 splits, 229 us at 5) and for GQA 8:1 batch 64 (102 us at 2, 149 us at 3).
     """
     base = batch * programs_per_split
-    if max_prefix <= 0:
+    if base >= num_sms or max_prefix <= 0:
         return 1
     min_tokens = _cdiv(max(block_n, MIN_SPLIT_BYTES // max(1, bytes_per_token)), block_n) * block_n
     by_length = max(1, max_prefix // min_tokens)
-    return max(1, min(_cdiv(2 * num_sms, base) if base < 2 * num_sms else 1, by_length, MAX_SPLITS))
+    return max(1, min(_cdiv(num_sms, base), by_length, MAX_SPLITS))
 
 
 def _make_plan(*, max_batch, k, hq, hkv, d, dr, dv, max_context, device, dtype_bytes, v_is_k, num_splits,

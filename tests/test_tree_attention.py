@@ -251,17 +251,17 @@ def test_reference_impl_and_disable_flag(device, monkeypatch):
 
 
 def test_split_heuristic():
-    """Splits fill about two waves of SMs, never below ~64 KiB of KV per split, and stop when the batch fills it."""
+    """Splits fill about one wave of SMs, never below ~64 KiB of KV per split, and stop when the batch fills it."""
     mla_token_bytes = 576 * 2
     # Kimi-K2 per rank, batch 1, prefix 4092 / 4096: splits of 64 tokens (>= 64 KiB of KV) -> 63 / 64
     assert _choose_num_splits(batch=1, programs_per_split=1, max_prefix=4092, bytes_per_token=mla_token_bytes,
                               block_n=32, num_sms=132) == 63
     assert _choose_num_splits(batch=1, programs_per_split=1, max_prefix=4096, bytes_per_token=mla_token_bytes,
                               block_n=32, num_sms=132) == 64
-    # batch 8, ctx 32k: the SM count limits (ceil(2 * 132 / 8) = 33)
+    # batch 8, ctx 32k: the SM count limits (ceil(132 / 8) = 17)
     assert _choose_num_splits(batch=8, programs_per_split=1, max_prefix=32768, bytes_per_token=mla_token_bytes,
-                              block_n=32, num_sms=132) == 33
-    # batch 64 x 8 KV heads already fills two waves
+                              block_n=32, num_sms=132) == 17
+    # batch 64 x 8 KV heads already fills the GPU
     assert _choose_num_splits(batch=64, programs_per_split=8, max_prefix=32768, bytes_per_token=512,
                               block_n=64, num_sms=132) == 1
     # short context: no split

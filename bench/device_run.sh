@@ -20,7 +20,7 @@ for step in "$@"; do
   case $step in
     env) run env python3 -P -m specverify env ;;
     tests-*) n=${step#tests-}; run "tests_$n" python3 -P -m pytest -q -p no:cacheprovider -x --rootdir=. tests/test_$n*.py ;;
-    bench-*) n=${step#bench-}; run "bench_$n" python3 bench/bench_$n.py --quick --json "$OUT/bench_$n.json" ;;
+    bench-*) n=${step#bench-}; run "bench_$n" python3 bench/bench_$n.py --quick --json "$OUT/bench_$n.json" ${BENCH_ARGS:-} ;;
     wall-*) n=${step#wall-}; run "wall_$n" python3 -P -m specverify bench verify-wall ${WALL_ARGS:-} --json "$OUT/wall_$n.json" --plot "$OUT/wall_$n.png" ;;
     peer) run peer python3 -P -c "from specverify.peers import sglang as p; print(p.available())" ;;
     sglang-tests) run sglang_tests python3 -P -m pytest -q -p no:cacheprovider --rootdir=. tests/sglang -m sglang ;;

@@ -492,7 +492,15 @@ class VerifyPassAdapter:
 
 
 def build_reference_model(config, tp: int = 1, num_layers: int | None = None, device="cuda",
-                          dtype=torch.bfloat16, **kwargs) -> VerifyPassAdapter:
-    """A :class:`VerifyPassAdapter` over a :class:`VerifyModel` (reference ops) with dummy weights."""
+                          dtype=torch.bfloat16, provider: str = "auto", **kwargs) -> VerifyPassAdapter:
+    """A :class:`VerifyPassAdapter` over a :class:`VerifyModel` with dummy weights.
+
+    ``provider``: ``reference`` (torch ops), ``specverify`` (our kernels where they exist) or ``auto``
+    (specverify on CUDA, reference elsewhere).
+    """
     model = VerifyModel(config, tp=tp, num_layers=num_layers, device=device, dtype=dtype)
+    if provider == "specverify" or (provider == "auto" and model.device.type == "cuda"):
+        from specverify.providers import specverify_ops
+
+        model.ops, _ = specverify_ops(model)
     return VerifyPassAdapter(model, **kwargs)

@@ -459,7 +459,15 @@ def run_verify_wall(s: WallSettings, progress=None) -> dict:
                 "graphs": [g.as_dict() if hasattr(g, "as_dict") else g for g in pool.report()],
                 "pool_bytes": pool.pool_bytes(), "largest_graph_bytes": pool.largest_graph_bytes()}
         if s.switch and use_graphs and not failed:
-            order = [ks[(i * 3) % len(ks)] for i in range(len(ks) * 8)]
+            # every k appears once per round, in a new order each round (seeded), so k changes on every pass
+            rng = __import__("random").Random(s.seed)
+            order = []
+            for _ in range(8):
+                perm = list(ks)
+                rng.shuffle(perm)
+                if order and perm[0] == order[-1]:
+                    perm.reverse()
+                order += perm
             ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in order]
             for kk, (a, b) in zip(order, ev):
                 a.record()
@@ -555,12 +563,13 @@ def format_table(result: dict) -> str:
 
 
 def write_plot(result: dict, path: str) -> None:
-    import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    # the object API, not pyplot: no GUI backend or interactive-shell detection in a headless benchmark
+    fig = Figure(figsize=(7, 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
     rows = result["rows"]
     for prov in dict.fromkeys(r["provider"] for r in rows):
         rs = [r for r in rows if r["provider"] == prov]
@@ -575,7 +584,6 @@ def write_plot(result: dict, path: str) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def _progress_printer():

@@ -47,12 +47,27 @@ def _choose_impl(impl: str, device: torch.device) -> str:
     return "reference"
 
 
+def _parents_on(tree: BatchedDraftTree, device) -> torch.Tensor:
+    """The tree's parents on ``device``, copied once and kept on the tree: a host-to-device copy cannot happen
+    while a CUDA graph is being captured, so the first call (eager) makes the copy and captures reuse it."""
+    device = torch.device(device)
+    cache = tree.__dict__.setdefault("_parents_by_device", {})
+    key = str(device)
+    if key not in cache:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("verify: the BatchedDraftTree's parents are not on the GPU yet and cannot be copied "
+                               "during CUDA-graph capture; call once eagerly before capturing, or pass a parents "
+                               "tensor already on the GPU")
+        cache[key] = tree.parents.to(device)
+    return cache[key]
+
+
 def _tree_parents(tree, batch: int, k: int, device) -> tuple[torch.Tensor, int]:
     if isinstance(tree, BatchedDraftTree):
         if tree.batch != batch or tree.num_nodes != k:
             raise ValueError(f"tree must describe [batch, k] = [{batch}, {k}] nodes, got a BatchedDraftTree of "
                              f"[{tree.batch}, {tree.num_nodes}]; build it from one DraftTree per request")
-        return tree.parents.to(device), tree.max_depth
+        return _parents_on(tree, device), tree.max_depth
     if not isinstance(tree, torch.Tensor):
         raise TypeError(f"tree must be a BatchedDraftTree or an int parents tensor [batch, k], got "
                         f"{type(tree).__name__}")

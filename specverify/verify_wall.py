@@ -507,6 +507,10 @@ def run_verify_wall(s: WallSettings, progress=None) -> dict:
             })
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        if s.json_path:  # after every provider, so a run stopped part-way still leaves its figures
+            with open(s.json_path, "w") as f:
+                json.dump({"rows": rows, "meta": meta, "breakdown": breakdowns, "partial": True}, f, indent=1,
+                          default=str)
     for r in rows:
         r.update({k2: meta[k2] for k2 in ("model", "tp", "batch", "context", "layers", "distinct_layers", "graph",
                                           "gpu", "commit", "date")})

@@ -18,10 +18,11 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 
 import torch
+
+from specverify.benchmarking import bench_us, git_commit, graph_us
 
 
 def _peer():
@@ -36,41 +37,6 @@ def _peer():
     except Exception as exc:
         return None, f"sglang_peer.available() failed ({exc})"
     return sglang_peer, ""
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except Exception:
-        return "?"
-
-
-def bench_us(fn, quick: bool) -> float:
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=10 if quick else 25, rep=20 if quick else 100, return_mode="median") * 1e3
-
-
-def graph_us(fn, calls: int = 20, replays: int = 10) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (calls * replays)
 
 
 def torch_walk(probs, parents, draft, u, length):
@@ -187,7 +153,7 @@ def main(argv=None) -> int:
                        and x["k"] == r["k"] and x["batch"] == r["batch"])
             r["speedup"] = ref["us"] / r["us"] if r["us"] == r["us"] and r["us"] > 0 else float("nan")
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                commit=_commit(), date=datetime.datetime.now().isoformat(timespec="seconds"),
+                commit=git_commit(__file__), date=datetime.datetime.now().isoformat(timespec="seconds"),
                 sglang=("yes" if peer is not None else f"no: {why}"), logits="bf16 randn*4", top_p=top_p)
     if args.json:
         with open(args.json, "w") as f:

@@ -18,10 +18,11 @@ import datetime
 import json
 import math
 import os
-import subprocess
 import sys
 
 import torch
+
+from specverify.benchmarking import bench_us, copy_bandwidth_gbps, git_commit, graph_us
 
 # per-rank shapes at tp 8: hidden H, expert intermediate I (2048/8 etc.), experts, top-k, routing
 MODELS = {
@@ -50,52 +51,6 @@ def _peer():
     return sglang_peer, ""
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except Exception:
-        return "?"
-
-
-def copy_bandwidth_gbps() -> float:
-    from triton.testing import do_bench
-
-    n = 1 << 30
-    src = torch.empty(n, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median")
-    del src, dst
-    return 2 * n / (ms * 1e-3) / 1e9
-
-
-def bench_us(fn, quick: bool) -> float:
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=10 if quick else 25, rep=20 if quick else 100, return_mode="median") * 1e3
-
-
-def graph_us(fn, calls: int = 20, replays: int = 10) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (calls * replays)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="M = 1, 4, 16, 64 and fewer repeats (< 90 s on H200)")
@@ -117,7 +72,7 @@ def main(argv=None) -> int:
     bw = copy_bandwidth_gbps()
     print(f"# measured D2D copy bandwidth: {bw:.0f} GB/s")
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                commit=_commit(), date=datetime.datetime.now().isoformat(timespec="seconds"), copy_gbps=bw)
+                commit=git_commit(__file__), date=datetime.datetime.now().isoformat(timespec="seconds"), copy_gbps=bw)
     rows = []
     for name in args.models.split(","):
         cfg = MODELS[name]

@@ -26,10 +26,11 @@ import datetime
 import json
 import math
 import os
-import subprocess
 import sys
 
 import torch
+
+from specverify.benchmarking import bench_us, copy_bandwidth_gbps, git_commit, graph_us
 
 MODELS = {
     "kimi-k2": dict(kind="mla", heads=8, r=512, dr=64, sm_scale=192 ** -0.5),
@@ -83,51 +84,6 @@ def _flashinfer():
         return flashinfer, ""
     except Exception as exc:
         return None, f"flashinfer not importable ({exc.__class__.__name__})"
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except Exception:
-        return "?"
-
-
-def copy_bandwidth_gbps() -> float:
-    from triton.testing import do_bench
-
-    n = 1 << 30
-    src = torch.empty(n, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median")
-    return 2 * n / (ms * 1e-3) / 1e9
-
-
-def bench_us(fn, quick: bool) -> float:
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=10 if quick else 25, rep=30 if quick else 100, return_mode="median") * 1e3
-
-
-def graph_us(fn, calls: int = 20, replays: int = 10) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (calls * replays)
 
 
 def make_inputs(model: str, batch: int, ctx: int, k: int, tree: bool, seed: int = 0):
@@ -260,7 +216,7 @@ def main(argv=None) -> int:
     bw = copy_bandwidth_gbps()
     print(f"# measured D2D copy bandwidth: {bw:.0f} GB/s")
     meta_run = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                    commit=_commit(), date=datetime.datetime.now().isoformat(timespec="seconds"), copy_gbps=bw,
+                    commit=git_commit(__file__), date=datetime.datetime.now().isoformat(timespec="seconds"), copy_gbps=bw,
                     page_size=PAGE_SIZE)
     shapes = [s for s in (QUICK_SHAPES if args.quick else full_shapes()) if s[0] in models]
     rows = []

@@ -28,7 +28,7 @@ import torch
 from specverify.configs import ModelConfig, RankShapes, get_config, per_rank_shapes
 from specverify.reference.accept import greedy_accept_reference
 from specverify.reference.attention import tree_attention_mla_reference, tree_attention_reference
-from specverify.reference.fused_ops import (add_rmsnorm_reference, apply_rope, gqa_prep_reference,
+from specverify.reference.fused_ops import (add_rmsnorm_reference, gqa_prep_reference,
                                             mla_kv_prep_reference, rmsnorm_reference, silu_mul_reference)
 from specverify.reference.kv import compact_kv_reference, write_draft_kv
 from specverify.reference.moe import fused_moe_reference, route_reference

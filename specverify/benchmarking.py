@@ -1,0 +1,65 @@
+"""Timing helpers shared by the microbenchmarks in ``bench/`` (GPU only).
+
+* :func:`bench_us`: ``triton.testing.do_bench`` median in µs (eager launches, L2 not flushed between calls).
+* :func:`graph_us`: µs per call inside a CUDA graph of ``calls`` back-to-back calls, replayed ``replays`` times;
+  ``repeats`` > 1 keeps the best of several such measurements (less host noise).
+* :func:`copy_bandwidth_gbps`: device-to-device copy bandwidth, read + write bytes over the median time — the
+  ceiling the bandwidth fractions are quoted against.
+* :func:`git_commit`: the short commit of the checkout a script runs from (``"?"`` outside a git checkout).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+
+import torch
+
+
+def bench_us(fn, quick: bool) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=10 if quick else 25, rep=20 if quick else 100, return_mode="median") * 1e3
+
+
+def graph_us(fn, calls: int = 20, replays: int = 10, repeats: int = 1) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / (calls * replays))
+    return best
+
+
+def copy_bandwidth_gbps(nbytes: int = 1 << 30) -> float:
+    from triton.testing import do_bench
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median")
+    del src, dst
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def git_commit(path: str | None = None) -> str:
+    try:
+        here = os.path.dirname(os.path.abspath(path or __file__))
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here,
+                             timeout=5).stdout.strip()
+        return out or "?"
+    except Exception:
+        return "?"

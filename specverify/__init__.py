@@ -6,8 +6,17 @@ entry point and ``specverify env`` rely on that.
 from __future__ import annotations
 
 import importlib
+import os as _os
 
 __version__ = "0.1.0"
+
+# In a source checkout, kernels/ and csrc/ sit beside this package rather than inside it (an install maps them to
+# specverify.kernels and specverify/csrc); let the checkout resolve them the same way when run from its root.
+_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if (not _os.path.isdir(_os.path.join(__path__[0], "kernels"))
+        and _os.path.isfile(_os.path.join(_root, "kernels", "__init__.py"))
+        and _os.path.isfile(_os.path.join(_root, "pyproject.toml"))):
+    __path__.append(_root)
 
 # public name -> module that defines it
 _LAZY = {

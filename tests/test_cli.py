@@ -2,13 +2,15 @@
 import json
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
 
-def _run(*args, timeout=300):
+def _run(*args, timeout=300, cwd=None):
+    # run from a scratch folder: the command under test is the installed one, not the checkout's
     return subprocess.run([sys.executable, "-m", "specverify", *args], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, cwd=cwd or tempfile.gettempdir())
 
 
 def test_env_json():

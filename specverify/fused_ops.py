@@ -55,6 +55,25 @@ def rmsnorm(x, weight, eps: float, residual=None, *, impl: str = "auto"):
     Returns
     -------
     y, or (y, s) when ``residual`` is given; new tensors of x's shape and dtype.
+
+    Raises
+    ------
+    ValueError
+        ``weight`` not of shape [N], an unknown ``impl``, or ``impl="triton"`` on CPU tensors without
+        ``TRITON_INTERPRET=1``.
+
+    Notes
+    -----
+    One launch; CUDA-graph capturable. Source: RMSNorm (Zhang & Sennrich, 2019), fused with the residual add
+    the way serving engines fuse it after the tensor-parallel allreduce.
+
+    Examples
+    --------
+    >>> import torch
+    >>> x = torch.ones(2, 4)
+    >>> rmsnorm(x, torch.full((4,), 2.0), 1e-6, impl="reference").round(decimals=3)
+    tensor([[2., 2., 2., 2.],
+            [2., 2., 2., 2.]])
     """
     from specverify.reference import fused_ops as ref
 

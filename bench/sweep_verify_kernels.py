@@ -5,8 +5,11 @@ CUDA-graph replay (20 calls per graph, the convention of bench_tree_attention.py
 attention ``bw% = (KV + q + out bytes) / time / copy_bw``; experts ``x_floor = time / (distinct experts x expert
 bytes / copy_bw)`` with ``copy_bw`` a 1 GiB device-to-device copy (``2 * bytes / time``) measured in the same run.
 
-Usage: ``python bench/sweep_verify_kernels.py [--quick] [--json PATH] [--only attn,route,experts]``; prints a table
-last. ``--quick`` trims the variant lists (about half the compile time).
+Usage: ``python bench/sweep_verify_kernels.py [--quick] [--json PATH] [--only attn,attnv,route,experts]
+[--budget-s S] [--resources]``; prints a table last. ``--quick`` trims the variant lists (about half the compile
+time). ``--only attnv`` times the default attention against the opt-in variants (chunked MLA kernel, fused split
+merge, GQA bandwidth configs) on the acceptance shapes. ``--resources`` needs no GPU: it compiles the attention
+variants for sm_90a on this machine and prints registers, spilled bytes (local + stack) and shared memory.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ graph_us = partial(_graph_us, repeats=3)  # best of 3: less host noise in a swee
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 ROWS: list[dict] = []
+_JSON_PATH: str | None = None  # the sweep rewrites it after each attention-variant row
 
 
 def log(msg: str) -> None:
@@ -93,6 +97,230 @@ def sweep_attention(bw, quick):
                 (str(c) if c else "") + (" WRONG" if e2 > 0.05 else ""))
         del tensors, meta
         torch.cuda.empty_cache()
+
+
+def sweep_attention_variants(bw, quick, budget_s):
+    """Old (default) against the opt-in variants on the acceptance shapes, one table; stops starting new variants
+    after ``budget_s`` seconds so one device call stays bounded. Split counts are powers of two that divide the
+    tile count (the plan heuristic's 63 at 4k context leaves half the splits empty: see the report)."""
+    import bench_tree_attention as bta
+    from specverify.kernels import tree_attention as kernels
+
+    t0 = time.time()
+    C, G = kernels.MLA_CHUNKED_CONFIGS, kernels.GQA_BANDWIDTH_CONFIGS
+    d_mla, d_gqa = kernels.MLA_CONFIGS[0], kernels.GQA_CONFIGS[0]
+
+    def f(c):
+        return dict(c, FUSED_MERGE=True)
+
+    # (shape, [(label, config or None, splits or None)]), most important first
+    plan_list = [
+        (("kimi-k2", 1, 4096, 4, True), [
+            ("default", None, None), ("default s64", None, 64), ("default+fused s16", f(d_mla), 16),
+            ("default+fused s32", f(d_mla), 32), ("C0 s32", C[0], 32), ("C0 s64", C[0], 64),
+            ("C0+fused s16", f(C[0]), 16), ("C0+fused s32", f(C[0]), 32), ("C1 s64", C[1], 64),
+            ("C2 s32", C[2], 32), ("C2 s64", C[2], 64), ("C3 s32", C[3], 32), ("C3+fused s16", f(C[3]), 16),
+            ("C4 s32", C[4], 32), ("C5 s16", C[5], 16), ("C5 s32", C[5], 32)]),
+        (("llama-3.1-8b", 8, 32768, 4, True), [
+            ("default", None, None), ("default s16", None, 16), ("G0 s4", G[0], 4), ("G0 s8", G[0], 8),
+            ("G0 s16", G[0], 16), ("G1 s16", G[1], 16), ("G2 s16", G[2], 16), ("G3 s16", G[3], 16),
+            ("G0+fused s8", f(G[0]), 8)]),
+        (("kimi-k2", 64, 4096, 4, True), [
+            ("default", None, None), ("default s1", None, 1), ("default s2", None, 2), ("C0 s1", C[0], 1),
+            ("C0 s2", C[0], 2), ("C3 s1", C[3], 1), ("C5 s1", C[5], 1)]),
+        (("kimi-k2", 8, 32768, 4, True), [
+            ("default", None, None), ("default s16", None, 16), ("C0 s8", C[0], 8), ("C0 s16", C[0], 16),
+            ("C3 s8", C[3], 8), ("C5 s4", C[5], 4)]),
+        (("kimi-k2", 1, 4096, 1, False), [
+            ("default", None, None), ("default s64", None, 64), ("C0 s64", C[0], 64), ("C2 s64", C[2], 64),
+            ("C5 s32", C[5], 32)]),
+        (("gqa-8to1", 64, 4096, 16, False), [
+            ("default", None, None), ("G0 s1", G[0], 1), ("G1 s1", G[1], 1), ("G2 s2", G[2], 2)]),
+        (("llama-3.1-8b", 1, 4096, 4, True), [
+            ("default", None, None), ("default+fused", f(d_gqa), None), ("G0", G[0], None)]),
+        (("deepseek-v3", 8, 4096, 8, True), [
+            ("default", None, None), ("C0", C[0], None), ("C3", C[3], None)]),
+    ]
+    if quick:  # the two targets and the biggest MLA shape, fewer variants
+        plan_list = [(s, v[:9]) for s, v in plan_list[:3]]
+    for (model, batch, ctx, k, tree), variants in plan_list:
+        if time.time() - t0 > budget_s:
+            log(f"# attn-variants: budget of {budget_s} s spent, skipping {model} b{batch} c{ctx} k{k}")
+            continue
+        cfg, tensors, meta, nbytes = bta.make_inputs(model, batch, ctx, k, tree)
+        name = f"{model} b{batch} c{ctx} k{k}{'t' if tree else ''}"
+        got = None
+        if batch * ctx <= 8 * 4096:
+            got = bta.reference_fn(cfg, tensors, meta)().float()
+        for label, c, s in variants:
+            if time.time() - t0 > budget_s:
+                log(f"# attn-variants: budget of {budget_s} s spent, skipping {name} {label}")
+                break
+            try:
+                fn, plan = bta.triton_fn(cfg, tensors, meta, batch, k, ctx, config=c, num_splits=s)
+                res = fn().float()
+                if got is None:  # large shapes: the first (default) result is the yardstick
+                    got = res.clone()
+                err = bta.max_err(res, got)
+                counters_ok = plan.workspace_count is None or not bool(plan.workspace_count.any())
+                us = graph_us(fn)
+                counters_ok = counters_ok and (plan.workspace_count is None or not bool(plan.workspace_count.any()))
+            except Exception as exc:  # a variant that does not compile or launch is reported, not fatal
+                add("attnv", name, label, float("nan"), "-", float("nan"),
+                    f"FAILED {exc.__class__.__name__}: {str(exc)[:160]}")
+                continue
+            pc = plan.config
+            note = (f"S{plan.num_splits} {pc.get('KERNEL')} M{pc['BLOCK_M']} N{pc['BLOCK_N']} DV{pc['BLOCK_DV']} "
+                    f"w{pc['num_warps']} s{pc['num_stages']}{' fused' if pc.get('FUSED_MERGE') else ''}")
+            if err > 0.05 or not counters_ok:
+                note += " WRONG" + ("" if counters_ok else " (counters not reset)")
+            add("attnv", name, label, us, f"bw {100 * nbytes / (us * 1e-6) / (bw * 1e9):.1f}%", err, note)
+            if _JSON_PATH:
+                with open(_JSON_PATH, "w") as fh:  # after every row: a timed-out call still leaves its numbers
+                    json.dump(dict(copy_gbps=bw, rows=ROWS), fh, indent=1)
+        del tensors, meta
+        torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------------------ offline resources
+class _Capture:
+    """Stands in for a Triton kernel: ``k[grid](*args, **kw)`` records the launch instead of running it."""
+
+    def __init__(self, fn, sink):
+        self.fn, self.sink = fn, sink
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.sink.append((self.fn, grid, args, kw))
+
+
+def _captured_launches(mla, batch, k, ctx, config, num_splits, heads=8, hq=32, hkv=8, d=128):
+    """The kernel launches ``specverify.attention`` would make for one call (CPU tensors, nothing runs)."""
+    import specverify.attention as att
+    from specverify.kernels import tree_attention as kernels
+    from specverify.tree import DraftTree
+
+    sink = []
+
+    class _Proxy:
+        def __getattr__(self, name):
+            obj = getattr(kernels, name)
+            return _Capture(obj, sink) if name.endswith("_kernel") else obj
+
+    ps = 64
+    pages = math.ceil(ctx / ps)
+    table = torch.arange(batch * pages, dtype=torch.int32).view(batch, pages)
+    prefix = torch.full((batch,), ctx - k, dtype=torch.int32)
+    mask = DraftTree.topk_of_size(2, k).packed_mask() if k > 1 else None
+    dt = torch.bfloat16
+    if mla:
+        plan = att._make_plan(max_batch=batch, k=k, hq=heads, hkv=1, d=512, dr=64, dv=512, max_context=ctx,
+                              device="cpu", dtype_bytes=2, v_is_k=True, num_splits=num_splits, config=config)
+        q, qr = torch.empty(batch, k, heads, 512, dtype=dt), torch.empty(batch, k, heads, 64, dtype=dt)
+        kv = torch.empty(batch * pages, ps, 576, dtype=dt)
+        out = torch.empty(batch, k, heads, 512, dtype=dt)
+        strides = (kv.stride(0), kv.stride(1), 0)
+        call = dict(q=q, qr=qr, kc=kv, vc=kv, k_strides=strides, v_strides=strides, v_is_k=True)
+    else:
+        plan = att._make_plan(max_batch=batch, k=k, hq=hq, hkv=hkv, d=d, dr=0, dv=d, max_context=ctx, device="cpu",
+                              dtype_bytes=2, v_is_k=False, num_splits=num_splits, config=config)
+        q = torch.empty(batch, k, hq, d, dtype=dt)
+        kc = torch.empty(batch * pages, ps, hkv, d, dtype=dt)
+        out = torch.empty_like(q)
+        call = dict(q=q, qr=None, kc=kc, vc=kc, k_strides=kc.stride()[:3], v_strides=kc.stride()[:3], v_is_k=False)
+    saved = att._kernels
+    att._kernels = lambda: _Proxy()
+    try:
+        att._launch(**call, page_table=table, prefix_lens=prefix, tree_mask=mask, sm_scale=0.1, out=out, lse=None,
+                    plan=plan, page_size=ps)
+    finally:
+        att._kernels = saved
+    return sink, plan
+
+
+def _compile_sm90(fn, args, kw):
+    """Compile one captured launch for sm_90a offline; returns (registers, local+stack bytes per thread (spills),
+    dynamic shared bytes, uses wgmma)."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kw = dict(kw, DOT_FP32=False) if "DOT_FP32" in kw else dict(kw)
+    num_warps, num_stages = kw.pop("num_warps", 4), kw.pop("num_stages", 3)
+    names = fn.arg_names
+    values = dict(zip(names, args))
+    values.update(kw)
+    sig, const, attrs = {}, {}, {}
+    tnames = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
+              torch.int64: "*i64", torch.uint8: "*u8"}
+    for i, name in enumerate(names):
+        v = values.get(name, fn.params[i].default)
+        if fn.params[i].is_constexpr or isinstance(v, bool):
+            sig[name], const[name] = "constexpr", v
+        elif isinstance(v, torch.Tensor):
+            sig[name] = tnames[v.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, float):
+            sig[name] = "fp32"
+        elif v == 1:
+            sig[name], const[name] = "constexpr", 1
+        else:
+            sig[name] = "i32"
+            if v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    target = GPUTarget("cuda", 90, 32)
+    backend = triton.compiler.make_backend(target)
+    opts = backend.parse_options({"num_warps": num_warps, "num_stages": num_stages})
+    ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs), target=target,
+                        options=opts.__dict__)
+    ptx = ck.asm["ptx"]
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(ck.asm["cubin"])
+    try:
+        info = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+    regs = int(m.group(1)) if (m := re.search(r"REG:(\d+)", info)) else -1
+    # local memory per thread (spilled registers live there) and the call stack
+    spill = sum(int(x) for x in re.findall(r"(?:LOCAL|STACK):(\d+)", info))
+    return regs, spill, ck.metadata.shared, "wgmma" in ptx
+
+
+def resources(quick: bool) -> None:
+    """Registers / spills / shared memory of each attention variant compiled for sm_90a here (no GPU needed)."""
+    from specverify.kernels import tree_attention as kernels
+
+    mla_cfgs = [("default", dict(kernels.MLA_CONFIGS[0], BLOCK_M=32))] + \
+        [(f"chunked{i}", c) for i, c in enumerate(kernels.MLA_CHUNKED_CONFIGS)]
+    mla_cfgs += [("chunked0+fused", dict(kernels.MLA_CHUNKED_CONFIGS[0], FUSED_MERGE=True)),
+                 ("default+fused", dict(kernels.MLA_CONFIGS[0], BLOCK_M=32, FUSED_MERGE=True)),
+                 ("chunked0 s1", dict(kernels.MLA_CHUNKED_CONFIGS[0], _splits=1))]
+    gqa_cfgs = [("default", kernels.GQA_CONFIGS[0])] + \
+        [(f"bandwidth{i}", c) for i, c in enumerate(kernels.GQA_BANDWIDTH_CONFIGS)] + \
+        [("default+fused", dict(kernels.GQA_CONFIGS[0], FUSED_MERGE=True))]
+    if quick:
+        mla_cfgs, gqa_cfgs = mla_cfgs[:4], gqa_cfgs[:2]
+    jobs = [("kimi-k2 b1 c4096 k4", True, name, c) for name, c in mla_cfgs] + \
+        [("llama-3.1-8b b8 c32768 k4", False, name, c) for name, c in gqa_cfgs]
+    for shape, mla, name, c in jobs:
+        t0 = time.time()
+        try:
+            c = dict(c)
+            sink, plan = _captured_launches(mla, 1 if mla else 8, 4, 4096 if mla else 32768, c,
+                                            c.pop("_splits", 16))
+            fn, grid, args, kw = sink[0]
+            regs, spill, shared, wgmma = _compile_sm90(fn, args, kw)
+        except Exception as exc:  # report and go on
+            add("res", shape, name, float("nan"), "-", float("nan"), f"FAILED {exc.__class__.__name__}: "
+                f"{str(exc)[:160]}")
+            continue
+        note = (f"regs {regs} spill {spill} B shared {shared} B {'wgmma' if wgmma else 'mma.sync'} grid {grid} "
+                f"compile {time.time() - t0:.0f} s")
+        add("res", shape, name, float("nan"), "SPILLS" if spill else "no spill", float("nan"), note)
 
 
 # ------------------------------------------------------------------------------------------------ MoE
@@ -186,12 +414,173 @@ def sweep_experts(bw, quick):
         moe._CONFIG_OVERRIDE = {}
 
 
+# ------------------------------------------------------------------------------------------------ MoE opt-in variants
+def _exact_alignment(ids, e, block, al):
+    """True when the alignment equals align_reference exactly (the one-program variant's order is the reference's)."""
+    from specverify.reference.moe import align_reference
+
+    rs, re, rn = align_reference(ids, e, block)
+    n = int(rn.item())
+    return (int(al.num_tokens_post_padded.item()) == n and torch.equal(al.sorted_token_ids[:n], rs)
+            and torch.equal(al.expert_ids[: n // block], re) and bool((al.sorted_token_ids[n:] == ids.numel()).all())
+            and bool((al.expert_ids[n // block:] == -1).all()))
+
+
+def sweep_route_single(quick):
+    """Router + alignment: the default (atomic, one program per token) against the one-program variant."""
+    import specverify.moe as moe
+    from specverify.reference.moe import route_reference
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    e, top_k = KIMI["e"], KIMI["top_k"]
+    bias = torch.randn(e, device="cuda", generator=gen) * 0.05
+    kw = dict(top_k=top_k, scoring="sigmoid", correction_bias=bias, routed_scaling_factor=KIMI["scale"])
+    configs = [dict(ROWS=4, num_warps=8), dict(ROWS=1, num_warps=4), dict(ROWS=8, num_warps=8),
+               dict(ROWS=8, num_warps=16), dict(ROWS=16, num_warps=16), dict(ROWS=4, num_warps=4),
+               dict(ROWS=8, num_warps=8, CI=32, CJ=256), dict(ROWS=8, num_warps=16, CI=128, CJ=128)]
+    if quick:
+        configs = configs[:4]
+    base_cfg = dict(moe._SINGLE_ROUTE_CONFIG)
+    for m in (1, 4, 16, 64):
+        logits = torch.randn(m, e, device="cuda", generator=gen).bfloat16()
+        rids, _ = route_reference(logits, top_k, "sigmoid", bias, 1, 1, True, KIMI["scale"])
+        moe._VARIANT["route"] = "atomic"
+        us = graph_us(lambda: moe.moe_route(logits, block_size=16, impl="triton", **kw))
+        us_r = graph_us(lambda: moe.moe_route(logits, impl="triton", **kw))
+        add("route1", f"kimi-k2 M{m}", "atomic (default)", us, f"route-only {us_r:.2f}", 0.0)
+        for cfg in configs:
+            name = "single " + json.dumps(cfg).replace(" ", "").replace('"', "")[:27]
+            moe._SINGLE_ROUTE_CONFIG = dict(base_cfg, **cfg)
+            moe._VARIANT["route"] = "single"
+            try:
+                ids, w, al = moe.moe_route(logits, block_size=16, impl="triton", **kw)
+                agree = (ids == rids).float().mean().item()
+                ok = _exact_alignment(ids, e, 16, al)
+                us = graph_us(lambda: moe.moe_route(logits, block_size=16, impl="triton", **kw))
+            except Exception as exc:
+                add("route1", f"kimi-k2 M{m}", name, float("nan"), "-", float("nan"),
+                    f"FAILED {exc.__class__.__name__}: {str(exc)[:120]}")
+                continue
+            finally:
+                moe._VARIANT["route"] = "atomic"
+            add("route1", f"kimi-k2 M{m}", name, us, "-", 1 - agree, "exact" if ok else "ALIGN WRONG")
+        moe._SINGLE_ROUTE_CONFIG = base_cfg
+
+
+def sweep_gemv(bw, quick):
+    """Experts at M <= 4: the default tl.dot path against the GEMV variant (aligned and per slot), then the whole
+    MoE (router [+ alignment] + experts) for each combination a provider could pick (group ``moe``)."""
+    import specverify.moe as moe
+    from specverify.reference.moe import fused_moe_reference
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    e, h, inter, top_k = KIMI["e"], KIMI["h"], KIMI["inter"], KIMI["top_k"]
+    w13 = (torch.randn(e, 2 * inter, h, device="cuda", generator=gen) / math.sqrt(h)).bfloat16()
+    w2 = (torch.randn(e, h, inter, device="cuda", generator=gen) / math.sqrt(inter)).bfloat16()
+    bias = torch.randn(e, device="cuda", generator=gen) * 0.05
+    rkw = dict(top_k=top_k, scoring="sigmoid", correction_bias=bias, routed_scaling_factor=KIMI["scale"])
+    expert_bytes = (w13[0].numel() + w2[0].numel()) * 2
+    base = {k: (dict(v) if isinstance(v, dict) else v) for k, v in moe._GEMV_CONFIG.items()}
+    variants = [
+        {},
+        {"g1": {"BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4}},
+        {"g1": {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 8}},
+        {"g1": {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 8}},
+        {"g2": {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4}},
+        {"g1": {"BLOCK_N": 2, "BLOCK_K": 512, "num_warps": 2}},
+        {"g2": {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 8}},
+        {"g2": {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 2}},
+        {"g1": {"BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 2}, "g2": {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 2}},
+    ]
+    if quick:
+        variants = variants[:5]
+    for m in (1, 2, 4):
+        hidden = torch.randn(m, h, device="cuda", generator=gen).bfloat16()
+        logits = torch.randn(m, e, device="cuda", generator=gen).bfloat16()
+        ids, w, al = moe.moe_route(logits, block_size=16, **rkw)
+        distinct = int(torch.unique(ids[ids >= 0]).numel())
+        floor_us = distinct * expert_bytes / (bw * 1e9) * 1e6
+        want = fused_moe_reference(hidden, w13, w2, ids, w, compute_dtype=torch.float64)
+        scale = want.abs().max().item()
+        out = torch.empty_like(hidden)
+        shape = f"kimi-k2 M{m}"
+        moe._VARIANT["experts"] = "dot"
+        res = moe.fused_moe(hidden, w13, w2, ids, w, alignment=al, out=out, impl="triton")
+        err = (res.double() - want).abs().max().item() / scale
+        us = graph_us(lambda: moe.fused_moe(hidden, w13, w2, ids, w, alignment=al, out=out, impl="triton"))
+        add("gemv", shape, "dot (default)", us, f"x_floor {us / floor_us:.2f}", err, f"floor {floor_us:.1f}")
+        for v in variants:
+            moe._GEMV_CONFIG = {k: (dict(base[k], **v.get(k, {})) if isinstance(base[k], dict) else base[k])
+                                for k in base}
+            for aligned in (True, False):
+                a = al if aligned else None
+                name = ("al " if aligned else "slot ") + json.dumps(v).replace(" ", "").replace('"', "") \
+                    .replace("BLOCK_", "").replace("num_warps", "w")[:28]
+                moe._VARIANT["experts"] = "gemv"
+                try:
+                    res = moe.fused_moe(hidden, w13, w2, ids, w, alignment=a, out=out, impl="triton")
+                    err = (res.double() - want).abs().max().item() / scale
+                    us = graph_us(lambda: moe.fused_moe(hidden, w13, w2, ids, w, alignment=a, out=out,
+                                                        impl="triton"))
+                except Exception as exc:
+                    add("gemv", shape, name, float("nan"), "-", float("nan"),
+                        f"FAILED {exc.__class__.__name__}: {str(exc)[:120]}")
+                    continue
+                finally:
+                    moe._VARIANT["experts"] = "dot"
+                add("gemv", shape, name, us, f"x_floor {us / floor_us:.2f}", err,
+                    f"floor {floor_us:.1f}" + (" WRONG" if err > 2e-2 else ""))
+        moe._GEMV_CONFIG = base
+
+        def layer(route, experts, aligned):
+            def fn():
+                moe._VARIANT.update(route=route, experts=experts)
+                try:
+                    if aligned:
+                        i, ww, aa = moe.moe_route(logits, block_size=16, impl="triton", **rkw)
+                    else:
+                        (i, ww), aa = moe.moe_route(logits, impl="triton", **rkw), None
+                    return moe.fused_moe(hidden, w13, w2, i, ww, alignment=aa, out=out, impl="triton")
+                finally:
+                    moe._VARIANT.update(route="atomic", experts="dot")
+            return fn
+
+        for route, experts, aligned in (("atomic", "dot", True), ("single", "dot", True), ("single", "gemv", True),
+                                        ("atomic", "gemv", False)):
+            name = f"{route}+{experts}{'' if aligned else ' (route only)'}"
+            try:
+                fn = layer(route, experts, aligned)
+                err = (fn().double() - want).abs().max().item() / scale
+                us = graph_us(fn)
+            except Exception as exc:
+                add("moe", shape, name, float("nan"), "-", float("nan"),
+                    f"FAILED {exc.__class__.__name__}: {str(exc)[:120]}")
+                continue
+            add("moe", shape, name, us, f"x_floor {us / floor_us:.2f}", err, "" if err <= 2e-2 else "WRONG")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", metavar="PATH")
-    ap.add_argument("--only", default="attn,route,experts")
+    ap.add_argument("--only", default="attn,route,experts",
+                    help="comma-separated groups: attn, attnv (default vs opt-in attention variants), route, experts, "
+                         "route1 (default vs one-program router + alignment), gemv (default vs GEMV experts, "
+                         "and the whole MoE per combination)")
+    ap.add_argument("--budget-s", type=float, default=150.0,
+                    help="attnv: start no new variant after this many seconds (keeps one device call bounded)")
+    ap.add_argument("--resources", action="store_true",
+                    help="no GPU needed: compile the attention variants for sm_90a here and print registers/spills")
     args = ap.parse_args(argv)
+    if args.resources:
+        resources(args.quick)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(rows=ROWS), f, indent=1)
+        log(f"\n{'shape':<26} {'variant':<20} {'spills':<9} resources")
+        for r in ROWS:
+            log(f"{r['shape']:<26} {r['variant']:<20} {r['metric']:<9} {r['note']}")
+        return 0
     if not torch.cuda.is_available():
         print("sweep_verify_kernels: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -201,8 +590,12 @@ def main(argv=None) -> int:
     bw = bta.copy_bandwidth_gbps()
     log(f"# copy bandwidth {bw:.0f} GB/s; {torch.cuda.get_device_name()}")
     only = set(args.only.split(","))
+    global _JSON_PATH
+    _JSON_PATH = args.json
     for name, fn in (("route", lambda: sweep_route(args.quick)), ("experts", lambda: sweep_experts(bw, args.quick)),
-                     ("attn", lambda: sweep_attention(bw, args.quick))):
+                     ("route1", lambda: sweep_route_single(args.quick)), ("gemv", lambda: sweep_gemv(bw, args.quick)),
+                     ("attn", lambda: sweep_attention(bw, args.quick)),
+                     ("attnv", lambda: sweep_attention_variants(bw, args.quick, args.budget_s))):
         if name in only:
             try:
                 fn()

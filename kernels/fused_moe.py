@@ -16,6 +16,9 @@ the used part (expert id -1) exit at once, so the grid is fixed for a given M (C
 (one block per expert) the gate/up GEMM also splits H over ``SPLIT_K`` programs so that enough weight loads are in
 flight; their fp32 partials ``gu`` [SPLIT_K, S, 2I] are summed by the down kernel in a fixed order (deterministic).
 
+An opt-in GEMV variant for M <= 4 (``_moe_gemv_gate_up_kernel`` + ``_moe_gemv_down_sum_kernel``, end of this
+file) uses no tl.dot, needs no ``part`` buffer and sums over top_k inside the down GEMV (two launches).
+
 Weight tiles come from ``_load_w_tile``; a quantised format (W4A16, group 32) is meant to add a branch there that
 loads packed nibbles and scales and dequantises into the same [BLOCK_N, BLOCK_K] tile, leaving the callers as is.
 
@@ -167,3 +170,100 @@ def _moe_topk_sum_kernel(part_ptr, ids_ptr, out_ptr, stride_pm, stride_om, E: tl
         v = tl.load(part_ptr + s.to(tl.int64) * stride_pm + on, mask=nmask & (eid >= 0) & (eid < E), other=0.0)
         acc += v
     tl.store(out_ptr + m.to(tl.int64) * stride_om + on, acc.to(out_ptr.dtype.element_ty), mask=nmask)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# GEMV variant (opt-in, small M): no tl.dot. Two launches, no ``part`` buffer:
+#
+#   _moe_gemv_gate_up_kernel  grid (NB * n_tiles,): program (blk, t) streams rows [t*BLOCK_N, (t+1)*BLOCK_N) of the
+#       gate and of the up half of w13[e] over all of H in [BLOCK_N, BLOCK_K] tiles (unit stride along K: 16-byte
+#       vector loads) and computes act[s] = silu(gate) * up for the block's slots, MP slots at a time (an expert
+#       normally holds <= M slots, so one pass; more slots, e.g. a token listing an expert twice, take more passes).
+#       ALIGNED: blocks come from the alignment (each activated expert's weights read once). Not ALIGNED: a "block"
+#       is one slot s with expert topk_ids[s] (no alignment needed; an expert chosen by several tokens is read
+#       once per slot, mostly from L2).
+#   _moe_gemv_down_sum_kernel grid (M * n_tiles2,): program (m, t) computes
+#       out[m, tile] = sum_k r[m, k] * (w2[e_k][tile, :] @ act[m * TOP_K + k])  in fixed k order (deterministic),
+#       skipping slots whose id is -1 or >= E: the routed weight and the top-k reduction live in the down GEMV.
+#
+# fp32 products and sums; act is stored in the weights' dtype as in the tl.dot path. UPCAST is not needed (no dot).
+# ------------------------------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["S"])
+def _moe_gemv_gate_up_kernel(hidden_ptr, w13_ptr, act_ptr, sorted_ptr, eids_ptr, npad_ptr, ids_ptr, S, stride_hm,
+                             stride_we, stride_wn, stride_am, E: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+                             TOP_K: tl.constexpr, B: tl.constexpr, MP: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, ALIGNED: tl.constexpr):
+    pid = tl.program_id(0)
+    n_tiles: tl.constexpr = (I + BLOCK_N - 1) // BLOCK_N
+    blk = pid // n_tiles
+    pid_n = pid % n_tiles
+    om = tl.arange(0, MP)
+    if ALIGNED:
+        if blk * B >= tl.load(npad_ptr):
+            return
+        e = tl.load(eids_ptr + blk)
+        # a block's real slots come first, its padding (the sentinel S) after: count them with one load
+        n_valid = tl.sum((tl.load(sorted_ptr + blk * B + tl.arange(0, B)) < S).to(tl.int32), axis=0)
+    else:
+        e = tl.load(ids_ptr + blk)
+        n_valid = 1
+    if (e < 0) | (e >= E):
+        return
+    on = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = on < I
+    ok = tl.arange(0, BLOCK_K)
+    w_base = w13_ptr + e.to(tl.int64) * stride_we
+    for p0 in range(0, n_valid, MP):  # one pass unless the expert holds more than MP slots
+        if ALIGNED:
+            slots = tl.load(sorted_ptr + blk * B + p0 + om, mask=p0 + om < n_valid, other=S)
+        else:
+            slots = tl.where(om == 0, blk, S)
+        valid = slots < S
+        tok = tl.where(valid, slots // TOP_K, 0)
+        a_base = hidden_ptr + tok.to(tl.int64) * stride_hm
+        acc_g = tl.zeros([MP, BLOCK_N, BLOCK_K], tl.float32)
+        acc_u = tl.zeros([MP, BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            kc = k0 + ok
+            kmask = kc < H
+            a = tl.load(a_base[:, None] + kc[None, :], mask=valid[:, None] & kmask[None, :],
+                        other=0.0).to(tl.float32)
+            wg = _load_w_tile(w_base, on, kc, nmask, kmask, stride_wn).to(tl.float32)
+            wu = _load_w_tile(w_base, on + I, kc, nmask, kmask, stride_wn).to(tl.float32)
+            acc_g += a[:, None, :] * wg[None, :, :]
+            acc_u += a[:, None, :] * wu[None, :, :]
+        g = tl.sum(acc_g, axis=2)
+        u = tl.sum(acc_u, axis=2)
+        act = g / (1.0 + tl.exp(-g)) * u
+        srow = tl.where(valid, slots, 0).to(tl.int64)
+        tl.store(act_ptr + srow[:, None] * stride_am + on[None, :], act.to(act_ptr.dtype.element_ty),
+                 mask=valid[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _moe_gemv_down_sum_kernel(act_ptr, w2_ptr, ids_ptr, tw_ptr, out_ptr, stride_am, stride_we, stride_wn,
+                              stride_om, E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    n_tiles: tl.constexpr = (H + BLOCK_N - 1) // BLOCK_N
+    m = pid // n_tiles
+    on = (pid % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = on < H
+    ok = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k in tl.static_range(TOP_K):
+        s = m * TOP_K + k
+        e = tl.load(ids_ptr + s)
+        use = (e >= 0) & (e < E)
+        r = tl.where(use, tl.load(tw_ptr + s).to(tl.float32), 0.0)
+        ev = tl.load(ids_ptr + s + tl.zeros([BLOCK_K], tl.int32))  # as a vector: the interpreter's masks need one
+        use_v = (ev >= 0) & (ev < E)
+        w_base = w2_ptr + tl.where(use, e, 0).to(tl.int64) * stride_we
+        for k0 in range(0, I, BLOCK_K):
+            kc = k0 + ok
+            kmask = (kc < I) & use_v
+            a = tl.load(act_ptr + s.to(tl.int64) * stride_am + kc, mask=kmask, other=0.0).to(tl.float32) * r
+            w = _load_w_tile(w_base, on, kc, nmask, kmask, stride_wn).to(tl.float32)
+            acc += w * a[None, :]
+    res = tl.sum(acc, axis=1)
+    tl.store(out_ptr + m.to(tl.int64) * stride_om + on, res.to(out_ptr.dtype.element_ty), mask=nmask)

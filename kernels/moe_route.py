@@ -35,6 +35,10 @@ Tensors (S = M * TOP_K; B = BLOCK_SIZE; MAXB = number of blocks the buffers hold
 | ws_count        | [>= EA]        | int32        | workspace: per-expert counters, zero between calls           |
 | ws_offs         | [>= EA]        | int32        | workspace: padded start offset of each expert                |
 | ws_ticket       | [1]            | int32        | workspace: programs finished, zero between calls             |
+| offs_scratch    | [EAP]          | int32        | one-program variant only: padded start offset of each expert |
+
+The opt-in one-program variant (``_moe_route_align_single_kernel``, end of this file) aligns without atomics and
+orders the slots inside an expert by slot id.
 """
 from __future__ import annotations
 
@@ -237,3 +241,74 @@ def _moe_route_align_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr, sort
                           EA, EAP, B, CHUNK)
             if DO_ROUTE and not SINGLE:
                 tl.atomic_xchg(ticket_ptr, 0)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Single-program variant (opt-in, S = M * TOP_K <= 1024): the whole grid is one program, so the alignment needs no
+# atomics, no ticket and no workspace that must stay zero between calls.
+#
+#   count[e]  = histogram of the valid ids (tl.histogram; -1 and ids >= EA are taken out of bin 0)
+#   offs[e]   = exclusive cumsum of ceil(count[e] / B) * B                     (tl.cumsum)
+#   rank[s]   = #{s' < s : id[s'] == id[s]}                                  ([CI, CJ] tiles of the [S, S] comparison)
+#   sorted_ids[offs[id[s]] + rank[s]] = s
+#
+# So inside an expert the slots are in increasing slot id: the same order as align_reference (exact match).
+# Extra tensor: ``offs_scratch`` [EAP] int32, written and read back by the one program (not kept between calls).
+# ------------------------------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["M", "S", "max_blocks"])
+def _moe_route_align_single_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, sorted_ptr, eids_ptr, npad_ptr, offs_ptr,
+                                   M, S, max_blocks, stride_lm, scale,
+                                   E: tl.constexpr, EP: tl.constexpr, ROWS: tl.constexpr, TOP_K: tl.constexpr,
+                                   TOPK_P: tl.constexpr, N_GROUP: tl.constexpr, NG_P: tl.constexpr,
+                                   GSIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, SOFTMAX: tl.constexpr,
+                                   HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, DO_ROUTE: tl.constexpr,
+                                   EA: tl.constexpr, EAP: tl.constexpr, B: tl.constexpr, CHUNK: tl.constexpr,
+                                   CI: tl.constexpr, CJ: tl.constexpr):
+    """Grid (1,). Routes every row (ROWS at a time, when DO_ROUTE), then aligns the S slots deterministically."""
+    ob = tl.arange(0, CHUNK)
+    # sentinels and -1 everywhere first; the used part is overwritten after the barrier below
+    for t0 in range(0, max_blocks * B, CHUNK):
+        tl.store(sorted_ptr + t0 + ob, S, mask=t0 + ob < max_blocks * B)
+    for b0 in range(0, max_blocks, CHUNK):
+        tl.store(eids_ptr + b0 + ob, -1, mask=b0 + ob < max_blocks)
+    if DO_ROUTE:
+        for row0 in range(0, M, ROWS):
+            _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, ids_ptr, ids_ptr, row0, M, stride_lm, scale,
+                        E, EP, ROWS, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS, RENORM,
+                        False)
+    tl.debug_barrier()  # ids written by other threads of this program; the fills precede the overwrites
+    # per-expert counts
+    cnt = tl.zeros([EAP], tl.int32)
+    oc = tl.arange(0, CI)
+    for s0 in range(0, S, CI):
+        sl = s0 + oc
+        ids = tl.load(ids_ptr + sl, mask=sl < S, other=-1)
+        ok = (sl < S) & (ids >= 0) & (ids < EA)
+        # invalid slots land in bin 0 and are taken out again (histogram's mask argument is newer than triton 3.0)
+        n_bad = CI - tl.sum(ok.to(tl.int32), axis=0)
+        cnt += tl.histogram(tl.where(ok, ids, 0), EAP) - tl.where(tl.arange(0, EAP) == 0, n_bad, 0)
+    e = tl.arange(0, EAP)
+    emask = e < EA
+    nblk = (cnt + B - 1) // B
+    padded = nblk * B
+    offs = tl.cumsum(padded, axis=0) - padded
+    total = tl.sum(padded, axis=0)
+    tl.store(npad_ptr, total)
+    tl.store(offs_ptr + e, offs)
+    first = offs // B
+    for j in range(0, tl.max(nblk, axis=0)):
+        tl.store(eids_ptr + first + j, e, mask=emask & (j < nblk))
+    tl.debug_barrier()  # offsets visible to every thread
+    oj = tl.arange(0, CJ)
+    for s0 in range(0, S, CI):
+        si = s0 + oc
+        ids_i = tl.load(ids_ptr + si, mask=si < S, other=-1)
+        ok = (si < S) & (ids_i >= 0) & (ids_i < EA)
+        rank = tl.zeros([CI], tl.int32)
+        for j0 in range(0, s0 + CI, CJ):  # only earlier slots count: the tiles at or left of the diagonal
+            sj = j0 + oj
+            ids_j = tl.load(ids_ptr + sj, mask=sj < S, other=-1)
+            same = (ids_j[None, :] == ids_i[:, None]) & (sj[None, :] < si[:, None])
+            rank += tl.sum(same.to(tl.int32), axis=1)
+        base = tl.load(offs_ptr + tl.where(ok, ids_i, 0), mask=ok, other=0)
+        tl.store(sorted_ptr + base + rank, si, mask=ok)

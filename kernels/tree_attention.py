@@ -41,7 +41,13 @@ Dv value dim, P page size, S splits):
 | OUT       | [B, k, H, Dv] (last stride 1)           | as Q         | output                                          |
 | LSE       | [B, k, H] contiguous                    | fp32         | natural-log lse of the scaled scores            |
 | WS_O      | [>= B, S, k, H, Dv] contiguous          | fp32         | split partial outputs (normalised)              |
-| WS_LSE    | [>= B, S, k, H] contiguous              | fp32         | split partial lse (natural log)                 |
+| WS_LSE    | [>= B, S, k, H] contiguous              | fp32         | split partial lse (natural log); with           |
+|           | FUSED_MERGE: [>= B, S, DV_TILES, k, H]  |              | FUSED_MERGE one slot per value tile             |
+| CNT       | [>= B, programs per split] (FUSED_MERGE)| int32        | finished splits; zero before and after a call   |
+
+Opt-in variants (end of file): ``_tree_attention_mla_chunked_kernel`` (latent in column chunks, KV tile loaded once
+for QK and PV, value columns over several programs) and ``FUSED_MERGE`` (the last split program merges; no merge
+launch). Selected through the plan's config; the defaults above do not use them.
 """
 from __future__ import annotations
 
@@ -92,7 +98,7 @@ def _online_softmax_step(s, vis, v, acc, m_i, l_i):
 
 @triton.jit
 def _tree_attention_fwd_kernel(
-    Q, QR, K, V, PT, PREFIX, MASK, OUT, LSE, WS_O, WS_LSE,
+    Q, QR, K, V, PT, PREFIX, MASK, OUT, LSE, WS_O, WS_LSE, CNT,
     qk_scale,
     stride_qb, stride_qt, stride_qh,
     stride_qrb, stride_qrt, stride_qrh,
@@ -106,6 +112,7 @@ def _tree_attention_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_K: tl.constexpr, M_TILES: tl.constexpr, DV_TILES: tl.constexpr,
     HAS_MASK: tl.constexpr, V_IS_K: tl.constexpr, STORE_LSE: tl.constexpr, DOT_FP32: tl.constexpr,
+    FUSED_MERGE: tl.constexpr = False,
 ):
     pid0 = tl.program_id(0)
     split = tl.program_id(1)
@@ -207,8 +214,28 @@ def _tree_attention_fwd_kernel(
     else:
         ws_rows = ((b64 * NUM_SPLITS + split) * NUM_DRAFT + tok) * NUM_Q_HEADS + head  # [BLOCK_M] int64
         tl.store(WS_O + ws_rows[:, None] * DV + offs_dv[None, :], out, mask=row_valid[:, None] & dv_mask[None, :])
-        if dv_tile == 0:
-            tl.store(WS_LSE + ws_rows, lse, mask=row_valid)
+        if FUSED_MERGE:
+            # the last of the NUM_SPLITS programs of this (request, KV head, row tile, value tile) merges; lse slots
+            # per value tile ([B, S, DV_TILES, k * H]) so it reads only what programs of its own tile wrote
+            rows_per_split = NUM_DRAFT * NUM_Q_HEADS
+            o_rows0 = (b64 * NUM_SPLITS * NUM_DRAFT + tok) * NUM_Q_HEADS + head
+            l_rows0 = (b64 * NUM_SPLITS * DV_TILES + dv_tile) * rows_per_split + tok * NUM_Q_HEADS + head
+            tl.store(WS_LSE + l_rows0 + split * DV_TILES * rows_per_split, lse, mask=row_valid)
+            cnt = CNT + b64 * tl.num_programs(0) + pid0
+            if _take_ticket(cnt, NUM_SPLITS):
+                merged, lse_all = _split_merge_cols(WS_O, WS_LSE, o_rows0, l_rows0, rows_per_split,
+                                                    DV_TILES * rows_per_split, offs_dv, dv_mask, row_valid,
+                                                    NUM_SPLITS, DV)
+                o_rows = b64 * stride_ob + tok.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
+                tl.store(OUT + o_rows[:, None] + offs_dv[None, :], merged.to(OUT.dtype.element_ty),
+                         mask=row_valid[:, None] & dv_mask[None, :])
+                if STORE_LSE:
+                    if dv_tile == 0:
+                        tl.store(LSE + (b64 * NUM_DRAFT + tok) * NUM_Q_HEADS + head, lse_all, mask=row_valid)
+                tl.atomic_xchg(cnt, 0)  # back to zero for the next call (CUDA-graph replay)
+        else:
+            if dv_tile == 0:
+                tl.store(WS_LSE + ws_rows, lse, mask=row_valid)
 
 
 @triton.jit
@@ -243,3 +270,270 @@ def _tree_attention_merge_kernel(
         if dv_tile == 0:
             lse = tl.where(total > 0.0, m_safe + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf"))
             tl.store(LSE + row, lse)
+
+
+# ================================================================================================================
+# Opt-in variants (selected through the plan's config; the defaults above are unchanged)
+# ================================================================================================================
+# MLA_CHUNKED_CONFIGS: ``_tree_attention_mla_chunked_kernel`` ("KERNEL": "mla_chunked"). The latent dim is cut into
+# NC = D / D_CHUNK column chunks (NC <= 4); q's chunks are loaded once per program, each KV tile's chunks are loaded
+# once and feed both the QK dot (s += q_c . k_c^T, plus the rope chunk) and the PV dot (acc_c += p . k_c), so the
+# latent is never loaded twice. BLOCK_DV < 512 splits the value columns over D / BLOCK_DV programs (each still
+# computes the full scores) so more CTAs stream at batch 1; its PV chunks are the first it loads (the chunk order
+# is rotated per program; the QK sum does not depend on it). BLOCK_M 64 lets Hopper use wgmma, whose A operand is
+# read from shared memory by the tensor cores instead of by every warp through registers.
+# "FUSED_MERGE": True (any kernel) makes the last split program of a (request, row tile, value tile) merge the
+# splits itself (atomic ticket in an int32 counter the merging program resets to 0), removing the merge launch.
+MLA_CHUNKED_CONFIGS = [
+    # sm_90a resources from `python bench/sweep_verify_kernels.py --resources` (offline compile, Triton 3.9): all
+    # spill-free; shared bytes per CTA in brackets. 64-row tiles with 8 warps (wgmma) spilled 56-280 B and BLOCK_N 128
+    # needs > 227 KB of shared memory, so neither is listed.
+    {"KERNEL": "mla_chunked", "D_CHUNK": 128, "BLOCK_N": 64, "BLOCK_DV": 256, "BLOCK_M": 32, "num_warps": 8,
+     "num_stages": 3},  # mma.sync, 164 regs [115 KB]
+    {"KERNEL": "mla_chunked", "D_CHUNK": 128, "BLOCK_N": 64, "BLOCK_DV": 512, "BLOCK_M": 32, "num_warps": 8,
+     "num_stages": 2},
+    {"KERNEL": "mla_chunked", "D_CHUNK": 128, "BLOCK_N": 32, "BLOCK_DV": 256, "BLOCK_M": 32, "num_warps": 4,
+     "num_stages": 4},  # mma.sync, 243 regs [78 KB]
+    {"KERNEL": "mla_chunked", "D_CHUNK": 128, "BLOCK_N": 64, "BLOCK_DV": 128, "BLOCK_M": 64, "num_warps": 4,
+     "num_stages": 2},
+    {"KERNEL": "mla_chunked", "D_CHUNK": 128, "BLOCK_N": 32, "BLOCK_DV": 128, "BLOCK_M": 64, "num_warps": 4,
+     "num_stages": 4},
+    {"KERNEL": "mla_chunked", "D_CHUNK": 128, "BLOCK_N": 64, "BLOCK_DV": 128, "BLOCK_M": 32, "num_warps": 4,
+     "num_stages": 3},
+]
+# GQA_BANDWIDTH_CONFIGS: long tiles and deep pipelines for batch x context that moves hundreds of MB (with few splits).
+GQA_BANDWIDTH_CONFIGS = [
+    {"BLOCK_N": 128, "BLOCK_DV": None, "num_warps": 4, "num_stages": 4},
+    {"BLOCK_N": 128, "BLOCK_DV": None, "num_warps": 8, "num_stages": 4},
+    {"BLOCK_N": 64, "BLOCK_DV": None, "num_warps": 4, "num_stages": 4},
+    {"BLOCK_N": 128, "BLOCK_DV": None, "num_warps": 4, "num_stages": 3},
+]
+#: The most latent chunks the chunked MLA kernel holds (q0..q3 / k0..k3).
+MAX_D_CHUNKS = 4
+
+
+@triton.jit
+def _split_merge_cols(WS_O, WS_LSE, o_rows0, l_rows0, o_split_stride, l_split_stride, offs_c, c_mask, row_valid,
+                      NUM_SPLITS: tl.constexpr, DV: tl.constexpr):
+    """Merge the NUM_SPLITS normalised partial outputs of [M] rows over the columns ``offs_c``.
+
+    Row r of split s sits at ``WS_O[(o_rows0[r] + s * o_split_stride) * DV + col]`` with its lse at
+    ``WS_LSE[l_rows0[r] + s * l_split_stride]``. Returns (out [M, C] fp32, lse [M] natural log, -inf when empty).
+    Loads bypass L1 (``.cg``): other CTAs wrote these lines.
+    """
+    m = tl.full(o_rows0.shape, float("-inf"), dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        lse_s = tl.load(WS_LSE + l_rows0 + s * l_split_stride, mask=row_valid, other=float("-inf"),
+                        cache_modifier=".cg")
+        m = tl.maximum(m, lse_s)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.zeros(o_rows0.shape, dtype=tl.float32)
+    acc = tl.zeros([o_rows0.shape[0], offs_c.shape[0]], dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        lse_s = tl.load(WS_LSE + l_rows0 + s * l_split_stride, mask=row_valid, other=float("-inf"),
+                        cache_modifier=".cg")
+        w = tl.exp(lse_s - m_safe)  # 0 for an empty split (lse -inf), whose o is 0
+        o = tl.load(WS_O + (o_rows0 + s * o_split_stride)[:, None] * DV + offs_c[None, :],
+                    mask=row_valid[:, None] & c_mask[None, :], other=0.0, cache_modifier=".cg")
+        acc += w[:, None] * o
+        total += w
+    has_any = total > 0.0
+    out = acc / tl.where(has_any, total, 1.0)[:, None]
+    lse = tl.where(has_any, m_safe + tl.log(tl.where(has_any, total, 1.0)), float("-inf"))
+    return out, lse
+
+
+@triton.jit
+def _take_ticket(CNT, NUM_SPLITS: tl.constexpr):
+    """True in the last of NUM_SPLITS programs to arrive at counter CNT (int32); that program must reset it."""
+    tl.debug_barrier()  # every warp's workspace stores are issued before the release below
+    ticket = tl.atomic_add(CNT, 1, sem="acq_rel", scope="gpu")
+    return ticket == NUM_SPLITS - 1
+
+
+@triton.jit
+def _tree_attention_mla_chunked_kernel(
+    Q, QR, KV, PT, PREFIX, MASK, OUT, LSE, WS_O, WS_LSE, CNT,
+    qk_scale,
+    stride_qb, stride_qt, stride_qh,
+    stride_qrb, stride_qrt, stride_qrh,
+    stride_kp, stride_ks,
+    stride_ptb,
+    stride_mb, stride_mt,
+    stride_ob, stride_ot, stride_oh,
+    NUM_DRAFT: tl.constexpr, NUM_Q_HEADS: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    D: tl.constexpr, DR: tl.constexpr, DC: tl.constexpr, NC: tl.constexpr, CPT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DR: tl.constexpr, M_TILES: tl.constexpr,
+    DV_TILES: tl.constexpr, HAS_MASK: tl.constexpr, STORE_LSE: tl.constexpr, FUSED_MERGE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """Absorbed MLA (one latent KV, H = NUM_Q_HEADS heads): the latent in NC chunks of DC columns (D = NC * DC),
+    CPT = NC / DV_TILES of them accumulated by this program. Grid as ``_tree_attention_fwd_kernel`` (kv_head 0)."""
+    pid0 = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    m_tile = pid0 // DV_TILES
+    dv_tile = pid0 % DV_TILES
+
+    offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_valid = offs_m < NUM_DRAFT * NUM_Q_HEADS
+    tok = offs_m // NUM_Q_HEADS
+    head = offs_m % NUM_Q_HEADS
+    offs_c = tl.arange(0, DC)
+    offs_dr = tl.arange(0, BLOCK_DR)
+    dr_mask = offs_dr < DR
+    # chunk j of this program covers latent columns c_j * DC ..; the first CPT are the ones it accumulates
+    c0 = ((dv_tile * CPT + 0) % NC) * DC
+    c1 = ((dv_tile * CPT + 1) % NC) * DC
+    c2 = ((dv_tile * CPT + 2) % NC) * DC
+    c3 = ((dv_tile * CPT + 3) % NC) * DC
+
+    b64 = b.to(tl.int64)
+    q_rows = b64 * stride_qb + tok.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
+    q_ptr = Q + q_rows[:, None] + offs_c[None, :]
+    q0 = tl.load(q_ptr + c0, mask=row_valid[:, None], other=0.0)
+    if DOT_FP32:
+        q0 = q0.to(tl.float32)
+    if NC > 1:
+        q1 = tl.load(q_ptr + c1, mask=row_valid[:, None], other=0.0)
+        if DOT_FP32:
+            q1 = q1.to(tl.float32)
+    if NC > 2:
+        q2 = tl.load(q_ptr + c2, mask=row_valid[:, None], other=0.0)
+        q3 = tl.load(q_ptr + c3, mask=row_valid[:, None], other=0.0)
+        if DOT_FP32:
+            q2 = q2.to(tl.float32)
+            q3 = q3.to(tl.float32)
+    qr_rows = b64 * stride_qrb + tok.to(tl.int64) * stride_qrt + head.to(tl.int64) * stride_qrh
+    qr = tl.load(QR + qr_rows[:, None] + offs_dr[None, :], mask=row_valid[:, None] & dr_mask[None, :], other=0.0)
+    if DOT_FP32:
+        qr = qr.to(tl.float32)
+
+    prefix = tl.load(PREFIX + b).to(tl.int32)
+    pt_row = PT + b64 * stride_ptb
+    acc0 = tl.zeros([BLOCK_M, DC], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_M, DC], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_M, DC], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_M, DC], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+
+    chunk = tl.cdiv(tl.cdiv(prefix, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, prefix)
+    if split == NUM_SPLITS - 1:
+        start = tl.minimum(start, prefix)
+        end = prefix + NUM_DRAFT
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(start, end, BLOCK_N):
+        pos = start_n + offs_n
+        valid = pos < end
+        page = tl.load(pt_row + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+        slot = (pos % PAGE_SIZE).to(tl.int64)
+        kv_ptr = KV + (page * stride_kp + slot * stride_ks)[:, None] + offs_c[None, :]
+        k0 = tl.load(kv_ptr + c0, mask=valid[:, None], other=0.0)
+        if DOT_FP32:
+            k0 = k0.to(tl.float32)
+        s = tl.dot(q0, tl.trans(k0))
+        if NC > 1:
+            k1 = tl.load(kv_ptr + c1, mask=valid[:, None], other=0.0)
+            if DOT_FP32:
+                k1 = k1.to(tl.float32)
+            s = tl.dot(q1, tl.trans(k1), s)
+        if NC > 2:
+            k2 = tl.load(kv_ptr + c2, mask=valid[:, None], other=0.0)
+            k3 = tl.load(kv_ptr + c3, mask=valid[:, None], other=0.0)
+            if DOT_FP32:
+                k2 = k2.to(tl.float32)
+                k3 = k3.to(tl.float32)
+            s = tl.dot(q2, tl.trans(k2), s)
+            s = tl.dot(q3, tl.trans(k3), s)
+        kr = tl.load(KV + (page * stride_kp + slot * stride_ks)[:, None] + D + offs_dr[None, :],
+                     mask=valid[:, None] & dr_mask[None, :], other=0.0)
+        if DOT_FP32:
+            kr = kr.to(tl.float32)
+        s = tl.dot(qr, tl.trans(kr), s) * qk_scale
+        jd = pos - prefix
+        is_draft = valid & (jd >= 0)
+        jd = tl.where(is_draft, jd, 0)
+        if HAS_MASK:
+            byte = tl.load(MASK + b64 * stride_mb + tok[:, None] * stride_mt + (jd // 8)[None, :],
+                           mask=row_valid[:, None] & is_draft[None, :], other=0)
+            dvis = ((byte.to(tl.int32) >> (jd % 8)[None, :]) & 1) != 0
+        else:
+            dvis = jd[None, :] <= tok[:, None]
+        vis = (valid[None, :] & row_valid[:, None]) & ((pos < prefix)[None, :] | dvis)
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+        p = p.to(k0.dtype)
+        acc0 = tl.dot(p, k0, acc0 * alpha[:, None])
+        if CPT > 1:
+            acc1 = tl.dot(p, k1, acc1 * alpha[:, None])
+        if CPT > 2:
+            acc2 = tl.dot(p, k2, acc2 * alpha[:, None])
+            acc3 = tl.dot(p, k3, acc3 * alpha[:, None])
+
+    # ---- epilogue -----------------------------------------------------------------------------------------------
+    has_any = l_i > 0.0
+    inv_l = 1.0 / tl.where(has_any, l_i, 1.0)
+    lse = tl.where(has_any, (m_i + tl.log2(tl.where(has_any, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    if NUM_SPLITS == 1:
+        o_ptr = OUT + (b64 * stride_ob + tok.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh)[:, None] \
+            + offs_c[None, :]
+        tl.store(o_ptr + c0, (acc0 * inv_l[:, None]).to(OUT.dtype.element_ty), mask=row_valid[:, None])
+        if CPT > 1:
+            tl.store(o_ptr + c1, (acc1 * inv_l[:, None]).to(OUT.dtype.element_ty), mask=row_valid[:, None])
+        if CPT > 2:
+            tl.store(o_ptr + c2, (acc2 * inv_l[:, None]).to(OUT.dtype.element_ty), mask=row_valid[:, None])
+            tl.store(o_ptr + c3, (acc3 * inv_l[:, None]).to(OUT.dtype.element_ty), mask=row_valid[:, None])
+        if STORE_LSE:
+            if dv_tile == 0:
+                tl.store(LSE + (b64 * NUM_DRAFT + tok) * NUM_Q_HEADS + head, lse, mask=row_valid)
+    else:
+        rows_per_split = NUM_DRAFT * NUM_Q_HEADS
+        o_rows0 = b64 * NUM_SPLITS * rows_per_split + offs_m  # split 0's row; + s * rows_per_split for split s
+        ws_ptr = WS_O + (o_rows0 + split * rows_per_split)[:, None] * D + offs_c[None, :]
+        tl.store(ws_ptr + c0, acc0 * inv_l[:, None], mask=row_valid[:, None])
+        if CPT > 1:
+            tl.store(ws_ptr + c1, acc1 * inv_l[:, None], mask=row_valid[:, None])
+        if CPT > 2:
+            tl.store(ws_ptr + c2, acc2 * inv_l[:, None], mask=row_valid[:, None])
+            tl.store(ws_ptr + c3, acc3 * inv_l[:, None], mask=row_valid[:, None])
+        if FUSED_MERGE:
+            # lse slots per value tile: [B, S, DV_TILES, k * H]; the merging program reads only its own tile's
+            l_rows0 = (b64 * NUM_SPLITS * DV_TILES + dv_tile) * rows_per_split + offs_m
+            tl.store(WS_LSE + l_rows0 + split * DV_TILES * rows_per_split, lse, mask=row_valid)
+            cnt = CNT + b64 * (M_TILES * DV_TILES) + pid0
+            if _take_ticket(cnt, NUM_SPLITS):
+                o_ptr = OUT + (b64 * stride_ob + tok.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh)[
+                    :, None] + offs_c[None, :]
+                c_ok = offs_c < DC
+                out, lse_all = _split_merge_cols(WS_O + c0, WS_LSE, o_rows0, l_rows0, rows_per_split,
+                                                 DV_TILES * rows_per_split, offs_c, c_ok, row_valid, NUM_SPLITS, D)
+                tl.store(o_ptr + c0, out.to(OUT.dtype.element_ty), mask=row_valid[:, None])
+                if CPT > 1:
+                    out, lse_all = _split_merge_cols(WS_O + c1, WS_LSE, o_rows0, l_rows0, rows_per_split,
+                                                     DV_TILES * rows_per_split, offs_c, c_ok, row_valid, NUM_SPLITS,
+                                                     D)
+                    tl.store(o_ptr + c1, out.to(OUT.dtype.element_ty), mask=row_valid[:, None])
+                if CPT > 2:
+                    out, lse_all = _split_merge_cols(WS_O + c2, WS_LSE, o_rows0, l_rows0, rows_per_split,
+                                                     DV_TILES * rows_per_split, offs_c, c_ok, row_valid, NUM_SPLITS,
+                                                     D)
+                    tl.store(o_ptr + c2, out.to(OUT.dtype.element_ty), mask=row_valid[:, None])
+                    out, lse_all = _split_merge_cols(WS_O + c3, WS_LSE, o_rows0, l_rows0, rows_per_split,
+                                                     DV_TILES * rows_per_split, offs_c, c_ok, row_valid, NUM_SPLITS,
+                                                     D)
+                    tl.store(o_ptr + c3, out.to(OUT.dtype.element_ty), mask=row_valid[:, None])
+                if STORE_LSE:
+                    if dv_tile == 0:
+                        tl.store(LSE + (b64 * NUM_DRAFT + tok) * NUM_Q_HEADS + head, lse_all, mask=row_valid)
+                tl.atomic_xchg(cnt, 0)  # back to zero for the next call (CUDA-graph replay)
+        else:
+            if dv_tile == 0:
+                tl.store(WS_LSE + o_rows0 + split * rows_per_split, lse, mask=row_valid)

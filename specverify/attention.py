@@ -124,11 +124,18 @@ class TreeAttentionPlan:
     num_splits : int
         KV splits per (request, KV head); 1 means no workspace and no merge kernel.
     config : dict
-        ``BLOCK_M, M_TILES, BLOCK_N, BLOCK_DV, DV_TILES, BLOCK_K, num_warps, num_stages``.
+        ``BLOCK_M, M_TILES, BLOCK_N, BLOCK_DV, DV_TILES, BLOCK_K, num_warps, num_stages, KERNEL, FUSED_MERGE``
+        (``KERNEL`` ``"default"`` or ``"mla_chunked"``; the latter adds ``D_CHUNK, NC, CPT``).
     workspace_out : torch.Tensor or None
         fp32 [max_batch, num_splits, num_draft_tokens, num_q_heads, head_dim_v] (None when ``num_splits == 1``).
     workspace_lse : torch.Tensor or None
-        fp32 [max_batch, num_splits, num_draft_tokens, num_q_heads].
+        fp32 [max_batch, num_splits, num_draft_tokens, num_q_heads]; with ``FUSED_MERGE`` [max_batch, num_splits,
+        DV_TILES, num_draft_tokens, num_q_heads] (one lse slot per value tile).
+    workspace_count : torch.Tensor or None
+        int32 [max_batch, programs per split], zeros; only with ``FUSED_MERGE`` and ``num_splits > 1``. Each call
+        counts the finished splits of a (request, row tile, value tile) here and the last program resets it to 0,
+        so it is zero again after every complete call (CUDA-graph replay safe). One plan must not serve two calls
+        running concurrently on different streams.
     """
 
     max_batch: int
@@ -144,6 +151,7 @@ class TreeAttentionPlan:
     device: torch.device
     workspace_out: torch.Tensor | None = field(default=None, repr=False)
     workspace_lse: torch.Tensor | None = field(default=None, repr=False)
+    workspace_count: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def is_mla(self) -> bool:
@@ -151,7 +159,8 @@ class TreeAttentionPlan:
 
     @property
     def workspace_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.workspace_out, self.workspace_lse) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.workspace_out, self.workspace_lse,
+                                                          self.workspace_count) if t is not None)
 
 
 def _choose_config(*, mla: bool, rows: int, head_dim: int, head_dim_v: int, interpret: bool,
@@ -168,10 +177,16 @@ def _choose_config(*, mla: bool, rows: int, head_dim: int, head_dim_v: int, inte
     else:
         base = dict(kernels.GQA_CONFIGS[0] if head_dim <= 128 else
                     {"BLOCK_N": 32, "BLOCK_DV": None, "num_warps": 4, "num_stages": 2})
-    unknown = set(base) - {"BLOCK_N", "BLOCK_DV", "BLOCK_M", "num_warps", "num_stages"}
+    unknown = set(base) - {"BLOCK_N", "BLOCK_DV", "BLOCK_M", "num_warps", "num_stages", "KERNEL", "D_CHUNK",
+                           "FUSED_MERGE"}
     if unknown:
         raise ValueError(f"config has unknown keys {sorted(unknown)}; expected BLOCK_N, BLOCK_DV, BLOCK_M, "
-                         "num_warps, num_stages")
+                         "num_warps, num_stages, KERNEL, D_CHUNK, FUSED_MERGE")
+    kernel = base.get("KERNEL", "default")
+    if kernel not in ("default", "mla_chunked"):
+        raise ValueError(f"config KERNEL must be 'default' or 'mla_chunked', got {kernel!r}")
+    if kernel == "mla_chunked":
+        return _choose_chunked_config(base, mla=mla, rows=rows, head_dim=head_dim, head_dim_v=head_dim_v)
     block_m = base.get("BLOCK_M") or min(kernels.MAX_BLOCK_M, _next_pow2(max(16, rows)))
     block_dv = base.get("BLOCK_DV") or _next_pow2(max(16, head_dim_v))
     block_dv = min(block_dv, _next_pow2(max(16, head_dim_v)))
@@ -187,6 +202,47 @@ def _choose_config(*, mla: bool, rows: int, head_dim: int, head_dim_v: int, inte
         "DV_TILES": _cdiv(head_dim_v, block_dv),
         "num_warps": int(base.get("num_warps", 4)),
         "num_stages": int(base.get("num_stages", 2)),
+        "KERNEL": "default",
+        "FUSED_MERGE": bool(base.get("FUSED_MERGE", False)),
+    }
+
+
+def _choose_chunked_config(base: dict, *, mla: bool, rows: int, head_dim: int, head_dim_v: int) -> dict:
+    """Geometry of the chunked MLA kernel: latent chunks of D_CHUNK columns, BLOCK_DV value columns per program."""
+    kernels = _kernels()
+    if not mla or head_dim != head_dim_v:
+        raise ValueError("config KERNEL='mla_chunked' is for tree_attention_mla (value = latent); drop KERNEL for "
+                         "GQA/MHA")
+    d = head_dim
+    dc = min(int(base.get("D_CHUNK", 128)), d)
+    block_dv = min(int(base.get("BLOCK_DV") or d), d)
+    nc = d // dc if dc > 0 else 0
+    if dc < 16 or dc & (dc - 1) or d % dc or nc > kernels.MAX_D_CHUNKS:
+        raise ValueError(f"config D_CHUNK={base.get('D_CHUNK', 128)} does not fit kv_lora_rank {d}: the chunk must "
+                         f"be a power of two >= 16 dividing it into at most {kernels.MAX_D_CHUNKS} chunks; use "
+                         "KERNEL='default' for this rank")
+    cpt = block_dv // dc if block_dv % dc == 0 else 0
+    if cpt not in (1, 2, 4) or d % block_dv:
+        raise ValueError(f"config BLOCK_DV={block_dv} must be 1, 2 or 4 chunks of D_CHUNK={dc} and divide "
+                         f"kv_lora_rank {d}")
+    block_m = int(base.get("BLOCK_M") or min(kernels.MAX_BLOCK_M, _next_pow2(max(16, rows))))
+    block_n = int(base.get("BLOCK_N", 64))
+    for name, value in (("BLOCK_M", block_m), ("BLOCK_N", block_n)):
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"config {name} must be a power of two >= 16 (tl.dot tiles), got {value}")
+    return {
+        "BLOCK_M": block_m,
+        "M_TILES": _cdiv(rows, block_m),
+        "BLOCK_N": block_n,
+        "BLOCK_DV": block_dv,
+        "DV_TILES": d // block_dv,
+        "num_warps": int(base.get("num_warps", 8)),
+        "num_stages": int(base.get("num_stages", 3)),
+        "KERNEL": "mla_chunked",
+        "D_CHUNK": dc,
+        "NC": nc,
+        "CPT": cpt,
+        "FUSED_MERGE": bool(base.get("FUSED_MERGE", False)),
     }
 
 
@@ -203,7 +259,17 @@ def _choose_num_splits(*, batch: int, programs_per_split: int, max_prefix: int, 
         return 1
     min_tokens = _cdiv(max(block_n, MIN_SPLIT_BYTES // max(1, bytes_per_token)), block_n) * block_n
     by_length = max(1, max_prefix // min_tokens)
-    return max(1, min(_cdiv(num_sms, base), by_length, MAX_SPLITS))
+    splits = max(1, min(_cdiv(num_sms, base), by_length, MAX_SPLITS))
+    # The kernel gives each split ceil(ceil(prefix / splits) / block_n) tiles, which can leave the last splits
+    # empty (Kimi-K2 at 4k: 63 splits of 2 tiles = 32 working splits, 17.8 us; 64 splits of 1 tile: 13.7 us on
+    # the H200). Round up to whole tiles per split when that adds at most 10% more splits, else drop the empty
+    # splits (same work per split, fewer partial results to merge).
+    tiles = _cdiv(max_prefix, block_n)
+    working = _cdiv(tiles, _cdiv(tiles, splits))
+    if working == splits:  # no empty split
+        return splits
+    more = _cdiv(tiles, max(1, tiles // splits))
+    return more if more <= min(MAX_SPLITS, splits + max(1, splits // 10)) else working
 
 
 def _make_plan(*, max_batch, k, hq, hkv, d, dr, dv, max_context, device, dtype_bytes, v_is_k, num_splits,
@@ -215,7 +281,7 @@ def _make_plan(*, max_batch, k, hq, hkv, d, dr, dv, max_context, device, dtype_b
     cfg["BLOCK_K"] = _next_pow2(max(16, k))
     if num_splits is None:
         bytes_per_token = (d + dr + (0 if v_is_k else dv)) * dtype_bytes
-        num_splits = _choose_num_splits(batch=max_batch, programs_per_split=hkv * cfg["M_TILES"] * cfg["DV_TILES"],
+        num_splits = _choose_num_splits(batch=max_batch, programs_per_split=_programs_per_split(cfg, hkv),
                                         max_prefix=max(0, max_context - k), bytes_per_token=bytes_per_token,
                                         block_n=cfg["BLOCK_N"], num_sms=_num_sms(device.type, device.index))
     num_splits = int(num_splits)
@@ -226,8 +292,19 @@ def _make_plan(*, max_batch, k, hq, hkv, d, dr, dv, max_context, device, dtype_b
                              num_splits=num_splits, config=cfg, device=device)
     if num_splits > 1 and allocate:
         plan.workspace_out = torch.empty(max_batch, num_splits, k, hq, dv, dtype=torch.float32, device=device)
-        plan.workspace_lse = torch.empty(max_batch, num_splits, k, hq, dtype=torch.float32, device=device)
+        if cfg["FUSED_MERGE"]:
+            plan.workspace_lse = torch.empty(max_batch, num_splits, cfg["DV_TILES"], k, hq, dtype=torch.float32,
+                                             device=device)
+            plan.workspace_count = torch.zeros(max_batch, _programs_per_split(cfg, hkv), dtype=torch.int32,
+                                               device=device)
+        else:
+            plan.workspace_lse = torch.empty(max_batch, num_splits, k, hq, dtype=torch.float32, device=device)
     return plan
+
+
+def _programs_per_split(cfg: dict, hkv: int) -> int:
+    """Grid axis 0: KV heads x row tiles x value tiles (the chunked MLA kernel has one KV head)."""
+    return hkv * cfg["M_TILES"] * cfg["DV_TILES"]
 
 
 def _check_plan_sizes(**sizes) -> None:
@@ -257,7 +334,10 @@ def plan_tree_attention(*, max_batch: int, num_draft_tokens: int, num_q_heads: i
     num_splits : int, optional
         Force the split count (1..64); default: a heuristic from batch, context and the SM count.
     config : dict, optional
-        Tile override (``BLOCK_N``, ``BLOCK_DV``, ``BLOCK_M``, ``num_warps``, ``num_stages``), for benchmarks.
+        Tile override (``BLOCK_N``, ``BLOCK_DV``, ``BLOCK_M``, ``num_warps``, ``num_stages``), for benchmarks;
+        opt-in variants: ``FUSED_MERGE=True`` (the last split program merges the splits, no merge launch; allocates
+        int32 counters) and, for :func:`plan_tree_attention_mla` only, ``KERNEL="mla_chunked"`` with ``D_CHUNK``
+        (see ``MLA_CHUNKED_CONFIGS`` / ``GQA_BANDWIDTH_CONFIGS`` in ``specverify/kernels/tree_attention.py``).
 
     Returns
     -------
@@ -404,18 +484,44 @@ def _launch(*, q, qr, kc, vc, k_strides, v_strides, page_table, prefix_lens, tre
         smb, smt = (0, tree_mask.stride(0)) if tree_mask.dim() == 2 else (tree_mask.stride(0), tree_mask.stride(1))
     else:
         smb, smt = 0, 0
+    fused = splits > 1 and cfg.get("FUSED_MERGE", False)
+    count = page_table  # a placeholder pointer where no counter is used
     if splits > 1:
         ws_o, ws_lse = plan.workspace_out, plan.workspace_lse
         if ws_o is None:  # a plan made without allocation (no plan passed): the graph pool serves this under capture
             ws_o = torch.empty(batch, splits, k, hq, dv, dtype=torch.float32, device=q.device)
             ws_lse = torch.empty(batch, splits, k, hq, dtype=torch.float32, device=q.device)
+        if fused:
+            count = plan.workspace_count
+            if count is None:
+                raise ValueError("a FUSED_MERGE plan needs its counters: build it with plan_tree_attention(_mla)")
     else:
         ws_o = ws_lse = out
     qr_t = qr if qr is not None else q
-    grid = (hkv * cfg["M_TILES"] * cfg["DV_TILES"], splits, batch)
+    grid = (_programs_per_split(cfg, hkv), splits, batch)
+    mask_arg = tree_mask if tree_mask is not None else page_table
+    if cfg.get("KERNEL") == "mla_chunked":
+        kernels._tree_attention_mla_chunked_kernel[grid](
+            q, qr_t, kc, page_table, prefix_lens, mask_arg, out, lse if store_lse else out, ws_o, ws_lse, count,
+            float(sm_scale) * 1.4426950408889634,
+            q.stride(0), q.stride(1), q.stride(2),
+            qr_t.stride(0), qr_t.stride(1), qr_t.stride(2),
+            k_strides[0], k_strides[1],
+            page_table.stride(0),
+            smb, smt,
+            out.stride(0), out.stride(1), out.stride(2),
+            NUM_DRAFT=k, NUM_Q_HEADS=hq, PAGE_SIZE=page_size, NUM_SPLITS=splits, D=d, DR=dr, DC=cfg["D_CHUNK"],
+            NC=cfg["NC"], CPT=cfg["CPT"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+            BLOCK_DR=_next_pow2(max(16, dr)), M_TILES=cfg["M_TILES"], DV_TILES=cfg["DV_TILES"],
+            HAS_MASK=tree_mask is not None, STORE_LSE=store_lse, FUSED_MERGE=fused, DOT_FP32=q.device.type == "cpu",
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+        if splits > 1 and not fused:
+            _launch_merge(kernels, ws_o, ws_lse, out, lse, batch=batch, k=k, hq=hq, dv=dv, splits=splits)
+        return
     kernels._tree_attention_fwd_kernel[grid](
-        q, qr_t, kc, vc, page_table, prefix_lens, tree_mask if tree_mask is not None else page_table,
-        out, lse if store_lse else out, ws_o, ws_lse,
+        q, qr_t, kc, vc, page_table, prefix_lens, mask_arg,
+        out, lse if store_lse else out, ws_o, ws_lse, count,
         float(sm_scale) * 1.4426950408889634,
         q.stride(0), q.stride(1), q.stride(2),
         qr_t.stride(0), qr_t.stride(1), qr_t.stride(2),
@@ -429,17 +535,23 @@ def _launch(*, q, qr, kc, vc, k_strides, v_strides, page_table, prefix_lens, tre
         BLOCK_DR=_next_pow2(max(16, dr)) if dr else 16, BLOCK_DV=cfg["BLOCK_DV"], BLOCK_K=cfg["BLOCK_K"],
         M_TILES=cfg["M_TILES"], DV_TILES=cfg["DV_TILES"],
         HAS_MASK=tree_mask is not None, V_IS_K=v_is_k, STORE_LSE=store_lse, DOT_FP32=q.device.type == "cpu",
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        FUSED_MERGE=fused, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    if splits > 1:
-        block_s = _next_pow2(max(2, splits))
-        block_dv = min(_next_pow2(max(16, dv)), max(16, 4096 // block_s))
-        kernels._tree_attention_merge_kernel[(batch * k * hq, _cdiv(dv, block_dv))](
-            ws_o, ws_lse, out, lse if store_lse else out,
-            out.stride(0), out.stride(1), out.stride(2),
-            NUM_DRAFT=k, NUM_Q_HEADS=hq, NUM_SPLITS=splits, DV=dv, BLOCK_S=block_s, BLOCK_DV=block_dv,
-            STORE_LSE=store_lse, num_warps=4, num_stages=1,
-        )
+    if splits > 1 and not fused:
+        _launch_merge(kernels, ws_o, ws_lse, out, lse, batch=batch, k=k, hq=hq, dv=dv, splits=splits)
+
+
+def _launch_merge(kernels, ws_o, ws_lse, out, lse, *, batch, k, hq, dv, splits):
+    """The split-KV merge launch (one program per output row and value tile)."""
+    store_lse = lse is not None
+    block_s = _next_pow2(max(2, splits))
+    block_dv = min(_next_pow2(max(16, dv)), max(16, 4096 // block_s))
+    kernels._tree_attention_merge_kernel[(batch * k * hq, _cdiv(dv, block_dv))](
+        ws_o, ws_lse, out, lse if store_lse else out,
+        out.stride(0), out.stride(1), out.stride(2),
+        NUM_DRAFT=k, NUM_Q_HEADS=hq, NUM_SPLITS=splits, DV=dv, BLOCK_S=block_s, BLOCK_DV=block_dv,
+        STORE_LSE=store_lse, num_warps=4, num_stages=1,
+    )
 
 
 @functools.lru_cache(maxsize=256)

@@ -216,6 +216,9 @@ def _launch_route_align(logits, bias, top_k, softmax, n_group, topk_group, renor
         ids = topk_ids.contiguous()
         weights = ids  # unused
     s = m * top_k
+    if do_align and _VARIANT["route"] == "single" and 0 < s <= _SINGLE_MAX_SLOTS:
+        return _launch_route_align_single(logits, bias, ids, weights, m, e, top_k, softmax, n_group, topk_group,
+                                          renormalize, scale, block_size, do_route)
     if do_align:
         size = max_num_tokens_padded(m, top_k, e, block_size)
         sorted_ids = torch.empty((size,), dtype=torch.int32, device=dev)
@@ -250,6 +253,38 @@ def _launch_route_align(logits, bias, top_k, softmax, n_group, topk_group, renor
         npad.zero_()
     alignment = MoEAlignment(sorted_ids, expert_ids, npad, block_size) if do_align else None
     return ids, weights, alignment
+
+
+def _launch_route_align_single(logits, bias, ids, weights, m, e, top_k, softmax, n_group, topk_group, renormalize,
+                               scale, block_size, do_route):
+    """The opt-in one-program variant (``_VARIANT["route"] == "single"``, 0 < M * top_k <= 1024).
+
+    One CTA routes every row and aligns without atomics: per-expert counts by histogram, padded offsets by cumsum,
+    each slot's place by its rank among the earlier slots of its expert, so the slots inside an expert come in
+    increasing slot id (``align_reference``'s order). No persistent workspace: only a per-call [EAP] scratch.
+    """
+    from specverify.kernels.moe_route import _moe_route_align_single_kernel
+
+    dev = ids.device
+    s = m * top_k
+    size = max_num_tokens_padded(m, top_k, e, block_size)
+    sorted_ids = torch.empty((size,), dtype=torch.int32, device=dev)
+    expert_ids = torch.empty((size // block_size,), dtype=torch.int32, device=dev)
+    npad = torch.empty((1,), dtype=torch.int32, device=dev)
+    eap = max(_next_pow2(e), 16)
+    offs = torch.empty((eap,), dtype=torch.int32, device=dev)
+    cfg = dict(_SINGLE_ROUTE_CONFIG)
+    if dev.type != "cuda":  # interpreter: fewer, smaller tiles
+        cfg.update(ROWS=4, CI=16, CJ=16, CHUNK=64)
+    rows = min(cfg.pop("ROWS"), max(_next_pow2(m), 1))
+    bias_arg = bias if bias is not None else (logits if do_route else ids)
+    _moe_route_align_single_kernel[(1,)](
+        logits if do_route else ids, bias_arg, ids, weights, sorted_ids, expert_ids, npad, offs, m, s,
+        size // block_size, logits.stride(0) if do_route else 0, float(scale),
+        E=e, EP=eap, ROWS=rows, TOP_K=top_k, TOPK_P=max(_next_pow2(top_k), 2), N_GROUP=n_group,
+        NG_P=max(_next_pow2(n_group), 2), GSIZE=e // n_group, TOPK_GROUP=topk_group, SOFTMAX=softmax,
+        HAS_BIAS=bias is not None, RENORM=renormalize, DO_ROUTE=do_route, EA=e, EAP=eap, B=block_size, **cfg)
+    return ids, weights, MoEAlignment(sorted_ids, expert_ids, npad, block_size)
 
 
 def moe_route(router_logits, *, top_k, scoring="sigmoid", correction_bias=None, n_group=1, topk_group=1,
@@ -316,6 +351,9 @@ def moe_route(router_logits, *, top_k, scoring="sigmoid", correction_bias=None, 
     the per-device workspace (zeroed counters the kernel resets itself) is allocated on the first call, which must
     therefore run outside capture. Calls on different streams must not overlap in time (they share that
     workspace). ``impl="reference"`` synchronises with the host when aligning and is not capturable.
+    Opt-in (benchmarks): ``specverify.moe._VARIANT["route"] = "single"`` aligns in one program without atomics or
+    workspace when 0 < M * top_k <= 1024; the slots inside an expert then come in increasing slot id, exactly as
+    the reference orders them.
 
     Examples
     --------
@@ -409,6 +447,19 @@ def _check_moe_args(hidden, w13, w2, topk_ids, topk_weights, alignment, activati
 
 #: Warps of the routing kernel (one token row per program); a dict so benchmarks can sweep it.
 _ROUTE_NUM_WARPS: dict = {"num_warps": 4}
+#: Opt-in kernel variants (benchmarks and sweeps; the defaults are the measured paths):
+#: ``route``: ``"atomic"`` (default: one program per token, atomics + last-program alignment) or ``"single"``
+#: (one program routes and aligns every slot, no atomics; used when 0 < M * top_k <= 1024 and aligning);
+#: ``experts``: ``"dot"`` (default: block-aligned tl.dot GEMMs, three launches) or ``"gemv"`` (no tl.dot, two
+#: launches, top-k sum fused into the down GEMV; used when M <= ``_GEMV_CONFIG["max_m"]``).
+_VARIANT: dict = {"route": "atomic", "experts": "dot"}
+_SINGLE_MAX_SLOTS = 1024
+#: Launch config of the one-program router: rows routed per step, [CI, CJ] rank tiles, fill chunk, warps.
+_SINGLE_ROUTE_CONFIG: dict = {"ROWS": 4, "CI": 64, "CJ": 128, "CHUNK": 1024, "num_warps": 8}
+#: GEMV experts: largest M it takes, gate/up tile ``g1`` ([BLOCK_N gate rows + BLOCK_N up rows, BLOCK_K]) and
+#: down tile ``g2`` ([BLOCK_N rows of H, BLOCK_K of I]), with their warps.
+_GEMV_CONFIG: dict = {"max_m": 4, "g1": {"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 4},
+                      "g2": {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4}}
 #: Tile overrides for benchmarks and sweeps only: keys ``g1`` / ``g2`` (dicts merged into the gate/up and down
 #: configs, e.g. ``{"g1": {"SPLIT_K": 4, "num_stages": 5}}``). Empty in normal use.
 _CONFIG_OVERRIDE: dict = {}
@@ -496,6 +547,58 @@ def _fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, alignment, out):
     return out
 
 
+def _fused_moe_gemv(hidden, w13, w2, topk_ids, topk_weights, alignment, out):
+    """The opt-in GEMV experts (``_VARIANT["experts"] == "gemv"``, M <= ``_GEMV_CONFIG["max_m"]``): two launches.
+
+    With ``alignment`` the gate/up GEMV runs per block (each activated expert read once); without it, per slot
+    (no alignment launch at all; an expert shared by several tokens is re-read, mostly from L2).
+    """
+    from specverify.kernels.fused_moe import _moe_gemv_down_sum_kernel, _moe_gemv_gate_up_kernel
+
+    m, h = hidden.shape
+    e, two_i, _ = w13.shape
+    inter = two_i // 2
+    top_k = topk_ids.shape[1]
+    s = m * top_k
+    dev = hidden.device
+    ids32 = topk_ids.to(torch.int32).contiguous()
+    tw = topk_weights.float().contiguous()
+    hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
+    w13 = w13 if w13.stride(2) == 1 else w13.contiguous()
+    w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
+    if out is None:
+        out = torch.empty((m, h), dtype=hidden.dtype, device=dev)
+    if m == 0:
+        return out
+    act = torch.empty((s, inter), dtype=hidden.dtype, device=dev)
+    g1 = dict(_GEMV_CONFIG["g1"])
+    g2 = dict(_GEMV_CONFIG["g2"])
+    g1["BLOCK_N"] = max(1, min(g1["BLOCK_N"], _next_pow2(inter)))
+    g1["BLOCK_K"] = max(16, min(g1["BLOCK_K"], _next_pow2(h)))
+    g2["BLOCK_N"] = max(1, min(g2["BLOCK_N"], _next_pow2(h)))
+    g2["BLOCK_K"] = max(16, min(g2["BLOCK_K"], _next_pow2(inter)))
+    if dev.type != "cuda":  # interpreter: drop the warp counts
+        g1.pop("num_warps", None)
+        g2.pop("num_warps", None)
+    n1 = -(-inter // g1["BLOCK_N"])
+    if alignment is not None:
+        bs = alignment.block_size
+        nblocks = alignment.expert_ids.numel()
+        mp = min(bs, max(_next_pow2(m), 1))
+        _moe_gemv_gate_up_kernel[(nblocks * n1,)](
+            hidden, w13, act, alignment.sorted_token_ids, alignment.expert_ids, alignment.num_tokens_post_padded,
+            ids32, s, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), E=e, H=h, I=inter, TOP_K=top_k,
+            B=bs, MP=mp, ALIGNED=True, **g1)
+    else:
+        _moe_gemv_gate_up_kernel[(s * n1,)](
+            hidden, w13, act, ids32, ids32, ids32, ids32, s, hidden.stride(0), w13.stride(0), w13.stride(1),
+            act.stride(0), E=e, H=h, I=inter, TOP_K=top_k, B=1, MP=1, ALIGNED=False, **g1)
+    n2 = -(-h // g2["BLOCK_N"])
+    _moe_gemv_down_sum_kernel[(m * n2,)](act, w2, ids32, tw, out, act.stride(0), w2.stride(0), w2.stride(1),
+                                         out.stride(0), E=e, H=h, I=inter, TOP_K=top_k, **g2)
+    return out
+
+
 def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activation="silu", out=None,
               quant=None, impl="auto"):
     """SwiGLU mixture of experts: ``out[m] = sum_k w[m,k] * w2[e] @ (silu(gate) * up)``, ``e = topk_ids[m, k]``.
@@ -548,6 +651,9 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
     deterministic. bf16/fp16 inputs, fp32 accumulation, the SwiGLU output rounded to the input dtype. CUDA-graph
     capturable: grids depend only on shapes, unused blocks exit early, no host sync. The reference path is
     capturable too but computes in fp32 with gathered weight copies (slow, memory-hungry).
+    Opt-in (benchmarks): ``specverify.moe._VARIANT["experts"] = "gemv"`` runs M <= 4 as two GEMV launches (no
+    tensor cores, the top-k sum fused into the down projection; with ``alignment=None`` no alignment is computed),
+    equally deterministic and capturable.
 
     Examples
     --------
@@ -574,4 +680,6 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
             return res
         out.copy_(res)
         return out
+    if _VARIANT["experts"] == "gemv" and hidden.shape[0] <= _GEMV_CONFIG["max_m"]:
+        return _fused_moe_gemv(hidden, w13, w2, topk_ids, topk_weights, alignment, out)
     return _fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, alignment, out)

@@ -371,3 +371,189 @@ def test_cuda_graph_capture_gpu():
         assert torch.equal(g_out, out)
         logits.copy_(torch.randn_like(logits))
         hidden.copy_(torch.randn_like(hidden))
+
+
+# --------------------------------------------------------------------------------------------- opt-in variants
+@pytest.fixture
+def single_route(monkeypatch):
+    """The one-program router + alignment (``_VARIANT["route"] = "single"``), with every torch.empty poisoned so
+    an output element the kernel forgets to write cannot pass."""
+    import specverify.moe as moe_mod
+
+    monkeypatch.setitem(moe_mod._VARIANT, "route", "single")
+    real_empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(math.nan) if t.is_floating_point() else t.fill_(-7)
+
+    monkeypatch.setattr(moe_mod.torch, "empty", poisoned)
+    yield moe_mod
+    # monkeypatch restores torch.empty and the variant
+
+
+def check_alignment_exact(ids, num_experts, block_size, al):
+    """The one-program alignment orders slots by slot id inside an expert: everything matches align_reference."""
+    m, top_k = ids.shape
+    s = m * top_k
+    size = max_num_tokens_padded(m, top_k, num_experts, block_size)
+    rs, re, rn = align_reference(ids, num_experts, block_size)
+    n = int(rn.item())
+    assert al.sorted_token_ids.shape == (size,) and al.expert_ids.shape == (size // block_size,)
+    assert int(al.num_tokens_post_padded.item()) == n
+    want_s = torch.full((size,), s, dtype=torch.int32)
+    want_s[:n] = rs.cpu()
+    want_e = torch.full((size // block_size,), -1, dtype=torch.int32)
+    want_e[: n // block_size] = re.cpu()
+    assert torch.equal(al.sorted_token_ids.cpu(), want_s), "sorted_token_ids (whole buffer, exact order)"
+    assert torch.equal(al.expert_ids.cpu(), want_e), "expert_ids (whole buffer)"
+
+
+@pytest.mark.parametrize("case", [
+    # Kimi-K2: 384 experts, bias, top-8, bf16 logits; 5 x 8 = 40 slots: not a multiple of block 16
+    dict(m=5, e=384, top_k=8, bias=True, dtype=torch.bfloat16, block=16),
+    # DeepSeek-V3 groups (256 experts, 8 groups, best 4)
+    dict(m=3, e=256, top_k=8, bias=True, n_group=8, topk_group=4, block=16),
+    # 257 experts: prime, one past a power of two
+    dict(m=3, e=257, top_k=8, bias=True, block=16),
+    # Qwen3 softmax over 128 experts, no bias
+    dict(m=3, e=128, top_k=8, scoring="softmax", block=16),
+    # 100 tokens x top-3 over 13 experts (prime): 300 slots, many blocks per expert, many [CI, CJ] rank tiles
+    dict(m=100, e=13, top_k=3, block=16),
+])
+def test_single_route_exact(device, single_route, case):
+    g = torch.Generator().manual_seed(50 + case["m"] + case["e"])
+    x = torch.randn(case["m"], case["e"], generator=g).to(case.get("dtype", torch.float32)).to(device)
+    bias = (torch.randn(case["e"], generator=g) * 0.05).to(device) if case.get("bias") else None
+    ids, w, al = check_route(x, case["top_k"], scoring=case.get("scoring", "sigmoid"), bias=bias,
+                             n_group=case.get("n_group", 1), topk_group=case.get("topk_group", 1),
+                             block_size=case["block"])
+    check_alignment_exact(ids, case["e"], case["block"], al)
+
+
+def test_single_route_ties_nan_and_one_expert(device, single_route):
+    # integer logits (ties to the lowest id), a NaN row (all -1: skipped by the alignment), every token's first
+    # choice expert 5 (one expert over several blocks); 13 x 3 = 39 slots, not a multiple of block 8
+    g = torch.Generator().manual_seed(60)
+    x = torch.randint(-2, 3, (13, 32), generator=g).float()
+    x[:, 5] = 20.0
+    x[4] = math.nan
+    ids, w, al = check_route(x.to(device), 3, block_size=8)
+    assert (ids[4].cpu() == -1).all() and (ids[[0, 1, 2, 3, 5], 0].cpu() == 5).all()
+    check_alignment_exact(ids, 32, 8, al)
+
+
+@pytest.mark.parametrize("block", [1, 4, 16])
+def test_single_align_only(device, single_route, block):
+    # alignment of given ids (the fused_moe path): -1 and ids >= E skipped, empty experts, 7 experts (prime),
+    # block 1 (no padding) and blocks larger than any expert's run
+    g = torch.Generator().manual_seed(61 + block)
+    ids = torch.randint(0, 4, (9, 3), generator=g, dtype=torch.int32)  # experts 4..6 stay empty
+    ids[2, 1], ids[7, 0], ids[8, 2] = -1, -1, 7  # 7 >= E: no expert
+    ids = ids.to(device)
+    _, _, al = single_route._launch_route_align(None, None, 3, False, 1, 1, False, 1.0, block, topk_ids=ids,
+                                                num_experts=7)
+    check_alignment_exact(ids, 7, block, al)
+
+
+@pytest.fixture
+def gemv_experts(monkeypatch):
+    """The GEMV experts (``_VARIANT["experts"] = "gemv"``) with tiles small enough that the interpreter runs
+    several K steps and several N tiles, with masked edges (H = 48, I = 24 are not multiples of them)."""
+    import specverify.moe as moe_mod
+
+    monkeypatch.setitem(moe_mod._VARIANT, "experts", "gemv")
+    monkeypatch.setattr(moe_mod, "_GEMV_CONFIG", {"max_m": 4, "g1": {"BLOCK_N": 16, "BLOCK_K": 32},
+                                                  "g2": {"BLOCK_N": 32, "BLOCK_K": 16}})
+    return moe_mod
+
+
+@pytest.mark.parametrize("dtype, aligned", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float16, True)])
+def test_gemv_experts(device, gemv_experts, poison, aligned, dtype):
+    # M = 4 (the GEMV's limit) x top-3 over 7 experts (prime), one -1 slot; aligned (per expert block, block 4) and
+    # not (per slot, no alignment launch); the result is deterministic
+    m, e, h, inter = 4, 7, 48, 24
+    w13, w2 = _weights(e, h, inter, dtype, device, 70)
+    g = torch.Generator().manual_seed(71)
+    hidden = torch.randn(m, h, generator=g).to(dtype).to(device)
+    ids, w = moe_route(torch.randn(m, e, generator=g).to(device), top_k=3, impl="triton")
+    ids[2, 1] = -1
+    w[2, 1] = 0.3  # a -1 slot adds nothing whatever its weight
+    al = None
+    if aligned:  # realigned after the edit above (block 4: fewer padded rows than the default 16)
+        _, _, al = gemv_experts._launch_route_align(None, None, 3, False, 1, 1, False, 1.0, 4, topk_ids=ids,
+                                                    num_experts=e)
+    out = poison(hidden)
+    a = check_experts(hidden, w13, w2, ids, w, alignment=al, out=out)
+    assert a.data_ptr() == out.data_ptr()
+    b = fused_moe(hidden, w13, w2, ids, w, alignment=al, impl="triton")
+    assert torch.equal(a, b), "GEMV experts must be deterministic"
+
+
+def test_gemv_shared_expert_and_repeats(device, gemv_experts):
+    # the shared expert fused as expert E-1 with weight 1 (providers.experts_with_shared), every token choosing it;
+    # token 0 lists expert 1 twice and tokens 1-3 too, so expert 1 holds 8 slots > MP = 4: two passes
+    m, e, h, inter = 4, 6, 48, 24
+    w13, w2 = _weights(e, h, inter, torch.bfloat16, device, 72)
+    g = torch.Generator().manual_seed(73)
+    hidden = torch.randn(m, h, generator=g).bfloat16().to(device)
+    ids = torch.tensor([[1, 1], [1, 1], [1, 1], [1, 1]], dtype=torch.int32)
+    ids = torch.cat([ids, torch.full((m, 1), e - 1, dtype=torch.int32)], 1).to(device)
+    w = torch.cat([torch.rand(m, 2, generator=g), torch.ones(m, 1)], 1).to(device)
+    _, _, al = gemv_experts._launch_route_align(None, None, 3, False, 1, 1, False, 1.0, 16, topk_ids=ids,
+                                                num_experts=e)
+    check_experts(hidden, w13, w2, ids, w, alignment=al)
+    check_experts(hidden, w13, w2, ids, w)
+
+
+def test_gemv_one_token_and_fallback(device, gemv_experts):
+    # M = 1 (the verify pass's smallest step); M = 5 > max_m takes the tl.dot path and must still be right
+    e, h, inter = 5, 48, 24
+    w13, w2 = _weights(e, h, inter, torch.bfloat16, device, 74)
+    g = torch.Generator().manual_seed(75)
+    for m in (1, 5):
+        hidden = torch.randn(m, h, generator=g).bfloat16().to(device)
+        ids, w, al = moe_route(torch.randn(m, e, generator=g).to(device), top_k=2, block_size=16, impl="triton")
+        check_experts(hidden, w13, w2, ids, w, alignment=al)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4, 64, 128])
+def test_variants_kimi_k2_gpu(m, monkeypatch):
+    # Kimi-K2 per rank: one-program router (128 x 8 = 1024 slots: its limit) exact against the reference; GEMV
+    # experts (M <= 4) within the derived tolerance; both replayed from a CUDA graph after the inputs change
+    import specverify.moe as moe_mod
+
+    monkeypatch.setitem(moe_mod._VARIANT, "route", "single")
+    monkeypatch.setitem(moe_mod._VARIANT, "experts", "gemv")
+    e, h, inter = 384, 7168, 256
+    g = torch.Generator().manual_seed(80 + m)
+    logits = torch.randn(m, e, generator=g).bfloat16().cuda()
+    bias = (torch.randn(e, generator=g) * 0.05).cuda()
+    ids, w, al = check_route(logits, 8, bias=bias, scale=2.827, block_size=16)
+    check_alignment_exact(ids, e, 16, al)
+    if m > 4:
+        return
+    w13, w2 = _weights(e, h, inter, torch.bfloat16, "cuda", 81)
+    hidden = torch.randn(m, h, generator=g).bfloat16().cuda()
+    want = fused_moe_reference(hidden, w13, w2, ids, w, compute_dtype=torch.float64)
+    torch_err = (fused_moe_reference(hidden, w13, w2, ids, w, compute_dtype=torch.bfloat16).double() - want)
+    tol = 2 * torch_err.abs().max().item() + 1e-6
+    for a in (al, None):
+        assert (fused_moe(hidden, w13, w2, ids, w, alignment=a).double() - want).abs().max().item() <= tol
+
+    def step():
+        i, ww, aa = moe_route(logits, top_k=8, correction_bias=bias, block_size=16)
+        return aa.sorted_token_ids, fused_moe(hidden, w13, w2, i, ww, alignment=aa)
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_sorted, g_out = step()
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        sorted_ids, out = step()
+        assert torch.equal(g_sorted, sorted_ids) and torch.equal(g_out, out)
+        logits.copy_(torch.randn_like(logits))
+        hidden.copy_(torch.randn_like(hidden))

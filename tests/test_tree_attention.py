@@ -253,9 +253,12 @@ def test_reference_impl_and_disable_flag(device, monkeypatch):
 def test_split_heuristic():
     """Splits fill about one wave of SMs, never below ~64 KiB of KV per split, and stop when the batch fills it."""
     mla_token_bytes = 576 * 2
-    # Kimi-K2 per rank, batch 1, prefix 4092 / 4096: splits of 64 tokens (>= 64 KiB of KV) -> 63 / 64
+    # Kimi-K2 per rank, batch 1, prefix 4092 / 4096: splits of 64 tokens (>= 64 KiB of KV) -> 63, rounded to 64
+    # so that every split gets a whole number of tiles and none is empty
     assert _choose_num_splits(batch=1, programs_per_split=1, max_prefix=4092, bytes_per_token=mla_token_bytes,
-                              block_n=32, num_sms=132) == 63
+                              block_n=32, num_sms=132) == 64
+    assert _choose_num_splits(batch=1, programs_per_split=2, max_prefix=4092, bytes_per_token=mla_token_bytes,
+                              block_n=64, num_sms=132) == 64
     assert _choose_num_splits(batch=1, programs_per_split=1, max_prefix=4096, bytes_per_token=mla_token_bytes,
                               block_n=32, num_sms=132) == 64
     # batch 8, ctx 32k: the SM count limits (ceil(132 / 8) = 17)
@@ -278,6 +281,134 @@ def test_plan_workspace_shapes():
     one = plan_tree_attention(max_batch=2, num_draft_tokens=1, num_q_heads=4, num_kv_heads=4, head_dim=64,
                               max_context=64, device="cpu", num_splits=1)
     assert one.workspace_out is None and one.workspace_bytes == 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# opt-in variants: chunked MLA kernel, last-program split merge (FUSED_MERGE), bandwidth configs
+# ----------------------------------------------------------------------------------------------------------------
+def _chunked(**kw):
+    return dict({"KERNEL": "mla_chunked", "BLOCK_N": 16, "BLOCK_M": 16, "num_warps": 4, "num_stages": 1}, **kw)
+
+
+MLA_VARIANT_CASES = [
+    # id, prefix_lens, k, h, r, dr, page_size, mask, dtype, num_splits, config
+    # 4 latent chunks of 16, 2 per program (value columns over 2 programs, rotated chunk order), fused merge of 3
+    # splits with a prefix-0 request (its early splits are empty), page size 1, per-request trees
+    ("chunk4-dv2-fused-ps1-prefix0", [0, 37, 20], 3, 4, 64, 16, 1, "random", torch.bfloat16, 3,
+     _chunked(D_CHUNK=16, BLOCK_DV=32, FUSED_MERGE=True)),
+    # 2 chunks both accumulated by one program; chain (None); prefix 16 on a page boundary; merge kernel path; fp16
+    ("chunk2-dv1-merge-chain-ps16", [16, 5], 4, 4, 64, 16, 16, "chain", torch.float16, 2,
+     _chunked(D_CHUNK=32, BLOCK_DV=64)),
+    # 1 chunk per program over 4 programs, no split, top-k tree; 9 tokens x 4 heads = 36 rows -> 3 row tiles of 16
+    ("chunk4-dv4-nosplit-topk-mtiles", [30], 9, 4, 64, 16, 16, "topk", torch.bfloat16, 1,
+     _chunked(D_CHUNK=16, BLOCK_DV=16)),
+    # Kimi-K2 per-rank dims with the first bench config's chunking (4 x 128, BLOCK_DV 256), fused merge
+    ("kimi-dims-chunked-fused", [16, 3], 4, 8, 512, 64, 16, "random", torch.bfloat16, 2,
+     _chunked(D_CHUNK=128, BLOCK_DV=256, BLOCK_M=32, FUSED_MERGE=True)),
+    # the default kernel with the fused merge (value columns over 2 programs); k = 1 decode
+    ("default-kernel-fused-k1", [40, 2], 1, 4, 64, 16, 16, "chain", torch.bfloat16, 3,
+     {"BLOCK_N": 16, "BLOCK_DV": 32, "FUSED_MERGE": True}),
+]
+
+
+@pytest.mark.parametrize("case", MLA_VARIANT_CASES, ids=[c[0] for c in MLA_VARIANT_CASES])
+def test_mla_variants_match_reference(case, device, poison):
+    _, prefix_lens, k, h, r, dr, ps, mask, dtype, splits, config = case
+    plan = run_mla(device, poison, prefix_lens=prefix_lens, k=k, h=h, r=r, dr=dr, page_size=ps, mask_kind=mask,
+                   dtype=dtype, num_splits=splits, seed=sum(map(ord, case[0])), config=config)
+    assert plan.config["KERNEL"] == config.get("KERNEL", "default")
+    if plan.workspace_count is not None:
+        assert not plan.workspace_count.any(), "the last program must reset its counter to 0"
+
+
+GQA_VARIANT_CASES = [
+    # fused merge with the value dim over 2 programs (BLOCK_DV 32), page size 1, prefix 0, fp16
+    ("fused-dv2-ps1-prefix0", [0, 7, 12], 5, 4, 2, 64, 1, "random", torch.float16, 2,
+     {"BLOCK_N": 16, "BLOCK_DV": 32, "FUSED_MERGE": True}),
+    # fused merge, 72 rows -> 2 row tiles; k = 9 (two mask bytes); a request shorter than the split count
+    ("fused-mtiles-k9", [11, 3], 9, 8, 1, 64, 16, "random", torch.bfloat16, 4, {"BLOCK_N": 16, "FUSED_MERGE": True}),
+    # a bandwidth config's shape (long tile) at interpreter size, chain
+    ("bandwidth-cfg-chain", [100, 33], 3, 4, 2, 64, 16, "chain", torch.bfloat16, 2,
+     {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4}),
+]
+
+
+@pytest.mark.parametrize("case", GQA_VARIANT_CASES, ids=[c[0] for c in GQA_VARIANT_CASES])
+def test_gqa_variants_match_reference(case, device, poison):
+    _, prefix_lens, k, hq, hkv, d, ps, mask, dtype, splits, config = case
+    plan = run_gqa(device, poison, prefix_lens=prefix_lens, k=k, hq=hq, hkv=hkv, d=d, page_size=ps, mask_kind=mask,
+                   dtype=dtype, num_splits=splits, seed=sum(map(ord, case[0])), config=config)
+    if plan.workspace_count is not None:
+        assert not plan.workspace_count.any(), "the last program must reset its counter to 0"
+
+
+def test_fused_merge_launches_no_merge_kernel_and_repeats(device, monkeypatch):
+    """FUSED_MERGE: one launch (the merge kernel is never called) and a second call on changed inputs through the
+    same plan is right again (the counters went back to zero, as CUDA-graph replay needs)."""
+    import specverify.kernels.tree_attention as kernels
+
+    def _no_merge(*args, **kwargs):
+        raise AssertionError("the merge kernel was launched although FUSED_MERGE is set")
+
+    monkeypatch.setattr(kernels, "_tree_attention_merge_kernel", _Forbid(_no_merge))
+    gen = torch.Generator().manual_seed(5)
+    prefix_lens, k, h, r, dr = [21, 50], 3, 4, 64, 16
+    kv, table = make_paged(prefix_lens, k, 16, (r + dr,), torch.bfloat16, device, gen)
+    prefix = torch.tensor(prefix_lens, device=device)
+    plan = plan_tree_attention_mla(max_batch=2, num_draft_tokens=k, num_heads=h, kv_lora_rank=r, rope_dim=dr,
+                                   max_context=table.shape[1] * 16, device=device, num_splits=3,
+                                   config=_chunked(D_CHUNK=32, BLOCK_DV=32, FUSED_MERGE=True))
+    assert plan.workspace_count is not None and plan.workspace_count.shape == (2, 2)
+    out = torch.empty(2, k, h, r, dtype=torch.bfloat16, device=device)
+    for _ in range(2):
+        ql = torch.randn(2, k, h, r, generator=gen).bfloat16().to(device)
+        qr = torch.randn(2, k, h, dr, generator=gen).bfloat16().to(device)
+        mask = make_mask("random", k, 2, gen).to(device)
+        out.fill_(float("nan"))
+        _, lse = tree_attention_mla(ql, qr, kv, page_table=table, prefix_lens=prefix, tree_mask=mask,
+                                    sm_scale=0.1, out=out, return_lse=True, impl="triton", plan=plan)
+        check_mla(ql, qr, kv, table, prefix, mask, 0.1, out, lse)
+        assert not plan.workspace_count.any()
+
+
+class _Forbid:
+    """A kernel stand-in: indexing with a grid returns ``fn`` (which fails the test when launched)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        return self.fn
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"KERNEL": "fast"}, "KERNEL must be"),
+    ({"KERNEL": "mla_chunked", "D_CHUNK": 24}, "D_CHUNK=24"),  # not a power of two
+    ({"KERNEL": "mla_chunked", "D_CHUNK": 16}, "at most 4 chunks"),  # 512 / 16 = 32 chunks
+    ({"KERNEL": "mla_chunked", "D_CHUNK": 128, "BLOCK_DV": 384}, "BLOCK_DV=384"),  # 3 chunks, does not divide 512
+])
+def test_variant_config_errors(config, match):
+    with pytest.raises(ValueError, match=match):
+        plan_tree_attention_mla(max_batch=1, num_draft_tokens=2, num_heads=8, max_context=64, device="cpu",
+                                config=config)
+
+
+def test_chunked_config_rejected_for_gqa():
+    with pytest.raises(ValueError, match="for tree_attention_mla"):
+        plan_tree_attention(max_batch=1, num_draft_tokens=2, num_q_heads=4, num_kv_heads=1, head_dim=64,
+                            max_context=64, device="cpu", config={"KERNEL": "mla_chunked"})
+
+
+def test_fused_plan_workspace_shapes():
+    """FUSED_MERGE keeps one lse slot per value tile and int32 zero counters per (request, program of a split)."""
+    from specverify.kernels.tree_attention import MLA_CHUNKED_CONFIGS
+
+    plan = plan_tree_attention_mla(max_batch=3, num_draft_tokens=4, num_heads=8, max_context=4096, device="cpu",
+                                   num_splits=5, config=dict(MLA_CHUNKED_CONFIGS[0], FUSED_MERGE=True))
+    assert plan.config["DV_TILES"] == 2 and plan.config["NC"] == 4 and plan.config["CPT"] == 2
+    assert plan.workspace_lse.shape == (3, 5, 2, 4, 8)
+    assert plan.workspace_count.dtype == torch.int32 and plan.workspace_count.shape == (3, 2)
+    assert not plan.workspace_count.any()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -323,9 +454,12 @@ def test_gpu_mla(case, num_splits, poison):
             dtype=dtype, num_splits=num_splits, seed=12)
 
 
+from specverify.kernels import tree_attention as _K  # noqa: E402 - the config lists the bench sweeps
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [c for c in __import__("specverify.kernels.tree_attention",
-                                                          fromlist=["MLA_CONFIGS"]).MLA_CONFIGS])
+@pytest.mark.parametrize("config", _K.MLA_CONFIGS + _K.MLA_CHUNKED_CONFIGS
+                         + [dict(c, FUSED_MERGE=True) for c in (_K.MLA_CONFIGS[0], _K.MLA_CHUNKED_CONFIGS[0])])
 def test_gpu_mla_every_config(config, poison):
     """Every config the bench may pick is correct (the bench sweeps these)."""
     run_mla("cuda", poison, prefix_lens=[3000, 17], k=4, h=16, r=512, dr=64, page_size=16, mask_kind="random",
@@ -333,16 +467,17 @@ def test_gpu_mla_every_config(config, poison):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [c for c in __import__("specverify.kernels.tree_attention",
-                                                          fromlist=["GQA_CONFIGS"]).GQA_CONFIGS])
+@pytest.mark.parametrize("config", _K.GQA_CONFIGS + _K.GQA_BANDWIDTH_CONFIGS
+                         + [dict(_K.GQA_CONFIGS[0], FUSED_MERGE=True)])
 def test_gpu_gqa_every_config(config, poison):
     run_gqa("cuda", poison, prefix_lens=[3000, 17], k=4, hq=32, hkv=8, d=128, page_size=16, mask_kind="random",
             dtype=torch.bfloat16, num_splits=None, seed=14, config=config)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["default", "fused"])
 @pytest.mark.parametrize("mla", [False, True], ids=["gqa", "mla"])
-def test_gpu_cuda_graph(mla):
+def test_gpu_cuda_graph(mla, variant):
     """Eager -> capture -> replay -> change every input in place -> replay -> compare with the reference."""
     device = "cuda"
     gen = torch.Generator().manual_seed(21)
@@ -356,15 +491,17 @@ def test_gpu_cuda_graph(mla):
         kv = torch.randn(num_pages, page_size, r + dr, generator=gen).bfloat16().to(device)
         ql = torch.randn(batch, k, h, r, generator=gen).bfloat16().to(device)
         qr = torch.randn(batch, k, h, dr, generator=gen).bfloat16().to(device)
+        config = dict(_K.MLA_CHUNKED_CONFIGS[0], FUSED_MERGE=True) if variant == "fused" else None
         plan = plan_tree_attention_mla(max_batch=batch, num_draft_tokens=k, num_heads=h, max_context=4096 + k,
-                                       device=device)
+                                       device=device, config=config)
     else:
         hq, hkv, d = 32, 8, 128
         kc = torch.randn(num_pages, page_size, hkv, d, generator=gen).bfloat16().to(device)
         vc = torch.randn(num_pages, page_size, hkv, d, generator=gen).bfloat16().to(device)
         q = torch.randn(batch, k, hq, d, generator=gen).bfloat16().to(device)
+        config = dict(_K.GQA_CONFIGS[0], FUSED_MERGE=True) if variant == "fused" else None
         plan = plan_tree_attention(max_batch=batch, num_draft_tokens=k, num_q_heads=hq, num_kv_heads=hkv,
-                                   head_dim=d, max_context=4096 + k, device=device)
+                                   head_dim=d, max_context=4096 + k, device=device, config=config)
     assert plan.num_splits > 1  # the graph must cover the split + merge path
     prefix = torch.tensor(lens_a, dtype=torch.int32, device=device)
     mask = make_mask("random", k, batch, gen).to(device)
@@ -396,6 +533,8 @@ def test_gpu_cuda_graph(mla):
     graph.replay()
     torch.cuda.synchronize()
     check()
+    if plan.workspace_count is not None:  # FUSED_MERGE: every replay leaves its counters at zero
+        assert not plan.workspace_count.any()
     # change every input in place: queries, cache values, lengths, trees
     if mla:
         ql.copy_(torch.randn(ql.shape, generator=gen).bfloat16())

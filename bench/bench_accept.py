@@ -17,26 +17,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
 
 import torch
 
-from specverify.benchmarking import bench_us, git_commit, graph_us
+from specverify.benchmarking import load_sglang_peer, bench_us, git_commit, graph_us
 
 
 def _peer():
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    try:
-        import sglang_peer  # noqa: PLC0415
-    except Exception as exc:
-        return None, f"bench/sglang_peer.py not importable ({exc.__class__.__name__}: {exc})"
-    try:
-        if not sglang_peer.available():
-            return None, "sglang_peer.available() is False"
-    except Exception as exc:
-        return None, f"sglang_peer.available() failed ({exc})"
-    return sglang_peer, ""
+    return load_sglang_peer(__file__)
 
 
 def torch_walk(probs, parents, draft, u, length):

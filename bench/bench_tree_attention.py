@@ -25,12 +25,11 @@ import argparse
 import datetime
 import json
 import math
-import os
 import sys
 
 import torch
 
-from specverify.benchmarking import bench_us, copy_bandwidth_gbps, git_commit, graph_us
+from specverify.benchmarking import load_sglang_peer, bench_us, copy_bandwidth_gbps, git_commit, graph_us
 
 MODELS = {
     "kimi-k2": dict(kind="mla", heads=8, r=512, dr=64, sm_scale=192 ** -0.5),
@@ -63,18 +62,7 @@ def full_shapes():
 
 
 def _peer():
-    """bench/sglang_peer.py when present and SGLang is importable, else None (with the reason)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    try:
-        import sglang_peer  # noqa: PLC0415
-    except Exception as exc:
-        return None, f"bench/sglang_peer.py not importable ({exc.__class__.__name__}: {exc})"
-    try:
-        if not sglang_peer.available():
-            return None, "sglang_peer.available() is False"
-    except Exception as exc:
-        return None, f"sglang_peer.available() failed ({exc})"
-    return sglang_peer, ""
+    return load_sglang_peer(__file__)
 
 
 def _flashinfer():

@@ -63,3 +63,21 @@ def git_commit(path: str | None = None) -> str:
         return out or "?"
     except Exception:
         return "?"
+
+
+def load_sglang_peer(script: str):
+    """(module, "") for ``bench/sglang_peer.py`` (beside ``script``) when SGLang's kernels import, else
+    (None, the reason)."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    try:
+        import sglang_peer  # noqa: PLC0415
+    except Exception as exc:
+        return None, f"bench/sglang_peer.py not importable ({exc.__class__.__name__}: {exc})"
+    try:
+        if not sglang_peer.available():
+            return None, "sglang_peer.available() is False"
+    except Exception as exc:
+        return None, f"sglang_peer.available() failed ({exc})"
+    return sglang_peer, ""

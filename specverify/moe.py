@@ -103,6 +103,12 @@ def _triton_usable(t: torch.Tensor) -> tuple[bool, str]:
 
 
 def _choose(impl: str, t: torch.Tensor, name: str) -> str:
+    if impl == "triton":
+        ok, why = _triton_usable(t)
+        if not ok:
+            raise ValueError(f"specverify.{name}: impl='triton' cannot run: {why}; pass CUDA tensors, set "
+                             "TRITON_INTERPRET=1 (before importing triton) for the CPU interpreter, or use "
+                             "impl='auto'/'reference'")
     if impl != "auto":
         return impl
     ok, why = _triton_usable(t)

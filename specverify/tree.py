@@ -25,7 +25,14 @@ import torch
 
 
 def _check_parents(parents: Sequence[int]) -> list[int]:
-    parents = [int(p) for p in parents]
+    if isinstance(parents, (str, bytes)) or not hasattr(parents, "__iter__"):
+        raise TypeError(f"parents must be a sequence of ints (parents[i] = parent of node i, -1 for the root), "
+                        f"got {type(parents).__name__}")
+    values = list(parents.tolist() if hasattr(parents, "tolist") else parents)
+    for i, p in enumerate(values):
+        if isinstance(p, bool) or not float(p).is_integer():
+            raise TypeError(f"parents[{i}] must be an int, got {p!r}")
+    parents = [int(p) for p in values]
     n = len(parents)
     if n == 0:
         raise ValueError("a draft tree needs at least the root node: got an empty parent array; pass [-1] for a "
@@ -120,6 +127,9 @@ class DraftTree:
     @classmethod
     def topk_of_size(cls, branching: int, num_nodes: int) -> "DraftTree":
         """The first ``num_nodes`` nodes (breadth first) of an unbounded ``branching``-ary tree."""
+        if branching < 1 or num_nodes < 1:
+            raise ValueError(f"a top-k tree needs branching >= 1 and num_nodes >= 1, got branching={branching}, "
+                             f"num_nodes={num_nodes}")
         depth = 0
         size = 1
         while size < num_nodes:

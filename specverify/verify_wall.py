@@ -44,6 +44,7 @@ from specverify.tree import BatchedDraftTree, DraftTree
 
 log = logging.getLogger("specverify")
 
+PROVIDERS = ("reference", "specverify", "sglang")
 CPU_STAND_INS = {"mla": "tiny-mla-moe", "gqa-moe": "tiny-gqa-moe", "gqa": "tiny-gqa"}
 
 
@@ -356,16 +357,24 @@ def run_verify_wall(s: WallSettings, progress=None) -> dict:
     notes = []
     context, layers = s.context, s.layers
     if device.type == "cpu":
-        kind = "mla" if cfg.attention == "mla" else ("gqa-moe" if cfg.is_moe else "gqa")
-        stand_in = CPU_STAND_INS[kind] if not cfg.name.startswith("tiny-") else cfg.name
-        notes.append(f"no CUDA device: running the tiny stand-in {stand_in!r} for {cfg.name!r} on the CPU with "
-                     "context 64; CPU figures are not performance figures")
-        cfg = get_config(stand_in)
-        context = min(context, 64)
-        layers = None
-        tp = 1
+        notes.append("no CUDA device: CPU figures are not performance figures (no bandwidth, floor or efficiency "
+                     "either)")
+        if not cfg.name.startswith("tiny-"):
+            kind = "mla" if cfg.attention == "mla" else ("gqa-moe" if cfg.is_moe else "gqa")
+            notes.append(f"running the tiny stand-in {CPU_STAND_INS[kind]!r} for {cfg.name!r} on the CPU")
+            cfg = get_config(CPU_STAND_INS[kind])
+            if context > 64:
+                notes.append(f"--context {context} lowered to 64 for the stand-in")
+                context = 64
+            if layers is not None:
+                notes.append(f"--layers {layers} ignored: the stand-in has {cfg.num_hidden_layers}")
+            layers = None
+        if s.tp != 1:
+            notes.append(f"--tp {s.tp} ignored on the CPU: running tp=1")
+        if s.graph:
+            notes.append("--graph on ignored on the CPU: CUDA graphs need a GPU, running eagerly")
         s = dataclasses.replace(s, tp=1, graph=False, page_size=min(s.page_size, 16), warmup=min(s.warmup, 1),
-                                iters=min(s.iters, 2))
+                                iters=min(s.iters, 3))
     tp = s.tp
     layers = cfg.num_hidden_layers if layers is None else layers
     distinct = s.distinct_layers or _auto_distinct_layers(cfg, s, device, layers)
@@ -509,8 +518,8 @@ def run_verify_wall(s: WallSettings, progress=None) -> dict:
             torch.cuda.empty_cache()
         if s.json_path:  # after every provider, so a run stopped part-way still leaves its figures
             with open(s.json_path, "w") as f:
-                json.dump({"rows": rows, "meta": meta, "breakdown": breakdowns, "partial": True}, f, indent=1,
-                          default=str)
+                json.dump(_json_safe({"rows": rows, "meta": meta, "breakdown": breakdowns, "partial": True}), f,
+                          indent=1, default=str, allow_nan=False)
     for r in rows:
         r.update({k2: meta[k2] for k2 in ("model", "tp", "batch", "context", "layers", "distinct_layers", "graph",
                                           "gpu", "commit", "date")})
@@ -559,6 +568,8 @@ def format_table(result: dict) -> str:
         comp = ", ".join(f"{k}={v:.3f}" for k, v in sorted(b["components_ms"].items(), key=lambda kv: -kv[1]))
         lines.append(f"breakdown {name} ({b['mode']}): pass {b['pass_ms']:.3f} ms, components sum "
                      f"{b['sum_ms']:.3f} ms (gap {b['gap'] * 100:.1f}%): {comp}")
+    lines.append("break-even: tokens a pass at k must emit (accept length + 1) to match plain decoding, "
+                 "total(k) / total(1), before draft cost")
     lines.append("rel err: ||logits - first provider's logits|| / ||first provider's logits||, same inputs, "
                  "first 2 layers + LM head")
     for note in meta["notes"]:
@@ -590,6 +601,17 @@ def write_plot(result: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _json_safe(obj):
+    """NaN and infinities become null, so the JSON is strict (jq, JavaScript)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
 def _progress_printer():
     def show(step, total, text):
         print(f"[{step}/{total}] {text}", file=sys.stderr, flush=True)
@@ -609,6 +631,15 @@ def _cmd(args) -> int:
     try:
         make_tree(s.tree, 2)
         get_config(s.model)
+        unknown = [p for p in s.impl if p not in PROVIDERS]
+        if unknown or not s.impl:
+            raise ValueError(f"--impl takes a comma-separated list of {', '.join(PROVIDERS)}, got {args.impl!r}")
+        for name in ("tp", "batch", "context", "iters", "page_size", "layers", "distinct_layers"):
+            value = getattr(args, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if args.warmup < 0:
+            raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     except ValueError as exc:
         print(f"specverify bench verify-wall: {exc}", file=sys.stderr)
         return 2
@@ -616,7 +647,7 @@ def _cmd(args) -> int:
     print(format_table(result))
     if s.json_path:
         with open(s.json_path, "w") as f:
-            json.dump(result, f, indent=1, default=str)
+            json.dump(_json_safe(result), f, indent=1, default=str, allow_nan=False)
         print(f"wrote {s.json_path}")
     if s.plot_path:
         try:
@@ -624,12 +655,17 @@ def _cmd(args) -> int:
             print(f"wrote {s.plot_path}")
         except ImportError:
             print("plot skipped: matplotlib is not installed (pip install 'specverify-kernels[bench]')")
+    if not any(r["iters"] for r in result["rows"]):
+        print("specverify bench verify-wall: no provider produced a measurement (see the notes above)",
+              file=sys.stderr)
+        return 1
     return 0
 
 
 def register_cli(bench_sub) -> None:
     p = bench_sub.add_parser("verify-wall", help="the verify pass cost per draft length, against the bytes floor",
-                             description=__doc__.split("\n\n")[0])
+                             description=__doc__.split("\n\n")[0].replace("``", ""),
+                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="kimi-k2", help=f"one of {', '.join(list_configs())} (default kimi-k2)")
     p.add_argument("--tp", type=int, default=8, help="tensor-parallel degree; one rank's shapes are run")
     p.add_argument("--batch", type=int, default=1)
@@ -640,7 +676,9 @@ def register_cli(bench_sub) -> None:
     p.add_argument("--layers", type=int, default=None, help="layers to run (default: the model's)")
     p.add_argument("--distinct-layers", type=int, default=None,
                    help="weight sets cycled over the layers (default: as many as fit in 45%% of free memory)")
-    p.add_argument("--impl", default="reference,specverify,sglang", help="comma-separated providers")
+    p.add_argument("--impl", default="reference,specverify,sglang",
+                   help="comma-separated providers: reference, specverify, sglang (default: all three; sglang is "
+                        "skipped with its reason when SGLang's kernels cannot be imported)")
     p.add_argument("--graph", choices=["on", "off"], default="on", help="time CUDA-graph replay (on) or eager")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)

@@ -28,7 +28,7 @@ def test_verify_wall_runs_on_this_machine(tmp_path):
              "--json", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "verify wall:" in r.stdout and "break-even" in r.stdout
-    rows = json.loads(out.read_text())["rows"]
+    rows = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))["rows"]
     assert {(row["provider"], row["k"]) for row in rows} == {(p, k) for p in ("reference", "specverify")
                                                               for k in (1, 3)}
     for row in rows:
@@ -45,6 +45,9 @@ def test_verify_wall_runs_on_this_machine(tmp_path):
     (["bench", "verify-wall", "--tree", "star"], "--tree must be"),
     (["bench", "verify-wall", "--model", "gpt-5"], "unknown model"),
     (["bench", "verify-wall", "--draft-tokens", "0,2"], "draft lengths must be >= 1"),
+    (["bench", "verify-wall", "--impl", "cuda"], "--impl takes a comma-separated list"),
+    (["bench", "verify-wall", "--tree", "topk:0"], "branching >= 1"),  # used to loop forever
+    (["bench", "verify-wall", "--iters", "0"], "--iters must be >= 1"),
 ])
 def test_bad_arguments(args, words):
     r = _run(*args)

@@ -105,6 +105,9 @@ def _install_ipython_standin() -> None:
 
     display.HTML, display.display = HTML, _display
     ipython.display = display
+    # other libraries probe a present IPython (matplotlib reads version_info and calls get_ipython)
+    ipython.version_info = (0, 0, 0)
+    ipython.get_ipython = lambda: None
     ipython.__path__ = []
     ipython.__specverify_standin__ = True
     display.__specverify_standin__ = True

@@ -108,6 +108,20 @@ def _mla_kv_prep_kernel(KV, W, Q, POS, PAGE_TABLE, PREFIX, CACHE,
 
 
 @triton.jit
+def _norm_rope_head(base, NW, pos, j, eps, log2_theta, D: tl.constexpr, QK_NORM: tl.constexpr):
+    # one head's vector at ``base``: optional RMSNorm (weight NW, rounded to the activation dtype as the
+    # reference does), then rotate-half RoPE; returns the two halves in fp32
+    HALF: tl.constexpr = D // 2
+    x1 = tl.load(base + j).to(tl.float32)
+    x2 = tl.load(base + HALF + j).to(tl.float32)
+    if QK_NORM:
+        rs = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
+        x1 = (x1 * rs * tl.load(NW + j).to(tl.float32)).to(base.dtype.element_ty).to(tl.float32)
+        x2 = (x2 * rs * tl.load(NW + HALF + j).to(tl.float32)).to(base.dtype.element_ty).to(tl.float32)
+    return _rope_half(x1, x2, pos, j, HALF, log2_theta)
+
+
+@triton.jit
 def _gqa_prep_kernel(Q, K, V, QW, KW, POS, PAGE_TABLE, PREFIX, K_CACHE, V_CACHE,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_pt,
                      stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch,
@@ -120,28 +134,14 @@ def _gqa_prep_kernel(Q, K, V, QW, KW, POS, PAGE_TABLE, PREFIX, K_CACHE, V_CACHE,
     pos = tl.load(POS + t)
     if head < num_q_heads:
         base = Q + t * stride_qt + head * stride_qh
-        x1 = tl.load(base + j).to(tl.float32)
-        x2 = tl.load(base + HALF + j).to(tl.float32)
-        if QK_NORM:
-            rs = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
-            # the reference rounds the normed value to the activation dtype before RoPE
-            x1 = (x1 * rs * tl.load(QW + j).to(tl.float32)).to(Q.dtype.element_ty).to(tl.float32)
-            x2 = (x2 * rs * tl.load(QW + HALF + j).to(tl.float32)).to(Q.dtype.element_ty).to(tl.float32)
-        y1, y2 = _rope_half(x1, x2, pos, j, HALF, log2_theta)
+        y1, y2 = _norm_rope_head(base, QW, pos, j, eps, log2_theta, D, QK_NORM)
         tl.store(base + j, y1.to(Q.dtype.element_ty))
         tl.store(base + HALF + j, y2.to(Q.dtype.element_ty))
     else:
         kh = head - num_q_heads
         b = t // k
         i = t % k
-        base = K + t * stride_kt + kh * stride_kh
-        x1 = tl.load(base + j).to(tl.float32)
-        x2 = tl.load(base + HALF + j).to(tl.float32)
-        if QK_NORM:
-            rs = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
-            x1 = (x1 * rs * tl.load(KW + j).to(tl.float32)).to(K.dtype.element_ty).to(tl.float32)
-            x2 = (x2 * rs * tl.load(KW + HALF + j).to(tl.float32)).to(K.dtype.element_ty).to(tl.float32)
-        y1, y2 = _rope_half(x1, x2, pos, j, HALF, log2_theta)
+        y1, y2 = _norm_rope_head(K + t * stride_kt + kh * stride_kh, KW, pos, j, eps, log2_theta, D, QK_NORM)
         p = tl.load(PREFIX + b) + i
         page = tl.load(PAGE_TABLE + b * stride_pt + p // page_size).to(tl.int64)
         kc = K_CACHE + page * stride_kcp + (p % page_size) * stride_kcs + kh * stride_kch

@@ -502,17 +502,24 @@ def _gemm_configs(m: int, h: int, inter: int, block_m: int, on_gpu: bool, *, top
     return g1, g2
 
 
+def _expert_operands(hidden, w13, w2, topk_ids, topk_weights):
+    """The expert kernels' operands: unit stride along the reduced dimension, int32 ids, fp32 weights."""
+    hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
+    w13 = w13 if w13.stride(2) == 1 else w13.contiguous()
+    w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
+    return hidden, w13, w2, topk_ids.to(torch.int32).contiguous(), topk_weights.float().contiguous()
+
+
 def _fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, alignment, out):
     from specverify.kernels.fused_moe import _moe_down_kernel, _moe_gate_up_kernel, _moe_topk_sum_kernel
 
+    hidden, w13, w2, ids32, tw = _expert_operands(hidden, w13, w2, topk_ids, topk_weights)
     m, h = hidden.shape
     e, two_i, _ = w13.shape
     inter = two_i // 2
     top_k = topk_ids.shape[1]
     s = m * top_k
     dev = hidden.device
-    ids32 = topk_ids.to(torch.int32).contiguous()
-    tw = topk_weights.float().contiguous()
     if alignment is None:
         bs = 16
         _, _, alignment = _launch_route_align(None, None, top_k, False, 1, 1, False, 1.0, bs, topk_ids=ids32,
@@ -521,9 +528,6 @@ def _fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, alignment, out):
     if bs < 16:
         raise ValueError(f"fused_moe (impl='triton') needs alignment.block_size >= 16 (tensor-core tiles), got {bs};"
                          " align with block_size=16")
-    hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
-    w13 = w13 if w13.stride(2) == 1 else w13.contiguous()
-    w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
     if out is None:
         out = torch.empty((m, h), dtype=hidden.dtype, device=dev)
     if m == 0:
@@ -561,17 +565,13 @@ def _fused_moe_gemv(hidden, w13, w2, topk_ids, topk_weights, alignment, out):
     """
     from specverify.kernels.fused_moe import _moe_gemv_down_sum_kernel, _moe_gemv_gate_up_kernel
 
+    hidden, w13, w2, ids32, tw = _expert_operands(hidden, w13, w2, topk_ids, topk_weights)
     m, h = hidden.shape
     e, two_i, _ = w13.shape
     inter = two_i // 2
     top_k = topk_ids.shape[1]
     s = m * top_k
     dev = hidden.device
-    ids32 = topk_ids.to(torch.int32).contiguous()
-    tw = topk_weights.float().contiguous()
-    hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
-    w13 = w13 if w13.stride(2) == 1 else w13.contiguous()
-    w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
     if out is None:
         out = torch.empty((m, h), dtype=hidden.dtype, device=dev)
     if m == 0:

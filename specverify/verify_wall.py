@@ -31,13 +31,13 @@ import logging
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from specverify.benchmarking import git_commit
 from specverify.configs import get_config, list_configs, verify_bytes
 from specverify.graph_pool import VerifyGraphPool
 from specverify.tree import BatchedDraftTree, DraftTree
@@ -123,24 +123,13 @@ def build_ops(provider: str, model):
 # measurement
 
 
-def measure_copy_bandwidth(device, nbytes: int = 1 << 30) -> float:
-    """Bytes per second of a device-to-device copy, counting the bytes read and written."""
+def measure_copy_bandwidth(device) -> float:
+    """Bytes per second of a device-to-device copy, counting the bytes read and written (NaN without a GPU)."""
     if device.type != "cuda":
         return float("nan")
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del src, dst
-    return 2 * nbytes / statistics.median(times)
+    from specverify.benchmarking import copy_bandwidth_gbps
+
+    return copy_bandwidth_gbps() * 1e9
 
 
 def _quantile(values, q):
@@ -323,24 +312,15 @@ def modelled_allreduce_ms(s: WallSettings, cfg, layers: int, k: int) -> tuple[fl
 # the run
 
 
-def _git_commit() -> str | None:
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
-                               timeout=5).stdout.strip() or None
-    except Exception:
-        return None
-
-
 def _auto_distinct_layers(cfg, s, device, layers) -> int:
     """The most weight sets that fit in 45% of free GPU memory (at least 1); all layers on CPU."""
     if device.type != "cuda":
         return layers
-    from specverify.configs import per_rank_shapes, verify_bytes as vb
+    from specverify.configs import per_rank_shapes
 
     shapes = per_rank_shapes(cfg, s.tp)
     e = cfg.n_routed_experts
-    per_layer = vb(cfg, s.tp, 1, 0, 1, distinct_experts=e, num_layers=1).total
+    per_layer = verify_bytes(cfg, s.tp, 1, 0, 1, distinct_experts=e, num_layers=1).total
     fixed = (shapes.vocab_size * cfg.hidden_size * 2) * 2
     free, _ = torch.cuda.mem_get_info(device)
     n = int((0.45 * free - fixed) // max(per_layer, 1))
@@ -395,11 +375,13 @@ def run_verify_wall(s: WallSettings, progress=None) -> dict:
     page_table = page_table.to(device)
     bandwidth = measure_copy_bandwidth(device)
     env = collect_env()
+    commit = git_commit(__file__)
+    commit = None if commit == "?" else commit
     meta = {"model": cfg.name, "requested_model": s.model, "tp": tp, "batch": s.batch, "context": context,
             "layers": layers, "distinct_layers": distinct, "tree": s.tree, "graph": s.graph,
             "page_size": s.page_size, "copy_bandwidth_gbps": bandwidth / 1e9, "notes": notes,
             "weight_bytes": model.weight_bytes(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "commit": _git_commit(), "gpu": env.get("gpu"), "versions": {k: env.get(k) for k in (
+            "commit": commit, "gpu": env.get("gpu"), "versions": {k: env.get(k) for k in (
                 "specverify", "torch", "triton", "cuda_runtime", "cupy", "nccl")}}
     rows, breakdowns = [], {}
     ref_logits: dict = {}  # k -> logits of the first provider, the correctness yardstick of the others

@@ -101,11 +101,9 @@ class _ParamFactory:
     def rand(self, name, full_shape, shard_dim=None, fan_in=None, std=None, shard_index=None):
         """A weight of ``full_shape`` sharded on ``shard_dim`` (None: replicated)."""
         std = std if std is not None else 1.0 / math.sqrt(fan_in)
-        if shard_dim is None or self.tp == 1:
-            shape, extra = list(full_shape), 0
-            if self.full or shard_dim is None:
-                return (torch.randn(shape, generator=self._gen(name), device=self.device, dtype=torch.float32)
-                        * std).to(self.dtype)
+        if shard_dim is None or (self.tp == 1 and self.full):
+            return (torch.randn(list(full_shape), generator=self._gen(name), device=self.device,
+                                dtype=torch.float32) * std).to(self.dtype)
         n = full_shape[shard_dim]
         part = n // self.tp if n >= self.tp else 1
         index = self.rank if shard_index is None else shard_index

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the package (and the SGLang peer wheels if carried in .whl/), then run the named steps,
 # writing logs and JSON under $OUT. Usage: bash bench/device_run.sh STEP [STEP ...]
-# Steps: env tests-<name> bench-<name> wall-<preset> pack (tar everything under $OUT into results.tgz: the
+# Steps: env tests-<name> bench-<name> sweep-<group>[+<group>...] wall-<preset> peer sglang-tests pack (tar everything under $OUT into results.tgz: the
 # device tool brings back at most 8 files)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -9,7 +9,8 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 site=/tmp/svsite; rm -rf "$site"; mkdir -p "$site"
 python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target "$site" . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/peersite .whl/*.whl >>"$OUT/install.log" 2>&1
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/peersite .whl/*.whl >>"$OUT/install.log" 2>&1 \
+    || { echo "!!! the carried wheels did not install (two versions of one package?):"; tail -n 3 "$OUT/install.log"; }
   export PYTHONPATH=$site:/tmp/peersite
 else
   export PYTHONPATH=$site
@@ -22,6 +23,7 @@ for step in "$@"; do
     tests-*) n=${step#tests-}; run "tests_$n" python3 -P -m pytest -q -p no:cacheprovider -x --rootdir=. tests/test_$n*.py ;;
     bench-*) n=${step#bench-}; run "bench_$n" python3 bench/bench_$n.py --quick --json "$OUT/bench_$n.json" ${BENCH_ARGS:-} ;;
     wall-*) n=${step#wall-}; run "wall_$n" python3 -P -m specverify bench verify-wall ${WALL_ARGS:-} --json "$OUT/wall_$n.json" --plot "$OUT/wall_$n.png" ;;
+    sweep-*) n=${step#sweep-}; run "sweep_$n" python3 bench/sweep_verify_kernels.py --only "${n//+/,}" --json "$OUT/sweep_$n.json" ${SWEEP_ARGS:-} ;;
     peer) run peer python3 -P -c "from specverify.peers import sglang as p; print(p.available())" ;;
     sglang-tests) run sglang_tests python3 -P -m pytest -q -p no:cacheprovider --rootdir=. tests/sglang -m sglang ;;
     pack) tar czf /tmp/results.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/results.tgz "$OUT/" ;;

@@ -1,4 +1,7 @@
-"""(b) SGLang's own target-verify test kit passes with ``backend="specverify"`` (Triton interpreter on CPU).
+"""(b) SGLang's own target-verify test kit passes with ``backend="specverify"``.
+
+On CPU the kernels run in the Triton interpreter; on a machine with CUDA (and no ``TRITON_INTERPRET=1``) the kit
+runs on CUDA tensors with the compiled kernels.
 
 The kit builds a mock model runner, writes the prefix KV through SGLang's KV pool, hands the backend an EAGLE
 verify batch (chain, or the kit's tree: root + two children) and compares with its own torch reference. We also
@@ -9,10 +12,14 @@ declined); two requests with different prefix lengths; one prefix crosses a 16-t
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 pytest.importorskip("sglang", reason="SGLang is not installed: run in the venv made by .ci/sglang_env.sh")
+
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 
 
 @pytest.fixture
@@ -42,7 +49,7 @@ def test_gqa_target_verify(kit, testcase, page_size, topk, draft):
     before = plugin.STATS["verify_ours"]
     # no_grad: the kit writes projected K/V into the pool in place, which autograd refuses on CPU tensors.
     with torch.no_grad():
-        runner.run_dense_eagle_verify_case(testcase, case, topk=topk, device="cpu", dtype=torch.float16,
+        runner.run_dense_eagle_verify_case(testcase, case, topk=topk, device=DEVICE, dtype=torch.float16,
                                            head_dim=64, hidden_size=256)
     _ran_ours(plugin, before)
 
@@ -54,7 +61,7 @@ def test_mla_target_verify(kit, testcase, topk, draft):
                prefix_lens=(5, 0), extend_lens=(draft, draft))  # prefix 0: the draft tokens see only the tree
     before = plugin.STATS["verify_ours"]
     with torch.no_grad():
-        runner.run_mla_eagle_verify_case(testcase, case, topk=topk, device="cpu", dtype=torch.float16,
+        runner.run_mla_eagle_verify_case(testcase, case, topk=topk, device=DEVICE, dtype=torch.float16,
                                          kv_lora_rank=512, qk_rope_head_dim=64, hidden_size=256)
     _ran_ours(plugin, before)
 
@@ -69,7 +76,7 @@ def test_other_modes_stay_on_triton(kit, testcase):
                  num_kv_heads=2, page_size=1, prefix_lens=(2, 4), extend_lens=(3, 1))
     before = plugin.STATS["verify_ours"]
     with torch.no_grad():
-        dense_attention.run_dense_attention_case(testcase, case, device="cpu", dtype=torch.float16, head_dim=64,
+        dense_attention.run_dense_attention_case(testcase, case, device=DEVICE, dtype=torch.float16, head_dim=64,
                                                  hidden_size=256)
     assert plugin.STATS["verify_ours"] == before
 

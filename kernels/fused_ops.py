@@ -20,6 +20,13 @@ launches per layer is what matters.
 
 4. SiLU-and-multiply: ``act[t, j] = silu(gu[t, j]) * gu[t, I + j]``.
 
+5. Per-head projections of absorbed MLA (one program per (head, column tile), all tokens in row tiles)::
+
+       q_latent[t, h, :] = q[t, h, :NOPE] @ W_uk[h]          W_uk [H, NOPE, R]   (query into the latent space)
+       o[t, h * V + :]   = o_latent[t, h, :] @ W_uv[h]       W_uv [H, R, V]      (attention output out of it)
+
+   fp32 accumulation, one rounding to the activation dtype; each weight element is loaded once per call.
+
 Tensors (T = batch * k tokens):
 
 | name        | shape                         | dtype      | meaning                                      |
@@ -163,3 +170,28 @@ def _silu_mul_kernel(GU, ACT, stride_gu, stride_act, inter, BLOCK: tl.constexpr)
     u = tl.load(GU + t * stride_gu + inter + offs, mask=mask, other=0.0).to(tl.float32)
     a = (g / (1.0 + tl.exp(-g))) * u
     tl.store(ACT + t * stride_act + offs, a.to(ACT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _head_matmul_kernel(A, W, OUT, T, stride_at, stride_ah, stride_wh, stride_wk, stride_ot, stride_oh,
+                        KDIM: tl.constexpr, NDIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                        UPCAST: tl.constexpr):
+    """OUT[t, h, n] = sum_j A[t, h, j] * W[h, j, n] for one head and one tile of n (item 5 of the docstring).
+    UPCAST (fp32 inputs, and the interpreter, whose bf16 ``tl.dot`` returns garbage) multiplies in full fp32."""
+    h = tl.program_id(0)
+    nb = tl.program_id(1)
+    offs_k = tl.arange(0, KDIM)
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    w = tl.load(W + h * stride_wh + offs_k[:, None] * stride_wk + offs_n[None, :])
+    if UPCAST:
+        w = w.to(tl.float32)
+    for t0 in range(0, T, BLOCK_T):
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        tm = offs_t < T
+        a = tl.load(A + offs_t[:, None] * stride_at + h * stride_ah + offs_k[None, :], mask=tm[:, None], other=0.0)
+        if UPCAST:
+            acc = tl.dot(a.to(tl.float32), w, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w)
+        tl.store(OUT + offs_t[:, None] * stride_ot + h * stride_oh + offs_n[None, :],
+                 acc.to(OUT.dtype.element_ty), mask=tm[:, None])

@@ -1,4 +1,5 @@
-"""Fused small ops of the verify forward (RMSNorm with residual, MLA/GQA KV preparation, SiLU-and-multiply).
+"""Fused small ops of the verify forward (RMSNorm with residual, MLA/GQA KV preparation, SiLU-and-multiply, the
+per-head projections of absorbed MLA).
 
 Each replaces a string of tiny torch kernels with one Triton launch: at verify sizes their cost is the launch.
 All are CUDA-graph capturable (no host sync, no allocation besides the returned tensors) and validate shapes and
@@ -191,6 +192,126 @@ def silu_mul(gate_up, *, impl: str = "auto"):
     _silu_mul_kernel[(t, triton_cdiv(inter, block))](gate_up, act, gate_up.stride(0), act.stride(0), inter,
                                                      BLOCK=block, num_warps=4)
     return act
+
+
+def _head_matmul(op, a, w, out, t, heads):
+    """OUT[t, h, :] = A[t, h, :KDIM] @ W[h] through ``_head_matmul_kernel`` (A and OUT given as [T, H, *] views)."""
+    from specverify.kernels.fused_ops import _head_matmul_kernel
+
+    kdim, ndim = w.shape[1], w.shape[2]
+    if kdim & (kdim - 1) or ndim % 16 or kdim < 16:
+        raise ValueError(f"{op}: the per-head matrix must be [H, K, N] with K a power of two >= 16 and N a "
+                         f"multiple of 16, got {list(w.shape)}")
+    if w.stride(-1) != 1:
+        w = w.contiguous()
+    block_n = 64 if ndim % 64 == 0 else 32 if ndim % 32 == 0 else 16
+    # more, narrower column tiles where the heads alone give few programs (the weights are what is read)
+    while block_n > 16 and heads * (ndim // block_n) < 64 and ndim % (block_n // 2) == 0:
+        block_n //= 2
+    block_t = 16 if t <= 16 else 32 if t <= 32 else 64
+    _head_matmul_kernel[(heads, ndim // block_n)](
+        a, w, out, t, a.stride(0), a.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
+        KDIM=kdim, NDIM=ndim, BLOCK_T=block_t, BLOCK_N=block_n,
+        UPCAST=envvars.triton_interpret() or a.dtype == torch.float32, num_warps=4)
+    return out
+
+
+def _check_out(op, out, shape, like):
+    if out is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{op}: out must be a tensor or None, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(shape) or out.dtype != like.dtype or out.device != like.device \
+            or not out.is_contiguous():
+        raise ValueError(f"{op}: out must be a contiguous {list(shape)} {like.dtype} tensor on {like.device}, got "
+                         f"{list(out.shape)} {out.dtype} on {out.device} (contiguous: {out.is_contiguous()}); pass "
+                         f"out=None to allocate")
+    return out
+
+
+def mla_absorb_q(q, w_uk, nope_dim: int, *, out=None, impl: str = "auto"):
+    """The query of absorbed MLA in the latent space: ``q_latent[b, k, h] = q[b, k, h, :nope_dim] @ w_uk[h]``.
+
+    Parameters
+    ----------
+    q : Tensor [batch, k, heads, nope_dim + rope_dim], bf16/fp16/fp32
+        Query after q_b; any strides with a unit last stride (the rope part is not read).
+    w_uk : Tensor [heads, nope_dim, kv_lora_rank], q's dtype
+        The key half of kv_b, per head (DeepSeek-V3's weight absorption).
+    nope_dim : int
+        qk_nope_head_dim (a power of two, 128 for DeepSeek-V3 / Kimi-K2).
+    out : Tensor [batch, k, heads, kv_lora_rank], optional
+        Contiguous, q's dtype; written and returned (a graph keeps its address).
+
+    Returns
+    -------
+    Tensor [batch, k, heads, kv_lora_rank], contiguous, q's dtype (fp32 accumulation, one rounding).
+
+    Raises
+    ------
+    TypeError, ValueError
+        Dtypes or shapes that do not match.
+
+    One launch (a program per head and column tile); CUDA-graph capturable. Replaces permute + bmm + copy.
+    """
+    from specverify.reference import fused_ops as ref
+
+    op = "mla_absorb_q"
+    _check(op, "q", q, 4)
+    _check(op, "w_uk", w_uk, 3)
+    b, k, h, d = q.shape
+    if w_uk.shape[0] != h or w_uk.shape[1] != nope_dim or not 0 < nope_dim <= d or w_uk.dtype != q.dtype:
+        raise ValueError(f"{op}: w_uk must be [{h}, {nope_dim}, R] in {q.dtype} for q {list(q.shape)}, got "
+                         f"{list(w_uk.shape)} {w_uk.dtype}")
+    out = _check_out(op, out, (b, k, h, w_uk.shape[2]), q)
+    if not _use_triton(impl, q, w_uk):
+        return out.copy_(ref.mla_absorb_q_reference(q, w_uk, nope_dim))
+    q3 = q.reshape(b * k, h, d)
+    if q3.stride(-1) != 1:
+        q3 = q3.contiguous()
+    _head_matmul(op, q3, w_uk, out.view(b * k, h, -1), b * k, h)
+    return out
+
+
+def mla_up_v(o_latent, w_uv, *, out=None, impl: str = "auto"):
+    """Attention output of absorbed MLA out of the latent space: ``o[b, k, h*V + :] = o_latent[b, k, h] @ w_uv[h]``.
+
+    Parameters
+    ----------
+    o_latent : Tensor [batch, k, heads, kv_lora_rank], bf16/fp16/fp32; unit last stride
+    w_uv : Tensor [heads, kv_lora_rank, v_head_dim], o_latent's dtype
+    out : Tensor [batch, k, heads * v_head_dim], optional
+        Contiguous, o_latent's dtype; written and returned.
+
+    Returns
+    -------
+    Tensor [batch, k, heads * v_head_dim], contiguous (ready for o_proj), o_latent's dtype.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Dtypes or shapes that do not match.
+
+    One launch; CUDA-graph capturable. Replaces permute + bmm + copy.
+    """
+    from specverify.reference import fused_ops as ref
+
+    op = "mla_up_v"
+    _check(op, "o_latent", o_latent, 4)
+    _check(op, "w_uv", w_uv, 3)
+    b, k, h, r = o_latent.shape
+    if w_uv.shape[:2] != (h, r) or w_uv.dtype != o_latent.dtype:
+        raise ValueError(f"{op}: w_uv must be [{h}, {r}, V] in {o_latent.dtype}, got {list(w_uv.shape)} "
+                         f"{w_uv.dtype}")
+    v = w_uv.shape[2]
+    out = _check_out(op, out, (b, k, h * v), o_latent)
+    if not _use_triton(impl, o_latent, w_uv):
+        return out.copy_(ref.mla_up_v_reference(o_latent, w_uv))
+    a = o_latent.reshape(b * k, h, r)
+    if a.stride(-1) != 1:
+        a = a.contiguous()
+    _head_matmul(op, a, w_uv, out.view(b * k, h, v), b * k, h)
+    return out
 
 
 def triton_cdiv(a: int, b: int) -> int:

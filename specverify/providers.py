@@ -93,9 +93,10 @@ def specverify_ops(model):
         ops.pieces["kv_compaction"] = "triton"
     else:
         missing.append(why)
-    fns, why = _try("specverify.fused_ops", "rmsnorm", "mla_kv_prep", "gqa_prep", "silu_mul")
+    fns, why = _try("specverify.fused_ops", "rmsnorm", "mla_kv_prep", "gqa_prep", "silu_mul", "mla_absorb_q",
+                    "mla_up_v")
     if fns:
-        rmsnorm, mla_kv_prep, gqa_prep, silu_mul = fns
+        rmsnorm, mla_kv_prep, gqa_prep, silu_mul, mla_absorb_q, mla_up_v = fns
         ops.rmsnorm = lambda x, w, eps: rmsnorm(x, w, eps, impl="triton")
         ops.add_rmsnorm = lambda x, r, w, eps: rmsnorm(x, w, eps, residual=r, impl="triton")
 
@@ -109,6 +110,8 @@ def specverify_ops(model):
 
         ops.mla_prep, ops.gqa_prep = mla_prep, gqa
         ops.silu_mul = lambda gu: silu_mul(gu, impl="triton")
+        ops.mla_absorb_q = lambda q, w_uk, nope: mla_absorb_q(q, w_uk, nope, impl="triton")
+        ops.mla_up_v = lambda o_latent, w_uv: mla_up_v(o_latent, w_uv, impl="triton")
         ops.pieces["small_ops"] = "triton"
     else:
         missing.append(why)

@@ -237,36 +237,78 @@ class SectionTimer:
             out[name] = out.get(name, 0.0) + s.elapsed_time(e)
         return out
 
+    def counts(self) -> dict:
+        """Sections recorded per name (a name recurs once per layer)."""
+        out: dict = {}
+        for name, _, _ in self.records:
+            out[name] = out.get(name, 0) + 1
+        return out
+
+
+#: Sections in the calibration that measures what one pair of event nodes adds inside a timed section.
+_CALIBRATION_SECTIONS = 64
+
+
+def _calibration(timer: SectionTimer, probe: torch.Tensor):
+    """Record, inside the capture, a run of tiny kernels without events and the same run with each kernel in its
+    own section; returns the events that bound the plain run. Read with :func:`_section_overhead_ms`."""
+    a, b = timer.event(), timer.event()
+    a.record()
+    for _ in range(_CALIBRATION_SECTIONS):
+        probe.add_(1.0)
+    b.record()
+    for _ in range(_CALIBRATION_SECTIONS):
+        timer("__calibration__", "start")
+        probe.add_(1.0)
+        timer("__calibration__", "end")
+    return a, b
+
+
+def _section_overhead_ms(totals: dict, plain_events) -> float:
+    """ms that one timed section gains from its two event nodes: (sum of the sectioned tiny kernels - the same
+    kernels back to back) / count, never negative."""
+    plain = plain_events[0].elapsed_time(plain_events[1])
+    return max(0.0, (totals.pop("__calibration__") - plain) / _CALIBRATION_SECTIONS)
+
 
 def breakdown(case: VerifyCase, device, plain_fn, iters: int = 5) -> dict:
     """GPU ms per component of one verify pass, timed inside a CUDA graph of the pass (events as graph nodes),
-    median over ``iters`` replays; ``pass_ms`` is the pass without section events (``plain_fn``, the provider's
-    own graph) and ``gap`` the relative difference between the components' sum and it. Falls back to eager
-    timing (``mode: eager``) where events cannot be captured."""
+    median over ``iters`` replays.
+
+    Event-record nodes cost time themselves (about 1.5 us each on the H200, against sections of a few us), so the
+    same graph also times 64 tiny kernels back to back and then each in its own section; the difference per section
+    (``section_overhead_us``) is subtracted from every section (``components_ms``; ``raw_components_ms`` keeps the
+    uncorrected sums). ``pass_ms`` is the pass without section events (``plain_fn``, the provider's own graph),
+    ``profiled_pass_ms`` the pass with them, and ``gap`` the relative difference between the components' sum and
+    ``pass_ms``. Falls back to eager timing (``mode: eager``, no correction) where events cannot be captured."""
     model = case.model
-    per_iter = []
+    per_iter, counts = [], {}
     mode = "graph"
     try:
         timer = SectionTimer(external=True)
         whole_s, whole_e = timer.event(), timer.event()
+        probe = torch.zeros(1, device=device)
         graph = torch.cuda.CUDAGraph()
         model.section_hook = timer
         try:
             with torch.cuda.graph(graph):
+                plain_events = _calibration(timer, probe)
                 whole_s.record()
                 case.run()
                 whole_e.record()
         finally:
             model.section_hook = None
+        counts = timer.counts()
         for _ in range(iters + 1):
             graph.replay()
             totals = timer.totals_ms()
+            totals["__overhead__"] = _section_overhead_ms(totals, plain_events)
             totals["__pass__"] = whole_s.elapsed_time(whole_e)
             per_iter.append(totals)
         del graph
     except Exception as exc:  # events as graph nodes unsupported here: time the sections eagerly instead
         log.warning("breakdown inside a CUDA graph failed (%s); timing sections eagerly", exc)
-        mode, per_iter = f"eager ({type(exc).__name__})", []
+        mode, per_iter, counts = f"eager ({type(exc).__name__})", [], {}
         for _ in range(iters + 1):
             timer = SectionTimer()
             model.section_hook = timer
@@ -279,14 +321,20 @@ def breakdown(case: VerifyCase, device, plain_fn, iters: int = 5) -> dict:
                 model.section_hook = None
             totals = timer.totals_ms()
             totals["__pass__"] = whole_s.elapsed_time(whole_e)
+            totals["__overhead__"] = 0.0
             per_iter.append(totals)
     per_iter = per_iter[1:]
     names = sorted({n for t in per_iter for n in t})
     med = {n: statistics.median(t.get(n, 0.0) for t in per_iter) for n in names}
     whole = med.pop("__pass__")
+    overhead = med.pop("__overhead__")
+    comp = {n: max(0.0, v - counts.get(n, 0) * overhead) for n, v in med.items()}
     plain = statistics.median(_time_calls(plain_fn, 2, iters, device))
-    return {"mode": mode, "components_ms": med, "sum_ms": sum(med.values()), "profiled_pass_ms": whole,
-            "pass_ms": plain, "gap": abs(sum(med.values()) - plain) / plain if plain else float("nan")}
+    total = sum(comp.values())
+    return {"mode": mode, "components_ms": comp, "raw_components_ms": med, "section_counts": counts,
+            "section_overhead_us": overhead * 1e3, "sum_ms": total, "raw_sum_ms": sum(med.values()),
+            "profiled_pass_ms": whole, "pass_ms": plain,
+            "gap": abs(total - plain) / plain if plain else float("nan")}
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -549,7 +597,8 @@ def format_table(result: dict) -> str:
     for name, b in result.get("breakdown", {}).items():
         comp = ", ".join(f"{k}={v:.3f}" for k, v in sorted(b["components_ms"].items(), key=lambda kv: -kv[1]))
         lines.append(f"breakdown {name} ({b['mode']}): pass {b['pass_ms']:.3f} ms, components sum "
-                     f"{b['sum_ms']:.3f} ms (gap {b['gap'] * 100:.1f}%): {comp}")
+                     f"{b['sum_ms']:.3f} ms (gap {b['gap'] * 100:.1f}%; uncorrected {b['raw_sum_ms']:.3f} ms, "
+                     f"{b['section_overhead_us']:.2f} us of event nodes per section subtracted): {comp}")
     lines.append("break-even: tokens a pass at k must emit (accept length + 1) to match plain decoding, "
                  "total(k) / total(1), before draft cost")
     lines.append("rel err: ||logits - first provider's logits|| / ||first provider's logits||, same inputs, "

@@ -98,3 +98,43 @@ def test_bad_input(device):
     with pytest.raises(ValueError, match="weight must have shape"):
         fused_ops.rmsnorm(torch.zeros(2, 8, dtype=torch.bfloat16, device=device),
                           torch.ones(4, dtype=torch.bfloat16, device=device), 1e-6, impl="triton")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch, k", [(1, 1), (2, 3), (3, 7)])  # 21 tokens: two row tiles of 16 with a ragged end
+def test_mla_absorb_q_and_up_v(device, dtype, batch, k, poison):
+    # Kimi-K2 per-rank sizes cut down: 2 heads, nope 32, rope 16, latent 64, v 32 (every tile path of the kernel)
+    g = torch.Generator().manual_seed(batch * 10 + k)
+    h, nope, rope, r, v = 2, 32, 16, 64, 32
+    full = torch.randn(batch, k, h, nope + rope + 8, generator=g).to(dtype).to(device)
+    q = full[..., : nope + rope]  # strided like the q_b output's views
+    w_uk = (torch.randn(h, nope, r, generator=g) / nope ** 0.5).to(dtype).to(device)
+    w_uv = (torch.randn(h, r, v, generator=g) / r ** 0.5).to(dtype).to(device)
+    o_latent = torch.randn(batch, k, h, r, generator=g).to(dtype).to(device)
+    out_q = poison(torch.empty(batch, k, h, r, dtype=dtype, device=device))
+    out_o = poison(torch.empty(batch, k, h * v, dtype=dtype, device=device))
+    got_q = fused_ops.mla_absorb_q(q, w_uk, nope, out=out_q, impl="triton")
+    got_o = fused_ops.mla_up_v(o_latent, w_uv, out=out_o, impl="triton")
+    assert got_q.data_ptr() == out_q.data_ptr() and got_o.data_ptr() == out_o.data_ptr()
+    want_q = ref.mla_absorb_q_reference(q.double(), w_uk.double(), nope)
+    want_o = ref.mla_up_v_reference(o_latent.double(), w_uv.double())
+    assert got_q.shape == (batch, k, h, r) and got_q.is_contiguous()
+    assert got_o.shape == (batch, k, h * v) and got_o.is_contiguous()
+    # fp32 accumulation, one rounding: within 2 ulp of the fp64 result plus accumulation-order noise
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(got_q.double(), want_q, rtol=2 * eps, atol=4 * eps)
+    torch.testing.assert_close(got_o.double(), want_o, rtol=2 * eps, atol=4 * eps)
+
+
+def test_mla_projection_errors():
+    q = torch.zeros(1, 2, 2, 48)
+    with pytest.raises(ValueError, match="w_uk must be"):
+        fused_ops.mla_absorb_q(q, torch.zeros(3, 32, 64), 32)
+    with pytest.raises(TypeError, match="w_uk must be a tensor"):
+        fused_ops.mla_absorb_q(q, None, 32)
+    with pytest.raises(ValueError, match="w_uv must be"):
+        fused_ops.mla_up_v(torch.zeros(1, 2, 2, 64), torch.zeros(2, 32, 16))
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        fused_ops.mla_up_v(torch.zeros(1, 2, 2, 64), torch.zeros(2, 64, 16), out=torch.zeros(1, 2, 16))
+    with pytest.raises(ValueError, match="K a power of two"):
+        fused_ops.mla_absorb_q(torch.zeros(1, 1, 2, 40), torch.zeros(2, 24, 64), 24, impl="triton")

@@ -60,3 +60,14 @@ def silu_mul_reference(gate_up):
     inter = gate_up.shape[-1] // 2
     ctype = torch.float64 if gate_up.dtype == torch.float64 else torch.float32
     return (F.silu(gate_up[..., :inter].to(ctype)) * gate_up[..., inter:].to(ctype)).to(gate_up.dtype)
+
+
+def mla_absorb_q_reference(q, w_uk, nope_dim):
+    """q [b, k, h, nope + rope], w_uk [h, nope, R] -> q_latent [b, k, h, R] = q[..., :nope] @ w_uk[h] per head."""
+    return torch.einsum("bkhd,hdr->bkhr", q[..., :nope_dim], w_uk)
+
+
+def mla_up_v_reference(o_latent, w_uv):
+    """o_latent [b, k, h, R], w_uv [h, R, V] -> [b, k, h * V]: each head's output out of the latent space."""
+    b, k, h, _ = o_latent.shape
+    return torch.einsum("bkhr,hrd->bkhd", o_latent, w_uv).reshape(b, k, h * w_uv.shape[-1])

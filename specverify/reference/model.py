@@ -28,8 +28,9 @@ import torch
 from specverify.configs import ModelConfig, RankShapes, get_config, per_rank_shapes
 from specverify.reference.accept import greedy_accept_reference
 from specverify.reference.attention import tree_attention_mla_reference, tree_attention_reference
-from specverify.reference.fused_ops import (add_rmsnorm_reference, gqa_prep_reference,
-                                            mla_kv_prep_reference, rmsnorm_reference, silu_mul_reference)
+from specverify.reference.fused_ops import (add_rmsnorm_reference, gqa_prep_reference, mla_absorb_q_reference,
+                                            mla_kv_prep_reference, mla_up_v_reference, rmsnorm_reference,
+                                            silu_mul_reference)
 from specverify.reference.kv import compact_kv_reference, write_draft_kv
 from specverify.reference.moe import fused_moe_reference, route_reference
 
@@ -51,6 +52,8 @@ class Ops:
     gqa_prep: Callable = None  # (q, k, v, positions, q_norm, k_norm, k_cache, v_cache, pt, prefix, eps, theta)
     silu_mul: Callable = silu_mul_reference
     experts_with_shared: Callable = None  # (hidden, w13_all, w2_all, ids, weights): expert E is the shared one
+    mla_absorb_q: Callable = mla_absorb_q_reference  # (q, w_uk, nope) -> q_latent [b, k, h, R]
+    mla_up_v: Callable = mla_up_v_reference  # (o_latent, w_uv) -> [b, k, h * V]
     pieces: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -184,10 +187,14 @@ class VerifyModel:
         heads_full = c.num_attention_heads
         if c.attention == "mla":
             qk = c.qk_nope_head_dim + c.qk_rope_head_dim
-            w["q_a"] = pf.rand(f"{tag}.q_a", [c.q_lora_rank, h], fan_in=h)
+            q_a = pf.rand(f"{tag}.q_a", [c.q_lora_rank, h], fan_in=h)
             w["q_a_norm"] = pf.ones([c.q_lora_rank])
             w["q_b"] = pf.rand(f"{tag}.q_b", [heads_full, qk, c.q_lora_rank], shard_dim=0, fan_in=c.q_lora_rank)
-            w["kv_a"] = pf.rand(f"{tag}.kv_a", [c.kv_lora_rank + c.qk_rope_head_dim, h], fan_in=h)
+            kv_a = pf.rand(f"{tag}.kv_a", [c.kv_lora_rank + c.qk_rope_head_dim, h], fan_in=h)
+            # q_a and kv_a read the same input: one stacked matrix, one GEMM (as serving engines fuse them)
+            w["qkv_a"] = torch.cat([q_a, kv_a], 0)
+            del q_a, kv_a
+            w["q_a"], w["kv_a"] = w["qkv_a"][: c.q_lora_rank], w["qkv_a"][c.q_lora_rank:]
             w["kv_a_norm"] = pf.ones([c.kv_lora_rank])
             w["w_uk"] = pf.rand(f"{tag}.w_uk", [heads_full, c.qk_nope_head_dim, c.kv_lora_rank], shard_dim=0,
                                 fan_in=c.qk_nope_head_dim)
@@ -198,15 +205,20 @@ class VerifyModel:
         else:
             d = c.head_dim
             kvh = c.num_key_value_heads
-            w["wq"] = pf.rand(f"{tag}.wq", [heads_full * d, h], shard_dim=0, fan_in=h)
+            parts = {"wq": pf.rand(f"{tag}.wq", [heads_full * d, h], shard_dim=0, fan_in=h)}
             kv_index = None if kvh >= self.tp else self.rank // (self.tp // kvh)
             for name in ("wk", "wv"):
                 full_shape = [kvh * d, h]
                 if kvh >= self.tp:
-                    w[name] = pf.rand(f"{tag}.{name}", full_shape, shard_dim=0, fan_in=h)
+                    parts[name] = pf.rand(f"{tag}.{name}", full_shape, shard_dim=0, fan_in=h)
                 else:  # replicated KV heads: this rank keeps head kv_index whole
                     full = pf.rand(f"{tag}.{name}", full_shape, fan_in=h)
-                    w[name] = full[kv_index * d:(kv_index + 1) * d].contiguous()
+                    parts[name] = full[kv_index * d:(kv_index + 1) * d]
+            # q, k and v read the same input: one stacked matrix, one GEMM
+            w["wqkv"] = torch.cat([parts["wq"], parts["wk"], parts["wv"]], 0)
+            nq, nkv = parts["wq"].shape[0], parts["wk"].shape[0]
+            del parts
+            w["wq"], w["wk"], w["wv"] = (w["wqkv"][:nq], w["wqkv"][nq:nq + nkv], w["wqkv"][nq + nkv:])
             w["wo"] = pf.rand(f"{tag}.wo", [h, heads_full * d], shard_dim=1, fan_in=heads_full * d)
             if c.qk_norm:
                 w["q_norm"], w["k_norm"] = pf.ones([d]), pf.ones([d])
@@ -249,10 +261,11 @@ class VerifyModel:
         tensors = [self.embed, self.final_norm, self.lm_head]
         for w in self._sets.values():
             tensors += [v for v in w.values() if isinstance(v, torch.Tensor)]
-        for t in tensors:
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
+        for t in tensors:  # views (q_a and kv_a of qkv_a, ...) share their storage: count each storage once
+            st = t.untyped_storage()
+            if st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                total += st.nbytes()
         return total
 
     # KV cache ---------------------------------------------------------------------------------------------
@@ -315,27 +328,28 @@ class VerifyModel:
         s, c, ops = self.shapes, self.config, self.ops
         b, k, _ = x.shape
         heads = s.num_heads
-        q = ops.rmsnorm(x @ w["q_a"].t(), w["q_a_norm"], c.rms_norm_eps)
+        qkv = x @ w["qkv_a"].t()  # [b, k, q_lora + kv_lora + rope]: q_a and kv_a in one GEMM
+        q = ops.rmsnorm(qkv[..., : c.q_lora_rank], w["q_a_norm"], c.rms_norm_eps)
         q = torch.einsum("bkr,hdr->bkhd", q, w["q_b"]).contiguous()  # [b, k, heads, nope + rope]
-        kv = x @ w["kv_a"].t()  # [b, k, kv_lora + rope]
+        kv = qkv[..., c.q_lora_rank:]  # [b, k, kv_lora + rope]
         # latent norm, rope of key and query rope part, KV written into the cache
         ops.mla_prep(q, kv, positions, w["kv_a_norm"], cache[0], page_table, prefix_lens, c.rms_norm_eps,
                      c.rope_theta, c.qk_nope_head_dim)
-        q_nope, q_pe = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
-        q_latent = torch.einsum("bkhd,hdr->bkhr", q_nope, w["w_uk"])
+        q_latent = ops.mla_absorb_q(q, w["w_uk"], c.qk_nope_head_dim)  # [b, k, heads, kv_lora]
+        q_pe = q[..., c.qk_nope_head_dim:]  # a view: the attention kernels take strided queries
         sm_scale = 1.0 / math.sqrt(c.qk_nope_head_dim + c.qk_rope_head_dim)
-        o_latent = ops.attention_mla(q_latent.contiguous(), q_pe.contiguous(), cache[0], page_table,
-                                     prefix_lens, tree_mask, sm_scale)
-        o = torch.einsum("bkhr,hrd->bkhd", o_latent, w["w_uv"]).reshape(b, k, heads * c.v_head_dim)
-        return o @ w["o"].t()
+        o_latent = ops.attention_mla(q_latent, q_pe, cache[0], page_table, prefix_lens, tree_mask, sm_scale)
+        return ops.mla_up_v(o_latent, w["w_uv"]) @ w["o"].t()
 
     def _gqa(self, w, x, positions, cache, page_table, prefix_lens, tree_mask):
         s, c, ops = self.shapes, self.config, self.ops
         b, k, _ = x.shape
         d = c.head_dim
-        q = (x @ w["wq"].t()).view(b, k, s.num_heads, d)
-        kk = (x @ w["wk"].t()).view(b, k, s.num_kv_heads, d)
-        v = (x @ w["wv"].t()).view(b, k, s.num_kv_heads, d)
+        qkv = x @ w["wqkv"].t()  # q, k and v in one GEMM; the views below are strided
+        nq, nkv = s.num_heads * d, s.num_kv_heads * d
+        q = qkv[..., :nq].view(b, k, s.num_heads, d)
+        kk = qkv[..., nq:nq + nkv].view(b, k, s.num_kv_heads, d)
+        v = qkv[..., nq + nkv:].view(b, k, s.num_kv_heads, d)
         ops.gqa_prep(q, kk, v, positions, w.get("q_norm"), w.get("k_norm"), cache[0], cache[1], page_table,
                      prefix_lens, c.rms_norm_eps, c.rope_theta)
         o = ops.attention_gqa(q, cache[0], cache[1], page_table, prefix_lens, tree_mask, 1.0 / math.sqrt(d))

@@ -40,19 +40,25 @@ Dv value dim, P page size, S splits):
 | MASK      | [k, ceil(k/8)] or [B, k, ceil(k/8)]     | uint8        | ancestor mask, little-endian bits, diagonal set |
 | OUT       | [B, k, H, Dv] (last stride 1)           | as Q         | output                                          |
 | LSE       | [B, k, H] contiguous                    | fp32         | natural-log lse of the scaled scores            |
-| WS_O      | [>= B, S, k, H, Dv] contiguous          | fp32         | split partial outputs (normalised)              |
+| WS_O      | [>= B, S, k, H, Dv] contiguous          | fp32 (opt-in | split partial outputs (normalised); stored in   |
+|           |                                         | bf16 / fp16) | its dtype, merged in fp32                       |
 | WS_LSE    | [>= B, S, k, H] contiguous              | fp32         | split partial lse (natural log); with           |
 |           | FUSED_MERGE: [>= B, S, DV_TILES, k, H]  |              | FUSED_MERGE one slot per value tile             |
 | CNT       | [>= B, programs per split] (FUSED_MERGE)| int32        | finished splits; zero before and after a call   |
 
 Opt-in variants (end of file): ``_tree_attention_mla_chunked_kernel`` (latent in column chunks, KV tile loaded once
 for QK and PV, value columns over several programs) and ``FUSED_MERGE`` (the last split program merges; no merge
-launch). Selected through the plan's config; the defaults above do not use them.
+launch). Selected through the plan's config; the defaults above do not use them. Two more opt-ins apply to every
+kernel here: a bf16/fp16 ``WS_O`` (half the partial-output traffic; the lse stays fp32 and the merge sums in fp32)
+and ``PDL`` (programmatic dependent launch on sm_90+: each kernel waits with ``gdc_wait`` for the previous kernel's
+writes before its first load and at once lets the next kernel launch, so the merge grid is resident and waiting
+when the split grid ends; the launcher sets it only on CUDA).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # Configs. The launcher (specverify/attention.py) picks one by kind and sizes; the bench sweeps these lists.
 # keys: BLOCK_N (KV tokens per tile), BLOCK_DV (value columns per program), num_warps, num_stages.
@@ -112,8 +118,11 @@ def _tree_attention_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_K: tl.constexpr, M_TILES: tl.constexpr, DV_TILES: tl.constexpr,
     HAS_MASK: tl.constexpr, V_IS_K: tl.constexpr, STORE_LSE: tl.constexpr, DOT_FP32: tl.constexpr,
-    FUSED_MERGE: tl.constexpr = False,
+    FUSED_MERGE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
+    if PDL:  # launched as a programmatic dependent: wait for the previous kernel's writes, let the merge launch
+        gdc_wait()
+        gdc_launch_dependents()
     pid0 = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
@@ -213,7 +222,8 @@ def _tree_attention_fwd_kernel(
                 tl.store(LSE + l_rows, lse, mask=row_valid)
     else:
         ws_rows = ((b64 * NUM_SPLITS + split) * NUM_DRAFT + tok) * NUM_Q_HEADS + head  # [BLOCK_M] int64
-        tl.store(WS_O + ws_rows[:, None] * DV + offs_dv[None, :], out, mask=row_valid[:, None] & dv_mask[None, :])
+        tl.store(WS_O + ws_rows[:, None] * DV + offs_dv[None, :], out.to(WS_O.dtype.element_ty),
+                 mask=row_valid[:, None] & dv_mask[None, :])
         if FUSED_MERGE:
             # the last of the NUM_SPLITS programs of this (request, KV head, row tile, value tile) merges; lse slots
             # per value tile ([B, S, DV_TILES, k * H]) so it reads only what programs of its own tile wrote
@@ -243,8 +253,11 @@ def _tree_attention_merge_kernel(
     WS_O, WS_LSE, OUT, LSE,
     stride_ob, stride_ot, stride_oh,
     NUM_DRAFT: tl.constexpr, NUM_Q_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, DV: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, STORE_LSE: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, STORE_LSE: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:  # the split kernel let this grid launch early; wait until its workspace writes are visible
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)  # (b * k + i) * H + h
     dv_tile = tl.program_id(1)
     b = row // (NUM_DRAFT * NUM_Q_HEADS)
@@ -261,7 +274,8 @@ def _tree_attention_merge_kernel(
     total = tl.sum(w, 0)
     offs_dv = dv_tile * BLOCK_DV + tl.arange(0, BLOCK_DV)
     dv_mask = offs_dv < DV
-    o = tl.load(WS_O + ws_rows[:, None] * DV + offs_dv[None, :], mask=s_mask[:, None] & dv_mask[None, :], other=0.0)
+    o = tl.load(WS_O + ws_rows[:, None] * DV + offs_dv[None, :], mask=s_mask[:, None] & dv_mask[None, :],
+                other=0.0).to(tl.float32)
     # an empty split wrote o = 0, and its weight is 0: no 0 * NaN can arise
     out = tl.sum(w[:, None] * o, 0) / tl.where(total > 0.0, total, 1.0)
     tl.store(OUT + b * stride_ob + i * stride_ot + h * stride_oh + offs_dv, out.to(OUT.dtype.element_ty),
@@ -308,6 +322,32 @@ GQA_BANDWIDTH_CONFIGS = [
     {"BLOCK_N": 64, "BLOCK_DV": None, "num_warps": 4, "num_stages": 4},
     {"BLOCK_N": 128, "BLOCK_DV": None, "num_warps": 4, "num_stages": 3},
 ]
+# MLA_LATENCY_CONFIGS: the batch-1 latency levers (issue 4, Kimi-K2 b1 ctx 4096 k 4 <= 10 us), for
+# bench/sweep_attention.py. Each is a full config (tile + opt-ins); the split count is the sweep's. "PARTIAL_DTYPE"
+# bf16 halves the split workspace written by every split program and read back by the merge (at 64 splits x 32 rows
+# x 512 columns that is 4 MB in fp32: as much as the KV itself); "PDL" hides the merge launch behind the split
+# grid; fewer rows (BLOCK_M 16) or fewer value columns per program spread a split over more SMs; MERGE_BLOCK_DV sets
+# how many programs the merge uses (512 / width per output row).
+_MLA_TILE = {"BLOCK_N": 64, "BLOCK_DV": 512, "BLOCK_M": 32, "num_warps": 8, "num_stages": 2}
+_LAT = {"PARTIAL_DTYPE": "bf16", "PDL": True}
+MLA_LATENCY_CONFIGS = {
+    "bf16": dict(_MLA_TILE, PARTIAL_DTYPE="bf16"),
+    "pdl": dict(_MLA_TILE, PDL=True),
+    "bf16+pdl": dict(_MLA_TILE, **_LAT),
+    "bf16+pdl N32": dict(_MLA_TILE, BLOCK_N=32, **_LAT),
+    "bf16+pdl stages1": dict(_MLA_TILE, num_stages=1, **_LAT),
+    "bf16+pdl merge32": dict(_MLA_TILE, MERGE_BLOCK_DV=32, **_LAT),
+    "bf16+pdl merge128": dict(_MLA_TILE, MERGE_BLOCK_DV=128, **_LAT),
+    "bf16+pdl merge512 w8": dict(_MLA_TILE, MERGE_BLOCK_DV=512, MERGE_WARPS=8, **_LAT),
+    "bf16+pdl M16": dict(_MLA_TILE, BLOCK_M=16, **_LAT),
+    "bf16+pdl M16 DV256": dict(_MLA_TILE, BLOCK_M=16, BLOCK_DV=256, **_LAT),
+    "bf16+pdl DV256": dict(_MLA_TILE, BLOCK_DV=256, **_LAT),
+    "chunk DV256 bf16+pdl": dict(MLA_CHUNKED_CONFIGS[0], **_LAT),
+    "chunk DV128 bf16+pdl": dict(MLA_CHUNKED_CONFIGS[5], **_LAT),
+    "chunk DV256 N32 bf16+pdl": dict(MLA_CHUNKED_CONFIGS[2], **_LAT),
+    "fused bf16+pdl": dict(_MLA_TILE, FUSED_MERGE=True, **_LAT),
+    "chunk DV128 fused bf16+pdl": dict(MLA_CHUNKED_CONFIGS[5], FUSED_MERGE=True, **_LAT),
+}
 #: The most latent chunks the chunked MLA kernel holds (q0..q3 / k0..k3).
 MAX_D_CHUNKS = 4
 
@@ -334,7 +374,7 @@ def _split_merge_cols(WS_O, WS_LSE, o_rows0, l_rows0, o_split_stride, l_split_st
                         cache_modifier=".cg")
         w = tl.exp(lse_s - m_safe)  # 0 for an empty split (lse -inf), whose o is 0
         o = tl.load(WS_O + (o_rows0 + s * o_split_stride)[:, None] * DV + offs_c[None, :],
-                    mask=row_valid[:, None] & c_mask[None, :], other=0.0, cache_modifier=".cg")
+                    mask=row_valid[:, None] & c_mask[None, :], other=0.0, cache_modifier=".cg").to(tl.float32)
         acc += w[:, None] * o
         total += w
     has_any = total > 0.0
@@ -365,10 +405,13 @@ def _tree_attention_mla_chunked_kernel(
     D: tl.constexpr, DR: tl.constexpr, DC: tl.constexpr, NC: tl.constexpr, CPT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DR: tl.constexpr, M_TILES: tl.constexpr,
     DV_TILES: tl.constexpr, HAS_MASK: tl.constexpr, STORE_LSE: tl.constexpr, FUSED_MERGE: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    DOT_FP32: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Absorbed MLA (one latent KV, H = NUM_Q_HEADS heads): the latent in NC chunks of DC columns (D = NC * DC),
     CPT = NC / DV_TILES of them accumulated by this program. Grid as ``_tree_attention_fwd_kernel`` (kv_head 0)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     pid0 = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
@@ -498,12 +541,12 @@ def _tree_attention_mla_chunked_kernel(
         rows_per_split = NUM_DRAFT * NUM_Q_HEADS
         o_rows0 = b64 * NUM_SPLITS * rows_per_split + offs_m  # split 0's row; + s * rows_per_split for split s
         ws_ptr = WS_O + (o_rows0 + split * rows_per_split)[:, None] * D + offs_c[None, :]
-        tl.store(ws_ptr + c0, acc0 * inv_l[:, None], mask=row_valid[:, None])
+        tl.store(ws_ptr + c0, (acc0 * inv_l[:, None]).to(WS_O.dtype.element_ty), mask=row_valid[:, None])
         if CPT > 1:
-            tl.store(ws_ptr + c1, acc1 * inv_l[:, None], mask=row_valid[:, None])
+            tl.store(ws_ptr + c1, (acc1 * inv_l[:, None]).to(WS_O.dtype.element_ty), mask=row_valid[:, None])
         if CPT > 2:
-            tl.store(ws_ptr + c2, acc2 * inv_l[:, None], mask=row_valid[:, None])
-            tl.store(ws_ptr + c3, acc3 * inv_l[:, None], mask=row_valid[:, None])
+            tl.store(ws_ptr + c2, (acc2 * inv_l[:, None]).to(WS_O.dtype.element_ty), mask=row_valid[:, None])
+            tl.store(ws_ptr + c3, (acc3 * inv_l[:, None]).to(WS_O.dtype.element_ty), mask=row_valid[:, None])
         if FUSED_MERGE:
             # lse slots per value tile: [B, S, DV_TILES, k * H]; the merging program reads only its own tile's
             l_rows0 = (b64 * NUM_SPLITS * DV_TILES + dv_tile) * rows_per_split + offs_m

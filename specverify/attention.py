@@ -28,8 +28,14 @@ __all__ = [
 _IMPLS = ("auto", "triton", "reference")
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
-#: Upper bound on the split count (the merge kernel reads all splits of a row in one tile).
-MAX_SPLITS = 64
+#: Upper bound on a forced split count (the merge kernel reads all splits of a row in one tile).
+MAX_SPLITS = 128
+#: Upper bound on the split count the heuristic picks (more splits were not measured to win yet).
+HEURISTIC_MAX_SPLITS = 64
+#: Workspace dtypes a config may ask for with ``PARTIAL_DTYPE`` (the lse workspace stays fp32).
+_PARTIAL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: Keys every kernel's config may carry besides its tile sizes (see :func:`plan_tree_attention`).
+_COMMON_KEYS = ("FUSED_MERGE", "PARTIAL_DTYPE", "PDL", "MERGE_BLOCK_DV", "MERGE_WARPS")
 #: A split should read at least this many KV bytes per program, or the merge costs more than the split saves.
 MIN_SPLIT_BYTES = 64 * 1024
 
@@ -124,10 +130,12 @@ class TreeAttentionPlan:
     num_splits : int
         KV splits per (request, KV head); 1 means no workspace and no merge kernel.
     config : dict
-        ``BLOCK_M, M_TILES, BLOCK_N, BLOCK_DV, DV_TILES, BLOCK_K, num_warps, num_stages, KERNEL, FUSED_MERGE``
-        (``KERNEL`` ``"default"`` or ``"mla_chunked"``; the latter adds ``D_CHUNK, NC, CPT``).
+        ``BLOCK_M, M_TILES, BLOCK_N, BLOCK_DV, DV_TILES, BLOCK_K, num_warps, num_stages, KERNEL, FUSED_MERGE,
+        PARTIAL_DTYPE, PDL, MERGE_BLOCK_DV, MERGE_WARPS`` (``KERNEL`` ``"default"`` or ``"mla_chunked"``; the
+        latter adds ``D_CHUNK, NC, CPT``; ``MERGE_BLOCK_DV`` None means the launcher's default width).
     workspace_out : torch.Tensor or None
-        fp32 [max_batch, num_splits, num_draft_tokens, num_q_heads, head_dim_v] (None when ``num_splits == 1``).
+        [max_batch, num_splits, num_draft_tokens, num_q_heads, head_dim_v] (None when ``num_splits == 1``); fp32,
+        or bf16/fp16 with ``PARTIAL_DTYPE``.
     workspace_lse : torch.Tensor or None
         fp32 [max_batch, num_splits, num_draft_tokens, num_q_heads]; with ``FUSED_MERGE`` [max_batch, num_splits,
         DV_TILES, num_draft_tokens, num_q_heads] (one lse slot per value tile).
@@ -178,15 +186,17 @@ def _choose_config(*, mla: bool, rows: int, head_dim: int, head_dim_v: int, inte
         base = dict(kernels.GQA_CONFIGS[0] if head_dim <= 128 else
                     {"BLOCK_N": 32, "BLOCK_DV": None, "num_warps": 4, "num_stages": 2})
     unknown = set(base) - {"BLOCK_N", "BLOCK_DV", "BLOCK_M", "num_warps", "num_stages", "KERNEL", "D_CHUNK",
-                           "FUSED_MERGE"}
+                           *_COMMON_KEYS}
     if unknown:
         raise ValueError(f"config has unknown keys {sorted(unknown)}; expected BLOCK_N, BLOCK_DV, BLOCK_M, "
-                         "num_warps, num_stages, KERNEL, D_CHUNK, FUSED_MERGE")
+                         "num_warps, num_stages, KERNEL, D_CHUNK, " + ", ".join(_COMMON_KEYS))
     kernel = base.get("KERNEL", "default")
     if kernel not in ("default", "mla_chunked"):
         raise ValueError(f"config KERNEL must be 'default' or 'mla_chunked', got {kernel!r}")
     if kernel == "mla_chunked":
-        return _choose_chunked_config(base, mla=mla, rows=rows, head_dim=head_dim, head_dim_v=head_dim_v)
+        cfg = _choose_chunked_config(base, mla=mla, rows=rows, head_dim=head_dim, head_dim_v=head_dim_v)
+        cfg.update(_common_config(base))
+        return cfg
     block_m = base.get("BLOCK_M") or min(kernels.MAX_BLOCK_M, _next_pow2(max(16, rows)))
     block_dv = base.get("BLOCK_DV") or _next_pow2(max(16, head_dim_v))
     block_dv = min(block_dv, _next_pow2(max(16, head_dim_v)))
@@ -203,7 +213,25 @@ def _choose_config(*, mla: bool, rows: int, head_dim: int, head_dim_v: int, inte
         "num_warps": int(base.get("num_warps", 4)),
         "num_stages": int(base.get("num_stages", 2)),
         "KERNEL": "default",
+        **_common_config(base),
+    }
+
+
+def _common_config(base: dict) -> dict:
+    """The opt-in keys shared by both kernels: merge placement, workspace dtype, PDL, merge program width."""
+    partial = base.get("PARTIAL_DTYPE", "fp32")
+    if partial not in _PARTIAL_DTYPES:
+        raise ValueError(f"config PARTIAL_DTYPE must be one of {sorted(_PARTIAL_DTYPES)}, got {partial!r}; bf16/fp16 "
+                         "halve the split workspace (the lse stays fp32)")
+    merge_dv = base.get("MERGE_BLOCK_DV")
+    if merge_dv is not None and (not isinstance(merge_dv, int) or merge_dv < 16 or merge_dv & (merge_dv - 1)):
+        raise ValueError(f"config MERGE_BLOCK_DV must be a power of two >= 16 or None, got {merge_dv!r}")
+    return {
         "FUSED_MERGE": bool(base.get("FUSED_MERGE", False)),
+        "PARTIAL_DTYPE": partial,
+        "PDL": bool(base.get("PDL", False)),
+        "MERGE_BLOCK_DV": merge_dv,
+        "MERGE_WARPS": int(base.get("MERGE_WARPS", 4)),
     }
 
 
@@ -242,7 +270,6 @@ def _choose_chunked_config(base: dict, *, mla: bool, rows: int, head_dim: int, h
         "D_CHUNK": dc,
         "NC": nc,
         "CPT": cpt,
-        "FUSED_MERGE": bool(base.get("FUSED_MERGE", False)),
     }
 
 
@@ -259,7 +286,7 @@ def _choose_num_splits(*, batch: int, programs_per_split: int, max_prefix: int, 
         return 1
     min_tokens = _cdiv(max(block_n, MIN_SPLIT_BYTES // max(1, bytes_per_token)), block_n) * block_n
     by_length = max(1, max_prefix // min_tokens)
-    splits = max(1, min(_cdiv(num_sms, base), by_length, MAX_SPLITS))
+    splits = max(1, min(_cdiv(num_sms, base), by_length, HEURISTIC_MAX_SPLITS))
     # The kernel gives each split ceil(ceil(prefix / splits) / block_n) tiles, which can leave the last splits
     # empty (Kimi-K2 at 4k: 63 splits of 2 tiles = 32 working splits, 17.8 us; 64 splits of 1 tile: 13.7 us on
     # the H200). Round up to whole tiles per split when that adds at most 10% more splits, else drop the empty
@@ -269,7 +296,7 @@ def _choose_num_splits(*, batch: int, programs_per_split: int, max_prefix: int, 
     if working == splits:  # no empty split
         return splits
     more = _cdiv(tiles, max(1, tiles // splits))
-    return more if more <= min(MAX_SPLITS, splits + max(1, splits // 10)) else working
+    return more if more <= min(HEURISTIC_MAX_SPLITS, splits + max(1, splits // 10)) else working
 
 
 def _make_plan(*, max_batch, k, hq, hkv, d, dr, dv, max_context, device, dtype_bytes, v_is_k, num_splits,
@@ -290,8 +317,12 @@ def _make_plan(*, max_batch, k, hq, hkv, d, dr, dv, max_context, device, dtype_b
     plan = TreeAttentionPlan(max_batch=max_batch, num_draft_tokens=k, num_q_heads=hq, num_kv_heads=hkv,
                              head_dim=d, rope_dim=dr, head_dim_v=dv, max_context=max_context,
                              num_splits=num_splits, config=cfg, device=device)
+    if cfg["PDL"] and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
+        raise ValueError(f"config PDL=True needs programmatic dependent launch (sm_90+), but {device} is sm_"
+                         f"{''.join(map(str, torch.cuda.get_device_capability(device)))}; drop PDL")
     if num_splits > 1 and allocate:
-        plan.workspace_out = torch.empty(max_batch, num_splits, k, hq, dv, dtype=torch.float32, device=device)
+        plan.workspace_out = torch.empty(max_batch, num_splits, k, hq, dv, dtype=_PARTIAL_DTYPES[cfg["PARTIAL_DTYPE"]],
+                                         device=device)
         if cfg["FUSED_MERGE"]:
             plan.workspace_lse = torch.empty(max_batch, num_splits, cfg["DV_TILES"], k, hq, dtype=torch.float32,
                                              device=device)
@@ -332,12 +363,16 @@ def plan_tree_attention(*, max_batch: int, num_draft_tokens: int, num_q_heads: i
     dtype : torch.dtype
         Cache dtype (bf16 or fp16); used for the bytes-per-split heuristic.
     num_splits : int, optional
-        Force the split count (1..64); default: a heuristic from batch, context and the SM count.
+        Force the split count (1..128); default: a heuristic from batch, context and the SM count (at most 64).
     config : dict, optional
         Tile override (``BLOCK_N``, ``BLOCK_DV``, ``BLOCK_M``, ``num_warps``, ``num_stages``), for benchmarks;
         opt-in variants: ``FUSED_MERGE=True`` (the last split program merges the splits, no merge launch; allocates
-        int32 counters) and, for :func:`plan_tree_attention_mla` only, ``KERNEL="mla_chunked"`` with ``D_CHUNK``
-        (see ``MLA_CHUNKED_CONFIGS`` / ``GQA_BANDWIDTH_CONFIGS`` in ``specverify/kernels/tree_attention.py``).
+        int32 counters), ``PARTIAL_DTYPE="bf16"|"fp16"`` (split partial outputs stored in 16 bits: half the
+        workspace traffic; lse and the merge sum stay fp32), ``PDL=True`` (programmatic dependent launch of the
+        split and merge kernels, sm_90+; ignored under the CPU interpreter), ``MERGE_BLOCK_DV`` / ``MERGE_WARPS``
+        (value columns and warps of one merge program) and, for :func:`plan_tree_attention_mla` only,
+        ``KERNEL="mla_chunked"`` with ``D_CHUNK`` (see ``MLA_CHUNKED_CONFIGS`` / ``GQA_BANDWIDTH_CONFIGS`` /
+        ``MLA_LATENCY_CONFIGS`` in ``specverify/kernels/tree_attention.py``).
 
     Returns
     -------
@@ -485,11 +520,14 @@ def _launch(*, q, qr, kc, vc, k_strides, v_strides, page_table, prefix_lens, tre
     else:
         smb, smt = 0, 0
     fused = splits > 1 and cfg.get("FUSED_MERGE", False)
+    # programmatic dependent launch: only on CUDA (the interpreter has no grid dependency control)
+    pdl = {"launch_pdl": True} if cfg.get("PDL", False) and q.device.type == "cuda" else {}
     count = page_table  # a placeholder pointer where no counter is used
     if splits > 1:
         ws_o, ws_lse = plan.workspace_out, plan.workspace_lse
         if ws_o is None:  # a plan made without allocation (no plan passed): the graph pool serves this under capture
-            ws_o = torch.empty(batch, splits, k, hq, dv, dtype=torch.float32, device=q.device)
+            ws_o = torch.empty(batch, splits, k, hq, dv, dtype=_PARTIAL_DTYPES[cfg.get("PARTIAL_DTYPE", "fp32")],
+                               device=q.device)
             ws_lse = torch.empty(batch, splits, k, hq, dtype=torch.float32, device=q.device)
         if fused:
             count = plan.workspace_count
@@ -514,10 +552,11 @@ def _launch(*, q, qr, kc, vc, k_strides, v_strides, page_table, prefix_lens, tre
             NC=cfg["NC"], CPT=cfg["CPT"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
             BLOCK_DR=_next_pow2(max(16, dr)), M_TILES=cfg["M_TILES"], DV_TILES=cfg["DV_TILES"],
             HAS_MASK=tree_mask is not None, STORE_LSE=store_lse, FUSED_MERGE=fused, DOT_FP32=q.device.type == "cpu",
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            PDL=bool(pdl), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
         )
         if splits > 1 and not fused:
-            _launch_merge(kernels, ws_o, ws_lse, out, lse, batch=batch, k=k, hq=hq, dv=dv, splits=splits)
+            _launch_merge(kernels, ws_o, ws_lse, out, lse, batch=batch, k=k, hq=hq, dv=dv, splits=splits, cfg=cfg,
+                          pdl=pdl)
         return
     kernels._tree_attention_fwd_kernel[grid](
         q, qr_t, kc, vc, page_table, prefix_lens, mask_arg,
@@ -535,22 +574,24 @@ def _launch(*, q, qr, kc, vc, k_strides, v_strides, page_table, prefix_lens, tre
         BLOCK_DR=_next_pow2(max(16, dr)) if dr else 16, BLOCK_DV=cfg["BLOCK_DV"], BLOCK_K=cfg["BLOCK_K"],
         M_TILES=cfg["M_TILES"], DV_TILES=cfg["DV_TILES"],
         HAS_MASK=tree_mask is not None, V_IS_K=v_is_k, STORE_LSE=store_lse, DOT_FP32=q.device.type == "cpu",
-        FUSED_MERGE=fused, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        FUSED_MERGE=fused, PDL=bool(pdl), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
     )
     if splits > 1 and not fused:
-        _launch_merge(kernels, ws_o, ws_lse, out, lse, batch=batch, k=k, hq=hq, dv=dv, splits=splits)
+        _launch_merge(kernels, ws_o, ws_lse, out, lse, batch=batch, k=k, hq=hq, dv=dv, splits=splits, cfg=cfg,
+                      pdl=pdl)
 
 
-def _launch_merge(kernels, ws_o, ws_lse, out, lse, *, batch, k, hq, dv, splits):
-    """The split-KV merge launch (one program per output row and value tile)."""
+def _launch_merge(kernels, ws_o, ws_lse, out, lse, *, batch, k, hq, dv, splits, cfg, pdl):
+    """The split-KV merge launch (one program per output row and value tile of ``MERGE_BLOCK_DV`` columns)."""
     store_lse = lse is not None
     block_s = _next_pow2(max(2, splits))
-    block_dv = min(_next_pow2(max(16, dv)), max(16, 4096 // block_s))
+    block_dv = cfg.get("MERGE_BLOCK_DV") or max(16, 4096 // block_s)
+    block_dv = min(_next_pow2(max(16, dv)), block_dv)
     kernels._tree_attention_merge_kernel[(batch * k * hq, _cdiv(dv, block_dv))](
         ws_o, ws_lse, out, lse if store_lse else out,
         out.stride(0), out.stride(1), out.stride(2),
         NUM_DRAFT=k, NUM_Q_HEADS=hq, NUM_SPLITS=splits, DV=dv, BLOCK_S=block_s, BLOCK_DV=block_dv,
-        STORE_LSE=store_lse, num_warps=4, num_stages=1,
+        STORE_LSE=store_lse, PDL=bool(pdl), num_warps=cfg.get("MERGE_WARPS", 4), num_stages=1, **pdl,
     )
 
 

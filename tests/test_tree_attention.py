@@ -311,6 +311,70 @@ MLA_VARIANT_CASES = [
 ]
 
 
+MLA_LATENCY_CASES = [
+    # id, prefix_lens, k, h, r, dr, page_size, mask, dtype, num_splits, config
+    # bf16 partial outputs through the merge kernel; page size 1; a prefix-0 request (its splits are empty, lse
+    # -inf, o 0 in bf16); PDL is accepted and ignored by the interpreter; narrow merge programs (16 columns)
+    ("default-bf16-partials-ps1-prefix0", [0, 23], 3, 4, 64, 16, 1, "random", torch.bfloat16, 4,
+     {"BLOCK_N": 16, "PARTIAL_DTYPE": "bf16", "PDL": True, "MERGE_BLOCK_DV": 16}),
+    # fp16 partials with fp16 inputs, page size 16 with prefix 32 ending on a page boundary, row tiles of 16 (k 5 x
+    # 4 heads = 20 rows -> 2 tiles) and value columns over 2 programs, wide merge programs (all 64 columns)
+    ("default-fp16-partials-mtiles-dv2-ps16", [32, 9], 5, 4, 64, 16, 16, "topk", torch.float16, 3,
+     {"BLOCK_N": 16, "BLOCK_M": 16, "BLOCK_DV": 32, "PARTIAL_DTYPE": "fp16", "MERGE_BLOCK_DV": 64}),
+    # the chunked kernel storing bf16 partials (2 chunks over 2 programs), merge kernel, chain, page size 16
+    ("chunked-bf16-partials-ps16", [40, 17], 4, 4, 64, 16, 16, "chain", torch.bfloat16, 3,
+     _chunked(D_CHUNK=32, BLOCK_DV=32, PARTIAL_DTYPE="bf16", PDL=True)),
+    # the fused (last-program) merge reading bf16 partials, both kernels; page size 1; k = 1 decode
+    ("default-fused-bf16-k1-ps1", [30, 3], 1, 4, 64, 16, 1, "chain", torch.bfloat16, 3,
+     {"BLOCK_N": 16, "FUSED_MERGE": True, "PARTIAL_DTYPE": "bf16"}),
+    ("chunked-fused-bf16-ps16", [21, 50], 3, 4, 64, 16, 16, "random", torch.bfloat16, 2,
+     _chunked(D_CHUNK=16, BLOCK_DV=32, FUSED_MERGE=True, PARTIAL_DTYPE="bf16")),
+    # more than 64 splits (the old cap; the merge tile is now 128 splits x 32 columns): most splits hold one
+    # 16-token tile or nothing, one request is shorter than the split count
+    ("default-70-splits-bf16", [300, 5], 2, 4, 64, 16, 16, "chain_explicit", torch.bfloat16, 70,
+     {"BLOCK_N": 16, "PARTIAL_DTYPE": "bf16"}),
+]
+
+
+@pytest.mark.parametrize("case", MLA_LATENCY_CASES, ids=[c[0] for c in MLA_LATENCY_CASES])
+def test_mla_latency_options_match_reference(case, device, poison):
+    """The opt-in latency levers (16-bit partials, PDL, merge width, > 64 splits) keep out and lse within the
+    derived tolerance; NaN in unused pool slots never leaks."""
+    _, prefix_lens, k, h, r, dr, ps, mask, dtype, splits, config = case
+    plan = run_mla(device, poison, prefix_lens=prefix_lens, k=k, h=h, r=r, dr=dr, page_size=ps, mask_kind=mask,
+                   dtype=dtype, num_splits=splits, seed=sum(map(ord, case[0])), config=config)
+    want = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[config.get("PARTIAL_DTYPE", "fp32")]
+    assert plan.num_splits == splits and plan.workspace_out.dtype == want
+    assert plan.workspace_lse.dtype == torch.float32
+    if plan.workspace_count is not None:
+        assert not plan.workspace_count.any(), "the last program must reset its counter to 0"
+
+
+def test_gqa_bf16_partials_match_reference(device, poison):
+    """bf16 partials through the GQA path (the same kernel with several KV heads); page size 1, prefix 0."""
+    run_gqa(device, poison, prefix_lens=[0, 19], k=3, hq=4, hkv=2, d=64, page_size=1, mask_kind="random",
+            dtype=torch.bfloat16, num_splits=3, seed=41, config={"BLOCK_N": 16, "PARTIAL_DTYPE": "bf16"})
+
+
+def test_latency_configs_plan():
+    """Every MLA_LATENCY_CONFIGS entry builds a plan for the Kimi-K2 rank at the split counts the sweep uses."""
+    from specverify.kernels.tree_attention import MLA_LATENCY_CONFIGS
+
+    for name, config in MLA_LATENCY_CONFIGS.items():
+        for splits in (32, 64, 128):
+            plan = plan_tree_attention_mla(max_batch=1, num_draft_tokens=4, num_heads=8, max_context=4096,
+                                           device="cpu", num_splits=splits, config=config)
+            bf16 = config.get("PARTIAL_DTYPE") == "bf16"
+            assert plan.workspace_out.dtype == (torch.bfloat16 if bf16 else torch.float32), name
+            assert plan.config["PDL"] == bool(config.get("PDL")), name
+
+
+def test_heuristic_still_caps_at_64():
+    """Forced split counts may go to 128, the heuristic stays at <= 64 until a sweep shows more wins."""
+    assert _choose_num_splits(batch=1, programs_per_split=1, max_prefix=1 << 20, bytes_per_token=1152, block_n=64,
+                              num_sms=1000) == 64
+
+
 @pytest.mark.parametrize("case", MLA_VARIANT_CASES, ids=[c[0] for c in MLA_VARIANT_CASES])
 def test_mla_variants_match_reference(case, device, poison):
     _, prefix_lens, k, h, r, dr, ps, mask, dtype, splits, config = case
@@ -467,6 +531,16 @@ def test_gpu_mla_every_config(config, poison):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("splits", [64, 128])
+@pytest.mark.parametrize("name", list(_K.MLA_LATENCY_CONFIGS))
+def test_gpu_mla_latency_configs(name, splits, poison):
+    """Every latency lever the sweep times, at the Kimi-K2 rank (8 heads) with the sweep's split counts; page 1
+    (every token its own page) and a request shorter than the split count."""
+    run_mla("cuda", poison, prefix_lens=[4092, 40], k=4, h=8, r=512, dr=64, page_size=1, mask_kind="random",
+            dtype=torch.bfloat16, num_splits=splits, seed=15, config=_K.MLA_LATENCY_CONFIGS[name])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("config", _K.GQA_CONFIGS + _K.GQA_BANDWIDTH_CONFIGS
                          + [dict(_K.GQA_CONFIGS[0], FUSED_MERGE=True)])
 def test_gpu_gqa_every_config(config, poison):
@@ -475,7 +549,7 @@ def test_gpu_gqa_every_config(config, poison):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["default", "fused"])
+@pytest.mark.parametrize("variant", ["default", "fused", "bf16+pdl"])
 @pytest.mark.parametrize("mla", [False, True], ids=["gqa", "mla"])
 def test_gpu_cuda_graph(mla, variant):
     """Eager -> capture -> replay -> change every input in place -> replay -> compare with the reference."""
@@ -491,7 +565,8 @@ def test_gpu_cuda_graph(mla, variant):
         kv = torch.randn(num_pages, page_size, r + dr, generator=gen).bfloat16().to(device)
         ql = torch.randn(batch, k, h, r, generator=gen).bfloat16().to(device)
         qr = torch.randn(batch, k, h, dr, generator=gen).bfloat16().to(device)
-        config = dict(_K.MLA_CHUNKED_CONFIGS[0], FUSED_MERGE=True) if variant == "fused" else None
+        config = {"fused": dict(_K.MLA_CHUNKED_CONFIGS[0], FUSED_MERGE=True),
+                  "bf16+pdl": _K.MLA_LATENCY_CONFIGS["bf16+pdl"]}.get(variant)
         plan = plan_tree_attention_mla(max_batch=batch, num_draft_tokens=k, num_heads=h, max_context=4096 + k,
                                        device=device, config=config)
     else:
@@ -499,7 +574,8 @@ def test_gpu_cuda_graph(mla, variant):
         kc = torch.randn(num_pages, page_size, hkv, d, generator=gen).bfloat16().to(device)
         vc = torch.randn(num_pages, page_size, hkv, d, generator=gen).bfloat16().to(device)
         q = torch.randn(batch, k, hq, d, generator=gen).bfloat16().to(device)
-        config = dict(_K.GQA_CONFIGS[0], FUSED_MERGE=True) if variant == "fused" else None
+        config = {"fused": dict(_K.GQA_CONFIGS[0], FUSED_MERGE=True),
+                  "bf16+pdl": dict(_K.GQA_CONFIGS[0], PARTIAL_DTYPE="bf16", PDL=True)}.get(variant)
         plan = plan_tree_attention(max_batch=batch, num_draft_tokens=k, num_q_heads=hq, num_kv_heads=hkv,
                                    head_dim=d, max_context=4096 + k, device=device, config=config)
     assert plan.num_splits > 1  # the graph must cover the split + merge path

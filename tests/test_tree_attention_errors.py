@@ -153,7 +153,7 @@ def test_plan_errors():
                             max_context=16, device="cpu")
     with pytest.raises(ValueError, match="num_splits must be in"):
         plan_tree_attention_mla(max_batch=1, num_draft_tokens=1, num_heads=8, max_context=16, device="cpu",
-                                num_splits=65)
+                                num_splits=129)  # MAX_SPLITS is 128 (the merge reads all splits in one tile)
     with pytest.raises(ValueError, match="max_batch must be a positive int"):
         plan_tree_attention_mla(max_batch=0, num_draft_tokens=1, num_heads=8, max_context=16, device="cpu")
     with pytest.raises(ValueError, match="power of two"):
@@ -162,6 +162,12 @@ def test_plan_errors():
     with pytest.raises(ValueError, match="unknown keys"):
         plan_tree_attention(max_batch=1, num_draft_tokens=1, num_q_heads=4, num_kv_heads=4, head_dim=64,
                             max_context=16, device="cpu", config={"BLOCK_N": 16, "warps": 4})
+    with pytest.raises(ValueError, match="PARTIAL_DTYPE must be one of"):
+        plan_tree_attention_mla(max_batch=1, num_draft_tokens=1, num_heads=8, max_context=16, device="cpu",
+                                config={"BLOCK_N": 16, "PARTIAL_DTYPE": "fp8"})
+    with pytest.raises(ValueError, match="MERGE_BLOCK_DV must be a power of two"):
+        plan_tree_attention(max_batch=1, num_draft_tokens=1, num_q_heads=4, num_kv_heads=4, head_dim=64,
+                            max_context=16, device="cpu", config={"BLOCK_N": 16, "MERGE_BLOCK_DV": 48})
 
 
 def test_plan_mismatch():

@@ -1,0 +1,176 @@
+"""Sweep: Kimi-K2 MLA tree attention, the default against every latency/bandwidth lever, in one device call.
+
+Shapes (Kimi-K2 per rank at tp 8: 8 heads, kv_lora_rank 512 + rope 64, bf16, page size 64, pages scattered):
+batch 1 context 4096 k 1 (decode) and k 4 (top-2 tree) — the <= 10 us latency target of issue 4 —, batch 8
+context 32768 k 4 and batch 64 context 4096 k 4 (bandwidth). Variants: ``MLA_LATENCY_CONFIGS`` (16-bit split
+partials, programmatic dependent launch, merge width, fewer rows or value columns per program, chunked kernel,
+fused merge) and ``MLA_CHUNKED_CONFIGS`` from ``specverify/kernels/tree_attention.py``, at several split counts.
+
+Each variant is checked before timing: ``err`` = max |out - ref| against the fp32 torch reference, ``tol`` = 2 x the
+torch bf16 reference's own error + one bf16 ulp of the output scale (the tests' derived tolerance); a variant over
+tol is marked WRONG. Time: µs per call by CUDA-graph replay (20 calls per graph, best of 3,
+``specverify.benchmarking.graph_us``). ``bw% = KV bytes / time / copy_bw`` with KV bytes = batch x context x 576 x 2
+and ``copy_bw`` a 1 GiB device-to-device copy (``2 * bytes / time``) measured in the same run.
+
+Usage: ``python bench/sweep_attention.py [--quick] [--json PATH] [--budget-s S]``; prints a table last.
+``--quick``: fewer variants per shape. ``--budget-s``: start no new variant after S seconds (default 420), so one
+device call stays bounded; the JSON is rewritten after every row, so a killed run still leaves its numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from functools import partial
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+ROWS: list[dict] = []
+MODEL = "kimi-k2"
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def variants_for(batch: int, k: int, quick: bool):
+    """[(label, config or None, num_splits or None)], most informative first."""
+    from specverify.kernels import tree_attention as kernels
+
+    L, C = kernels.MLA_LATENCY_CONFIGS, kernels.MLA_CHUNKED_CONFIGS
+    if batch == 1:
+        v = [("default", None, None), ("default s64", None, 64),
+             ("bf16 s64", L["bf16"], 64), ("pdl s64", L["pdl"], 64), ("bf16+pdl s64", L["bf16+pdl"], 64),
+             ("bf16+pdl s32", L["bf16+pdl"], 32), ("bf16+pdl N32 s128", L["bf16+pdl N32"], 128),
+             ("bf16+pdl DV256 s64", L["bf16+pdl DV256"], 64), ("bf16+pdl M16 s64", L["bf16+pdl M16"], 64),
+             ("chunk DV256 bf16+pdl s64", L["chunk DV256 bf16+pdl"], 64),
+             ("chunk DV128 bf16+pdl s64", L["chunk DV128 bf16+pdl"], 64),
+             ("bf16+pdl merge128 s64", L["bf16+pdl merge128"], 64),
+             ("bf16+pdl stages1 s64", L["bf16+pdl stages1"], 64),
+             ("bf16+pdl M16 DV256 s64", L["bf16+pdl M16 DV256"], 64),
+             ("bf16+pdl merge32 s64", L["bf16+pdl merge32"], 64),
+             ("bf16+pdl merge512 w8 s64", L["bf16+pdl merge512 w8"], 64),
+             ("chunk DV256 s64 (old best)", C[0], 64), ("chunk DV256 bf16+pdl s32", L["chunk DV256 bf16+pdl"], 32),
+             ("chunk DV256 N32 bf16+pdl s128", L["chunk DV256 N32 bf16+pdl"], 128),
+             ("chunk DV128 bf16+pdl s32", L["chunk DV128 bf16+pdl"], 32),
+             ("fused bf16+pdl s16", L["fused bf16+pdl"], 16),
+             ("chunk DV128 fused bf16+pdl s16", L["chunk DV128 fused bf16+pdl"], 16)]
+        return v[:12] if quick else v
+    if batch == 8:
+        v = [("default", None, None), ("bf16+pdl", L["bf16+pdl"], None), ("pdl", L["pdl"], None),
+             ("bf16+pdl s16", L["bf16+pdl"], 16), ("chunk DV256 bf16+pdl s8", L["chunk DV256 bf16+pdl"], 8),
+             ("chunk DV256 bf16+pdl s16", L["chunk DV256 bf16+pdl"], 16), ("C3 s8", C[3], 8)]
+        return v[:4] if quick else v
+    v = [("default", None, None), ("pdl", L["pdl"], None), ("default s1", None, 1),
+         ("chunk DV256 pdl s1", dict(C[0], PDL=True), 1), ("C3 s1 (M64)", C[3], 1),
+         ("bf16+pdl s2", L["bf16+pdl"], 2)]
+    return v[:3] if quick else v
+
+
+def write_json(path, bw):
+    if not path:
+        return
+    import triton
+
+    from specverify.benchmarking import git_commit
+
+    with open(path, "w") as fh:
+        json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                       commit=git_commit(__file__), date=datetime.datetime.now().isoformat(timespec="seconds"),
+                       copy_gbps=bw, rows=ROWS), fh, indent=1)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer variants per shape")
+    ap.add_argument("--json", metavar="PATH", help="write the rows as JSON (rewritten after every row)")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="start no new variant after this many seconds")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("sweep_attention: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import bench_tree_attention as bta
+
+    from specverify.attention import tree_attention_mla
+    from specverify.benchmarking import copy_bandwidth_gbps
+    from specverify.benchmarking import graph_us as _graph_us
+    from specverify.reference.attention import tree_attention_mla_reference
+
+    graph_us = partial(_graph_us, calls=20, repeats=3)
+    t0 = time.time()
+    bw = copy_bandwidth_gbps()
+    log(f"# copy bandwidth {bw:.0f} GB/s; {torch.cuda.get_device_name()}")
+    shapes = [(1, 4096, 4, True), (1, 4096, 1, False), (8, 32768, 4, True), (64, 4096, 4, True)]
+    eps = torch.finfo(torch.bfloat16).eps
+    for batch, ctx, k, tree in shapes:
+        name = f"b{batch} c{ctx} k{k}{'t' if tree else ''}"
+        if time.time() - t0 > args.budget_s:
+            log(f"# budget of {args.budget_s:.0f} s spent, skipping {name}")
+            continue
+        cfg, tensors, meta, _ = bta.make_inputs(MODEL, batch, ctx, k, tree)
+        kv_bytes = batch * ctx * (cfg["r"] + cfg["dr"]) * 2
+        args_ref = (tensors["q_latent"], tensors["q_rope"], tensors["kv_cache"], meta["page_table"],
+                    meta["prefix_lens"], meta["tree_mask"], meta["sm_scale"])
+        ref32, lse32 = tree_attention_mla_reference(*args_ref, return_lse=True)
+        low = tree_attention_mla_reference(*args_ref, compute_dtype=torch.bfloat16)
+        tol = 2.0 * (low.float() - ref32).abs().max().item() + eps * max(1.0, ref32.abs().max().item())
+        del low
+        torch.cuda.empty_cache()
+        for label, config, splits in variants_for(batch, k, args.quick):
+            if time.time() - t0 > args.budget_s:
+                log(f"# budget of {args.budget_s:.0f} s spent, skipping {name} {label} and the rest")
+                break
+            row = dict(shape=name, variant=label, us=float("nan"), bw_pct=float("nan"), err=float("nan"),
+                       lse_err=float("nan"), tol=tol, splits=None, note="")
+            try:
+                fn, plan = bta.triton_fn(cfg, tensors, meta, batch, k, ctx, config=config, num_splits=splits)
+                out, lse = tree_attention_mla(*bta._positional(cfg, tensors), **meta, plan=plan, validate=False,
+                                              return_lse=True)
+                row["err"] = (out.float() - ref32).abs().max().item()
+                row["lse_err"] = (lse - lse32).abs().max().item()
+                counters_ok = plan.workspace_count is None or not bool(plan.workspace_count.any())
+                row["us"] = graph_us(fn)
+                counters_ok = counters_ok and (plan.workspace_count is None or not bool(plan.workspace_count.any()))
+                row["bw_pct"] = 100.0 * kv_bytes / (row["us"] * 1e-6) / (bw * 1e9)
+                row["splits"] = plan.num_splits
+                pc = plan.config
+                row["note"] = (f"S{plan.num_splits} {pc['KERNEL']} M{pc['BLOCK_M']} N{pc['BLOCK_N']} "
+                               f"DV{pc['BLOCK_DV']} w{pc['num_warps']} s{pc['num_stages']} {pc['PARTIAL_DTYPE']}"
+                               f"{' pdl' if pc['PDL'] else ''}{' fused' if pc['FUSED_MERGE'] else ''}")
+                if not row["err"] <= tol or not counters_ok:
+                    row["note"] += " WRONG" + ("" if counters_ok else " (counters not reset)")
+            except Exception as exc:  # noqa: BLE001 - a variant that fails to compile, launch or capture is reported
+                row["note"] = f"FAILED {exc.__class__.__name__}: {str(exc)[:160]}"
+                try:
+                    torch.cuda.synchronize()
+                except Exception as sync_exc:  # noqa: BLE001 - a broken context: the rows so far are in the JSON
+                    row["note"] += f"; then {sync_exc.__class__.__name__}"
+            ROWS.append(row)
+            log(f"  {name:<14} {label:<32} {row['us']:8.2f} us  bw {row['bw_pct']:5.1f}%  err {row['err']:.3g} "
+                f"(tol {tol:.3g}) lse {row['lse_err']:.2g}  {row['note']}")
+            write_json(args.json, bw)
+        del tensors, meta, ref32, lse32
+        torch.cuda.empty_cache()
+    write_json(args.json, bw)
+    log(f"# done in {time.time() - t0:.0f} s")
+    log(f"\n{'shape':<14} {'variant':<32} {'us':>8} {'bw%':>6} {'max err':>9} {'tol':>9}  note")
+    for r in ROWS:
+        log(f"{r['shape']:<14} {r['variant']:<32} {r['us']:8.2f} {r['bw_pct']:6.1f} {r['err']:9.3g} {r['tol']:9.3g}"
+            f"  {r['note']}")
+    log(f"\n{'shape':<14} {'default us':>10} {'best us':>8} best variant")
+    for shape in dict.fromkeys(r["shape"] for r in ROWS):
+        ok = [r for r in ROWS if r["shape"] == shape and r["us"] == r["us"] and "WRONG" not in r["note"]
+              and "FAILED" not in r["note"]]
+        if ok:
+            best = min(ok, key=lambda r: r["us"])
+            log(f"{shape:<14} {ok[0]['us']:10.2f} {best['us']:8.2f} {best['variant']} ({best['bw_pct']:.1f}% bw)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -267,3 +267,119 @@ def _moe_gemv_down_sum_kernel(act_ptr, w2_ptr, ids_ptr, tw_ptr, out_ptr, stride_
             acc += w * a[None, :]
     res = tl.sum(acc, axis=1)
     tl.store(out_ptr + m.to(tl.int64) * stride_om + on, res.to(out_ptr.dtype.element_ty), mask=nmask)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Fused variant (``_moe_fused_kernel`` + ``_moe_partial_sum_kernel``): every activated expert's w13 and w2 streamed
+# exactly once, in one launch, with no intermediate buffer between the two projections.
+#
+#   _moe_fused_kernel  grid (NB * NC,), NC = ceil(I / BI): program (blk, c) owns the block's slots and the
+#       intermediate columns J = [c*BI, (c+1)*BI):
+#           g, u      = hidden[tok] @ w13[e][J]^T, hidden[tok] @ w13[e][I + J]^T      (over all of H, BK at a time)
+#           act       = silu(g) * u                                                 (rounded to the weights' dtype)
+#           part[s, c, h-tile] = r[s] * act @ w2[e][h-tile, J]^T                     (fp32, BH rows of H at a time)
+#       DOT: tl.dot on the block's B rows (B >= 16). Not DOT (GEMV form, small M): MP slots per pass, products and
+#       sums in fp32 registers (an expert holding more than MP slots of the block takes more passes).
+#   _moe_partial_sum_kernel grid (M, ceil(H / BN)):
+#           out[m, tile] = sum_k sum_c part[m * TOP_K + k, c, tile]   in fixed (k, c) order; slots whose id is -1
+#           or >= E are skipped (they have no block, so their rows of part are never written).
+#
+# w2's slice [H, BI] is strided: BI contiguous elements (2 * BI bytes) per row of H; BI >= 32 keeps whole 64-byte
+# segments. Extra tensor: part [S, NC, H] fp32 (weighted partial outputs, one per slot and column chunk).
+# ------------------------------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["S"])
+def _moe_fused_kernel(hidden_ptr, w13_ptr, w2_ptr, part_ptr, tw_ptr, sorted_ptr, eids_ptr, npad_ptr, S, stride_hm,
+                      stride_w13e, stride_w13n, stride_w2e, stride_w2n, stride_ps, stride_pc, H: tl.constexpr,
+                      I: tl.constexpr, TOP_K: tl.constexpr, B: tl.constexpr, MP: tl.constexpr, BI: tl.constexpr,
+                      BK: tl.constexpr, BH: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr):
+    pid = tl.program_id(0)
+    NC: tl.constexpr = (I + BI - 1) // BI
+    blk = pid // NC
+    c = pid % NC
+    if blk * B >= tl.load(npad_ptr):
+        return
+    e = tl.load(eids_ptr + blk)
+    if e < 0:
+        return
+    oi = c * BI + tl.arange(0, BI)
+    imask = oi < I
+    ok = tl.arange(0, BK)
+    oh = tl.arange(0, BH)
+    w13_base = w13_ptr + e.to(tl.int64) * stride_w13e
+    w2_base = w2_ptr + e.to(tl.int64) * stride_w2e
+    if DOT:
+        om = tl.arange(0, B)
+        slots = tl.load(sorted_ptr + blk * B + om)
+        valid = slots < S
+        tok = tl.where(valid, slots // TOP_K, 0)
+        a_base = hidden_ptr + tok[:, None].to(tl.int64) * stride_hm
+        acc_g = tl.zeros([B, BI], tl.float32)
+        acc_u = tl.zeros([B, BI], tl.float32)
+        for k0 in range(0, H, BK):
+            kc = k0 + ok
+            kmask = kc < H
+            a = tl.load(a_base + kc[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
+            wg = _load_w_tile(w13_base, oi, kc, imask, kmask, stride_w13n)
+            wu = _load_w_tile(w13_base, oi + I, kc, imask, kmask, stride_w13n)
+            acc_g = _mma(a, wg, acc_g, UPCAST)
+            acc_u = _mma(a, wu, acc_u, UPCAST)
+        act = (acc_g / (1.0 + tl.exp(-acc_g)) * acc_u).to(w2_ptr.dtype.element_ty)
+        srow = tl.where(valid, slots, 0).to(tl.int64)
+        r = tl.load(tw_ptr + srow, mask=valid, other=0.0).to(tl.float32)
+        dst = part_ptr + srow[:, None] * stride_ps + c * stride_pc
+        for h0 in range(0, H, BH):
+            hc = h0 + oh
+            hmask = hc < H
+            w = _load_w_tile(w2_base, hc, oi, hmask, imask, stride_w2n)
+            y = _mma(act, w, tl.zeros([B, BH], tl.float32), UPCAST) * r[:, None]
+            tl.store(dst + hc[None, :], y, mask=valid[:, None] & hmask[None, :])
+    else:
+        om = tl.arange(0, MP)
+        # a block's real slots come first, its padding (the sentinel S) after: count them with one load
+        n_valid = tl.sum((tl.load(sorted_ptr + blk * B + tl.arange(0, B)) < S).to(tl.int32), axis=0)
+        for p0 in range(0, n_valid, MP):
+            slots = tl.load(sorted_ptr + blk * B + p0 + om, mask=p0 + om < n_valid, other=S)
+            valid = slots < S
+            tok = tl.where(valid, slots // TOP_K, 0)
+            a_base = hidden_ptr + tok.to(tl.int64) * stride_hm
+            acc_g = tl.zeros([MP, BI, BK], tl.float32)
+            acc_u = tl.zeros([MP, BI, BK], tl.float32)
+            for k0 in range(0, H, BK):
+                kc = k0 + ok
+                kmask = kc < H
+                a = tl.load(a_base[:, None] + kc[None, :], mask=valid[:, None] & kmask[None, :],
+                            other=0.0).to(tl.float32)
+                wg = _load_w_tile(w13_base, oi, kc, imask, kmask, stride_w13n).to(tl.float32)
+                wu = _load_w_tile(w13_base, oi + I, kc, imask, kmask, stride_w13n).to(tl.float32)
+                acc_g += a[:, None, :] * wg[None, :, :]
+                acc_u += a[:, None, :] * wu[None, :, :]
+            g = tl.sum(acc_g, axis=2)
+            u = tl.sum(acc_u, axis=2)
+            act = (g / (1.0 + tl.exp(-g)) * u).to(w2_ptr.dtype.element_ty).to(tl.float32)  # [MP, BI]
+            srow = tl.where(valid, slots, 0).to(tl.int64)
+            r = tl.load(tw_ptr + srow, mask=valid, other=0.0).to(tl.float32)
+            act = act * r[:, None]
+            dst = part_ptr + srow[:, None] * stride_ps + c * stride_pc
+            for h0 in range(0, H, BH):
+                hc = h0 + oh
+                hmask = hc < H
+                w = _load_w_tile(w2_base, hc, oi, hmask, imask, stride_w2n).to(tl.float32)  # [BH, BI]
+                y = tl.sum(act[:, None, :] * w[None, :, :], axis=2)  # [MP, BH]
+                tl.store(dst + hc[None, :], y, mask=valid[:, None] & hmask[None, :])
+
+
+@triton.jit
+def _moe_partial_sum_kernel(part_ptr, ids_ptr, out_ptr, stride_ps, stride_pc, stride_om, E: tl.constexpr,
+                            H: tl.constexpr, TOP_K: tl.constexpr, NC: tl.constexpr, BN: tl.constexpr):
+    m = tl.program_id(0)
+    on = tl.program_id(1) * BN + tl.arange(0, BN)
+    nmask = on < H
+    acc = tl.zeros([BN], tl.float32)
+    for k in tl.static_range(TOP_K):
+        s = m * TOP_K + k
+        eid = tl.load(ids_ptr + s + tl.zeros([BN], tl.int32))  # as a vector: mask of the row loads
+        use = nmask & (eid >= 0) & (eid < E)
+        row = part_ptr + s.to(tl.int64) * stride_ps + on
+        for c in range(NC):
+            acc += tl.load(row + c * stride_pc, mask=use, other=0.0)
+    tl.store(out_ptr + m.to(tl.int64) * stride_om + on, acc.to(out_ptr.dtype.element_ty), mask=nmask)

@@ -37,8 +37,9 @@ Tensors (S = M * TOP_K; B = BLOCK_SIZE; MAXB = number of blocks the buffers hold
 | ws_ticket       | [1]            | int32        | workspace: programs finished, zero between calls             |
 | offs_scratch    | [EAP]          | int32        | one-program variant only: padded start offset of each expert |
 
-The opt-in one-program variant (``_moe_route_align_single_kernel``, end of this file) aligns without atomics and
-orders the slots inside an expert by slot id.
+The opt-in one-program variant (``_moe_route_align_single_kernel``) aligns without atomics and orders the slots
+inside an expert by slot id. The default "fast" variant (``_moe_route_align_fast_kernel``, end of this file)
+aligns in registers when one program holds every slot and writes nothing past the used part of sorted_ids.
 """
 from __future__ import annotations
 
@@ -162,6 +163,7 @@ def _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, row0,
     if DO_ALIGN:
         rank = tl.atomic_add(count_ptr + safe, 1, mask=valid, sem="relaxed")
         tl.store(rank_ptr + out_off, rank, mask=valid)
+    return tl.where(valid, ids, -1)  # [ROWS, TOPK_P]: -1 for no expert, padding lanes and rows past M
 
 
 @triton.jit
@@ -312,3 +314,119 @@ def _moe_route_align_single_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, sorted_
             rank += tl.sum(same.to(tl.int32), axis=1)
         base = tl.load(offs_ptr + tl.where(ok, ids_i, 0), mask=ok, other=0)
         tl.store(sorted_ptr + base + rank, si, mask=ok)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Fast variant (``_moe_route_align_fast_kernel``): no global round trip between the routing and the alignment when
+# one program holds every slot, and nothing written past the used part except the (short) expert_ids tail.
+#
+#   ONE (grid (1,), all M rows routed at once as one [ROWS, EP] tile, or DO_ROUTE off: the ids loaded once): the
+#   slots stay in registers as a flat [SP] vector and the alignment is a pairwise [SP, SP] comparison:
+#       cnt[s]  = #{s' : id[s'] == id[s]}            rank[s] = #{s' < s : id[s'] == id[s]}
+#       first[s] = rank[s] == 0                        pad[s]  = ceil(cnt[s] / B) * B
+#       offs[s] = sum over first s' with id[s'] < id[s] of pad[s']
+#       sorted_ids[offs[s] + rank[s]] = s;  the first slot of each expert writes its padding and its block ids.
+#     Slots inside an expert come in increasing slot id (align_reference's order: exact match).
+#   not ONE (grid (ceil(M / ROWS),)): ranks by atomics as in _moe_route_align_kernel; the last program (ticket)
+#     loads the ids, ranks and counters in one round trip, scans the counters and scatters (one gather of offsets).
+#
+#   FILL_TAIL: also write the sentinel S over sorted_ids[num_post_pad:] (~M * TOP_K * B entries at most); off by
+#   default: consumers read only the used part. expert_ids past the used blocks are always set to -1 (short).
+# ------------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _align_pairwise(ids_v, slot_v, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks, B: tl.constexpr,
+                    PJ: tl.constexpr, CHUNK: tl.constexpr, FILL_TAIL: tl.constexpr):
+    """Alignment of the flat [SP] slot vector ``slot_v`` with experts ``ids_v`` (-1: skipped), all in registers."""
+    ok = ids_v >= 0
+    same = (ids_v[:, None] == ids_v[None, :]) & ok[:, None] & ok[None, :]
+    cnt = tl.sum(same.to(tl.int32), axis=1)
+    rank = tl.sum((same & (slot_v[None, :] < slot_v[:, None])).to(tl.int32), axis=1)
+    first = ok & (rank == 0)
+    padded = (cnt + B - 1) // B * B
+    lower = (ids_v[None, :] < ids_v[:, None]) & first[None, :]
+    offs = tl.sum(tl.where(lower, padded[None, :], 0), axis=1)
+    total = tl.sum(tl.where(first, padded, 0), axis=0)
+    tl.store(npad_ptr, total)
+    tl.store(sorted_ptr + offs + rank, slot_v, mask=ok)
+    oj = tl.arange(0, PJ)
+    for j0 in range(0, B - 1, PJ):  # each expert's padding, written by its first slot
+        jj = j0 + oj
+        tl.store(sorted_ptr + (offs + cnt)[:, None] + jj[None, :], S,
+                 mask=first[:, None] & (jj[None, :] < (padded - cnt)[:, None]))
+    nblk = padded // B
+    for j in range(0, tl.max(nblk, axis=0)):
+        tl.store(eids_ptr + offs // B + j, ids_v, mask=first & (j < nblk))
+    _fill_tails(sorted_ptr, eids_ptr, total, S, max_blocks, B, CHUNK, FILL_TAIL)
+
+
+@triton.jit
+def _fill_tails(sorted_ptr, eids_ptr, total, S, max_blocks, B: tl.constexpr, CHUNK: tl.constexpr,
+                FILL_TAIL: tl.constexpr):
+    ob = tl.arange(0, CHUNK)
+    for b0 in range(total // B, max_blocks, CHUNK):
+        tl.store(eids_ptr + b0 + ob, -1, mask=b0 + ob < max_blocks)
+    if FILL_TAIL:
+        for t0 in range(total, max_blocks * B, CHUNK):
+            tl.store(sorted_ptr + t0 + ob, S, mask=t0 + ob < max_blocks * B)
+
+
+@triton.jit(do_not_specialize=["M", "S", "max_blocks"])
+def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr, sorted_ptr, eids_ptr, npad_ptr,
+                                 count_ptr, offs_ptr, ticket_ptr, M, S, max_blocks, stride_lm, scale,
+                                 E: tl.constexpr, EP: tl.constexpr, ROWS: tl.constexpr, TOP_K: tl.constexpr,
+                                 TOPK_P: tl.constexpr, N_GROUP: tl.constexpr, NG_P: tl.constexpr,
+                                 GSIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, SOFTMAX: tl.constexpr,
+                                 HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, DO_ROUTE: tl.constexpr,
+                                 EA: tl.constexpr, EAP: tl.constexpr, B: tl.constexpr, SP: tl.constexpr,
+                                 ONE: tl.constexpr, PJ: tl.constexpr, CHUNK: tl.constexpr,
+                                 FILL_TAIL: tl.constexpr):
+    """ONE: grid (1,), ROWS >= M (routing) or SP >= S (alignment only). Not ONE: routing on, grid (ceil(M/ROWS),),
+    SP >= S; the workspace counters and ticket are zero on entry and left at zero."""
+    pid = tl.program_id(0)
+    if ONE:
+        if DO_ROUTE:
+            ids2 = _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, 0, M, stride_lm, scale,
+                               E, EP, ROWS, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS,
+                               RENORM, False)
+            ids2 = tl.where(ids2 < EA, ids2, -1)
+            slot2 = tl.arange(0, ROWS)[:, None] * TOP_K + tl.arange(0, TOPK_P)[None, :]
+            ids_v = tl.reshape(ids2, [SP])
+            slot_v = tl.reshape(slot2, [SP])
+        else:
+            slot_v = tl.arange(0, SP)
+            ids_v = tl.load(ids_ptr + slot_v, mask=slot_v < S, other=-1)
+            ids_v = tl.where((ids_v >= 0) & (ids_v < EA), ids_v, -1)
+        _align_pairwise(ids_v, slot_v, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks, B, PJ, CHUNK, FILL_TAIL)
+    else:
+        _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, pid * ROWS, M, stride_lm, scale,
+                    E, EP, ROWS, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS, RENORM, True)
+        tl.debug_barrier()  # this program's ids, ranks and counter updates precede its ticket
+        ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
+        if ticket == tl.num_programs(0) - 1:
+            sl = tl.arange(0, SP)
+            e = tl.arange(0, EAP)
+            emask = e < EA
+            # one round trip: ids, ranks and counters are independent loads
+            ids = tl.load(ids_ptr + sl, mask=sl < S, other=-1, cache_modifier=".cg")
+            cnt = tl.load(count_ptr + e, mask=emask, other=0, cache_modifier=".cg")
+            ok = (sl < S) & (ids >= 0) & (ids < EA)
+            rk = tl.load(rank_ptr + sl, mask=ok, other=0, cache_modifier=".cg")
+            padded = (cnt + B - 1) // B * B
+            offs = tl.cumsum(padded, axis=0) - padded
+            total = tl.sum(padded, axis=0)
+            tl.store(npad_ptr, total)
+            tl.store(offs_ptr + e, offs, mask=emask)
+            nblk = padded // B
+            for j in range(0, tl.max(nblk, axis=0)):
+                tl.store(eids_ptr + offs // B + j, e, mask=emask & (j < nblk))
+            oj = tl.arange(0, PJ)
+            for j0 in range(0, B - 1, PJ):
+                jj = j0 + oj
+                tl.store(sorted_ptr + (offs + cnt)[:, None] + jj[None, :], S,
+                         mask=emask[:, None] & (jj[None, :] < (padded - cnt)[:, None]))
+            _fill_tails(sorted_ptr, eids_ptr, total, S, max_blocks, B, CHUNK, FILL_TAIL)
+            tl.debug_barrier()  # offsets visible to every thread of this program
+            base = tl.load(offs_ptr + tl.where(ok, ids, 0), mask=ok, other=0, cache_modifier=".cg")
+            tl.store(sorted_ptr + base + rk, sl, mask=ok)
+            tl.store(count_ptr + e, tl.zeros([EAP], tl.int32), mask=emask)
+            tl.atomic_xchg(ticket_ptr, 0)

@@ -37,8 +37,9 @@ class MoEAlignment(NamedTuple):
     ----------
     sorted_token_ids : torch.Tensor
         int32, shape ``(max_num_tokens_padded,)``: slot ids ``s = m * top_k + k`` grouped by expert in increasing
-        expert order, each expert's run padded to a multiple of ``block_size`` with the sentinel ``M * top_k``;
-        every entry at or past ``num_tokens_post_padded`` is the sentinel too.
+        expert order, each expert's run padded to a multiple of ``block_size`` with the sentinel ``M * top_k``.
+        Entries at or past ``num_tokens_post_padded`` are unspecified (the default "fast" router leaves them
+        unwritten; consumers read only the used part).
     expert_ids : torch.Tensor
         int32, shape ``(max_num_tokens_padded // block_size,)``: expert of each block, -1 for unused blocks.
     num_tokens_post_padded : torch.Tensor
@@ -222,6 +223,10 @@ def _launch_route_align(logits, bias, top_k, softmax, n_group, topk_group, renor
         ids = topk_ids.contiguous()
         weights = ids  # unused
     s = m * top_k
+    if do_align and _VARIANT["route"] == "fast" and 0 < s <= _FAST_MAX_SLOTS and (
+            do_route or s <= _FAST_ROUTE_CONFIG["one_max_slots"]):
+        return _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n_group, topk_group,
+                                        renormalize, scale, block_size, do_route)
     if do_align and _VARIANT["route"] == "single" and 0 < s <= _SINGLE_MAX_SLOTS:
         return _launch_route_align_single(logits, bias, ids, weights, m, e, top_k, softmax, n_group, topk_group,
                                           renormalize, scale, block_size, do_route)
@@ -293,6 +298,56 @@ def _launch_route_align_single(logits, bias, ids, weights, m, e, top_k, softmax,
     return ids, weights, MoEAlignment(sorted_ids, expert_ids, npad, block_size)
 
 
+def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n_group, topk_group, renormalize,
+                             scale, block_size, do_route):
+    """The default router + alignment (``_VARIANT["route"] == "fast"``, 0 < M * top_k <= 1024).
+
+    Up to ``_FAST_ROUTE_CONFIG["one_max_slots"]`` slots (M <= 16 at top-8): one program routes every row at once
+    and aligns in registers (no atomics, no workspace, no global round trip; slots in increasing slot id inside an
+    expert, exactly as ``align_reference``). Beyond: one program per ``ROWS`` rows with atomic ranks, and the last
+    program (ticket) aligns after one load of ids, ranks and counters. Either way ``sorted_token_ids`` past
+    ``num_tokens_post_padded`` is left unwritten unless ``FILL_TAIL`` (consumers read only the used part);
+    ``expert_ids`` past the used blocks is always -1.
+    """
+    from specverify.kernels.moe_route import _moe_route_align_fast_kernel
+
+    cfg = _FAST_ROUTE_CONFIG
+    dev = ids.device
+    on_gpu = dev.type == "cuda"
+    s = m * top_k
+    size = max_num_tokens_padded(m, top_k, e, block_size)
+    sorted_ids = torch.empty((size,), dtype=torch.int32, device=dev)
+    expert_ids = torch.empty((size // block_size,), dtype=torch.int32, device=dev)
+    npad = torch.empty((1,), dtype=torch.int32, device=dev)
+    topk_p = max(_next_pow2(top_k), 2)
+    eap = max(_next_pow2(e), 16)
+    one = s <= cfg["one_max_slots"]
+    if one:
+        rows = max(_next_pow2(m), 1)
+        sp = rows * topk_p if do_route else max(_next_pow2(s), 2)
+        rank = count = offs = ticket = ids
+        grid = (1,)
+        warps = cfg["one_num_warps"]
+    else:  # routing on (the launcher sends alignment-only calls this large elsewhere)
+        rows = cfg["ROWS"]
+        sp = max(_next_pow2(s), 2)
+        rank = torch.empty((s,), dtype=torch.int32, device=dev)
+        ws = _workspace(dev)
+        count, offs, ticket = ws[:_WS_STRIDE], ws[_WS_STRIDE: 2 * _WS_STRIDE], ws[2 * _WS_STRIDE:]
+        grid = (_cdiv(m, rows),)
+        warps = cfg["num_warps"]
+    extra = {"num_warps": warps} if on_gpu else {}
+    bias_arg = bias if bias is not None else (logits if do_route else ids)
+    _moe_route_align_fast_kernel[grid](
+        logits if do_route else ids, bias_arg, ids, weights, rank, sorted_ids, expert_ids, npad, count, offs, ticket,
+        m, s, size // block_size, logits.stride(0) if do_route else 0, float(scale),
+        E=e, EP=eap, ROWS=rows, TOP_K=top_k, TOPK_P=topk_p, N_GROUP=n_group, NG_P=max(_next_pow2(n_group), 2),
+        GSIZE=e // n_group, TOPK_GROUP=topk_group, SOFTMAX=softmax, HAS_BIAS=bias is not None, RENORM=renormalize,
+        DO_ROUTE=do_route, EA=e, EAP=eap, B=block_size, SP=sp, ONE=one, PJ=min(block_size, 16),
+        CHUNK=cfg["CHUNK"] if on_gpu else 64, FILL_TAIL=bool(cfg["FILL_TAIL"]), **extra)
+    return ids, weights, MoEAlignment(sorted_ids, expert_ids, npad, block_size)
+
+
 def moe_route(router_logits, *, top_k, scoring="sigmoid", correction_bias=None, n_group=1, topk_group=1,
               renormalize=True, routed_scaling_factor=1.0, block_size=None, impl="auto"):
     """Choose each token's experts and weights, and (with ``block_size``) align the slots for the expert GEMM.
@@ -336,9 +391,9 @@ def moe_route(router_logits, *, top_k, scoring="sigmoid", correction_bias=None, 
     alignment : MoEAlignment
         Only when ``block_size`` is given. ``sorted_token_ids`` has length
         :func:`max_num_tokens_padded` ``(M, top_k, E, block_size)``; its used part holds each expert's slots
-        (the order inside an expert is not specified for ``impl="triton"``: it is the order of atomic updates)
-        padded with the sentinel ``M * top_k``; everything past ``num_tokens_post_padded`` is the sentinel and
-        unused ``expert_ids`` are -1.
+        (increasing slot id, as the reference, when one program aligns: M * top_k <= 128 by default; otherwise
+        the order of atomic updates) padded with the sentinel ``M * top_k``; unused ``expert_ids`` are -1;
+        ``sorted_token_ids`` past ``num_tokens_post_padded`` is unspecified (not written).
 
     Raises
     ------
@@ -352,13 +407,15 @@ def moe_route(router_logits, *, top_k, scoring="sigmoid", correction_bias=None, 
 
     Notes
     -----
-    ``impl="triton"`` is one kernel launch for any M (one program per token; the last program to finish does the
-    alignment) and is CUDA-graph capturable: output sizes depend only on the shapes, there is no host sync, and
+    ``impl="triton"`` is one kernel launch for any M (up to M * top_k = 128 slots one program routes every row
+    and aligns in registers; beyond, one program per token and the last program to finish aligns) and is
+    CUDA-graph capturable: output sizes depend only on the shapes, there is no host sync, and
     the per-device workspace (zeroed counters the kernel resets itself) is allocated on the first call, which must
     therefore run outside capture. Calls on different streams must not overlap in time (they share that
     workspace). ``impl="reference"`` synchronises with the host when aligning and is not capturable.
-    Opt-in (benchmarks): ``specverify.moe._VARIANT["route"] = "single"`` aligns in one program without atomics or
-    workspace when 0 < M * top_k <= 1024; the slots inside an expert then come in increasing slot id, exactly as
+    Variants (benchmarks): ``specverify.moe._VARIANT["route"]`` is ``"fast"`` (default), ``"atomic"`` (the
+    previous default: always one program per token, sentinel-filled tail) or ``"single"``, which aligns in one
+    program without atomics or workspace when 0 < M * top_k <= 1024; the slots inside an expert then come in increasing slot id, exactly as
     the reference orders them.
 
     Examples
@@ -454,18 +511,41 @@ def _check_moe_args(hidden, w13, w2, topk_ids, topk_weights, alignment, activati
 #: Warps of the routing kernel (one token row per program); a dict so benchmarks can sweep it.
 _ROUTE_NUM_WARPS: dict = {"num_warps": 4}
 #: Opt-in kernel variants (benchmarks and sweeps; the defaults are the measured paths):
-#: ``route``: ``"atomic"`` (default: one program per token, atomics + last-program alignment) or ``"single"``
-#: (one program routes and aligns every slot, no atomics; used when 0 < M * top_k <= 1024 and aligning);
-#: ``experts``: ``"dot"`` (default: block-aligned tl.dot GEMMs, three launches) or ``"gemv"`` (no tl.dot, two
-#: launches, top-k sum fused into the down GEMV; used when M <= ``_GEMV_CONFIG["max_m"]``).
-_VARIANT: dict = {"route": "atomic", "experts": "dot"}
+#: ``route``: ``"fast"`` (default: see _launch_route_align_fast; 0 < M * top_k <= 1024), ``"atomic"`` (one
+#: program per token, atomics + last-program alignment, sentinel-filled tail) or ``"single"`` (one program routes
+#: and aligns every slot, no atomics; used when 0 < M * top_k <= 1024 and aligning);
+#: ``experts``: ``"auto"`` (default: ``"fused"`` at M <= _FUSED_MAX_M, else ``"dot"``), ``"fused"`` (one streaming
+#: launch + a fixed-order partial sum), ``"dot"`` (block-aligned tl.dot GEMMs, three launches) or ``"gemv"`` (no
+#: tl.dot, two launches, top-k sum fused into the down GEMV; used when M <= ``_GEMV_CONFIG["max_m"]``).
+_VARIANT: dict = {"route": "fast", "experts": "auto"}
 _SINGLE_MAX_SLOTS = 1024
+_FAST_MAX_SLOTS = 1024
+#: Launch config of the "fast" router: largest M * top_k routed and aligned by one program in registers, that
+#: program's warps; rows per program and warps beyond it; fill chunk; FILL_TAIL writes the sentinel over
+#: sorted_token_ids past the used part too (off: consumers read only the used part).
+_FAST_ROUTE_CONFIG: dict = {"one_max_slots": 128, "one_num_warps": 8, "ROWS": 1, "num_warps": 4, "CHUNK": 1024,
+                            "FILL_TAIL": False}
 #: Launch config of the one-program router: rows routed per step, [CI, CJ] rank tiles, fill chunk, warps.
 _SINGLE_ROUTE_CONFIG: dict = {"ROWS": 4, "CI": 64, "CJ": 128, "CHUNK": 1024, "num_warps": 8}
 #: GEMV experts: largest M it takes, gate/up tile ``g1`` ([BLOCK_N gate rows + BLOCK_N up rows, BLOCK_K]) and
 #: down tile ``g2`` ([BLOCK_N rows of H, BLOCK_K of I]), with their warps.
 _GEMV_CONFIG: dict = {"max_m": 4, "g1": {"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 4},
                       "g2": {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4}}
+#: Fused experts (one launch streams each activated expert once, then a fixed-order partial sum): ``"auto"`` uses
+#: them for M <= _FUSED_MAX_M and the three-launch tl.dot path above. Tiles per M range (first entry with
+#: max_m >= M): BI columns of I per program, BK of H per gate/up step, BH rows of H per down step, DOT (tl.dot on
+#: the block's 16 rows) or the GEMV form with MP slots per pass, RBN columns per partial-sum program.
+_FUSED_MAX_M = 16
+_FUSED_CONFIGS: list = [
+    {"max_m": 2, "BI": 16, "BK": 256, "BH": 128, "DOT": True, "MP": 2, "RBN": 256, "num_warps": 4,
+     "num_stages": 4},
+    {"max_m": 8, "BI": 16, "BK": 256, "BH": 128, "DOT": True, "MP": 4, "RBN": 256, "num_warps": 4,
+     "num_stages": 4},
+    {"max_m": 1 << 30, "BI": 32, "BK": 128, "BH": 128, "DOT": True, "MP": 4, "RBN": 256, "num_warps": 4,
+     "num_stages": 3},
+]
+#: Overrides merged into the chosen fused config (benchmarks and sweeps only; empty in normal use).
+_FUSED_OVERRIDE: dict = {}
 #: Tile overrides for benchmarks and sweeps only: keys ``g1`` / ``g2`` (dicts merged into the gate/up and down
 #: configs, e.g. ``{"g1": {"SPLIT_K": 4, "num_stages": 5}}``). Empty in normal use.
 _CONFIG_OVERRIDE: dict = {}
@@ -605,6 +685,63 @@ def _fused_moe_gemv(hidden, w13, w2, topk_ids, topk_weights, alignment, out):
     return out
 
 
+def _fused_config(m: int, h: int, inter: int, block: int, on_gpu: bool) -> dict:
+    """Tiles of the fused experts for ``m`` tokens: the first ``_FUSED_CONFIGS`` entry whose ``max_m`` >= m,
+    clamped to the shapes, with ``_FUSED_OVERRIDE`` merged last (benchmarks and sweeps)."""
+    cfg = dict(next((c for c in _FUSED_CONFIGS if m <= c["max_m"]), _FUSED_CONFIGS[-1]))
+    cfg.update(_FUSED_OVERRIDE)
+    cfg.pop("max_m", None)
+    if not on_gpu:  # interpreter: its bf16 tl.dot is wrong (multiply in fp32); no warps or stages
+        for k in ("num_warps", "num_stages"):
+            cfg.pop(k, None)
+        cfg["UPCAST"] = True
+    else:
+        cfg["UPCAST"] = False
+    if block < 16:
+        cfg["DOT"] = False  # tl.dot needs 16 rows
+    cfg["BI"] = max(16, min(cfg["BI"], _next_pow2(inter)))
+    cfg["BK"] = max(16, min(cfg["BK"], _next_pow2(h)))
+    cfg["BH"] = max(16, min(cfg["BH"], _next_pow2(h)))
+    cfg["MP"] = max(1, min(cfg.get("MP", 4), block, _next_pow2(m)))
+    cfg["RBN"] = max(16, min(cfg.get("RBN", 256), _next_pow2(h)))
+    return cfg
+
+
+def _fused_moe_fused(hidden, w13, w2, topk_ids, topk_weights, alignment, out):
+    """The fused experts (``_VARIANT["experts"] == "fused"``, or ``"auto"`` at M <= ``_FUSED_MAX_M``): one launch
+    streams each activated expert's w13 and w2 once (program = expert block x chunk of I), a second sums the fp32
+    partials over top_k and the chunks in a fixed order (deterministic)."""
+    from specverify.kernels.fused_moe import _moe_fused_kernel, _moe_partial_sum_kernel
+
+    hidden, w13, w2, ids32, tw = _expert_operands(hidden, w13, w2, topk_ids, topk_weights)
+    m, h = hidden.shape
+    e, two_i, _ = w13.shape
+    inter = two_i // 2
+    top_k = topk_ids.shape[1]
+    s = m * top_k
+    dev = hidden.device
+    if out is None:
+        out = torch.empty((m, h), dtype=hidden.dtype, device=dev)
+    if m == 0:
+        return out
+    if alignment is None:
+        _, _, alignment = _launch_route_align(None, None, top_k, False, 1, 1, False, 1.0, 16, topk_ids=ids32,
+                                              num_experts=e)
+    bs = alignment.block_size
+    cfg = _fused_config(m, h, inter, bs, dev.type == "cuda")
+    rbn = cfg.pop("RBN")
+    nc = _cdiv(inter, cfg["BI"])
+    part = torch.empty((s, nc, h), dtype=torch.float32, device=dev)
+    nblocks = alignment.expert_ids.numel()
+    _moe_fused_kernel[(nblocks * nc,)](
+        hidden, w13, w2, part, tw, alignment.sorted_token_ids, alignment.expert_ids,
+        alignment.num_tokens_post_padded, s, hidden.stride(0), w13.stride(0), w13.stride(1), w2.stride(0),
+        w2.stride(1), part.stride(0), part.stride(1), H=h, I=inter, TOP_K=top_k, B=bs, **cfg)
+    _moe_partial_sum_kernel[(m, _cdiv(h, rbn))](part, ids32, out, part.stride(0), part.stride(1), out.stride(0),
+                                               E=e, H=h, TOP_K=top_k, NC=nc, BN=rbn)
+    return out
+
+
 def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activation="silu", out=None,
               quant=None, impl="auto"):
     """SwiGLU mixture of experts: ``out[m] = sum_k w[m,k] * w2[e] @ (silu(gate) * up)``, ``e = topk_ids[m, k]``.
@@ -652,9 +789,12 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
 
     Notes
     -----
-    Triton path: three launches (gate/up GEMM with fused SiLU·up into a [M·top_k, I] buffer; down GEMM with the
-    routed weight applied into a fp32 [M·top_k, H] buffer; a sum over top_k in fixed order), so the result is
-    deterministic. bf16/fp16 inputs, fp32 accumulation, the SwiGLU output rounded to the input dtype. CUDA-graph
+    Triton path, M <= 16 (``_FUSED_MAX_M``): two launches: one program per (expert block, chunk of I) computes
+    gate/up over all of H, SiLU·up, and its share of the down projection, so each activated expert's w13 and w2
+    are read once, writing weighted fp32 partials [M·top_k, I/BI, H]; a second sums them over top_k and the
+    chunks in fixed order. M > 16: three launches (gate/up GEMM with fused SiLU·up into a [M·top_k, I] buffer;
+    down GEMM with the routed weight applied into a fp32 [M·top_k, H] buffer; a sum over top_k in fixed order).
+    Either way the result is deterministic. bf16/fp16 inputs, fp32 accumulation, the SwiGLU output rounded to the input dtype. CUDA-graph
     capturable: grids depend only on shapes, unused blocks exit early, no host sync. The reference path is
     capturable too but computes in fp32 with gathered weight copies (slow, memory-hungry).
     Opt-in (benchmarks): ``specverify.moe._VARIANT["experts"] = "gemv"`` runs M <= 4 as two GEMV launches (no
@@ -686,6 +826,9 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
             return res
         out.copy_(res)
         return out
-    if _VARIANT["experts"] == "gemv" and hidden.shape[0] <= _GEMV_CONFIG["max_m"]:
+    variant = _VARIANT["experts"]
+    if variant == "fused" or (variant == "auto" and hidden.shape[0] <= _FUSED_MAX_M):
+        return _fused_moe_fused(hidden, w13, w2, topk_ids, topk_weights, alignment, out)
+    if variant == "gemv" and hidden.shape[0] <= _GEMV_CONFIG["max_m"]:
         return _fused_moe_gemv(hidden, w13, w2, topk_ids, topk_weights, alignment, out)
     return _fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, alignment, out)

@@ -1,0 +1,254 @@
+"""Sweep: MoE expert variants and tiles against the activated-expert bytes floor, and router + alignment variants.
+
+Shapes: per-rank (tp 8) Kimi-K2 and DeepSeek-V3 from ``specverify.configs.per_rank_shapes`` (H 7168, I 256,
+384 / 256 experts, top-8, bf16), M = 1, 2, 4, 8, 16, 32, 64 tokens (``--quick``: 1, 4, 16, 64).
+
+Experts: every variant of ``specverify.moe._VARIANT["experts"]`` (``dot``: three launches; ``gemv``: M <= 4;
+``fused``: one streaming launch + a fixed-order partial sum, with each tile config of ``FUSED_GRID``) is checked
+against a per-expert fp64 torch reference (tolerance: twice torch's own bf16 error + 1e-6) and timed by CUDA-graph
+replay (``graph_us``). Each graph holds ``SETS`` calls, each with its own routing (different random logits), so
+consecutive calls hit different experts and the weights (GBs per layer) come from HBM, not the 50 MB L2.
+``floor_us = mean over the sets of distinct experts * (w13 + w2 bytes per expert) / copy_bw``, ``copy_bw`` from
+``copy_bandwidth_gbps`` (read + write bytes / time) in the same run; ``x_floor = graph_us / floor_us`` (target
+<= 1.25 at M <= 16).
+
+Router + alignment (block 16): ``atomic`` (old default), ``single`` and ``fast`` (new default) with its configs,
+checked (ids against ``route_reference``, counts / blocks against ``align_reference``) and timed the same way; the
+router alone (no alignment) as the baseline. Target <= 4 us at M <= 64.
+
+Usage: ``python bench/sweep_moe.py [--quick] [--json PATH] [--budget-s S] [--models kimi-k2,deepseek-v3]``.
+Stops starting new measurements once ``--budget-s`` seconds have passed (the table still prints).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import sys
+import time
+
+import torch
+
+SETS = 20  # calls per graph, each with its own routing
+BLOCK = 16
+#: fused tile configs swept (merged into ``_FUSED_OVERRIDE``); "q" marks the ones --quick keeps
+FUSED_GRID = [
+    dict(q=1, DOT=True, BI=16, BK=256, BH=128, num_warps=4, num_stages=4),
+    dict(q=1, DOT=True, BI=32, BK=128, BH=128, num_warps=4, num_stages=3),
+    dict(q=1, DOT=True, BI=32, BK=256, BH=128, num_warps=4, num_stages=3),
+    dict(q=0, DOT=True, BI=16, BK=512, BH=128, num_warps=4, num_stages=3),
+    dict(q=0, DOT=True, BI=16, BK=256, BH=64, num_warps=4, num_stages=3),
+    dict(q=0, DOT=True, BI=64, BK=128, BH=64, num_warps=4, num_stages=3),
+    dict(q=0, DOT=True, BI=32, BK=256, BH=256, num_warps=8, num_stages=3),
+    dict(q=0, DOT=True, BI=16, BK=256, BH=128, num_warps=8, num_stages=5),
+    dict(q=1, DOT=False, BI=16, BK=128, BH=64, MP=4, num_warps=4, num_stages=3, max_m=8),
+    dict(q=0, DOT=False, BI=16, BK=256, BH=64, MP=2, num_warps=8, num_stages=3, max_m=4),
+    dict(q=0, DOT=False, BI=32, BK=64, BH=64, MP=2, num_warps=4, num_stages=3, max_m=4),
+]
+#: router variants: (name, variant, config dict merged into _FAST_ROUTE_CONFIG / _ROUTE_NUM_WARPS)
+ROUTE_GRID = [
+    ("atomic", "atomic", {}),
+    ("single", "single", {}),
+    ("fast", "fast", {}),
+    ("fast w4", "fast", dict(one_num_warps=4)),
+    ("fast w2", "fast", dict(one_num_warps=2, num_warps=2)),
+    ("fast tail", "fast", dict(FILL_TAIL=True)),
+    ("fast one256", "fast", dict(one_max_slots=256, one_num_warps=8)),
+    ("fast rows2", "fast", dict(ROWS=2, one_max_slots=0)),
+    ("fast rows4", "fast", dict(ROWS=4, one_max_slots=0)),
+    ("fast rows1", "fast", dict(ROWS=1, one_max_slots=0)),
+]
+
+
+def _reference(hidden, w13, w2, ids, w, dtype):
+    """out[m] = sum_k w[m,k] * w2[e] @ (silu(gate) * up), one expert at a time in ``dtype`` (fp64: the truth)."""
+    m, h = hidden.shape
+    inter = w2.shape[2]
+    out = torch.zeros(m, h, dtype=dtype, device=hidden.device)
+    x = hidden.to(dtype)
+    for e in torch.unique(ids[ids >= 0]).tolist():
+        rows, ks = (ids == e).nonzero(as_tuple=True)
+        gu = x[rows] @ w13[e].to(dtype).T
+        act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+        y = (act @ w2[e].to(dtype).T) * w[rows, ks].to(dtype)[:, None]
+        out.index_add_(0, rows, y)
+    return out.double()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="M = 1, 4, 16, 64 and the configs marked q")
+    ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    ap.add_argument("--budget-s", type=float, default=480.0, help="stop starting measurements after this long")
+    ap.add_argument("--models", default="kimi-k2,deepseek-v3")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("sweep_moe: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import triton
+
+    import specverify.moe as moe
+    from specverify.benchmarking import copy_bandwidth_gbps, git_commit, graph_us
+    from specverify.configs import per_rank_shapes
+    from specverify.reference.moe import align_reference, route_reference
+
+    t0 = time.time()
+    def over():
+        return time.time() - t0 > args.budget_s
+    ms_list = [1, 4, 16, 64] if args.quick else [1, 2, 4, 8, 16, 32, 64]
+    bw = copy_bandwidth_gbps()
+    print(f"# measured D2D copy bandwidth: {bw:.0f} GB/s", flush=True)
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                commit=git_commit(__file__), date=datetime.datetime.now().isoformat(timespec="seconds"), copy_gbps=bw,
+                sets=SETS, block=BLOCK)
+    rows, skipped = [], []
+    saved = (dict(moe._VARIANT), dict(moe._FAST_ROUTE_CONFIG), dict(moe._FUSED_OVERRIDE))
+
+    def restore():
+        moe._VARIANT.clear(), moe._VARIANT.update(saved[0])
+        moe._FAST_ROUTE_CONFIG.clear(), moe._FAST_ROUTE_CONFIG.update(saved[1])
+        moe._FUSED_OVERRIDE.clear(), moe._FUSED_OVERRIDE.update(saved[2])
+
+    for name in args.models.split(","):
+        rs = per_rank_shapes(name, tp=8)
+        cfg = rs.config
+        e, h, inter, top_k = cfg.n_routed_experts, cfg.hidden_size, rs.moe_intermediate_size, cfg.num_experts_per_tok
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        w13 = torch.empty(e, 2 * inter, h, dtype=torch.bfloat16, device="cuda")
+        w2 = torch.empty(e, h, inter, dtype=torch.bfloat16, device="cuda")
+        for i in range(e):  # per expert: no multi-GB fp32 temporary
+            w13[i] = (torch.randn(2 * inter, h, device="cuda", generator=gen) / math.sqrt(h)).bfloat16()
+            w2[i] = (torch.randn(h, inter, device="cuda", generator=gen) / math.sqrt(inter)).bfloat16()
+        bias = torch.randn(e, device="cuda", generator=gen) * 0.05 if cfg.e_score_correction_bias else None
+        expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
+        rkw = dict(top_k=top_k, scoring=cfg.scoring_func, correction_bias=bias, n_group=cfg.n_group,
+                   topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor)
+        for m in ms_list:
+            if over():
+                skipped.append(f"{name} M={m}")
+                continue
+            restore()
+            logits = [torch.randn(m, e, device="cuda", generator=gen).bfloat16() for _ in range(SETS)]
+            hidden = [torch.randn(m, h, device="cuda", generator=gen).bfloat16() for _ in range(SETS)]
+            routed = [moe.moe_route(x, block_size=BLOCK, impl="triton", **rkw) for x in logits]
+            distinct = sum(int(torch.unique(r[0][r[0] >= 0]).numel()) for r in routed) / SETS
+            floor_us = distinct * expert_bytes / (bw * 1e9) * 1e6
+            ids0, w0, _ = routed[0]
+            want = _reference(hidden[0], w13, w2, ids0, w0, torch.float64)
+            tol = 2 * (_reference(hidden[0], w13, w2, ids0, w0, torch.bfloat16) - want).abs().max().item() + 1e-6
+            outs = [torch.empty(m, h, dtype=torch.bfloat16, device="cuda") for _ in range(SETS)]
+            base = dict(model=name, m=m, distinct_experts=distinct, floor_us=floor_us)
+
+            def time_sets(call):
+                it = iter(range(1 << 30))
+                return graph_us(lambda: call(next(it) % SETS), calls=SETS, repeats=3)
+
+            def experts(label, variant, override):
+                if over():
+                    skipped.append(f"{name} M={m} experts {label}")
+                    return
+                restore()
+                moe._VARIANT["experts"] = variant
+                moe._FUSED_OVERRIDE.update(override)
+
+                def call(i):
+                    ids, w, al = routed[i]
+                    return moe.fused_moe(hidden[i], w13, w2, ids, w, alignment=al, out=outs[i], impl="triton")
+                try:
+                    err = (call(0).double() - want).abs().max().item()
+                    us = time_sets(call)
+                except Exception as exc:  # a config that fails to compile or run is reported, not fatal
+                    print(f"# {name} M={m} experts {label} failed: {exc.__class__.__name__}: {exc}", flush=True)
+                    return
+                rows.append(dict(base, op="experts", variant=label, us=us, x_floor=us / floor_us, err=err, tol=tol,
+                                 ok=err <= tol))
+                print(f"# {name} M={m} experts {label}: {us:.2f} us ({us / floor_us:.2f}x floor) err {err:.3g} "
+                      f"tol {tol:.3g}", flush=True)
+
+            experts("dot", "dot", {})
+            if m <= moe._GEMV_CONFIG["max_m"]:
+                experts("gemv", "gemv", {})
+            experts("fused default", "fused", {})
+            for c in FUSED_GRID:
+                if (args.quick and not c["q"]) or m > c.get("max_m", 1 << 30):
+                    continue
+                ov = {k: v for k, v in c.items() if k not in ("q", "max_m")}
+                label = "fused " + ("dot" if ov["DOT"] else "gemv") + " " + " ".join(
+                    f"{k}{v}" for k, v in ov.items() if k != "DOT")
+                experts(label, "fused", ov)
+
+            # router + alignment
+            restore()
+            rid, _ = route_reference(logits[0], top_k, cfg.scoring_func, bias, cfg.n_group, cfg.topk_group, True,
+                                     cfg.routed_scaling_factor)
+            rs_, re_, rn_ = align_reference(rid, e, BLOCK)
+
+            def route_row(label, variant, ov, align=True):
+                if over():
+                    skipped.append(f"{name} M={m} route {label}")
+                    return
+                restore()
+                moe._VARIANT["route"] = variant
+                moe._FAST_ROUTE_CONFIG.update(ov)
+                bs = BLOCK if align else None
+
+                def call(i):
+                    return moe.moe_route(logits[i], block_size=bs, impl="triton", **rkw)
+                try:
+                    res = call(0)
+                    agree = (res[0] == rid).float().mean().item()
+                    ok = agree == 1.0
+                    if align:
+                        al = res[2]
+                        n = int(al.num_tokens_post_padded.item())
+                        ok = ok and n == int(rn_.item()) and torch.equal(al.expert_ids[: n // BLOCK].cpu(),
+                                                                         re_.cpu())
+                        got = al.sorted_token_ids[:n].cpu()
+                        ok = ok and sorted(got.tolist()) == sorted(rs_.cpu().tolist())
+                    us = time_sets(call)
+                except Exception as exc:
+                    print(f"# {name} M={m} route {label} failed: {exc.__class__.__name__}: {exc}", flush=True)
+                    return
+                rows.append(dict(base, op="route+align" if align else "route", variant=label, us=us,
+                                 x_floor=float("nan"), err=1.0 - agree, tol=0.0, ok=bool(ok)))
+                print(f"# {name} M={m} route {label}: {us:.2f} us ok={ok}", flush=True)
+
+            route_row("router only", "fast", {}, align=False)
+            for label, variant, ov in ROUTE_GRID:
+                if args.quick and label in ("fast w2", "fast rows4", "fast one256"):
+                    continue
+                route_row(label, variant, ov)
+            restore()
+            del logits, hidden, routed, outs
+        del w13, w2
+        torch.cuda.empty_cache()
+    restore()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, rows=rows, skipped=skipped, elapsed_s=time.time() - t0), f, indent=1)
+    if skipped:
+        print(f"# budget reached: skipped {len(skipped)} measurements, first: {skipped[0]}")
+    hdr = f"{'model':<12} {'M':>3} {'op':<12} {'variant':<58} {'us':>9} {'floor_us':>9} {'x_floor':>7} {'ok':>3}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        xf = f"{r['x_floor']:.2f}" if r["op"] == "experts" else "-"
+        fl = f"{r['floor_us']:.2f}" if r["op"] == "experts" else "-"
+        print(f"{r['model']:<12} {r['m']:>3} {r['op']:<12} {r['variant']:<58} {r['us']:>9.2f} {fl:>9} {xf:>7} "
+              f"{'y' if r['ok'] else 'N':>3}")
+    best = {}
+    for r in rows:
+        if r["ok"]:
+            k = (r["model"], r["m"], r["op"])
+            if k not in best or r["us"] < best[k]["us"]:
+                best[k] = r
+    print("# best per (model, M, op):")
+    for (mod, m, op), r in sorted(best.items()):
+        extra = f" ({r['x_floor']:.2f}x floor)" if op == "experts" else ""
+        print(f"#   {mod:<12} M={m:<3} {op:<12} {r['variant']}: {r['us']:.2f} us{extra}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -441,13 +441,14 @@ def sweep_route_single(quick):
     if quick:
         configs = configs[:4]
     base_cfg = dict(moe._SINGLE_ROUTE_CONFIG)
+    saved = dict(moe._VARIANT)
     for m in (1, 4, 16, 64):
         logits = torch.randn(m, e, device="cuda", generator=gen).bfloat16()
         rids, _ = route_reference(logits, top_k, "sigmoid", bias, 1, 1, True, KIMI["scale"])
         moe._VARIANT["route"] = "atomic"
         us = graph_us(lambda: moe.moe_route(logits, block_size=16, impl="triton", **kw))
         us_r = graph_us(lambda: moe.moe_route(logits, impl="triton", **kw))
-        add("route1", f"kimi-k2 M{m}", "atomic (default)", us, f"route-only {us_r:.2f}", 0.0)
+        add("route1", f"kimi-k2 M{m}", "atomic", us, f"route-only {us_r:.2f}", 0.0)
         for cfg in configs:
             name = "single " + json.dumps(cfg).replace(" ", "").replace('"', "")[:27]
             moe._SINGLE_ROUTE_CONFIG = dict(base_cfg, **cfg)
@@ -462,9 +463,10 @@ def sweep_route_single(quick):
                     f"FAILED {exc.__class__.__name__}: {str(exc)[:120]}")
                 continue
             finally:
-                moe._VARIANT["route"] = "atomic"
+                moe._VARIANT.update(saved)
             add("route1", f"kimi-k2 M{m}", name, us, "-", 1 - agree, "exact" if ok else "ALIGN WRONG")
         moe._SINGLE_ROUTE_CONFIG = base_cfg
+    moe._VARIANT.update(saved)
 
 
 def sweep_gemv(bw, quick):
@@ -481,6 +483,7 @@ def sweep_gemv(bw, quick):
     rkw = dict(top_k=top_k, scoring="sigmoid", correction_bias=bias, routed_scaling_factor=KIMI["scale"])
     expert_bytes = (w13[0].numel() + w2[0].numel()) * 2
     base = {k: (dict(v) if isinstance(v, dict) else v) for k, v in moe._GEMV_CONFIG.items()}
+    saved = dict(moe._VARIANT)
     variants = [
         {},
         {"g1": {"BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4}},
@@ -527,7 +530,7 @@ def sweep_gemv(bw, quick):
                         f"FAILED {exc.__class__.__name__}: {str(exc)[:120]}")
                     continue
                 finally:
-                    moe._VARIANT["experts"] = "dot"
+                    moe._VARIANT.update(saved)
                 add("gemv", shape, name, us, f"x_floor {us / floor_us:.2f}", err,
                     f"floor {floor_us:.1f}" + (" WRONG" if err > 2e-2 else ""))
         moe._GEMV_CONFIG = base
@@ -542,7 +545,7 @@ def sweep_gemv(bw, quick):
                         (i, ww), aa = moe.moe_route(logits, impl="triton", **rkw), None
                     return moe.fused_moe(hidden, w13, w2, i, ww, alignment=aa, out=out, impl="triton")
                 finally:
-                    moe._VARIANT.update(route="atomic", experts="dot")
+                    moe._VARIANT.update(saved)
             return fn
 
         for route, experts, aligned in (("atomic", "dot", True), ("single", "dot", True), ("single", "gemv", True),

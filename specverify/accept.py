@@ -362,37 +362,103 @@ def verify_sampling(logits: torch.Tensor, tree, draft_tokens: torch.Tensor, *, t
         outs[1].copy_(lens)
         outs[2].copy_(nodes)
         return outs
+    for launch in _sampling_launches(logits, parents, draft_tokens, uniform_samples, temp, topk, topp, minp, length,
+                                     outs, _chunk, _cap, _VARIANT["sampling"]):
+        launch()
+    return outs
+
+
+#: Which sampling kernels ``verify_sampling`` runs (benchmarks switch it): ``"select"`` (default: adaptive
+#: candidate capacity, snapped threshold searches, bonus drawn by every row program) or ``"bisect"`` (the first
+#: design: fixed capacity, 33-probe bisections, bonus drawn after the walk).
+_VARIANT: dict = {"sampling": "select"}
+#: Sizes of the "select" kernels: vocabulary chunk per program and its warps, the candidate slots per row (the
+#: capacity per chunk is ``slots // chunks``, at least 8 and at most chunk / 2), the row kernel's warps, and the
+#: floor probes per chunk (64 / 2**floor_iters nat resolution).
+_SELECT_CONFIG: dict = {"chunk": 2048, "chunk_warps": 4, "slots": 4096, "row_warps": 8, "floor_iters": 10}
+
+
+def _select_sizes(vocab: int, chunk: int | None, cap: int | None) -> tuple[int, int, int]:
+    """(chunk, chunks, capacity per chunk) of the "select" kernels."""
+    cfg = _SELECT_CONFIG
+    c = chunk if chunk is not None else min(int(cfg["chunk"]), _pow2(vocab))
+    splits = -(-vocab // c)
+    if cap is None:
+        cap = max(8, min(c // 2, int(cfg["slots"]) // splits))
+    return c, splits, int(cap)
+
+
+def _sampling_launches(logits, parents, draft_tokens, uniform_samples, temp, topk, topp, minp, length, outs,
+                       chunk, cap, variant: str):
+    """The two launches of the Triton sampling path as argument-free callables (buffers allocated here), so
+    benchmarks can time each one alone. ``temp`` .. ``minp``: ``_param`` triples."""
     from specverify.kernels import accept as ka
 
+    if variant not in ("select", "bisect"):
+        raise ValueError(f"sampling variant must be 'select' or 'bisect', got {variant!r}")
+    batch, k, vocab = logits.shape
+    device = logits.device
     lg = logits if logits.stride(2) == 1 and logits.stride(0) == k * logits.stride(1) else logits.contiguous()
-    chunk, splits = _split(vocab, _chunk)
-    cap = _cap if _cap is not None else ka.CAP
     rows = batch * k
     f32, i32 = torch.float32, torch.int32
+    counter = _counter(device, batch)
+    par_c, draft_c, u_c = parents.contiguous(), draft_tokens.contiguous(), uniform_samples.contiguous()
+    k_block = max(2, _pow2(max(k, length)))
+    block = min(2048, max(16, _pow2(vocab)))
+    if variant == "bisect":
+        chunk, splits = _split(vocab, chunk)
+        cap = cap if cap is not None else ka.CAP
+    else:
+        chunk, splits, cap = _select_sizes(vocab, chunk, cap)
     c_max = torch.empty(rows, splits, dtype=f32, device=device)
     c_sum = torch.empty(rows, splits, dtype=f32, device=device)
     c_floor = torch.empty(rows, splits, dtype=f32, device=device)
     c_arg = torch.empty(rows, splits, dtype=i32, device=device)
-    c_cnt = torch.empty(rows, splits, dtype=i32, device=device)
     cand_z = torch.empty(rows, splits, cap, dtype=f32, device=device)
     cand_i = torch.empty(rows, splits, cap, dtype=i32, device=device)
-    r_f = torch.empty(2, rows, dtype=f32, device=device)
-    r_i = torch.empty(3, rows, dtype=i32, device=device)
-    counter = _counter(device, batch)
     t_t = temp[0] if temp[2] else c_max
-    ka._accept_chunk_kernel[(rows, splits)](lg, lg.stride(1), vocab, splits, k, t_t, temp[1],
-                                            c_max, c_arg, c_sum, c_floor, c_cnt, cand_z, cand_i,
-                                            TEMP_T=temp[2], SAMPLING=True, CHUNK=chunk, CAP=cap,
-                                            FLOOR_ITERS=ka.FLOOR_ITERS, num_warps=4 if chunk >= 2048 else 2)
-    ka._accept_sample_kernel[(rows,)](
-        lg, lg.stride(1), vocab, splits, k, length,
-        parents.contiguous(), draft_tokens.contiguous(), uniform_samples.contiguous(),
-        t_t, temp[1], topk[0] if topk[2] else c_arg, topk[1], topp[0] if topp[2] else c_max, topp[1],
-        minp[0] if minp[2] else c_max, minp[1],
-        c_max, c_arg, c_sum, c_floor, c_cnt, cand_z, cand_i,
-        r_f[0], r_f[1], r_i[0], r_i[1], r_i[2], counter,
-        outs[0], outs[1], outs[2],
-        TEMP_T=temp[2], TOPK_T=topk[2], TOPP_T=topp[2], MINP_T=minp[2],
-        S_BLOCK=max(2, _pow2(splits)), CAP=cap, K_BLOCK=max(2, _pow2(max(k, length))),
-        BLOCK=min(2048, max(16, _pow2(vocab))), num_warps=8 if splits * cap >= 2048 else 4)
-    return outs
+    params = (t_t, temp[1], topk[0] if topk[2] else c_arg, topk[1], topp[0] if topp[2] else c_max, topp[1],
+              minp[0] if minp[2] else c_max, minp[1])
+    flags = dict(TEMP_T=temp[2], TOPK_T=topk[2], TOPP_T=topp[2], MINP_T=minp[2])
+    if variant == "bisect":
+        c_cnt = torch.empty(rows, splits, dtype=i32, device=device)
+        r_f = torch.empty(2, rows, dtype=f32, device=device)
+        r_i = torch.empty(3, rows, dtype=i32, device=device)
+
+        def launch1():
+            ka._accept_chunk_kernel[(rows, splits)](lg, lg.stride(1), vocab, splits, k, t_t, temp[1],
+                                                    c_max, c_arg, c_sum, c_floor, c_cnt, cand_z, cand_i,
+                                                    TEMP_T=temp[2], SAMPLING=True, CHUNK=chunk, CAP=cap,
+                                                    FLOOR_ITERS=ka.FLOOR_ITERS, num_warps=4 if chunk >= 2048 else 2)
+
+        def launch2():
+            ka._accept_sample_kernel[(rows,)](
+                lg, lg.stride(1), vocab, splits, k, length, par_c, draft_c, u_c, *params,
+                c_max, c_arg, c_sum, c_floor, c_cnt, cand_z, cand_i,
+                r_f[0], r_f[1], r_i[0], r_i[1], r_i[2], counter, outs[0], outs[1], outs[2], **flags,
+                S_BLOCK=max(2, _pow2(splits)), CAP=cap, K_BLOCK=k_block, BLOCK=block,
+                num_warps=8 if splits * cap >= 2048 else 4)
+
+        return launch1, launch2
+    cfg = _SELECT_CONFIG
+    r_f = torch.empty(2, rows, dtype=f32, device=device)
+    r_i = torch.empty(4, rows, dtype=i32, device=device)
+    n_slots = splits * cap
+    n_block = max(2, _pow2(n_slots))
+
+    def launch1():
+        ka._accept_scan_kernel[(rows, splits)](lg, lg.stride(1), vocab, splits, k, t_t, temp[1],
+                                               c_max, c_arg, c_sum, c_floor, cand_z, cand_i,
+                                               TEMP_T=temp[2], CHUNK=chunk, CAP=cap, CAP_BLOCK=max(2, _pow2(cap)),
+                                               FLOOR_ITERS=int(cfg["floor_iters"]),
+                                               num_warps=min(int(cfg["chunk_warps"]), max(1, chunk // 256)))
+
+    def launch2():
+        ka._accept_select_kernel[(rows,)](
+            lg, lg.stride(1), vocab, splits, k, length, par_c, draft_c, u_c, *params,
+            c_max, c_arg, c_sum, c_floor, cand_z, cand_i,
+            r_f[0], r_i[0], r_i[1], r_i[2], r_i[3], r_f[1], counter, outs[0], outs[1], outs[2], **flags,
+            S_BLOCK=max(2, _pow2(splits)), N_SLOTS=n_slots, N_BLOCK=n_block, K_BLOCK=k_block, BLOCK=block,
+            num_warps=int(cfg["row_warps"]) if n_block >= 2048 else 4)
+
+    return launch1, launch2

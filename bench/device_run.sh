@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call: install the package (and the SGLang peer wheels if carried in .whl/), then run the named steps,
 # writing logs and JSON under $OUT. Usage: bash bench/device_run.sh STEP [STEP ...]
-# Steps: env tests-<name> bench-<name> sweep-<group>[+<group>...] wall-<preset> peer sglang-tests pack (tar everything under $OUT into results.tgz: the
-# device tool brings back at most 8 files)
+# Steps: env, tests-<name>, gpu-<name> (GPU-marked tests of tests/test_<name>.py), bench-<name>, script-<name>
+# (bench/<name>.py with $ARGS_<name>), sweep-<group>[+<group>...], wall-<preset> ($WALL_ARGS), peer, sglang-tests,
+# pack (tar everything under $OUT into results.tgz: the device tool brings back at most 8 files)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -16,7 +17,16 @@ else
   export PYTHONPATH=$site
 fi
 export SPECVERIFY_CACHE_DIR=/tmp/svcache
-run() { local name=$1; shift; local t0=$(date +%s); echo "=== $name: $*"; timeout "${LIMIT:-300}" "$@" >"$OUT/$name.log" 2>&1; local rc=$?; echo "=== $name rc=$rc $(( $(date +%s) - t0 ))s"; tail -n "${TAILN:-25}" "$OUT/$name.log"; }
+start=$(date +%s)
+# DEADLINE (seconds from the start of this script, default 560): a step gets at most the time left before it, and
+# steps that would start with less than 15 s left are skipped, so the final `pack` always runs inside the call.
+run() {
+  local name=$1; shift; local t0=$(date +%s); local left=$(( ${DEADLINE:-560} - (t0 - start) ))
+  if (( left < 15 )); then echo "=== $name skipped: deadline"; return; fi
+  local lim=${LIMIT:-300}; (( lim > left )) && lim=$left
+  echo "=== $name (limit ${lim}s): $*"; timeout "$lim" "$@" >"$OUT/$name.log" 2>&1; local rc=$?
+  echo "=== $name rc=$rc $(( $(date +%s) - t0 ))s"; tail -n "${TAILN:-25}" "$OUT/$name.log"
+}
 for step in "$@"; do
   case $step in
     env) run env python3 -P -m specverify env ;;
@@ -24,6 +34,8 @@ for step in "$@"; do
     bench-*) n=${step#bench-}; run "bench_$n" python3 bench/bench_$n.py --quick --json "$OUT/bench_$n.json" ${BENCH_ARGS:-} ;;
     wall-*) n=${step#wall-}; run "wall_$n" python3 -P -m specverify bench verify-wall ${WALL_ARGS:-} --json "$OUT/wall_$n.json" --plot "$OUT/wall_$n.png" ;;
     sweep-*) n=${step#sweep-}; run "sweep_$n" python3 bench/sweep_verify_kernels.py --only "${n//+/,}" --json "$OUT/sweep_$n.json" ${SWEEP_ARGS:-} ;;
+    script-*) n=${step#script-}; a="ARGS_$n"; run "$n" python3 bench/$n.py --json "$OUT/$n.json" ${!a:-} ;;
+    gpu-*) n=${step#gpu-}; a="ARGS_$n"; run "gpu_$n" python3 -P -m pytest -q -p no:cacheprovider --rootdir=. -m gpu tests/test_$n.py ${!a:-} ;;
     peer) run peer python3 -P -c "from specverify.peers import sglang as p; print(p.available())" ;;
     sglang-tests) run sglang_tests python3 -P -m pytest -q -p no:cacheprovider --rootdir=. tests/sglang -m sglang ;;
     pack) tar czf /tmp/results.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/results.tgz "$OUT/" ;;

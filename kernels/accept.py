@@ -556,7 +556,7 @@ def _accept_scan_kernel(logits_ptr, stride_row, V, S, K, temp_ptr, temp_s,
     have = small | (c_hi <= CAP)
     floor = tl.where(small, float("-inf"), tl.where(have, hi, float("inf")))
     cnt = tl.where(small, n_fin, tl.where(have, c_hi, 0))
-    keep = fin & (z >= floor) & have
+    keep = tl.where(have, fin & (z >= floor), loc < 0)  # (a block & a scalar bool trips the interpreter)
     pos = tl.cumsum(keep.to(tl.int32), axis=0) - 1
     sidx = row * S + c
     base = sidx.to(tl.int64) * CAP

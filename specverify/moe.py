@@ -302,7 +302,7 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
                              scale, block_size, do_route):
     """The default router + alignment (``_VARIANT["route"] == "fast"``, 0 < M * top_k <= 1024).
 
-    Up to ``_FAST_ROUTE_CONFIG["one_max_slots"]`` slots (M <= 16 at top-8): one program routes every row at once
+    Up to ``_FAST_ROUTE_CONFIG["one_max_slots"]`` slots (M <= 4 at top-8): one program routes every row at once
     and aligns in registers (no atomics, no workspace, no global round trip; slots in increasing slot id inside an
     expert, exactly as ``align_reference``). Beyond: one program per ``ROWS`` rows with atomic ranks, and the last
     program (ticket) aligns after one load of ids, ranks and counters. Either way ``sorted_token_ids`` past
@@ -327,7 +327,7 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
         sp = rows * topk_p if do_route else max(_next_pow2(s), 2)
         rank = count = offs = ticket = ids
         grid = (1,)
-        warps = cfg["one_num_warps"]
+        warps = cfg["one_small_warps"] if s <= cfg["one_small_slots"] else cfg["one_num_warps"]
     else:  # routing on (the launcher sends alignment-only calls this large elsewhere)
         rows = cfg["ROWS"]
         sp = max(_next_pow2(s), 2)
@@ -415,8 +415,8 @@ def moe_route(router_logits, *, top_k, scoring="sigmoid", correction_bias=None, 
     workspace). ``impl="reference"`` synchronises with the host when aligning and is not capturable.
     Variants (benchmarks): ``specverify.moe._VARIANT["route"]`` is ``"fast"`` (default), ``"atomic"`` (the
     previous default: always one program per token, sentinel-filled tail) or ``"single"``, which aligns in one
-    program without atomics or workspace when 0 < M * top_k <= 1024; the slots inside an expert then come in increasing slot id, exactly as
-    the reference orders them.
+    program without atomics or workspace when 0 < M * top_k <= 1024; the slots inside an expert then come in
+    increasing slot id, exactly as the reference orders them.
 
     Examples
     --------
@@ -514,7 +514,10 @@ _ROUTE_NUM_WARPS: dict = {"num_warps": 4}
 #: ``route``: ``"fast"`` (default: see _launch_route_align_fast; 0 < M * top_k <= 1024), ``"atomic"`` (one
 #: program per token, atomics + last-program alignment, sentinel-filled tail) or ``"single"`` (one program routes
 #: and aligns every slot, no atomics; used when 0 < M * top_k <= 1024 and aligning);
-#: ``experts``: ``"auto"`` (default: ``"fused"`` at M <= _FUSED_MAX_M, else ``"dot"``), ``"fused"`` (one streaming
+#: ``experts``: ``"auto"`` (default: ``"fused"`` at _FUSED_MIN_M <= M <= _FUSED_MAX_M, else ``"dot"``; H200
+#: sweep,
+#: Kimi-K2 per rank: M=1 dot 36.8 us vs fused 47.2; M=4 fused BI32/BK128 101.7 vs dot 110.6; M=16 dot 280 vs
+#: fused 300), ``"fused"`` (one streaming
 #: launch + a fixed-order partial sum), ``"dot"`` (block-aligned tl.dot GEMMs, three launches) or ``"gemv"`` (no
 #: tl.dot, two launches, top-k sum fused into the down GEMV; used when M <= ``_GEMV_CONFIG["max_m"]``).
 _VARIANT: dict = {"route": "fast", "experts": "auto"}
@@ -523,8 +526,10 @@ _FAST_MAX_SLOTS = 1024
 #: Launch config of the "fast" router: largest M * top_k routed and aligned by one program in registers, that
 #: program's warps; rows per program and warps beyond it; fill chunk; FILL_TAIL writes the sentinel over
 #: sorted_token_ids past the used part too (off: consumers read only the used part).
-_FAST_ROUTE_CONFIG: dict = {"one_max_slots": 128, "one_num_warps": 8, "ROWS": 1, "num_warps": 4, "CHUNK": 1024,
-                            "FILL_TAIL": False}
+#: H200 sweep (Kimi-K2): one program 3.79 us at M=1 (4 warps), 5.74 at M=4 (8 warps), but 21.8 at M=16 where one
+#: program per row (ROWS 1) takes 6.56: the one-program path is kept to 32 slots; 4 warps up to 8 slots.
+_FAST_ROUTE_CONFIG: dict = {"one_max_slots": 32, "one_num_warps": 8, "one_small_slots": 8,
+                            "one_small_warps": 4, "ROWS": 1, "num_warps": 4, "CHUNK": 1024, "FILL_TAIL": False}
 #: Launch config of the one-program router: rows routed per step, [CI, CJ] rank tiles, fill chunk, warps.
 _SINGLE_ROUTE_CONFIG: dict = {"ROWS": 4, "CI": 64, "CJ": 128, "CHUNK": 1024, "num_warps": 8}
 #: GEMV experts: largest M it takes, gate/up tile ``g1`` ([BLOCK_N gate rows + BLOCK_N up rows, BLOCK_K]) and
@@ -532,15 +537,13 @@ _SINGLE_ROUTE_CONFIG: dict = {"ROWS": 4, "CI": 64, "CJ": 128, "CHUNK": 1024, "nu
 _GEMV_CONFIG: dict = {"max_m": 4, "g1": {"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 4},
                       "g2": {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4}}
 #: Fused experts (one launch streams each activated expert once, then a fixed-order partial sum): ``"auto"`` uses
-#: them for M <= _FUSED_MAX_M and the three-launch tl.dot path above. Tiles per M range (first entry with
+#: them for _FUSED_MIN_M <= M <= _FUSED_MAX_M and the three-launch tl.dot path above. Tiles per M range (first entry
+#: with
 #: max_m >= M): BI columns of I per program, BK of H per gate/up step, BH rows of H per down step, DOT (tl.dot on
 #: the block's 16 rows) or the GEMV form with MP slots per pass, RBN columns per partial-sum program.
-_FUSED_MAX_M = 16
+_FUSED_MIN_M = 2
+_FUSED_MAX_M = 8
 _FUSED_CONFIGS: list = [
-    {"max_m": 2, "BI": 16, "BK": 256, "BH": 128, "DOT": True, "MP": 2, "RBN": 256, "num_warps": 4,
-     "num_stages": 4},
-    {"max_m": 8, "BI": 16, "BK": 256, "BH": 128, "DOT": True, "MP": 4, "RBN": 256, "num_warps": 4,
-     "num_stages": 4},
     {"max_m": 1 << 30, "BI": 32, "BK": 128, "BH": 128, "DOT": True, "MP": 4, "RBN": 256, "num_warps": 4,
      "num_stages": 3},
 ]
@@ -708,7 +711,7 @@ def _fused_config(m: int, h: int, inter: int, block: int, on_gpu: bool) -> dict:
 
 
 def _fused_moe_fused(hidden, w13, w2, topk_ids, topk_weights, alignment, out):
-    """The fused experts (``_VARIANT["experts"] == "fused"``, or ``"auto"`` at M <= ``_FUSED_MAX_M``): one launch
+    """The fused experts (``_VARIANT["experts"] == "fused"``, or ``"auto"`` at 2 <= M <= ``_FUSED_MAX_M``): one launch
     streams each activated expert's w13 and w2 once (program = expert block x chunk of I), a second sums the fp32
     partials over top_k and the chunks in a fixed order (deterministic)."""
     from specverify.kernels.fused_moe import _moe_fused_kernel, _moe_partial_sum_kernel
@@ -789,12 +792,14 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
 
     Notes
     -----
-    Triton path, M <= 16 (``_FUSED_MAX_M``): two launches: one program per (expert block, chunk of I) computes
+    Triton path, 2 <= M <= 8 (``_FUSED_MIN_M``, ``_FUSED_MAX_M``): two launches: one program per (expert block,
+    chunk of I) computes
     gate/up over all of H, SiLU·up, and its share of the down projection, so each activated expert's w13 and w2
     are read once, writing weighted fp32 partials [M·top_k, I/BI, H]; a second sums them over top_k and the
-    chunks in fixed order. M > 16: three launches (gate/up GEMM with fused SiLU·up into a [M·top_k, I] buffer;
+    chunks in fixed order. Other M: three launches (gate/up GEMM with fused SiLU·up into a [M·top_k, I] buffer;
     down GEMM with the routed weight applied into a fp32 [M·top_k, H] buffer; a sum over top_k in fixed order).
-    Either way the result is deterministic. bf16/fp16 inputs, fp32 accumulation, the SwiGLU output rounded to the input dtype. CUDA-graph
+    Either way the result is deterministic. bf16/fp16 inputs, fp32 accumulation, the SwiGLU output rounded to the input
+    dtype. CUDA-graph
     capturable: grids depend only on shapes, unused blocks exit early, no host sync. The reference path is
     capturable too but computes in fp32 with gathered weight copies (slow, memory-hungry).
     Opt-in (benchmarks): ``specverify.moe._VARIANT["experts"] = "gemv"`` runs M <= 4 as two GEMV launches (no
@@ -827,7 +832,7 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
         out.copy_(res)
         return out
     variant = _VARIANT["experts"]
-    if variant == "fused" or (variant == "auto" and hidden.shape[0] <= _FUSED_MAX_M):
+    if variant == "fused" or (variant == "auto" and _FUSED_MIN_M <= hidden.shape[0] <= _FUSED_MAX_M):
         return _fused_moe_fused(hidden, w13, w2, topk_ids, topk_weights, alignment, out)
     if variant == "gemv" and hidden.shape[0] <= _GEMV_CONFIG["max_m"]:
         return _fused_moe_gemv(hidden, w13, w2, topk_ids, topk_weights, alignment, out)

@@ -17,6 +17,7 @@ if importlib.util.find_spec("sglang") is not None:  # only in the SGLang venv: n
     import standins
 
     standins.install()
+    HIDDEN_CUDA = standins.hide_cuda_from_sglang()  # GPU machine without sgl_kernel: SGLang's CPU code paths
 
 
 def pytest_collection_modifyitems(config, items):

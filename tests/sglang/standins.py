@@ -4,6 +4,11 @@
 * ``torchvision`` (and any submodule): some SGLang config modules import ``torchvision.transforms`` at import time;
   PyPI's torchvision does not load beside the CPU torch 2.13.0 build CI uses, and the CUDA build it would pull in is
   several GB. Any attribute of a stand-in module is an inert placeholder class; calling into it raises.
+* No ``sgl_kernel`` (SGLang's compiled CUDA kernels; the wheel is far too large for the GPU test machine): where CUDA
+  is present but ``sgl_kernel`` is not, :func:`hide_cuda_from_sglang` makes SGLang's platform probe
+  (``is_cuda()``: ``torch.cuda.is_available() and torch.version.cuda is not None``) answer False, so SGLang takes the
+  same code paths as on the CPU machines of CI (Triton and torch, no ``sgl_kernel``) while the tensors, our kernels
+  and SGLang's Triton kernels run on the GPU.
 
 Install the stand-ins before the first ``import sglang``. A real installed module always wins: a stand-in is
 registered only where the import fails.
@@ -74,6 +79,17 @@ def _real_module_importable(name: str) -> bool:
     except Exception:
         sys.modules.pop(name, None)
         return False
+
+
+def hide_cuda_from_sglang() -> bool:
+    """On a CUDA machine without ``sgl_kernel``: clear ``torch.version.cuda`` (read by SGLang's ``is_cuda()``; torch's
+    CUDA runtime and Triton do not use it) before SGLang is imported. Returns whether it did."""
+    import torch
+
+    if not torch.cuda.is_available() or importlib.util.find_spec("sgl_kernel") is not None:
+        return False
+    torch.version.cuda = None
+    return True
 
 
 def install() -> None:

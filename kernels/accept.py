@@ -499,19 +499,25 @@ def _first_last(f1, i1, l1, j1, f2, i2, l2, j2):
 
 
 @triton.jit
-def _snap_search(ck, val, sel, lo, hi, need):
+def _snap_search(ck, val, sel, lo, hi, need, FUSED: tl.constexpr):
     """Largest key t with sum(val over sel & ck >= t) >= need, for lo, hi keys of selected elements, lo satisfying.
 
     The answer is always a key of a selected element (the sum only changes at element keys), so each probe
     reports the nearest selected keys on both sides and the interval snaps to them: the search ends when no
     selected key lies strictly between lo and hi (about log2 of the distinct keys, at most 32 probes), one block
-    reduction per probe. ``ck`` int32 keys; ``lo``, ``hi`` int64 scalars.
+    reduction per probe. ``ck`` int32 keys; ``lo``, ``hi`` int64 scalars. FUSED: one multi-operand reduction per
+    probe (GPU); otherwise three plain ones (the interpreter runs custom combines element by element).
     """
     while lo < hi:
         mid = (lo + (hi - lo + 1) // 2).to(tl.int32)
         above = sel & (ck >= mid)
-        s, nxt, prv = tl.reduce((tl.where(above, val, 0), tl.where(above, ck, 2147483647),
-                                 tl.where(sel & (ck < mid), ck, -2147483648)), 0, _snap_combine)
+        if FUSED:
+            s, nxt, prv = tl.reduce((tl.where(above, val, 0), tl.where(above, ck, 2147483647),
+                                     tl.where(sel & (ck < mid), ck, -2147483648)), 0, _snap_combine)
+        else:
+            s = tl.sum(tl.where(above, val, 0), axis=0)
+            nxt = tl.min(tl.where(above, ck, 2147483647), axis=0)
+            prv = tl.max(tl.where(sel & (ck < mid), ck, -2147483648), axis=0)
         go = s >= need
         lo = tl.where(go, nxt.to(tl.int64), lo)
         hi = tl.where(go, hi, prv.to(tl.int64))
@@ -522,7 +528,7 @@ def _snap_search(ck, val, sel, lo, hi, need):
 def _accept_scan_kernel(logits_ptr, stride_row, V, S, K, temp_ptr, temp_s,
                         c_max_ptr, c_arg_ptr, c_sum_ptr, c_floor_ptr, cand_z_ptr, cand_i_ptr,
                         TEMP_T: tl.constexpr, CHUNK: tl.constexpr, CAP: tl.constexpr, CAP_BLOCK: tl.constexpr,
-                        FLOOR_ITERS: tl.constexpr):
+                        FLOOR_ITERS: tl.constexpr, FUSED: tl.constexpr = True):
     """Chunk statistics and at most CAP candidates per chunk; unused candidate slots are padded with z = -inf so
     the row kernel loads the slots without a count. Reductions: (max, argmax), (sum exp, finite count, window
     count) and FLOOR_ITERS floor probes (64 / 2**FLOOR_ITERS nat resolution), then one scan."""
@@ -535,12 +541,21 @@ def _accept_scan_kernel(logits_ptr, stride_row, V, S, K, temp_ptr, temp_s,
     t = _load_param_f(temp_ptr, row // K, temp_s, TEMP_T)
     inv_t = tl.where(t > 0.0, 1.0 / t, 1.0)
     z = x * inv_t + 0.0
-    m, a_loc = tl.max(z, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    if FUSED:
+        m, a_loc = tl.max(z, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    else:
+        m = tl.max(z, axis=0)
+        a_loc = tl.min(tl.where(z == m, loc, CHUNK), axis=0)
     fin = valid & (z > float("-inf"))
     m_safe = tl.where(m > float("-inf"), m, 0.0)
     lo = m_safe - 64.0
-    s, n_fin, c_lo = tl.reduce((tl.where(fin, tl.exp(z - m_safe), 0.0), fin.to(tl.int32),
-                                (fin & (z >= lo)).to(tl.int32)), 0, _sum3)
+    e = tl.where(fin, tl.exp(z - m_safe), 0.0)
+    if FUSED:
+        s, n_fin, c_lo = tl.reduce((e, fin.to(tl.int32), (fin & (z >= lo)).to(tl.int32)), 0, _sum3)
+    else:
+        s = tl.sum(e, axis=0)
+        n_fin = tl.sum(fin.to(tl.int32), axis=0)
+        c_lo = tl.sum((fin & (z >= lo)).to(tl.int32), axis=0)
     # floor: lowest probe in [m - 64, m] with at most CAP elements at or above it (c_hi: that count)
     hi = tl.where(c_lo <= CAP, lo, m_safe)
     c_hi = tl.where(c_lo <= CAP, c_lo, CHUNK + 1)
@@ -659,7 +674,7 @@ def _accept_select_kernel(logits_ptr, stride_row, V, S, K, L,
                           out_tokens_ptr, out_len_ptr, out_nodes_ptr,
                           TEMP_T: tl.constexpr, TOPK_T: tl.constexpr, TOPP_T: tl.constexpr, MINP_T: tl.constexpr,
                           S_BLOCK: tl.constexpr, N_SLOTS: tl.constexpr, N_BLOCK: tl.constexpr,
-                          K_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+                          K_BLOCK: tl.constexpr, BLOCK: tl.constexpr, FUSED: tl.constexpr = True):
     """One program per row: thresholds from the candidates by snapped searches, the acceptance mass of each
     child's token and the row's own bonus draw (so the walk needs no loads from the logits), then the last row
     program of the request walks the tree."""
@@ -698,7 +713,12 @@ def _accept_select_kernel(logits_ptr, stride_row, V, S, K, L,
     same = (tok[:, None] == tok[None, :]) & (par[:, None] == par[None, :]) & (offs_k[None, :] < offs_k[:, None])
     dup = tl.max(same.to(tl.int32), axis=1) > 0
 
-    M, arg, F = tl.reduce((cmax, carg, cfl), 0, _max_arg_max)
+    if FUSED:
+        M, arg, F = tl.reduce((cmax, carg, cfl), 0, _max_arg_max)
+    else:
+        M = tl.max(cmax, axis=0)
+        arg = tl.min(tl.where(cmax == M, carg, 2147483647), axis=0)
+        F = tl.max(cfl, axis=0)
     tau = tl.zeros((), tl.int64) + NEG_KEY
     norm = tl.zeros((), tl.float32) + 1.0
     full = tl.zeros((), tl.int32)
@@ -710,8 +730,14 @@ def _accept_select_kernel(logits_ptr, stride_row, V, S, K, L,
         cvalid = cz > float("-inf")
         cw = tl.where(cvalid, tl.exp(cz - M), 0.0)
         ck = _okey(cz)
-        n_c, kmin32, kmax32, m_all = tl.reduce((cvalid.to(tl.int32), tl.where(cvalid, ck, 2147483647),
-                                                tl.where(cvalid, ck, -2147483648), cw), 0, _stats_combine)
+        if FUSED:
+            n_c, kmin32, kmax32, m_all = tl.reduce((cvalid.to(tl.int32), tl.where(cvalid, ck, 2147483647),
+                                                    tl.where(cvalid, ck, -2147483648), cw), 0, _stats_combine)
+        else:
+            n_c = tl.sum(cvalid.to(tl.int32), axis=0)
+            kmin32 = tl.min(tl.where(cvalid, ck, 2147483647), axis=0)
+            kmax32 = tl.max(tl.where(cvalid, ck, -2147483648), axis=0)
+            m_all = tl.sum(cw, axis=0)
         kmin = kmin32.to(tl.int64)
         kmax = kmax32.to(tl.int64)
         ok = n_c >= 0
@@ -720,7 +746,7 @@ def _accept_select_kernel(logits_ptr, stride_row, V, S, K, L,
         k_on = (top_k > 0) & (top_k < V)
         if k_on:
             if n_c >= top_k:
-                tau_k = _snap_search(ck, 1, cvalid, kmin, kmax, top_k)
+                tau_k = _snap_search(ck, 1, cvalid, kmin, kmax, top_k, FUSED)
                 ok = ok & ((tau_k >= kF) | all_cap)
             else:
                 ok = ok & all_cap
@@ -736,7 +762,7 @@ def _accept_select_kernel(logits_ptr, stride_row, V, S, K, L,
                 zk = m_lo
             target = top_p * zk
             if m_lo >= target:
-                tau_p = _snap_search(ck, cw, inset, tl.maximum(kmin, tau_k), kmax, target)
+                tau_p = _snap_search(ck, cw, inset, tl.maximum(kmin, tau_k), kmax, target, FUSED)
                 ok = ok & ((tau_p >= kF) | all_cap)
             else:
                 tau_p = kmin
@@ -751,7 +777,11 @@ def _accept_select_kernel(logits_ptr, stride_row, V, S, K, L,
                 pj = tl.load(parents_ptr + b * K + j, mask=j < K, other=-2).to(tl.int32)
                 tj = tl.load(draft_ptr + b * K + j, mask=j < K, other=-1).to(tl.int32)
                 keepw = keepw & (ci != tl.where(pj == node, tj, -5))
-            norm_c, W = tl.reduce((tl.where(kept, cw, 0.0), tl.where(keepw, cw, 0.0)), 0, _sum2)
+            if FUSED:
+                norm_c, W = tl.reduce((tl.where(kept, cw, 0.0), tl.where(keepw, cw, 0.0)), 0, _sum2)
+            else:
+                norm_c = tl.sum(tl.where(kept, cw, 0.0), axis=0)
+                W = tl.sum(tl.where(keepw, cw, 0.0), axis=0)
             norm = tl.where(full_b, norm_c, Z)
             if (full_b == 0) & (min_p > 0.0):
                 norm = _row_kept_mass(logits_ptr, row_off, V, inv_t, M, tau, min_p, BLOCK)
@@ -760,8 +790,14 @@ def _accept_select_kernel(logits_ptr, stride_row, V, S, K, L,
                 # the bonus if the walk ends here: inverse CDF in vocabulary order (slots are in vocabulary order)
                 pre = tl.cumsum(tl.where(keepw, cw, 0.0), axis=0)
                 hit = keepw & (pre > ub * W)
-                fh, ih, fl, il = tl.reduce((tl.where(hit, f, 2147483647), ci, tl.where(keepw, f, -1), ci), 0,
-                                           _first_last)
+                if FUSED:
+                    fh, ih, fl, il = tl.reduce((tl.where(hit, f, 2147483647), ci, tl.where(keepw, f, -1), ci), 0,
+                                               _first_last)
+                else:
+                    fh = tl.min(tl.where(hit, f, 2147483647), axis=0)
+                    fl = tl.max(tl.where(keepw, f, -1), axis=0)
+                    ih = tl.sum(tl.where(f == fh, ci, 0), axis=0)
+                    il = tl.sum(tl.where(f == fl, ci, 0), axis=0)
                 bonus = tl.where(fh < 2147483647, ih, tl.where(fl >= 0, il, arg))
         else:
             tau = _fallback_tau(logits_ptr, row_off, V, inv_t, M, top_k, k_on, top_p, p_on, BLOCK)

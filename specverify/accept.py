@@ -445,12 +445,15 @@ def _sampling_launches(logits, parents, draft_tokens, uniform_samples, temp, top
     r_i = torch.empty(4, rows, dtype=i32, device=device)
     n_slots = splits * cap
     n_block = max(2, _pow2(n_slots))
+    # multi-operand reductions (one barrier round each) on GPUs; the interpreter runs custom combines element by
+    # element, so it gets plain reductions unless told otherwise (tests of the fused code at tiny sizes)
+    fused = bool(cfg.get("fused", device.type == "cuda"))
 
     def launch1():
         ka._accept_scan_kernel[(rows, splits)](lg, lg.stride(1), vocab, splits, k, t_t, temp[1],
                                                c_max, c_arg, c_sum, c_floor, cand_z, cand_i,
                                                TEMP_T=temp[2], CHUNK=chunk, CAP=cap, CAP_BLOCK=max(2, _pow2(cap)),
-                                               FLOOR_ITERS=int(cfg["floor_iters"]),
+                                               FLOOR_ITERS=int(cfg["floor_iters"]), FUSED=fused,
                                                num_warps=min(int(cfg["chunk_warps"]), max(1, chunk // 256)))
 
     def launch2():
@@ -459,6 +462,6 @@ def _sampling_launches(logits, parents, draft_tokens, uniform_samples, temp, top
             c_max, c_arg, c_sum, c_floor, cand_z, cand_i,
             r_f[0], r_i[0], r_i[1], r_i[2], r_i[3], r_f[1], counter, outs[0], outs[1], outs[2], **flags,
             S_BLOCK=max(2, _pow2(splits)), N_SLOTS=n_slots, N_BLOCK=n_block, K_BLOCK=k_block, BLOCK=block,
-            num_warps=int(cfg["row_warps"]) if n_block >= 2048 else 4)
+            FUSED=fused, num_warps=int(cfg["row_warps"]) if n_block >= 2048 else 4)
 
     return launch1, launch2

@@ -793,13 +793,12 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
     Notes
     -----
     Triton path, 2 <= M <= 8 (``_FUSED_MIN_M``, ``_FUSED_MAX_M``): two launches: one program per (expert block,
-    chunk of I) computes
-    gate/up over all of H, SiLU·up, and its share of the down projection, so each activated expert's w13 and w2
-    are read once, writing weighted fp32 partials [M·top_k, I/BI, H]; a second sums them over top_k and the
-    chunks in fixed order. Other M: three launches (gate/up GEMM with fused SiLU·up into a [M·top_k, I] buffer;
-    down GEMM with the routed weight applied into a fp32 [M·top_k, H] buffer; a sum over top_k in fixed order).
-    Either way the result is deterministic. bf16/fp16 inputs, fp32 accumulation, the SwiGLU output rounded to the input
-    dtype. CUDA-graph
+    chunk of I) computes gate/up over all of H, SiLU·up, and its share of the down projection, so each activated
+    expert's w13 and w2 are read once, writing weighted fp32 partials [M·top_k, I/BI, H]; a second sums them over
+    top_k and the chunks in fixed order. Other M: three launches (gate/up GEMM with fused SiLU·up into a
+    [M·top_k, I] buffer; down GEMM with the routed weight applied into a fp32 [M·top_k, H] buffer; a sum over
+    top_k in fixed order). Either way the result is deterministic. bf16/fp16 inputs, fp32 accumulation, the SwiGLU
+    output rounded to the input dtype. CUDA-graph
     capturable: grids depend only on shapes, unused blocks exit early, no host sync. The reference path is
     capturable too but computes in fp32 with gathered weight copies (slow, memory-hungry).
     Opt-in (benchmarks): ``specverify.moe._VARIANT["experts"] = "gemv"`` runs M <= 4 as two GEMV launches (no

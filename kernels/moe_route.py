@@ -430,3 +430,19 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
             tl.store(sorted_ptr + base + rk, sl, mask=ok)
             tl.store(count_ptr + e, tl.zeros([EAP], tl.int32), mask=emask)
             tl.atomic_xchg(ticket_ptr, 0)
+
+
+@triton.jit(do_not_specialize=["M", "shared_id"])
+def _append_shared_kernel(ids_ptr, w_ptr, out_ids_ptr, out_w_ptr, M, shared_id, stride_ids, stride_w,
+                          TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out_ids[m] = [ids[m, :TOP_K], shared_id], out_w[m] = [w[m, :TOP_K], 1.0]: the shared expert as one more slot
+    of every token, so one expert pass serves routed and shared experts."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * (TOP_K + 1)
+    row = offs // (TOP_K + 1)
+    col = offs % (TOP_K + 1)
+    routed = mask & (col < TOP_K)
+    i = tl.load(ids_ptr + row * stride_ids + col, mask=routed, other=0).to(tl.int32)
+    w = tl.load(w_ptr + row * stride_w + col, mask=routed, other=0.0).to(tl.float32)
+    tl.store(out_ids_ptr + offs, tl.where(col < TOP_K, i, shared_id), mask=mask)
+    tl.store(out_w_ptr + offs, tl.where(col < TOP_K, w, 1.0), mask=mask)

@@ -15,7 +15,7 @@ import torch
 
 from specverify import envvars
 
-__all__ = ["MoEAlignment", "MoEQuant", "moe_route", "fused_moe", "max_num_tokens_padded"]
+__all__ = ["MoEAlignment", "MoEQuant", "moe_route", "fused_moe", "max_num_tokens_padded", "append_shared_expert"]
 
 logger = logging.getLogger("specverify")
 
@@ -448,6 +448,60 @@ def moe_route(router_logits, *, top_k, scoring="sigmoid", correction_bias=None, 
 
 
 # --------------------------------------------------------------------------------------------- experts
+def append_shared_expert(topk_ids, topk_weights, shared_id: int, *, impl: str = "auto"):
+    """The shared expert as one more slot of every token: ``[topk_ids, shared_id]`` and ``[topk_weights, 1.0]``.
+
+    DeepSeek-V3 / Kimi-K2 add one shared expert to the routed ones; stacking its weights as expert ``shared_id``
+    (= the routed count) after the routed experts lets one :func:`fused_moe` pass serve both, reading the shared
+    expert's weights once for all tokens.
+
+    Parameters
+    ----------
+    topk_ids : Tensor [M, top_k], int32/int64
+    topk_weights : Tensor [M, top_k], float
+    shared_id : int
+        Expert index of the shared expert in the stacked weights (>= 0).
+    impl : "auto" | "triton" | "reference"
+
+    Returns
+    -------
+    (ids, weights) : int32 [M, top_k + 1], fp32 [M, top_k + 1], new contiguous tensors.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Dtypes or shapes that do not match, a negative ``shared_id``.
+
+    One launch on the Triton path (instead of two fills and two concatenations); CUDA-graph capturable.
+    """
+    _check_impl(impl, "append_shared_expert")
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"append_shared_expert: topk_ids must be an int32/int64 tensor, got "
+                        f"{getattr(topk_ids, 'dtype', type(topk_ids).__name__)}")
+    if not isinstance(topk_weights, torch.Tensor) or not topk_weights.is_floating_point():
+        raise TypeError("append_shared_expert: topk_weights must be a float tensor")
+    if topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"append_shared_expert: topk_ids and topk_weights must both be [M, top_k], got "
+                         f"{list(topk_ids.shape)} and {list(topk_weights.shape)}")
+    if not isinstance(shared_id, int) or isinstance(shared_id, bool) or shared_id < 0:
+        raise ValueError(f"append_shared_expert: shared_id must be an int >= 0, got {shared_id!r}")
+    m, k = topk_ids.shape
+    if _choose(impl, topk_ids, "append_shared_expert") != "triton" or m == 0:
+        shared = torch.full_like(topk_ids[:, :1], shared_id, dtype=torch.int32)
+        ids = torch.cat([topk_ids.to(torch.int32), shared], 1)
+        w = torch.cat([topk_weights.float(), torch.ones_like(topk_weights[:, :1], dtype=torch.float32)], 1)
+        return ids, w
+    from specverify.kernels.moe_route import _append_shared_kernel
+
+    ids = torch.empty(m, k + 1, dtype=torch.int32, device=topk_ids.device)
+    w = torch.empty(m, k + 1, dtype=torch.float32, device=topk_ids.device)
+    block = 256
+    _append_shared_kernel[(_cdiv(m * (k + 1), block),)](topk_ids, topk_weights, ids, w, m, shared_id,
+                                                         topk_ids.stride(0), topk_weights.stride(0), TOP_K=k,
+                                                         BLOCK=block)
+    return ids, w
+
+
 def _check_moe_args(hidden, w13, w2, topk_ids, topk_weights, alignment, activation, out, quant):
     for name, t in (("hidden", hidden), ("w13", w13), ("w2", w2), ("topk_ids", topk_ids),
                     ("topk_weights", topk_weights)):

@@ -45,9 +45,9 @@ def specverify_ops(model):
         ops.pieces["attention"] = "triton"
     else:
         missing.append(why)
-    fns, why = _try("specverify.moe", "moe_route", "fused_moe")
+    fns, why = _try("specverify.moe", "moe_route", "fused_moe", "append_shared_expert")
     if fns:
-        moe_route, fused_moe = fns
+        moe_route, fused_moe, append_shared_expert = fns
 
         def route(logits, p):
             return moe_route(logits, top_k=p.num_experts_per_tok, scoring=p.scoring_func,
@@ -60,9 +60,7 @@ def specverify_ops(model):
 
         def experts_with_shared(hidden, w13_all, w2_all, ids, weights):
             # the shared expert is expert E of the stacked weights, chosen by every token with weight 1
-            shared = w13_all.shape[0] - 1
-            ids = torch.cat([ids, torch.full_like(ids[:, :1], shared)], 1)
-            weights = torch.cat([weights, torch.ones_like(weights[:, :1])], 1)
+            ids, weights = append_shared_expert(ids, weights, w13_all.shape[0] - 1, impl="triton")
             return fused_moe(hidden, w13_all, w2_all, ids, weights, impl="triton")
 
         ops.route, ops.experts, ops.experts_with_shared = route, experts, experts_with_shared

@@ -756,3 +756,29 @@ def test_fused_experts_kimi_k2_gpu(m, dot, monkeypatch):
         assert torch.equal(g_out, step())
         logits.copy_(torch.randn_like(logits))
         hidden.copy_(torch.randn_like(hidden))
+
+
+@pytest.mark.parametrize("m, top_k", [(1, 8), (5, 3), (40, 8)])  # 40*9 = 360 slots: two programs with a ragged end
+def test_append_shared_expert(device, m, top_k):
+    from specverify.moe import append_shared_expert
+
+    g = torch.Generator().manual_seed(m + top_k)
+    ids = torch.randint(0, 50, (m, top_k), generator=g).to(torch.int32).to(device)
+    w = torch.rand(m, top_k, generator=g).to(device)
+    got_i, got_w = append_shared_expert(ids, w, 50, impl="triton")
+    want_i, want_w = append_shared_expert(ids.cpu(), w.cpu(), 50, impl="reference")
+    assert got_i.dtype == torch.int32 and got_w.dtype == torch.float32
+    assert torch.equal(got_i.cpu(), want_i) and torch.equal(got_w.cpu(), want_w)
+    assert torch.equal(want_i[:, -1], torch.full((m,), 50, dtype=torch.int32)) and bool((want_w[:, -1] == 1).all())
+
+
+def test_append_shared_expert_errors():
+    from specverify.moe import append_shared_expert
+
+    ids, w = torch.zeros(2, 3, dtype=torch.int32), torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="shared_id must be"):
+        append_shared_expert(ids, w, -1)
+    with pytest.raises(ValueError, match="must both be"):
+        append_shared_expert(ids, w[:, :2], 4)
+    with pytest.raises(TypeError, match="topk_ids must be"):
+        append_shared_expert(ids.float(), w, 4)

@@ -639,6 +639,14 @@ def _gemm_configs(m: int, h: int, inter: int, block_m: int, on_gpu: bool, *, top
     return g1, g2
 
 
+def _used_blocks_bound(alignment, slots: int) -> int:
+    """Blocks the expert grids cover: every used block holds at least one routed slot (each expert's run is its
+    slot count rounded up to whole blocks, and used blocks come first), so at most ``slots`` blocks are used, however
+    many the padded worst case allocates. At M = 1 with Kimi-K2 that is 9 blocks instead of 361, so the down GEMM
+    launches about a thousand programs instead of forty thousand that would exit at once."""
+    return max(1, min(alignment.expert_ids.numel(), slots))
+
+
 def _expert_operands(hidden, w13, w2, topk_ids, topk_weights):
     """The expert kernels' operands: unit stride along the reduced dimension, int32 ids, fp32 weights."""
     hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
@@ -670,7 +678,7 @@ def _fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, alignment, out):
     if m == 0:
         return out
     part = torch.empty((s, h), dtype=torch.float32, device=dev)
-    nblocks = alignment.expert_ids.numel()
+    nblocks = _used_blocks_bound(alignment, s)
     on_gpu = dev.type == "cuda"
     g1, g2 = _gemm_configs(m, h, inter, bs, on_gpu, top_k=top_k, num_experts=e,
                            num_sms=_num_sms(dev) if on_gpu else 4)
@@ -726,7 +734,7 @@ def _fused_moe_gemv(hidden, w13, w2, topk_ids, topk_weights, alignment, out):
     n1 = -(-inter // g1["BLOCK_N"])
     if alignment is not None:
         bs = alignment.block_size
-        nblocks = alignment.expert_ids.numel()
+        nblocks = _used_blocks_bound(alignment, s)
         mp = min(bs, max(_next_pow2(m), 1))
         _moe_gemv_gate_up_kernel[(nblocks * n1,)](
             hidden, w13, act, alignment.sorted_token_ids, alignment.expert_ids, alignment.num_tokens_post_padded,
@@ -789,7 +797,7 @@ def _fused_moe_fused(hidden, w13, w2, topk_ids, topk_weights, alignment, out):
     rbn = cfg.pop("RBN")
     nc = _cdiv(inter, cfg["BI"])
     part = torch.empty((s, nc, h), dtype=torch.float32, device=dev)
-    nblocks = alignment.expert_ids.numel()
+    nblocks = _used_blocks_bound(alignment, s)
     _moe_fused_kernel[(nblocks * nc,)](
         hidden, w13, w2, part, tw, alignment.sorted_token_ids, alignment.expert_ids,
         alignment.num_tokens_post_padded, s, hidden.stride(0), w13.stride(0), w13.stride(1), w2.stride(0),

@@ -17,6 +17,21 @@ Math (per row r = (request b, node n), scaled logits z = x / T_b, w = exp(z - M_
   inverse CDF in vocabulary order with u[b, L-1] from q at the last accepted node with the tokens of all its
   children removed and the rest renormalised. T_b <= 0 makes request b greedy.
 
+Two sampling designs, chosen by ``specverify.accept._VARIANT["sampling"]``:
+
+* ``bisect`` (``_accept_chunk_kernel`` + ``_accept_sample_kernel``): chunks of 4096 with CAP = 64 candidates each,
+  thresholds by 33-probe bisections over int keys (two block reductions per probe), the bonus drawn after the walk.
+* ``select`` (``_accept_scan_kernel`` + ``_accept_select_kernel``, the default): the capacity per chunk adapts so
+  every row has about ``slots`` (4096) candidate slots (``cap = slots // S``: 51 per chunk of 2048 at V = 163840,
+  256 at V = 32000, a lower floor F than 64 per 4096 and so fewer fallbacks); unused slots hold z = -inf (no counts
+  to load first). Thresholds by *snapped* searches: each probe is one multi-operand reduction returning the sum
+  above the probe and the nearest candidate keys on both sides, and the interval snaps to those keys, so a search
+  ends when no candidate key lies strictly inside (about log2 of the distinct candidate keys: ~8 probes for bf16
+  logits instead of 33 x 2 reductions). Each row program also computes the acceptance mass q of its children's
+  tokens and its own bonus draw (inverse CDF over its candidates), so the walk after the counter loads a few
+  [k] vectors and never touches the logits (unless the kept set is not inside the candidates: then the walker
+  draws the bonus with passes over the row, as before).
+
 Tensors (rows = batch * k, S = cdiv(V, CHUNK)):
 
 | name            | shape          | dtype            | meaning                                              |
@@ -31,11 +46,14 @@ Tensors (rows = batch * k, S = cdiv(V, CHUNK)):
 | uniforms        | [batch, L]     | fp32             | [:, d]: acceptance sample at depth d; [:, L-1] bonus   |
 | c_max, c_sum    | [rows, S]      | fp32             | chunk max of z, sum exp(z - c_max)                     |
 | c_arg           | [rows, S]      | int32            | first argmax in the chunk                              |
-| c_floor, c_cnt  | [rows, S]      | fp32, int32      | candidate floor and count of the chunk                 |
-| cand_z, cand_i  | [rows, S, CAP] | fp32, int32      | candidates (z, vocab id), in vocabulary order          |
+| c_floor, c_cnt  | [rows, S]      | fp32, int32      | candidate floor and count of the chunk (no count: select)|
+| cand_z, cand_i  | [rows, S, CAP] | fp32, int32      | candidates (z, vocab id), in vocabulary order; select: |
+|                 |                |                  | slots past the count hold z = -inf                     |
 | r_max, r_norm   | [rows]         | fp32             | M_r and the kept mass sum w over the kept set          |
 | r_tau, r_arg    | [rows]         | int32            | key threshold tau_r, argmax                            |
 | r_full          | [rows]         | int32            | 1: every kept element is a candidate                   |
+| r_bonus, r_q    | [rows]         | int32, fp32      | select: bonus if the walk ends at the row's node; q of |
+|                 |                |                  | the node's token under its parent (0 for node 0)       |
 | counter         | [batch]        | int32            | zero between launches; last row program walks, resets |
 | out_tokens      | [batch, L]     | int64            | accepted draft tokens, bonus at accept_len, then -1    |
 | out_len         | [batch]        | int64            | accepted proposed tokens                               |
@@ -594,20 +612,20 @@ def _fallback_tau(logits_ptr, row_off, V, inv_t, M, top_k, k_on, top_p, p_on, BL
     lo0 = _okey(tl.zeros((), tl.float32) - 3.4028234663852886e38).to(tl.int64)
     hi0 = _okey(M).to(tl.int64) + 1
     if k_on:
-        c0, m0 = _row_count_mass(logits_ptr, row_off, V, inv_t, M, lo0, BLOCK)
+        c0, _m0 = _row_count_mass(logits_ptr, row_off, V, inv_t, M, lo0, BLOCK)
         if c0 >= top_k:
             lo = lo0
             hi = hi0
             for _ in range(33):
                 mid = lo + (hi - lo) // 2
-                cnt, ms = _row_count_mass(logits_ptr, row_off, V, inv_t, M, mid, BLOCK)
+                cnt, _ms = _row_count_mass(logits_ptr, row_off, V, inv_t, M, mid, BLOCK)
                 go = cnt >= top_k
                 lo = tl.where(go, mid, lo)
                 hi = tl.where(go, hi, mid)
             tau_k = lo
     tau_p = tl.zeros((), tl.int64) + NEG_KEY
     if p_on:
-        ck0, zk = _row_count_mass(logits_ptr, row_off, V, inv_t, M, tau_k, BLOCK)
+        _ck0, zk = _row_count_mass(logits_ptr, row_off, V, inv_t, M, tau_k, BLOCK)
         target = top_p * zk
         lo = tl.maximum(lo0, tau_k)
         hi = hi0

@@ -308,8 +308,10 @@ def verify_sampling(logits: torch.Tensor, tree, draft_tokens: torch.Tensor, *, t
     Notes
     -----
     Two launches when ``uniform_samples`` is given: statistics and candidates per chunk of the vocabulary, then
-    one program per row finds its thresholds exactly without sorting (candidates, or a bisection over the row
-    for flat distributions) and the last row program of each request walks the tree and draws the bonus. Graph
+    one program per row finds its thresholds exactly without sorting (snapped searches over the candidates, or a
+    bisection over the row for flat distributions), the acceptance mass of its children's tokens and its bonus
+    draw, and the last row program of each request walks the tree. ``_VARIANT["sampling"] = "bisect"`` runs the
+    first design (benchmarks compare the two). Graph
     capturable after one eager call on the device (which allocates the self-resetting counters); pass ``out``
     for fixed output addresses.
 
@@ -332,7 +334,6 @@ def verify_sampling(logits: torch.Tensor, tree, draft_tokens: torch.Tensor, *, t
         raise ValueError(f"draft_tokens must be on {device} with the logits, got {draft_tokens.device}")
     parents, max_depth = _tree_parents(tree, batch, k, device)
     length = max_depth + 1
-    vocab = logits.shape[2]
     temp = _param("temperature", temperature, batch, device, "f")
     topk = _param("top_k", top_k, batch, device, "i")
     topp = _param("top_p", top_p, batch, device, "f")
@@ -374,7 +375,8 @@ def verify_sampling(logits: torch.Tensor, tree, draft_tokens: torch.Tensor, *, t
 _VARIANT: dict = {"sampling": "select"}
 #: Sizes of the "select" kernels: vocabulary chunk per program and its warps, the candidate slots per row (the
 #: capacity per chunk is ``slots // chunks``, at least 8 and at most chunk / 2), the row kernel's warps, and the
-#: floor probes per chunk (64 / 2**floor_iters nat resolution).
+#: floor probes per chunk (64 / 2**floor_iters nat resolution). Optional key "fused": multi-operand reductions (one
+#: barrier round each; default on CUDA, off under the interpreter, which runs custom combines element by element).
 _SELECT_CONFIG: dict = {"chunk": 2048, "chunk_warps": 4, "slots": 4096, "row_warps": 8, "floor_iters": 10}
 
 

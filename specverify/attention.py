@@ -279,14 +279,17 @@ def _choose_num_splits(*, batch: int, programs_per_split: int, max_prefix: int, 
 
     H200 sweep (bench/sweep_verify_kernels.py): at batch 1 more, shorter splits win (Kimi-K2 at 4k: 27 us at 31
     splits, 14 us at 63); where the batch already gives about a wave, two waves were slower for MLA (Kimi-K2
-    batch 64: 190 us at 2 splits, 229 us at 5) and for GQA 8:1 batch 64 (102 us at 2, 149 us at 3).
+    batch 64: 190 us at 2 splits, 229 us at 5) and for GQA 8:1 batch 64 (102 us at 2, 149 us at 3). The split
+    count is the most that still fits in one wave (floor of SMs / programs): rounding up spilled a few programs
+    into a second wave (Kimi-K2 batch 8 at 32k: 272 us at 17 splits, 213 us at 16; batch 64 at 4k: 251 us at 3
+    splits, 191 us at 2).
     """
     base = batch * programs_per_split
     if base >= num_sms or max_prefix <= 0:
         return 1
     min_tokens = _cdiv(max(block_n, MIN_SPLIT_BYTES // max(1, bytes_per_token)), block_n) * block_n
     by_length = max(1, max_prefix // min_tokens)
-    splits = max(1, min(_cdiv(num_sms, base), by_length, HEURISTIC_MAX_SPLITS))
+    splits = max(1, min(num_sms // base, by_length, HEURISTIC_MAX_SPLITS))
     # The kernel gives each split ceil(ceil(prefix / splits) / block_n) tiles, which can leave the last splits
     # empty (Kimi-K2 at 4k: 63 splits of 2 tiles = 32 working splits, 17.8 us; 64 splits of 1 tile: 13.7 us on
     # the H200). Round up to whole tiles per split when that adds at most 10% more splits, else drop the empty

@@ -261,9 +261,12 @@ def test_split_heuristic():
                               block_n=64, num_sms=132) == 64
     assert _choose_num_splits(batch=1, programs_per_split=1, max_prefix=4096, bytes_per_token=mla_token_bytes,
                               block_n=32, num_sms=132) == 64
-    # batch 8, ctx 32k: the SM count limits (ceil(132 / 8) = 17)
+    # batch 8, ctx 32k: the SM count limits (132 // 8 = 16: one wave; 17 would spill 4 programs into a second)
     assert _choose_num_splits(batch=8, programs_per_split=1, max_prefix=32768, bytes_per_token=mla_token_bytes,
-                              block_n=32, num_sms=132) == 17
+                              block_n=32, num_sms=132) == 16
+    # batch 64: two splits (128 programs), not three
+    assert _choose_num_splits(batch=64, programs_per_split=1, max_prefix=4092, bytes_per_token=mla_token_bytes,
+                              block_n=64, num_sms=132) == 2
     # batch 64 x 8 KV heads already fills the GPU
     assert _choose_num_splits(batch=64, programs_per_split=8, max_prefix=32768, bytes_per_token=512,
                               block_n=64, num_sms=132) == 1

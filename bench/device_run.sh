@@ -20,10 +20,11 @@ export SPECVERIFY_CACHE_DIR=/tmp/svcache
 start=$(date +%s)
 # DEADLINE (seconds from the start of this script, default 560): a step gets at most the time left before it, and
 # steps that would start with less than 15 s left are skipped, so the final `pack` always runs inside the call.
+# A step's own limit: $LIMIT_<log name> (e.g. LIMIT_wall_k2), else $LIMIT, else 300 s.
 run() {
   local name=$1; shift; local t0=$(date +%s); local left=$(( ${DEADLINE:-560} - (t0 - start) ))
   if (( left < 15 )); then echo "=== $name skipped: deadline"; return; fi
-  local lim=${LIMIT:-300}; (( lim > left )) && lim=$left
+  local lv="LIMIT_$name"; local lim=${!lv:-${LIMIT:-300}}; (( lim > left )) && lim=$left
   echo "=== $name (limit ${lim}s): $*"; timeout "$lim" "$@" >"$OUT/$name.log" 2>&1; local rc=$?
   echo "=== $name rc=$rc $(( $(date +%s) - t0 ))s"; tail -n "${TAILN:-25}" "$OUT/$name.log"
 }

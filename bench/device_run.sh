@@ -17,6 +17,8 @@ else
   export PYTHONPATH=$site
 fi
 export SPECVERIFY_CACHE_DIR=/tmp/svcache
+# a tree exported with `git archive` carries its commit in COMMIT (see the device notes in bench/RESULTS.md)
+[ -f COMMIT ] && export SPECVERIFY_COMMIT=$(cat COMMIT)
 start=$(date +%s)
 # DEADLINE (seconds from the start of this script, default 560): a step gets at most the time left before it, and
 # steps that would start with less than 15 s left are skipped, so the final `pack` always runs inside the call.

@@ -56,13 +56,19 @@ def copy_bandwidth_gbps(nbytes: int = 1 << 30) -> float:
 
 
 def git_commit(path: str | None = None) -> str:
+    """Short commit of the checkout holding ``path`` (default: this package); ``SPECVERIFY_COMMIT`` where git cannot
+    tell (an exported tree, an installed wheel); ``"?"`` otherwise."""
     try:
         here = os.path.dirname(os.path.abspath(path or __file__))
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here,
                              timeout=5).stdout.strip()
-        return out or "?"
     except Exception:
-        return "?"
+        out = ""
+    if out:
+        return out
+    from specverify import envvars
+
+    return envvars.get("SPECVERIFY_COMMIT") or "?"
 
 
 def load_sglang_peer(script: str):

@@ -273,8 +273,12 @@ def _choose_chunked_config(base: dict, *, mla: bool, rows: int, head_dim: int, h
     }
 
 
+#: Longest split (tokens) a small program (<= 16 query rows) should walk alone; longer ones get more splits.
+SMALL_PROGRAM_SPLIT_TOKENS = 2048
+
+
 def _choose_num_splits(*, batch: int, programs_per_split: int, max_prefix: int, bytes_per_token: int,
-                       block_n: int, num_sms: int) -> int:
+                       block_n: int, num_sms: int, small_programs: bool = False) -> int:
     """Splits so that batch x programs x splits is about one wave of SMs, each split reading >= 64 KiB of KV.
 
     H200 sweep (bench/sweep_verify_kernels.py): at batch 1 more, shorter splits win (Kimi-K2 at 4k: 27 us at 31
@@ -282,7 +286,10 @@ def _choose_num_splits(*, batch: int, programs_per_split: int, max_prefix: int, 
     batch 64: 190 us at 2 splits, 229 us at 5) and for GQA 8:1 batch 64 (102 us at 2, 149 us at 3). The split
     count is the most that still fits in one wave (floor of SMs / programs): rounding up spilled a few programs
     into a second wave (Kimi-K2 batch 8 at 32k: 272 us at 17 splits, 213 us at 16; batch 64 at 4k: 251 us at 3
-    splits, 191 us at 2).
+    splits, 191 us at 2). Small programs (<= 16 query rows, several resident per SM) over long prefixes do better
+    with more, shorter splits than one wave gives (Llama-3.1-8B batch 8 at 32k: 467 us = 55% of copy bandwidth at
+    3 splits of 11k tokens, 314 us = 81% at 16 splits of 2k): their splits are shortened to at most
+    ``SMALL_PROGRAM_SPLIT_TOKENS`` tokens, up to 8 waves.
     """
     base = batch * programs_per_split
     if base >= num_sms or max_prefix <= 0:
@@ -290,6 +297,10 @@ def _choose_num_splits(*, batch: int, programs_per_split: int, max_prefix: int, 
     min_tokens = _cdiv(max(block_n, MIN_SPLIT_BYTES // max(1, bytes_per_token)), block_n) * block_n
     by_length = max(1, max_prefix // min_tokens)
     splits = max(1, min(num_sms // base, by_length, HEURISTIC_MAX_SPLITS))
+    if small_programs:
+        cap = max(1, min(8 * num_sms // base, by_length, HEURISTIC_MAX_SPLITS))
+        while splits < cap and _cdiv(max_prefix, splits) > SMALL_PROGRAM_SPLIT_TOKENS:
+            splits = min(cap, splits * 2)
     # The kernel gives each split ceil(ceil(prefix / splits) / block_n) tiles, which can leave the last splits
     # empty (Kimi-K2 at 4k: 63 splits of 2 tiles = 32 working splits, 17.8 us; 64 splits of 1 tile: 13.7 us on
     # the H200). Round up to whole tiles per split when that adds at most 10% more splits, else drop the empty
@@ -312,6 +323,7 @@ def _make_plan(*, max_batch, k, hq, hkv, d, dr, dv, max_context, device, dtype_b
     if num_splits is None:
         bytes_per_token = (d + dr + (0 if v_is_k else dv)) * dtype_bytes
         num_splits = _choose_num_splits(batch=max_batch, programs_per_split=_programs_per_split(cfg, hkv),
+                                        small_programs=cfg["BLOCK_M"] <= 16,
                                         max_prefix=max(0, max_context - k), bytes_per_token=bytes_per_token,
                                         block_n=cfg["BLOCK_N"], num_sms=_num_sms(device.type, device.index))
     num_splits = int(num_splits)

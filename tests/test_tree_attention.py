@@ -270,6 +270,15 @@ def test_split_heuristic():
     # batch 64 x 8 KV heads already fills the GPU
     assert _choose_num_splits(batch=64, programs_per_split=8, max_prefix=32768, bytes_per_token=512,
                               block_n=64, num_sms=132) == 1
+    # small programs (<= 16 rows) over a long prefix: splits of at most 2k tokens, up to 8 waves (Llama-3.1-8B,
+    # batch 8 x 8 KV heads at 32k: 2 -> 16); big programs keep one wave; short splits are left alone
+    gqa_token_bytes = 2 * 128 * 2
+    assert _choose_num_splits(batch=8, programs_per_split=8, max_prefix=32764, bytes_per_token=gqa_token_bytes,
+                              block_n=64, num_sms=132, small_programs=True) == 16
+    assert _choose_num_splits(batch=8, programs_per_split=8, max_prefix=32764, bytes_per_token=gqa_token_bytes,
+                              block_n=64, num_sms=132) == 2
+    assert _choose_num_splits(batch=1, programs_per_split=8, max_prefix=4092, bytes_per_token=gqa_token_bytes,
+                              block_n=64, num_sms=132, small_programs=True) == 16
     # short context: no split
     assert _choose_num_splits(batch=1, programs_per_split=1, max_prefix=100, bytes_per_token=mla_token_bytes,
                               block_n=32, num_sms=132) == 1

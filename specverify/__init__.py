@@ -34,6 +34,7 @@ _LAZY = {
     # MoE
     "moe_route": "specverify.moe",
     "fused_moe": "specverify.moe",
+    "append_shared_expert": "specverify.moe",
     # acceptance and KV
     "verify_greedy": "specverify.accept",
     "verify_sampling": "specverify.accept",

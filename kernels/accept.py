@@ -392,42 +392,8 @@ def _accept_sample_kernel(logits_ptr, stride_row, V, S, K, L,
                 pick = tl.where(fh < 2147483647, fh, lastpos)
                 bonus = tl.where(pick >= 0, tl.sum(tl.where(flat == pick, ci, 0), axis=None), bonus)
             else:
-                roff = crow.to(tl.int64) * stride_row
-                W = tl.zeros((), tl.float32)
-                for start in range(0, V, BLOCK):
-                    offs = start + tl.arange(0, BLOCK)
-                    vm = offs < V
-                    z = tl.load(logits_ptr + roff + offs, mask=vm, other=float("-inf")).to(tl.float32) * inv_t + 0.0
-                    w = tl.exp(z - m_c)
-                    keep = vm & (z > float("-inf")) & (_okey(z) >= t_c) & (w >= min_p)
-                    for j in range(K):
-                        pj = tl.load(parents_ptr + b * K + j).to(tl.int32)
-                        tj = tl.load(draft_ptr + b * K + j).to(tl.int32)
-                        keep = keep & (offs != tl.where((pj == cur) & (j > 0), tj, -5))
-                    W += tl.sum(tl.where(keep, w, 0.0), axis=0)
-                target = ub * W
-                run = tl.zeros((), tl.float32)
-                pick = tl.zeros((), tl.int32) - 1
-                lastpos = tl.zeros((), tl.int32) - 1
-                for start in range(0, V, BLOCK):
-                    offs = start + tl.arange(0, BLOCK)
-                    vm = offs < V
-                    z = tl.load(logits_ptr + roff + offs, mask=vm, other=float("-inf")).to(tl.float32) * inv_t + 0.0
-                    w = tl.exp(z - m_c)
-                    keep = vm & (z > float("-inf")) & (_okey(z) >= t_c) & (w >= min_p)
-                    for j in range(K):
-                        pj = tl.load(parents_ptr + b * K + j).to(tl.int32)
-                        tj = tl.load(draft_ptr + b * K + j).to(tl.int32)
-                        keep = keep & (offs != tl.where((pj == cur) & (j > 0), tj, -5))
-                    w = tl.where(keep, w, 0.0)
-                    pre = run + tl.cumsum(w, axis=0)
-                    hit = keep & (pre > target)
-                    fh = tl.min(tl.where(hit, offs, 2147483647), axis=0)
-                    pick = tl.where((pick < 0) & (fh < 2147483647), fh, pick)
-                    lastpos = tl.maximum(lastpos, tl.max(tl.where(keep, offs, -1), axis=0))
-                    run += tl.sum(w, axis=0)
-                pick = tl.where(pick >= 0, pick, lastpos)
-                bonus = tl.where(pick >= 0, pick, bonus)
+                bonus = _row_bonus_scan(logits_ptr, parents_ptr, draft_ptr, b, K, crow, stride_row, V, inv_t, m_c,
+                                        t_c, min_p, ub, bonus, BLOCK)
         toks = tl.where(offs_k == acc, bonus, toks)
         lmask = offs_k < L
         tl.store(out_tokens_ptr + b * L + offs_k, toks.to(tl.int64), mask=lmask)

@@ -4,7 +4,9 @@ Shapes (Kimi-K2 per rank at tp 8: 8 heads, kv_lora_rank 512 + rope 64, bf16, pag
 batch 1 context 4096 k 1 (decode) and k 4 (top-2 tree) — the <= 10 us latency target of issue 4 —, batch 8
 context 32768 k 4 and batch 64 context 4096 k 4 (bandwidth). Variants: ``MLA_LATENCY_CONFIGS`` (16-bit split
 partials, programmatic dependent launch, merge width, fewer rows or value columns per program, chunked kernel,
-fused merge) and ``MLA_CHUNKED_CONFIGS`` from ``specverify/kernels/tree_attention.py``, at several split counts.
+fused merge), ``MLA_CHUNKED_CONFIGS`` and ``MLA_SWAPPED_CONFIGS`` (the transposed kernel, ``swap`` rows: KV tokens as
+the MMA's M dimension so Hopper can use wgmma) from ``specverify/kernels/tree_attention.py``, at several split counts
+(the 4-warp BLOCK_N 32 swapped config fits two CTAs on an SM, so it is timed at twice the heuristic's splits).
 
 Each variant is checked before timing: ``err`` = max |out - ref| against the fp32 torch reference, ``tol`` = 2 x the
 torch bf16 reference's own error + one bf16 ulp of the output scale (the tests' derived tolerance); a variant over
@@ -12,9 +14,12 @@ tol is marked WRONG. Time: µs per call by CUDA-graph replay (20 calls per graph
 ``specverify.benchmarking.graph_us``). ``bw% = KV bytes / time / copy_bw`` with KV bytes = batch x context x 576 x 2
 and ``copy_bw`` a 1 GiB device-to-device copy (``2 * bytes / time``) measured in the same run.
 
-Usage: ``python bench/sweep_attention.py [--quick] [--json PATH] [--budget-s S]``; prints a table last.
-``--quick``: fewer variants per shape. ``--budget-s``: start no new variant after S seconds (default 420), so one
-device call stays bounded; the JSON is rewritten after every row, so a killed run still leaves its numbers.
+Usage: ``python bench/sweep_attention.py [--quick] [--json PATH] [--budget-s S] [--only latency|bandwidth]
+[--resources]``; prints a table last. ``--quick``: fewer variants per shape. ``--only``: the batch-1 shapes or the
+batch 8 / 64 shapes. ``--resources`` needs no GPU: it compiles the default and the swapped kernel configs for sm_90a
+here and prints registers, spilled bytes, shared memory and whether wgmma is used. ``--budget-s``: start no new
+variant after S seconds (default 420), so one device call stays bounded; the JSON is rewritten after every row, so a
+killed run still leaves its numbers.
 """
 from __future__ import annotations
 
@@ -42,9 +47,11 @@ def variants_for(batch: int, k: int, quick: bool):
     """[(label, config or None, num_splits or None)], most informative first."""
     from specverify.kernels import tree_attention as kernels
 
-    L, C = kernels.MLA_LATENCY_CONFIGS, kernels.MLA_CHUNKED_CONFIGS
+    L, C, W = kernels.MLA_LATENCY_CONFIGS, kernels.MLA_CHUNKED_CONFIGS, kernels.MLA_SWAPPED_CONFIGS
     if batch == 1:
         v = [("default", None, None), ("default s64", None, 64),
+             ("swap bf16+pdl s64", L["swap bf16+pdl"], 64), ("swap s3 bf16+pdl s64", L["swap s3 bf16+pdl"], 64),
+             ("swap N32 w4 bf16+pdl s128", L["swap N32 w4 bf16+pdl"], 128),
              ("bf16 s64", L["bf16"], 64), ("pdl s64", L["pdl"], 64), ("bf16+pdl s64", L["bf16+pdl"], 64),
              ("bf16+pdl s32", L["bf16+pdl"], 32), ("bf16+pdl N32 s128", L["bf16+pdl N32"], 128),
              ("bf16+pdl DV256 s64", L["bf16+pdl DV256"], 64), ("bf16+pdl M16 s64", L["bf16+pdl M16"], 64),
@@ -60,16 +67,21 @@ def variants_for(batch: int, k: int, quick: bool):
              ("chunk DV128 bf16+pdl s32", L["chunk DV128 bf16+pdl"], 32),
              ("fused bf16+pdl s16", L["fused bf16+pdl"], 16),
              ("chunk DV128 fused bf16+pdl s16", L["chunk DV128 fused bf16+pdl"], 16)]
-        return v[:12] if quick else v
+        return v[:15] if quick else v
     if batch == 8:
-        v = [("default", None, None), ("bf16+pdl", L["bf16+pdl"], None), ("pdl", L["pdl"], None),
+        v = [("default", None, None), ("swap", W[0], None), ("swap s3", W[1], None),
+             ("swap pdl", dict(W[0], PDL=True), None), ("swap N32 w4 s32", W[2], 32),
+             ("swap N32 w8 s16", W[3], 16), ("swap s3 bf16+pdl s16", L["swap s3 bf16+pdl"], 16),
+             ("bf16+pdl", L["bf16+pdl"], None), ("pdl", L["pdl"], None),
              ("bf16+pdl s16", L["bf16+pdl"], 16), ("chunk DV256 bf16+pdl s8", L["chunk DV256 bf16+pdl"], 8),
              ("chunk DV256 bf16+pdl s16", L["chunk DV256 bf16+pdl"], 16), ("C3 s8", C[3], 8)]
-        return v[:4] if quick else v
-    v = [("default", None, None), ("pdl", L["pdl"], None), ("default s1", None, 1),
+        return v[:8] if quick else v
+    v = [("default", None, None), ("swap", W[0], None), ("swap s3", W[1], None),
+         ("swap pdl", dict(W[0], PDL=True), None), ("swap N32 w4 s4", W[2], 4), ("swap N32 w8 s2", W[3], 2),
+         ("swap s1", W[0], 1), ("pdl", L["pdl"], None), ("default s1", None, 1),
          ("chunk DV256 pdl s1", dict(C[0], PDL=True), 1), ("C3 s1 (M64)", C[3], 1),
          ("bf16+pdl s2", L["bf16+pdl"], 2)]
-    return v[:3] if quick else v
+    return v[:7] if quick else v
 
 
 def write_json(path, bw):
@@ -85,12 +97,57 @@ def write_json(path, bw):
                        copy_gbps=bw, rows=ROWS), fh, indent=1)
 
 
+def resources(quick: bool) -> list[dict]:
+    """Registers / spills / shared memory of the default and the swapped MLA kernels, compiled for sm_90a here (no
+    GPU: the launches ``specverify.attention`` would make are captured and compiled offline)."""
+    from specverify.kernels import tree_attention as kernels
+    from sweep_verify_kernels import _captured_launches, _compile_sm90
+
+    cfgs = [("default", dict(kernels.MLA_CONFIGS[0], BLOCK_M=32))]
+    cfgs += [(f"swap{i}", c) for i, c in enumerate(kernels.MLA_SWAPPED_CONFIGS)]
+    shapes = [(64, 4096, 4, 2), (1, 4096, 4, 64)] + ([] if quick else [(64, 4096, 8, 2)])
+    rows = []
+    for batch, ctx, k, splits in shapes:
+        for label, config in cfgs:
+            if k == 8 and label != "default" and config["BLOCK_M"] < 64:
+                continue  # the k 8 shape (64 rows) is for the 64-row configs
+            t0 = time.time()
+            row = {"shape": f"b{batch} c{ctx} k{k}", "variant": label, "config": config}
+            try:
+                sink, _ = _captured_launches(True, batch, k, ctx, dict(config), splits)
+                fn, grid, args, kw = sink[0]
+                regs, spill, shared, wgmma = _compile_sm90(fn, args, kw)
+                row.update(regs=regs, spill_bytes=spill, shared_bytes=shared, mma="wgmma" if wgmma else "mma.sync",
+                           grid=list(grid))
+            except Exception as exc:  # noqa: BLE001 - report and go on
+                row.update(note=f"FAILED {exc.__class__.__name__}: {str(exc)[:160]}")
+            rows.append(row)
+            log(f"  {row['shape']:<14} {label:<8} {row.get('regs', '-')!s:>4} regs  spill "
+                f"{row.get('spill_bytes', '-')!s:>5} B  shared {row.get('shared_bytes', '-')!s:>6} B  "
+                f"{row.get('mma', '')}  {time.time() - t0:.0f} s {row.get('note', '')}")
+    log(f"\n{'shape':<14} {'variant':<8} {'regs':>5} {'spill B':>8} {'shared B':>9} {'mma':<9} config")
+    for r in rows:
+        log(f"{r['shape']:<14} {r['variant']:<8} {r.get('regs', '-')!s:>5} {r.get('spill_bytes', '-')!s:>8} "
+            f"{r.get('shared_bytes', '-')!s:>9} {r.get('mma', 'FAILED'):<9} {r['config']}")
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer variants per shape")
     ap.add_argument("--json", metavar="PATH", help="write the rows as JSON (rewritten after every row)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="start no new variant after this many seconds")
+    ap.add_argument("--only", choices=("latency", "bandwidth"), help="only the batch-1 shapes or only the batch 8 / "
+                    "64 shapes")
+    ap.add_argument("--resources", action="store_true", help="offline sm_90a registers/spills of the swapped kernel "
+                    "configs (no GPU)")
     args = ap.parse_args(argv)
+    if args.resources:
+        rows = resources(args.quick)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(dict(resources=rows), fh, indent=1)
+        return 0 if all("regs" in r for r in rows) else 1
     if not torch.cuda.is_available():
         print("sweep_attention: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -107,6 +164,8 @@ def main(argv=None) -> int:
     log(f"# copy bandwidth {bw:.0f} GB/s; {torch.cuda.get_device_name()}")
     shapes = [(1, 4096, 4, True), (1, 4096, 1, False), (8, 32768, 4, True), (64, 4096, 4, True)]
     eps = torch.finfo(torch.bfloat16).eps
+    if args.only:
+        shapes = [sh for sh in shapes if (sh[0] == 1) == (args.only == "latency")]
     for batch, ctx, k, tree in shapes:
         name = f"b{batch} c{ctx} k{k}{'t' if tree else ''}"
         if time.time() - t0 > args.budget_s:

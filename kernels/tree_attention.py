@@ -46,12 +46,14 @@ Dv value dim, P page size, S splits):
 |           | FUSED_MERGE: [>= B, S, DV_TILES, k, H]  |              | FUSED_MERGE one slot per value tile             |
 | CNT       | [>= B, programs per split] (FUSED_MERGE)| int32        | finished splits; zero before and after a call   |
 
-Opt-in variants (end of file): ``_tree_attention_mla_chunked_kernel`` (latent in column chunks, KV tile loaded once
-for QK and PV, value columns over several programs) and ``FUSED_MERGE`` (the last split program merges; no merge
-launch). Selected through the plan's config; the defaults above do not use them. Two more opt-ins apply to every
-kernel here: a bf16/fp16 ``WS_O`` (half the partial-output traffic; the lse stays fp32 and the merge sums in fp32)
-and ``PDL`` (programmatic dependent launch on sm_90+: each kernel waits with ``gdc_wait`` for the previous kernel's
-writes before its first load and at once lets the next kernel launch, so the merge grid is resident and waiting
+Opt-in variants (end of file): ``_tree_attention_mla_chunked_kernel`` (latent in column chunks, KV tile loaded once for
+QK and PV, value columns over several programs), ``_tree_attention_mla_swapped_kernel`` (scores and output computed
+transposed, ``s^T = K q^T`` and ``o^T += V^T p^T``, so the KV tokens / latent columns are the MMA's M dimension and
+Hopper can use wgmma with 32 query rows; softmax statistics per column) and ``FUSED_MERGE`` (the last split program
+merges; no merge launch). Selected through the plan's config; the defaults above do not use them. Two more opt-ins apply
+to every kernel here: a bf16/fp16 ``WS_O`` (half the partial-output traffic; the lse stays fp32 and the merge sums in
+fp32) and ``PDL`` (programmatic dependent launch on sm_90+: each kernel waits with ``gdc_wait`` for the previous
+kernel's writes before its first load and at once lets the next kernel launch, so the merge grid is resident and waiting
 when the split grid ends; the launcher sets it only on CUDA).
 """
 from __future__ import annotations
@@ -580,3 +582,149 @@ def _tree_attention_mla_chunked_kernel(
         else:
             if dv_tile == 0:
                 tl.store(WS_LSE + o_rows0 + split * rows_per_split, lse, mask=row_valid)
+
+
+# MLA_SWAPPED_CONFIGS: ``_tree_attention_mla_swapped_kernel`` ("KERNEL": "mla_swapped", issue 4 bandwidth). The
+# product is computed transposed so the KV tile is the MMA's M dimension: S^T = K Q^T is [BLOCK_N, BLOCK_M] and
+# O^T = V^T P^T is [D, BLOCK_M]. With 32 query rows per program (Kimi-K2 rank: 8 heads x k 4) the default kernel's
+# dots have M = 32, which Hopper runs on mma.sync; here M is the 64 KV tokens of a tile (QK) or the 512 latent
+# columns (PV), so both dots can use wgmma with both of their big operands (the KV tile, read once) in shared memory
+# and the query rows as N (16..256). The softmax runs down the KV axis (per-column statistics). BLOCK_DV is
+# always the whole latent (one value tile); BLOCK_M 64 covers k 8 trees (8 heads x 8 tokens) in one program. A tree
+# mask of <= 32 draft tokens is read once per program (one int32 of ancestor bits per query row), not per tile.
+# sm_90a resources (offline compile, Triton 3.9, Kimi-K2 rank at batch 64 / 4k, 2 splits; `python
+# bench/sweep_verify_kernels.py --resources`), shared bytes per CTA in brackets: the KV tiles of the pipeline stages
+# (BLOCK_N x 576 x 2 B each) plus q. BLOCK_N 64: both dots wgmma (m64n16 for QK, m64n32 for PV); with 3 stages the
+# page-table load runs two tiles ahead. BLOCK_N 32: the QK dot (M 32) falls back to mma.sync and the pipeliner keeps
+# one KV buffer, but 4 warps use 76 KB and 255 registers, so two CTAs fit on an SM (force twice the splits). Not
+# listed: 4 warps at BLOCK_N 64 (the [512, 32] fp32 accumulator is 128 registers per thread: 272 B spilled), BLOCK_M
+# 64 at BLOCK_N 64 (224 KB, 480 B spilled with 8 warps, 1136 B with 16).
+MLA_SWAPPED_CONFIGS = [
+    {"KERNEL": "mla_swapped", "BLOCK_N": 64, "BLOCK_M": 32, "num_warps": 8, "num_stages": 2},  # 255 regs [184 KB]
+    {"KERNEL": "mla_swapped", "BLOCK_N": 64, "BLOCK_M": 32, "num_warps": 8, "num_stages": 3},  # 255 regs [185 KB]
+    {"KERNEL": "mla_swapped", "BLOCK_N": 32, "BLOCK_M": 32, "num_warps": 4, "num_stages": 3},  # 255 regs [74 KB]
+    {"KERNEL": "mla_swapped", "BLOCK_N": 32, "BLOCK_M": 32, "num_warps": 8, "num_stages": 3},  # 172 regs [74 KB]
+    {"KERNEL": "mla_swapped", "BLOCK_N": 32, "BLOCK_M": 64, "num_warps": 8, "num_stages": 3},  # 228 regs [113 KB]
+]
+# the swapped kernel with the batch-1 latency levers (bf16 partials + PDL) for bench/sweep_attention.py
+MLA_LATENCY_CONFIGS.update({
+    "swap bf16+pdl": dict(MLA_SWAPPED_CONFIGS[0], **_LAT),
+    "swap s3 bf16+pdl": dict(MLA_SWAPPED_CONFIGS[1], **_LAT),
+    "swap N32 w4 bf16+pdl": dict(MLA_SWAPPED_CONFIGS[2], **_LAT),
+})
+
+
+@triton.jit
+def _tree_attention_mla_swapped_kernel(
+    Q, QR, KV, PT, PREFIX, MASK, OUT, LSE, WS_O, WS_LSE,
+    qk_scale,
+    stride_qb, stride_qt, stride_qh,
+    stride_qrb, stride_qrt, stride_qrh,
+    stride_kp, stride_ks,
+    stride_ptb,
+    stride_mb, stride_mt,
+    stride_ob, stride_ot, stride_oh,
+    NUM_DRAFT: tl.constexpr, NUM_Q_HEADS: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    D: tl.constexpr, DR: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, STORE_LSE: tl.constexpr, DOT_FP32: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """Absorbed MLA with transposed products: ``s^T = K q^T`` [BLOCK_N, BLOCK_M], ``o^T += V^T p^T`` [BLOCK_D,
+    BLOCK_M] (V = the latent part of K). Grid: (row tile, split, batch); workspace and merge as
+    ``_tree_attention_fwd_kernel`` with one value tile."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    m_tile = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+
+    offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_valid = offs_m < NUM_DRAFT * NUM_Q_HEADS
+    tok = offs_m // NUM_Q_HEADS
+    head = offs_m % NUM_Q_HEADS
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    offs_dr = tl.arange(0, BLOCK_DR)
+    dr_mask = offs_dr < DR
+
+    b64 = b.to(tl.int64)
+    q_rows = b64 * stride_qb + tok.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
+    q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+    qr_rows = b64 * stride_qrb + tok.to(tl.int64) * stride_qrt + head.to(tl.int64) * stride_qrh
+    qr = tl.load(QR + qr_rows[:, None] + offs_dr[None, :], mask=row_valid[:, None] & dr_mask[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+        qr = qr.to(tl.float32)
+    q_t = tl.trans(q)  # [BLOCK_D, BLOCK_M]: the B operand of the score product
+    qr_t = tl.trans(qr)
+
+    prefix = tl.load(PREFIX + b).to(tl.int32)
+    pt_row = PT + b64 * stride_ptb
+    if HAS_MASK and NUM_DRAFT <= 32:
+        # each row's ancestor bits as one int32 (<= 4 mask bytes), loaded once: no mask gather inside the loop
+        row_bits = tl.zeros([BLOCK_M], dtype=tl.int32)
+        for j in tl.static_range((NUM_DRAFT + 7) // 8):
+            byte = tl.load(MASK + b64 * stride_mb + tok * stride_mt + j, mask=row_valid, other=0)
+            row_bits = row_bits | (byte.to(tl.int32) << (8 * j))
+    acc_t = tl.zeros([BLOCK_D, BLOCK_M], dtype=tl.float32)  # o^T: latent columns x query rows
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+
+    chunk = tl.cdiv(tl.cdiv(prefix, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, prefix)
+    if split == NUM_SPLITS - 1:
+        start = tl.minimum(start, prefix)
+        end = prefix + NUM_DRAFT
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(start, end, BLOCK_N):
+        pos = start_n + offs_n
+        valid = pos < end
+        page = tl.load(pt_row + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+        kv_rows = page * stride_kp + (pos % PAGE_SIZE).to(tl.int64) * stride_ks
+        kt = tl.load(KV + kv_rows[:, None] + offs_d[None, :], mask=valid[:, None] & d_mask[None, :], other=0.0)
+        kr = tl.load(KV + kv_rows[:, None] + D + offs_dr[None, :], mask=valid[:, None] & dr_mask[None, :],
+                     other=0.0)
+        if DOT_FP32:
+            kt = kt.to(tl.float32)
+            kr = kr.to(tl.float32)
+        s_t = tl.dot(kt, q_t)  # [BLOCK_N, BLOCK_M]
+        s_t = tl.dot(kr, qr_t, s_t) * qk_scale
+        jd = pos - prefix
+        is_draft = valid & (jd >= 0)
+        jd = tl.where(is_draft, jd, 0)
+        if HAS_MASK:
+            if NUM_DRAFT <= 32:
+                dvis = ((row_bits[None, :] >> jd[:, None]) & 1) != 0
+            else:
+                byte = tl.load(MASK + b64 * stride_mb + tok[None, :] * stride_mt + (jd // 8)[:, None],
+                               mask=is_draft[:, None] & row_valid[None, :], other=0)
+                dvis = ((byte.to(tl.int32) >> (jd % 8)[:, None]) & 1) != 0
+        else:
+            dvis = jd[:, None] <= tok[None, :]
+        vis = (valid[:, None] & row_valid[None, :]) & ((pos < prefix)[:, None] | dvis)
+        s_t = tl.where(vis, s_t, float("-inf"))
+        # online softmax down the KV axis: one (m, l) per query row = per column
+        m_new = tl.maximum(m_i, tl.max(s_t, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p_t = tl.exp2(s_t - m_safe[None, :])
+        l_i = l_i * alpha + tl.sum(p_t, 0)
+        m_i = m_new
+        acc_t = tl.dot(tl.trans(kt), p_t.to(kt.dtype), acc_t * alpha[None, :])  # [BLOCK_D, BLOCK_M]
+
+    # ---- epilogue -----------------------------------------------------------------------------------------------
+    has_any = l_i > 0.0
+    out_t = acc_t * (1.0 / tl.where(has_any, l_i, 1.0))[None, :]
+    lse = tl.where(has_any, (m_i + tl.log2(tl.where(has_any, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    st_mask = d_mask[:, None] & row_valid[None, :]
+    if NUM_SPLITS == 1:
+        o_rows = b64 * stride_ob + tok.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
+        tl.store(OUT + o_rows[None, :] + offs_d[:, None], out_t.to(OUT.dtype.element_ty), mask=st_mask)
+        if STORE_LSE:
+            tl.store(LSE + (b64 * NUM_DRAFT + tok) * NUM_Q_HEADS + head, lse, mask=row_valid)
+    else:
+        ws_rows = ((b64 * NUM_SPLITS + split) * NUM_DRAFT + tok) * NUM_Q_HEADS + head
+        tl.store(WS_O + ws_rows[None, :] * D + offs_d[:, None], out_t.to(WS_O.dtype.element_ty), mask=st_mask)
+        tl.store(WS_LSE + ws_rows, lse, mask=row_valid)

@@ -36,6 +36,8 @@ HEURISTIC_MAX_SPLITS = 64
 _PARTIAL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: Keys every kernel's config may carry besides its tile sizes (see :func:`plan_tree_attention`).
 _COMMON_KEYS = ("FUSED_MERGE", "PARTIAL_DTYPE", "PDL", "MERGE_BLOCK_DV", "MERGE_WARPS")
+#: Kernels a config may name with ``KERNEL`` (the last two are MLA-only opt-ins).
+_KERNELS = ("default", "mla_chunked", "mla_swapped")
 #: A split should read at least this many KV bytes per program, or the merge costs more than the split saves.
 MIN_SPLIT_BYTES = 64 * 1024
 
@@ -131,8 +133,9 @@ class TreeAttentionPlan:
         KV splits per (request, KV head); 1 means no workspace and no merge kernel.
     config : dict
         ``BLOCK_M, M_TILES, BLOCK_N, BLOCK_DV, DV_TILES, BLOCK_K, num_warps, num_stages, KERNEL, FUSED_MERGE,
-        PARTIAL_DTYPE, PDL, MERGE_BLOCK_DV, MERGE_WARPS`` (``KERNEL`` ``"default"`` or ``"mla_chunked"``; the
-        latter adds ``D_CHUNK, NC, CPT``; ``MERGE_BLOCK_DV`` None means the launcher's default width).
+        PARTIAL_DTYPE, PDL, MERGE_BLOCK_DV, MERGE_WARPS`` (``KERNEL`` ``"default"``, ``"mla_chunked"`` (adds
+        ``D_CHUNK, NC, CPT``) or ``"mla_swapped"`` (transposed products, one value tile, no fused merge);
+        ``MERGE_BLOCK_DV`` None means the launcher's default width).
     workspace_out : torch.Tensor or None
         [max_batch, num_splits, num_draft_tokens, num_q_heads, head_dim_v] (None when ``num_splits == 1``); fp32,
         or bf16/fp16 with ``PARTIAL_DTYPE``.
@@ -191,11 +194,18 @@ def _choose_config(*, mla: bool, rows: int, head_dim: int, head_dim_v: int, inte
         raise ValueError(f"config has unknown keys {sorted(unknown)}; expected BLOCK_N, BLOCK_DV, BLOCK_M, "
                          "num_warps, num_stages, KERNEL, D_CHUNK, " + ", ".join(_COMMON_KEYS))
     kernel = base.get("KERNEL", "default")
-    if kernel not in ("default", "mla_chunked"):
-        raise ValueError(f"config KERNEL must be 'default' or 'mla_chunked', got {kernel!r}")
+    if kernel not in _KERNELS:
+        raise ValueError(f"config KERNEL must be one of {_KERNELS}, got {kernel!r}")
     if kernel == "mla_chunked":
         cfg = _choose_chunked_config(base, mla=mla, rows=rows, head_dim=head_dim, head_dim_v=head_dim_v)
         cfg.update(_common_config(base))
+        return cfg
+    if kernel == "mla_swapped":
+        cfg = _choose_swapped_config(base, mla=mla, rows=rows, head_dim=head_dim, head_dim_v=head_dim_v)
+        cfg.update(_common_config(base))
+        if cfg["FUSED_MERGE"]:
+            raise ValueError("config KERNEL='mla_swapped' has no fused split merge; drop FUSED_MERGE (the merge "
+                             "kernel runs after it, PDL=True overlaps its launch)")
         return cfg
     block_m = base.get("BLOCK_M") or min(kernels.MAX_BLOCK_M, _next_pow2(max(16, rows)))
     block_dv = base.get("BLOCK_DV") or _next_pow2(max(16, head_dim_v))
@@ -270,6 +280,34 @@ def _choose_chunked_config(base: dict, *, mla: bool, rows: int, head_dim: int, h
         "D_CHUNK": dc,
         "NC": nc,
         "CPT": cpt,
+    }
+
+
+def _choose_swapped_config(base: dict, *, mla: bool, rows: int, head_dim: int, head_dim_v: int) -> dict:
+    """Geometry of the transposed MLA kernel: BLOCK_N KV tokens (the MMA's M) x BLOCK_M query rows (its N)."""
+    kernels = _kernels()
+    if not mla or head_dim != head_dim_v:
+        raise ValueError("config KERNEL='mla_swapped' is for tree_attention_mla (value = latent); drop KERNEL for "
+                         "GQA/MHA")
+    block_d = _next_pow2(max(16, head_dim))
+    if base.get("BLOCK_DV") not in (None, block_d, head_dim):
+        raise ValueError(f"config KERNEL='mla_swapped' keeps the whole latent in one program: BLOCK_DV must be None "
+                         f"or {head_dim}, got {base['BLOCK_DV']!r}; use KERNEL='mla_chunked' to split the value "
+                         "columns")
+    block_m = int(base.get("BLOCK_M") or min(kernels.MAX_BLOCK_M, _next_pow2(max(16, rows))))
+    block_n = int(base.get("BLOCK_N", 64))
+    for name, value in (("BLOCK_M", block_m), ("BLOCK_N", block_n)):
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"config {name} must be a power of two >= 16 (tl.dot tiles), got {value}")
+    return {
+        "BLOCK_M": block_m,
+        "M_TILES": _cdiv(rows, block_m),
+        "BLOCK_N": block_n,
+        "BLOCK_DV": block_d,
+        "DV_TILES": 1,
+        "num_warps": int(base.get("num_warps", 8)),  # 4 warps hold the [512, 32] fp32 accumulator only by spilling
+        "num_stages": int(base.get("num_stages", 2)),
+        "KERNEL": "mla_swapped",
     }
 
 
@@ -386,7 +424,9 @@ def plan_tree_attention(*, max_batch: int, num_draft_tokens: int, num_q_heads: i
         workspace traffic; lse and the merge sum stay fp32), ``PDL=True`` (programmatic dependent launch of the
         split and merge kernels, sm_90+; ignored under the CPU interpreter), ``MERGE_BLOCK_DV`` / ``MERGE_WARPS``
         (value columns and warps of one merge program) and, for :func:`plan_tree_attention_mla` only,
-        ``KERNEL="mla_chunked"`` with ``D_CHUNK`` (see ``MLA_CHUNKED_CONFIGS`` / ``GQA_BANDWIDTH_CONFIGS`` /
+        ``KERNEL="mla_chunked"`` with ``D_CHUNK``, or ``KERNEL="mla_swapped"`` (scores and output computed
+        transposed, KV tokens as the MMA's M dimension so Hopper can use wgmma with 32 query rows; no
+        ``FUSED_MERGE``) (see ``MLA_CHUNKED_CONFIGS`` / ``MLA_SWAPPED_CONFIGS`` / ``GQA_BANDWIDTH_CONFIGS`` /
         ``MLA_LATENCY_CONFIGS`` in ``specverify/kernels/tree_attention.py``).
 
     Returns
@@ -553,6 +593,26 @@ def _launch(*, q, qr, kc, vc, k_strides, v_strides, page_table, prefix_lens, tre
     qr_t = qr if qr is not None else q
     grid = (_programs_per_split(cfg, hkv), splits, batch)
     mask_arg = tree_mask if tree_mask is not None else page_table
+    if cfg.get("KERNEL") == "mla_swapped":
+        kernels._tree_attention_mla_swapped_kernel[grid](
+            q, qr_t, kc, page_table, prefix_lens, mask_arg, out, lse if store_lse else out, ws_o, ws_lse,
+            float(sm_scale) * 1.4426950408889634,
+            q.stride(0), q.stride(1), q.stride(2),
+            qr_t.stride(0), qr_t.stride(1), qr_t.stride(2),
+            k_strides[0], k_strides[1],
+            page_table.stride(0),
+            smb, smt,
+            out.stride(0), out.stride(1), out.stride(2),
+            NUM_DRAFT=k, NUM_Q_HEADS=hq, PAGE_SIZE=page_size, NUM_SPLITS=splits, D=d, DR=dr,
+            BLOCK_D=cfg["BLOCK_DV"], BLOCK_DR=_next_pow2(max(16, dr)), BLOCK_M=cfg["BLOCK_M"],
+            BLOCK_N=cfg["BLOCK_N"], HAS_MASK=tree_mask is not None, STORE_LSE=store_lse,
+            DOT_FP32=q.device.type == "cpu", PDL=bool(pdl), num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"], **pdl,
+        )
+        if splits > 1:
+            _launch_merge(kernels, ws_o, ws_lse, out, lse, batch=batch, k=k, hq=hq, dv=dv, splits=splits, cfg=cfg,
+                          pdl=pdl)
+        return
     if cfg.get("KERNEL") == "mla_chunked":
         kernels._tree_attention_mla_chunked_kernel[grid](
             q, qr_t, kc, page_table, prefix_lens, mask_arg, out, lse if store_lse else out, ws_o, ws_lse, count,

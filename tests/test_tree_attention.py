@@ -488,6 +488,95 @@ def test_fused_plan_workspace_shapes():
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# opt-in: the transposed MLA kernel (KERNEL="mla_swapped": s^T = K q^T, o^T += V^T p^T, per-column softmax)
+# ----------------------------------------------------------------------------------------------------------------
+def _swapped(**kw):
+    return dict({"KERNEL": "mla_swapped", "BLOCK_N": 16, "BLOCK_M": 16, "num_warps": 4, "num_stages": 1}, **kw)
+
+
+MLA_SWAPPED_CASES = [
+    # id, prefix_lens, k, h, r, dr, page_size, mask, dtype, num_splits, config
+    # page size 1 (every token its own page), a prefix-0 request (its first split is empty: lse -inf, o 0), per-
+    # request trees read as one int32 of ancestor bits per row, 3 splits through the merge kernel
+    ("swap-random-ps1-prefix0-split", [0, 37, 20], 3, 4, 64, 16, 1, "random", torch.bfloat16, 3, _swapped()),
+    # 9 tokens need two mask bytes; 9 x 4 = 36 rows -> 3 row tiles of 16 (the last one part empty); prefix 16 ends
+    # on a page boundary; no split: direct store of out and lse; fp16
+    ("swap-topk-k9-mtiles-ps16-nosplit", [16, 5], 9, 4, 64, 16, 16, "topk", torch.float16, 1, _swapped()),
+    # no mask (chain); latent 48 is not a power of two (BLOCK_D 64, masked columns); page size 5 (not a power of two)
+    ("swap-chain-r48-ps5", [11, 30], 4, 2, 48, 16, 5, "chain", torch.bfloat16, 2, _swapped()),
+    # 33 draft tokens (> 32: the per-tile mask gather path, 5 mask bytes); one head so rows stay few
+    ("swap-k33-gather-mask", [7], 33, 1, 32, 16, 16, "random", torch.bfloat16, 2, _swapped(BLOCK_M=32)),
+    # Kimi-K2 per-rank dims (8 heads, 512 + 64) with the bench's row tile (32 = 8 heads x 4 tokens), bf16 partials,
+    # PDL (accepted, ignored by the interpreter), a tile of 32 KV tokens
+    ("swap-kimi-dims-bf16-partials", [16, 3], 4, 8, 512, 64, 16, "random", torch.bfloat16, 2,
+     _swapped(BLOCK_M=32, BLOCK_N=32, PARTIAL_DTYPE="bf16", PDL=True)),
+]
+
+
+@pytest.mark.parametrize("case", MLA_SWAPPED_CASES, ids=[c[0] for c in MLA_SWAPPED_CASES])
+def test_mla_swapped_matches_reference(case, device, poison):
+    _, prefix_lens, k, h, r, dr, ps, mask, dtype, splits, config = case
+    plan = run_mla(device, poison, prefix_lens=prefix_lens, k=k, h=h, r=r, dr=dr, page_size=ps, mask_kind=mask,
+                   dtype=dtype, num_splits=splits, seed=sum(map(ord, case[0])), config=config)
+    assert plan.config["KERNEL"] == "mla_swapped" and plan.config["DV_TILES"] == 1
+    assert plan.config["M_TILES"] == math.ceil(k * h / plan.config["BLOCK_M"])
+    if splits > 1:
+        want = torch.bfloat16 if config.get("PARTIAL_DTYPE") == "bf16" else torch.float32
+        assert plan.workspace_out.dtype == want
+
+
+def test_mla_swapped_same_result_as_default(device):
+    """The transposed kernel and the default kernel agree to within bf16 rounding on the same inputs (one split
+    each, so only the summation order differs)."""
+    gen = torch.Generator().manual_seed(77)
+    prefix_lens, k, h, r, dr, ps = [21], 4, 4, 64, 16, 16
+    kv, table = make_paged(prefix_lens, k, ps, (r + dr,), torch.bfloat16, device, gen)
+    ql = torch.randn(1, k, h, r, generator=gen).bfloat16().to(device)
+    qr = torch.randn(1, k, h, dr, generator=gen).bfloat16().to(device)
+    prefix = torch.tensor(prefix_lens, device=device)
+    mask = make_mask("topk", k, 1, gen).to(device)
+    outs = []
+    for config in (None, _swapped()):
+        plan = plan_tree_attention_mla(max_batch=1, num_draft_tokens=k, num_heads=h, kv_lora_rank=r, rope_dim=dr,
+                                       max_context=table.shape[1] * ps, device=device, num_splits=1, config=config)
+        outs.append(tree_attention_mla(ql, qr, kv, page_table=table, prefix_lens=prefix, tree_mask=mask,
+                                       sm_scale=0.125, return_lse=True, impl="triton", plan=plan))
+    (o_a, l_a), (o_b, l_b) = outs
+    scale = o_a.float().abs().max().item()
+    assert (o_a.float() - o_b.float()).abs().max().item() <= 2 * torch.finfo(torch.bfloat16).eps * scale
+    assert (l_a - l_b).abs().max().item() <= 1e-4 * max(1.0, l_a.abs().max().item())
+
+
+@pytest.mark.parametrize("config, match", [
+    (_swapped(FUSED_MERGE=True), "no fused split merge"),  # the swapped kernel always uses the merge kernel
+    (_swapped(BLOCK_DV=256), "BLOCK_DV must be None or 512"),  # one program holds the whole latent
+    (_swapped(BLOCK_N=48), "BLOCK_N must be a power of two"),
+])
+def test_mla_swapped_config_errors(config, match):
+    with pytest.raises(ValueError, match=match):
+        plan_tree_attention_mla(max_batch=1, num_draft_tokens=2, num_heads=8, max_context=64, device="cpu",
+                                num_splits=2, config=config)
+
+
+def test_swapped_config_rejected_for_gqa():
+    with pytest.raises(ValueError, match="KERNEL='mla_swapped' is for tree_attention_mla"):
+        plan_tree_attention(max_batch=1, num_draft_tokens=2, num_q_heads=4, num_kv_heads=1, head_dim=64,
+                            max_context=64, device="cpu", config={"KERNEL": "mla_swapped"})
+
+
+def test_swapped_configs_plan():
+    """Every MLA_SWAPPED_CONFIGS entry plans for the Kimi-K2 rank: one value tile, rows tiled by BLOCK_M."""
+    from specverify.kernels.tree_attention import MLA_SWAPPED_CONFIGS
+
+    for config in MLA_SWAPPED_CONFIGS:
+        for k in (4, 8):
+            plan = plan_tree_attention_mla(max_batch=64, num_draft_tokens=k, num_heads=8, max_context=4096,
+                                           device="cpu", config=config)
+            assert plan.config["KERNEL"] == "mla_swapped" and plan.config["BLOCK_DV"] == 512
+            assert plan.config["M_TILES"] == math.ceil(8 * k / config["BLOCK_M"])
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # GPU: real sizes
 # ----------------------------------------------------------------------------------------------------------------
 GPU_GQA = [
@@ -534,7 +623,7 @@ from specverify.kernels import tree_attention as _K  # noqa: E402 - the config l
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", _K.MLA_CONFIGS + _K.MLA_CHUNKED_CONFIGS
+@pytest.mark.parametrize("config", _K.MLA_CONFIGS + _K.MLA_CHUNKED_CONFIGS + _K.MLA_SWAPPED_CONFIGS
                          + [dict(c, FUSED_MERGE=True) for c in (_K.MLA_CONFIGS[0], _K.MLA_CHUNKED_CONFIGS[0])])
 def test_gpu_mla_every_config(config, poison):
     """Every config the bench may pick is correct (the bench sweeps these)."""
@@ -561,10 +650,12 @@ def test_gpu_gqa_every_config(config, poison):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["default", "fused", "bf16+pdl"])
+@pytest.mark.parametrize("variant", ["default", "fused", "bf16+pdl", "swapped"])
 @pytest.mark.parametrize("mla", [False, True], ids=["gqa", "mla"])
 def test_gpu_cuda_graph(mla, variant):
     """Eager -> capture -> replay -> change every input in place -> replay -> compare with the reference."""
+    if variant == "swapped" and not mla:
+        pytest.skip("KERNEL='mla_swapped' is an MLA kernel")
     device = "cuda"
     gen = torch.Generator().manual_seed(21)
     batch, k, page_size = 4, 4, 16
@@ -578,7 +669,8 @@ def test_gpu_cuda_graph(mla, variant):
         ql = torch.randn(batch, k, h, r, generator=gen).bfloat16().to(device)
         qr = torch.randn(batch, k, h, dr, generator=gen).bfloat16().to(device)
         config = {"fused": dict(_K.MLA_CHUNKED_CONFIGS[0], FUSED_MERGE=True),
-                  "bf16+pdl": _K.MLA_LATENCY_CONFIGS["bf16+pdl"]}.get(variant)
+                  "bf16+pdl": _K.MLA_LATENCY_CONFIGS["bf16+pdl"],
+                  "swapped": dict(_K.MLA_SWAPPED_CONFIGS[0], PDL=True)}.get(variant)
         plan = plan_tree_attention_mla(max_batch=batch, num_draft_tokens=k, num_heads=h, max_context=4096 + k,
                                        device=device, config=config)
     else:

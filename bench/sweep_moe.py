@@ -12,7 +12,8 @@ consecutive calls hit different experts and the weights (GBs per layer) come fro
 ``copy_bandwidth_gbps`` (read + write bytes / time) in the same run; ``x_floor = graph_us / floor_us`` (target
 <= 1.25 at M <= 16).
 
-Router + alignment (block 16): ``atomic`` (old default), ``single`` and ``fast`` (new default) with its configs,
+Router + alignment (block 16): ``atomic`` (old default), ``single``, ``fast`` (new default) and ``warp`` (one warp
+per token row, M <= 64) with their configs,
 checked (ids against ``route_reference``, counts / blocks against ``align_reference``) and timed the same way; the
 router alone (no alignment) as the baseline. Target <= 4 us at M <= 64.
 
@@ -46,7 +47,7 @@ FUSED_GRID = [
     dict(q=0, DOT=False, BI=16, BK=256, BH=64, MP=2, num_warps=8, num_stages=3, max_m=4),
     dict(q=0, DOT=False, BI=32, BK=64, BH=64, MP=2, num_warps=4, num_stages=3, max_m=4),
 ]
-#: router variants: (name, variant, config dict merged into _FAST_ROUTE_CONFIG / _ROUTE_NUM_WARPS)
+#: router variants: (name, variant, config dict merged into _FAST_ROUTE_CONFIG, or _WARP_ROUTE_CONFIG for "warp")
 ROUTE_GRID = [
     ("atomic", "atomic", {}),
     ("single", "single", {}),
@@ -58,6 +59,11 @@ ROUTE_GRID = [
     ("fast rows2", "fast", dict(ROWS=2, one_max_slots=0)),
     ("fast rows4", "fast", dict(ROWS=4, one_max_slots=0)),
     ("fast rows1", "fast", dict(ROWS=1, one_max_slots=0)),
+    # one program, one warp per token row, alignment from the routing's choice matrix (exact reference order)
+    ("warp", "warp", {}),
+    ("warp w8", "warp", dict(max_warps=8)),
+    ("warp w32", "warp", dict(max_warps=32)),
+    ("warp rpw2", "warp", dict(rows_per_warp=2)),
 ]
 
 
@@ -103,12 +109,13 @@ def main(argv=None) -> int:
                 commit=git_commit(__file__), date=datetime.datetime.now().isoformat(timespec="seconds"), copy_gbps=bw,
                 sets=SETS, block=BLOCK)
     rows, skipped = [], []
-    saved = (dict(moe._VARIANT), dict(moe._FAST_ROUTE_CONFIG), dict(moe._FUSED_OVERRIDE))
+    saved = (dict(moe._VARIANT), dict(moe._FAST_ROUTE_CONFIG), dict(moe._FUSED_OVERRIDE), dict(moe._WARP_ROUTE_CONFIG))
 
     def restore():
         moe._VARIANT.clear(), moe._VARIANT.update(saved[0])
         moe._FAST_ROUTE_CONFIG.clear(), moe._FAST_ROUTE_CONFIG.update(saved[1])
         moe._FUSED_OVERRIDE.clear(), moe._FUSED_OVERRIDE.update(saved[2])
+        moe._WARP_ROUTE_CONFIG.clear(), moe._WARP_ROUTE_CONFIG.update(saved[3])
 
     for name in args.models.split(","):
         rs = per_rank_shapes(name, tp=8)
@@ -190,7 +197,7 @@ def main(argv=None) -> int:
                     return
                 restore()
                 moe._VARIANT["route"] = variant
-                moe._FAST_ROUTE_CONFIG.update(ov)
+                (moe._WARP_ROUTE_CONFIG if variant == "warp" else moe._FAST_ROUTE_CONFIG).update(ov)
                 bs = BLOCK if align else None
 
                 def call(i):
@@ -206,6 +213,8 @@ def main(argv=None) -> int:
                                                                          re_.cpu())
                         got = al.sorted_token_ids[:n].cpu()
                         ok = ok and sorted(got.tolist()) == sorted(rs_.cpu().tolist())
+                        if variant == "warp":  # slots in reference order inside each expert
+                            ok = ok and torch.equal(got, rs_.cpu())
                     us = time_sets(call)
                 except Exception as exc:
                     print(f"# {name} M={m} route {label} failed: {exc.__class__.__name__}: {exc}", flush=True)
@@ -216,7 +225,7 @@ def main(argv=None) -> int:
 
             route_row("router only", "fast", {}, align=False)
             for label, variant, ov in ROUTE_GRID:
-                if args.quick and label in ("fast w2", "fast rows4", "fast one256"):
+                if args.quick and label in ("fast w2", "fast rows4", "fast one256", "warp rpw2"):
                     continue
                 route_row(label, variant, ov)
             restore()

@@ -19,6 +19,10 @@ flight; their fp32 partials ``gu`` [SPLIT_K, S, 2I] are summed by the down kerne
 An opt-in GEMV variant for M <= 4 (``_moe_gemv_gate_up_kernel`` + ``_moe_gemv_down_sum_kernel``, end of this
 file) uses no tl.dot, needs no ``part`` buffer and sums over top_k inside the down GEMV (two launches).
 
+An opt-in weight-streaming variant for M <= 2 (``_moe_stream_gate_up_kernel`` + ``_moe_stream_down_kernel``, end of
+this file, section "Stream variant") is built only to keep enough weight bytes in flight at one token: small
+programs, FMA GEMVs, a prefetched H loop, and the down projection of every slot plus the top-k sum in one gather.
+
 Weight tiles come from ``_load_w_tile``; a quantised format (W4A16, group 32) is meant to add a branch there that
 loads packed nibbles and scales and dequantises into the same [BLOCK_N, BLOCK_K] tile, leaving the callers as is.
 
@@ -43,6 +47,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -383,3 +388,140 @@ def _moe_partial_sum_kernel(part_ptr, ids_ptr, out_ptr, stride_ps, stride_pc, st
         for c in range(NC):
             acc += tl.load(row + c * stride_pc, mask=use, other=0.0)
     tl.store(out_ptr + m.to(tl.int64) * stride_om + on, acc.to(out_ptr.dtype.element_ty), mask=nmask)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Stream variant (opt-in, M <= 2: ``_VARIANT["experts"] = "stream"``): pure weight streaming at one or two tokens.
+#
+# At M = 1 the expert GEMM is a GEMV: ~11 MB of weights per activated expert, 2 FLOPs per weight element. Its time
+# is set by how many weight bytes are in flight (Little's law: ~4.2 TB/s x ~1 us loaded latency = ~4 MB GPU-wide,
+# ~32 KB per SM), not by arithmetic. So: no tl.dot, fp32 FMA into element-wise accumulators (one reduction at the
+# end), 16-byte vector loads along the contiguous H (or I) axis, small programs (few rows, 2-4 warps) so that
+# several are resident per SM, and an explicitly double-buffered H loop (PREFETCH) so each program keeps two
+# weight tiles in flight.
+#
+#   _moe_stream_gate_up_kernel  grid (U * NT,), NT = ceil(I / R). Program (u, t) streams gate rows
+#       [t*R, (t+1)*R) and the same up rows of expert e over all of H in [R, BK] tiles and stores
+#           act[s, rows] = silu(hidden[tok(s)] @ gate^T) * (hidden[tok(s)] @ up^T)     (fp32 sums, act in w's dtype)
+#       ALIGNED: unit u is an alignment block (expert_ids[u]; its slots MP at a time, so an expert chosen by both
+#       tokens is read once). Not ALIGNED: unit u is slot u with expert topk_ids[u] (no alignment needed; an expert
+#       shared by two tokens is read twice, the second time mostly from L2 since all programs run in one wave).
+#       With PDL it lets the down kernel launch at once (gdc_launch_dependents).
+#   _moe_stream_down_kernel     grid (ceil(H / BH),). Program p owns output rows h in [p*BH, (p+1)*BH) and every
+#       slot of every token at once (SP >= M * TOP_K lanes): one gathered [SP, BH, BI] load of w2[e_s][h, i] (each
+#       activated expert's w2 rows read once), then
+#           out[m, h] = sum_{s of token m} sum_i (r_s * act[s, i]) * w2[e_s][h, i]
+#       (slots whose id is -1 or >= E masked out; fixed reduction order: deterministic, no atomics).
+#       With PDL it is launched as a programmatic dependent: the w2 gather (independent of the gate/up kernel) is
+#       issued before ``gdc_wait``, so the down grid's weight reads overlap the gate/up kernel's tail.
+#
+# Weight loads go through ``_load_w_tile`` (gate/up) and ``_load_w_gather`` (down): a W4A16 group-32 format would add
+# a branch in those two helpers (packed nibbles + one scale per 32 elements along H or I), callers unchanged.
+# ------------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _load_w_gather(w_ptr, e, rows, cols, e_mask, row_mask, col_mask, stride_e, stride_row):
+    """A [len(e), len(rows), len(cols)] gather of rows ``rows`` of experts ``e`` (unquantised)."""
+    off = e[:, None, None].to(tl.int64) * stride_e + rows[None, :, None].to(tl.int64) * stride_row
+    mask = e_mask[:, None, None] & row_mask[None, :, None] & col_mask[None, None, :]
+    return tl.load(w_ptr + off + cols[None, None, :], mask=mask, other=0.0)
+
+
+@triton.jit(do_not_specialize=["S"])
+def _moe_stream_gate_up_kernel(hidden_ptr, w13_ptr, act_ptr, sorted_ptr, eids_ptr, npad_ptr, ids_ptr, S, stride_hm,
+                               stride_we, stride_wn, stride_am, E: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+                               TOP_K: tl.constexpr, B: tl.constexpr, MP: tl.constexpr, R: tl.constexpr,
+                               BK: tl.constexpr, ALIGNED: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # the down kernel may launch now: it gathers w2 first and waits (gdc_wait) before reading act
+        gdc_launch_dependents()
+    pid = tl.program_id(0)
+    NT: tl.constexpr = (I + R - 1) // R
+    unit = pid // NT
+    t = pid % NT
+    om = tl.arange(0, MP)
+    if ALIGNED:
+        if unit * B >= tl.load(npad_ptr):
+            return
+        e = tl.load(eids_ptr + unit)
+        # a block's real slots come first, its padding (the sentinel S) after: count them with one load
+        n_valid = tl.sum((tl.load(sorted_ptr + unit * B + tl.arange(0, B)) < S).to(tl.int32), axis=0)
+    else:
+        e = tl.load(ids_ptr + unit)
+        n_valid = 1
+    if (e < 0) | (e >= E):
+        return
+    rows = t * R + tl.arange(0, R)
+    rmask = rows < I
+    ok = tl.arange(0, BK)
+    w_base = w13_ptr + e.to(tl.int64) * stride_we
+    for p0 in range(0, n_valid, MP):  # one pass unless the expert holds more than MP slots of the block
+        if ALIGNED:
+            slots = tl.load(sorted_ptr + unit * B + p0 + om, mask=p0 + om < n_valid, other=S)
+        else:
+            slots = tl.where(om == 0, unit, S)
+        valid = slots < S
+        tok = tl.where(valid, slots // TOP_K, 0)
+        a_base = hidden_ptr + tok.to(tl.int64) * stride_hm
+        acc_g = tl.zeros([MP, R, BK], tl.float32)
+        acc_u = tl.zeros([MP, R, BK], tl.float32)
+        if PREFETCH:  # two [R, BK] tiles of gate and of up in flight: the next one is requested before this one is used
+            wg = _load_w_tile(w_base, rows, ok, rmask, ok < H, stride_wn)
+            wu = _load_w_tile(w_base, rows + I, ok, rmask, ok < H, stride_wn)
+            for k0 in range(0, H, BK):
+                kc = k0 + ok
+                kn = kc + BK
+                wg_next = _load_w_tile(w_base, rows, kn, rmask, kn < H, stride_wn)
+                wu_next = _load_w_tile(w_base, rows + I, kn, rmask, kn < H, stride_wn)
+                a = tl.load(a_base[:, None] + kc[None, :], mask=valid[:, None] & (kc < H)[None, :],
+                            other=0.0).to(tl.float32)
+                acc_g += a[:, None, :] * wg.to(tl.float32)[None, :, :]
+                acc_u += a[:, None, :] * wu.to(tl.float32)[None, :, :]
+                wg = wg_next
+                wu = wu_next
+        else:
+            for k0 in range(0, H, BK):
+                kc = k0 + ok
+                kmask = kc < H
+                wg = _load_w_tile(w_base, rows, kc, rmask, kmask, stride_wn)
+                wu = _load_w_tile(w_base, rows + I, kc, rmask, kmask, stride_wn)
+                a = tl.load(a_base[:, None] + kc[None, :], mask=valid[:, None] & kmask[None, :],
+                            other=0.0).to(tl.float32)
+                acc_g += a[:, None, :] * wg.to(tl.float32)[None, :, :]
+                acc_u += a[:, None, :] * wu.to(tl.float32)[None, :, :]
+        g = tl.sum(acc_g, axis=2)
+        u = tl.sum(acc_u, axis=2)
+        act = g / (1.0 + tl.exp(-g)) * u
+        srow = tl.where(valid, slots, 0).to(tl.int64)
+        tl.store(act_ptr + srow[:, None] * stride_am + rows[None, :], act.to(act_ptr.dtype.element_ty),
+                 mask=valid[:, None] & rmask[None, :])
+
+
+@triton.jit
+def _moe_stream_down_kernel(act_ptr, w2_ptr, ids_ptr, tw_ptr, out_ptr, stride_am, stride_we, stride_wn, stride_om,
+                            E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
+                            MT: tl.constexpr, SP: tl.constexpr, BH: tl.constexpr, BI: tl.constexpr,
+                            PDL: tl.constexpr):
+    pid = tl.program_id(0)
+    oh = pid * BH + tl.arange(0, BH)
+    hmask = oh < H
+    sl = tl.arange(0, SP)  # slot s = m * TOP_K + k of token m (ids and weights are contiguous [M, TOP_K])
+    smask = sl < MT * TOP_K
+    # ids and weights come from before the gate/up kernel: safe to read ahead of gdc_wait
+    e = tl.load(ids_ptr + sl, mask=smask, other=-1)
+    use = smask & (e >= 0) & (e < E)
+    r = tl.load(tw_ptr + sl, mask=use, other=0.0).to(tl.float32)
+    e = tl.where(use, e, 0)
+    oi = tl.arange(0, BI)
+    part = tl.zeros([SP, BH], tl.float32)
+    for i0 in range(0, I, BI):  # one step when I <= BI (Kimi-K2: I = 256)
+        ic = i0 + oi
+        imask = ic < I
+        w = _load_w_gather(w2_ptr, e, oh, ic, use, hmask, imask, stride_we, stride_wn)  # [SP, BH, BI]
+        if PDL:  # act is the gate/up kernel's output: wait for it (the w2 gather above is already in flight)
+            gdc_wait()
+        a = tl.load(act_ptr + sl[:, None].to(tl.int64) * stride_am + ic[None, :], mask=use[:, None] & imask[None, :],
+                    other=0.0).to(tl.float32) * r[:, None]
+        part += tl.sum(w.to(tl.float32) * a[:, None, :], axis=2)
+    tok = sl // TOP_K
+    for m in tl.static_range(MT):  # the top-k sum of token m, in the fixed order of one reduction
+        y = tl.sum(tl.where((tok == m)[:, None], part, 0.0), axis=0)
+        tl.store(out_ptr + m * stride_om + oh, y.to(out_ptr.dtype.element_ty), mask=hmask)

@@ -39,7 +39,9 @@ Tensors (S = M * TOP_K; B = BLOCK_SIZE; MAXB = number of blocks the buffers hold
 
 The opt-in one-program variant (``_moe_route_align_single_kernel``) aligns without atomics and orders the slots
 inside an expert by slot id. The default "fast" variant (``_moe_route_align_fast_kernel``, end of this file)
-aligns in registers when one program holds every slot and writes nothing past the used part of sorted_ids.
+aligns in registers when one program holds every slot and writes nothing past the used part of sorted_ids. The
+opt-in "warp" variant (``_moe_route_align_warp_kernel``) holds each token row in one warp (top-k rounds without
+barriers) and reads the alignment off the routing's [expert x row] choice matrix (no pairwise ranks, no atomics).
 """
 from __future__ import annotations
 
@@ -430,6 +432,162 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
             tl.store(sorted_ptr + base + rk, sl, mask=ok)
             tl.store(count_ptr + e, tl.zeros([EAP], tl.int32), mask=emask)
             tl.atomic_xchg(ticket_ptr, 0)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Warp-per-row variant (opt-in, ``_moe_route_align_warp_kernel``): grid (1,), every row routed at once with each row
+# held by ONE warp, so every top-k round is a register + shuffle reduction with no barrier; the alignment comes from
+# the routing's own [expert x row] choice matrix, so it needs no pairwise [S, S] comparison, no atomics, no
+# workspace and no global round trip.
+#
+#   Tile [NH, ROWS, CH]: expert e = h * CH + c (CH = 128: 32 lanes x 4 experts, the logits and the bias loaded
+#   4 per thread so both loads share one layout), warps over ROWS (the launcher keeps num_warps <= ROWS); row
+#   reductions are "axis 0 in registers, then axis 2 across one warp's lanes". Offline sm_90 compile (Kimi-K2, bf16
+#   logits): 5 / 53 / 41 / 41 barriers at M = 1 / 4 / 16 / 64 (warps 1 / 4 / 16 / 16) against 25 / 59 / 221 for the
+#   "fast" one-program kernel at M = 1 / 4 / 16; at M = 64 the int64 keys spill (~770 local stores).
+#   kmat[h, m, c] = k when expert e is row m's k-th choice, else -1 (a routed row holds each expert at most once)
+#       cnt[e]      = sum_m (kmat[:, m, :] >= 0)                      (one cross-warp reduction)
+#       before[m,e] = sum_{m' < m} (kmat[:, m', :] >= 0)              (exclusive scan over rows)
+#       offs[e]     = exclusive scan over e of ceil(cnt[e] / B) * B    (scan over c, then over h)
+#       dest[m, k]  = sum_e [kmat[m, e] == k] * (offs[e] + before[m, e])   (one masked row sum per k: shuffles)
+#       sorted_ids[dest[m, k]] = m * TOP_K + k
+#   so the slots inside an expert come in increasing slot id (align_reference's order: exact match). Each expert's
+#   padding and block ids are written per expert; expert_ids past the used blocks is -1; sorted_ids past the used
+#   part only with FILL_TAIL.
+# ------------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _row_max3(x):
+    """[NH, ROWS, CH] -> [ROWS]: across the halves in registers first, then across one warp's lanes."""
+    return tl.max(tl.max(x, axis=0), axis=1)
+
+
+@triton.jit
+def _row_sum3(x):
+    return tl.sum(tl.sum(x, axis=0), axis=1)
+
+
+@triton.jit(do_not_specialize=["M", "S", "max_blocks"])
+def _moe_route_align_warp_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, sorted_ptr, eids_ptr, npad_ptr,
+                                 M, S, max_blocks, stride_lm, scale,
+                                 E: tl.constexpr, NH: tl.constexpr, CH: tl.constexpr, ROWS: tl.constexpr,
+                                 TOP_K: tl.constexpr, TOPK_P: tl.constexpr, N_GROUP: tl.constexpr,
+                                 NG_P: tl.constexpr, GSIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                                 SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
+                                 B: tl.constexpr, CHUNK: tl.constexpr, FILL_TAIL: tl.constexpr):
+    """Grid (1,), ROWS >= M > 0, NH * CH >= E. Routes every row and aligns the slots (exact slot order)."""
+    EP: tl.constexpr = NH * CH
+    h = tl.arange(0, NH)
+    r = tl.arange(0, ROWS)
+    cc = tl.arange(0, CH)
+    cc = cc // 4 * 4 + cc % 4  # the same lanes, but runs of 4: logits and bias loads both take 4 per thread
+    e3 = h[:, None, None] * CH + cc[None, None, :]  # [NH, 1, CH]
+    rows3 = r[None, :, None]  # [1, ROWS, 1]
+    e3r = e3 + rows3 * 0  # [NH, ROWS, CH]: every tensor of the routing has the full tile's layout
+    emask = e3r < E
+    rmask3 = rows3 < M
+    x = tl.load(logits_ptr + rows3.to(tl.int64) * stride_lm + e3r, mask=rmask3 & emask,
+                other=float("-inf")).to(tl.float32)
+    if SOFTMAX:
+        has_nan = _row_max3((x != x).to(tl.int32)) > 0
+        mx = _row_max3(x)
+        mx = tl.where(has_nan, float("nan"), mx)
+        p = tl.exp(x - mx[None, :, None])
+        p = tl.where(emask, p, 0.0)
+        den = _row_sum3(p)
+        s = p / den[None, :, None]
+    else:
+        mx = tl.zeros([ROWS], tl.float32)
+        den = mx
+        s = 1.0 / (1.0 + tl.exp(-x))
+    c = s
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + e3r, mask=emask, other=0.0).to(tl.float32)  # the bias row once per row: L1 hits
+        c = s + b
+    finite = (c == c) & (tl.abs(c) != float("inf")) & emask & rmask3  # rows past M choose nothing
+    c = tl.where(finite, c, float("-inf"))
+
+    if N_GROUP > 1:
+        gid = e3r // GSIZE
+        g_ar = tl.arange(0, NG_P)
+        gscore = tl.full([ROWS, NG_P], float("-inf"), tl.float32)
+        for g in tl.static_range(N_GROUP):
+            inside = gid == g
+            v = tl.where(inside, c, float("-inf"))
+            m1 = _row_max3(v)
+            if GSIZE >= 2:
+                n1 = _row_sum3(((v == m1[None, :, None]) & inside).to(tl.int32))
+                m2 = _row_max3(tl.where(v < m1[None, :, None], v, float("-inf")))
+                sc = m1 + tl.where(n1 >= 2, m1, m2)
+            else:
+                sc = m1
+            sc = tl.where(sc == sc, sc, float("-inf"))
+            gscore = tl.where(g_ar[None, :] == g, sc[:, None], gscore)
+        gkey = _order_key(gscore, g_ar[None, :], NG_P)
+        allowed = tl.zeros([NH, ROWS, CH], tl.int32)
+        for t in tl.static_range(TOPK_GROUP):
+            best = tl.max(gkey, axis=1)
+            gsel = _key_index(best, NG_P)
+            allowed = allowed | (gid == gsel[None, :, None]).to(tl.int32)
+            gkey = tl.where(g_ar[None, :] == gsel[:, None], _REMOVED, gkey)
+        c = tl.where(allowed != 0, c, float("-inf"))
+
+    key = _order_key(c, e3r, EP)
+    kk = tl.arange(0, TOPK_P)
+    ids = tl.full([ROWS, TOPK_P], -1, tl.int32)
+    kmat = tl.full([NH, ROWS, CH], -1, tl.int32)
+    for k in tl.static_range(TOP_K):
+        best = _row_max3(key)
+        fin = _key_is_finite(best)
+        sel = tl.where(fin, _key_index(best, EP), -1)
+        hit = (key == best[None, :, None]) & fin[None, :, None]  # keys are unique within a row
+        key = tl.where(hit, _REMOVED, key)
+        kmat = tl.where(hit, k, kmat)
+        ids = tl.where(kk[None, :] == k, sel[:, None], ids)
+
+    # weights: the unbiased scores of the winners, recomputed from their logits with the same formula
+    rows2 = r[:, None]
+    kmask = (kk < TOP_K)[None, :] & (rows2 < M)
+    valid = (ids >= 0) & kmask
+    safe = tl.where(valid, ids, 0)
+    xv = tl.load(logits_ptr + rows2.to(tl.int64) * stride_lm + safe, mask=valid, other=0.0).to(tl.float32)
+    if SOFTMAX:
+        sv = tl.exp(xv - mx[:, None]) / den[:, None]
+    else:
+        sv = 1.0 / (1.0 + tl.exp(-xv))
+    w = tl.where(valid, sv, 0.0)
+    if RENORM:
+        tot = tl.sum(w, axis=1)
+        w = tl.where(tot[:, None] > 0, w / tl.where(tot > 0, tot, 1.0)[:, None], w)
+    w = w * scale
+    out_off = rows2 * TOP_K + kk[None, :]
+    tl.store(ids_ptr + out_off, ids, mask=kmask)
+    tl.store(w_ptr + out_off, w, mask=kmask)
+
+    # alignment from the choice matrix (every tensor below is a reduction or scan of the routing's tile)
+    pm = (kmat >= 0).to(tl.int32)
+    cnt = tl.sum(pm, axis=1)  # [NH, CH]: tokens of each expert
+    before = tl.cumsum(pm, axis=1) - pm  # [NH, ROWS, CH]: earlier rows that chose the expert
+    padded = (cnt + B - 1) // B * B
+    htot = tl.sum(padded, axis=1)  # [NH]
+    offs = (tl.cumsum(htot, axis=0) - htot)[:, None] + tl.cumsum(padded, axis=1) - padded  # [NH, CH]
+    total = tl.sum(htot, axis=0)
+    tl.store(npad_ptr, total)
+    # each slot's place: one masked row sum per choice picks offs[e] + before[m, e] (warp shuffles, no barrier)
+    dst3 = offs[:, None, :] + before
+    dest = tl.zeros([ROWS, TOPK_P], tl.int32)
+    for k in tl.static_range(TOP_K):
+        dk = _row_sum3(tl.where(kmat == k, dst3, 0))
+        dest = tl.where(kk[None, :] == k, dk[:, None], dest)
+    tl.store(sorted_ptr + dest, out_off, mask=valid)
+    # each expert's padding, then the expert of each used block
+    gap = padded - cnt
+    for j in range(0, tl.max(tl.max(gap, axis=1), axis=0)):
+        tl.store(sorted_ptr + offs + cnt + j, S, mask=j < gap)
+    e2 = h[:, None] * CH + tl.arange(0, CH)[None, :]
+    nblk = padded // B
+    for j in range(0, tl.max(tl.max(nblk, axis=1), axis=0)):
+        tl.store(eids_ptr + offs // B + j, e2, mask=j < nblk)
+    _fill_tails(sorted_ptr, eids_ptr, total, S, max_blocks, B, CHUNK, FILL_TAIL)
 
 
 @triton.jit(do_not_specialize=["M", "shared_id"])

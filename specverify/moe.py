@@ -223,7 +223,10 @@ def _launch_route_align(logits, bias, top_k, softmax, n_group, topk_group, renor
         ids = topk_ids.contiguous()
         weights = ids  # unused
     s = m * top_k
-    if do_align and _VARIANT["route"] == "fast" and 0 < s <= _FAST_MAX_SLOTS and (
+    if do_align and do_route and _VARIANT["route"] == "warp" and 0 < m <= _WARP_ROUTE_CONFIG["max_m"]:
+        return _launch_route_align_warp(logits, bias, ids, weights, m, e, top_k, softmax, n_group, topk_group,
+                                        renormalize, scale, block_size)
+    if do_align and _VARIANT["route"] in ("fast", "warp") and 0 < s <= _FAST_MAX_SLOTS and (
             do_route or s <= _FAST_ROUTE_CONFIG["one_max_slots"]):
         return _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n_group, topk_group,
                                         renormalize, scale, block_size, do_route)
@@ -348,6 +351,42 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
     return ids, weights, MoEAlignment(sorted_ids, expert_ids, npad, block_size)
 
 
+def _launch_route_align_warp(logits, bias, ids, weights, m, e, top_k, softmax, n_group, topk_group, renormalize,
+                             scale, block_size):
+    """The opt-in warp-per-row router + alignment (``_VARIANT["route"] == "warp"``, routing on, 0 < M <=
+    ``_WARP_ROUTE_CONFIG["max_m"]``; other calls take the "fast" path).
+
+    One program; each token row lives in one warp (``rows_per_warp`` rows per warp, at most ``max_warps`` warps), so
+    the top-k rounds need no barrier; the alignment is read off the routing's [expert x row] choice matrix (counts,
+    a scan over rows, a scan over experts), with no atomics, no workspace and no pairwise [S, S] comparison. Slots
+    inside an expert come in increasing slot id (``align_reference``'s order). ``sorted_token_ids`` past
+    ``num_tokens_post_padded`` is written only with ``FILL_TAIL``; ``expert_ids`` past the used blocks is -1.
+    """
+    from specverify.kernels.moe_route import _moe_route_align_warp_kernel
+
+    cfg = _WARP_ROUTE_CONFIG
+    dev = ids.device
+    on_gpu = dev.type == "cuda"
+    s = m * top_k
+    size = max_num_tokens_padded(m, top_k, e, block_size)
+    sorted_ids = torch.empty((size,), dtype=torch.int32, device=dev)
+    expert_ids = torch.empty((size // block_size,), dtype=torch.int32, device=dev)
+    npad = torch.empty((1,), dtype=torch.int32, device=dev)
+    rows = _next_pow2(m)
+    ep = max(_next_pow2(e), 16)
+    ch = min(ep, 128)  # 32 lanes x 4 experts: one warp spans a row's CH experts, NH = EP / CH of them per lane
+    warps = max(1, min(cfg["max_warps"], rows // cfg["rows_per_warp"]))
+    extra = {"num_warps": warps} if on_gpu else {}
+    _moe_route_align_warp_kernel[(1,)](
+        logits, bias if bias is not None else logits, ids, weights, sorted_ids, expert_ids, npad, m, s,
+        size // block_size, logits.stride(0), float(scale),
+        E=e, NH=ep // ch, CH=ch, ROWS=rows, TOP_K=top_k, TOPK_P=max(_next_pow2(top_k), 2), N_GROUP=n_group,
+        NG_P=max(_next_pow2(n_group), 2), GSIZE=e // n_group, TOPK_GROUP=topk_group, SOFTMAX=softmax,
+        HAS_BIAS=bias is not None, RENORM=renormalize, B=block_size, CHUNK=cfg["CHUNK"] if on_gpu else 64,
+        FILL_TAIL=bool(cfg["FILL_TAIL"]), **extra)
+    return ids, weights, MoEAlignment(sorted_ids, expert_ids, npad, block_size)
+
+
 def moe_route(router_logits, *, top_k, scoring="sigmoid", correction_bias=None, n_group=1, topk_group=1,
               renormalize=True, routed_scaling_factor=1.0, block_size=None, impl="auto"):
     """Choose each token's experts and weights, and (with ``block_size``) align the slots for the expert GEMM.
@@ -414,7 +453,9 @@ def moe_route(router_logits, *, top_k, scoring="sigmoid", correction_bias=None, 
     therefore run outside capture. Calls on different streams must not overlap in time (they share that
     workspace). ``impl="reference"`` synchronises with the host when aligning and is not capturable.
     Variants (benchmarks): ``specverify.moe._VARIANT["route"]`` is ``"fast"`` (default), ``"atomic"`` (the
-    previous default: always one program per token, sentinel-filled tail) or ``"single"``, which aligns in one
+    previous default: always one program per token, sentinel-filled tail), ``"warp"`` (one program, one warp per token
+    row, alignment from the routing's choice matrix, slots in reference order; 0 < M <= 64, routing calls only) or
+    ``"single"``, which aligns in one
     program without atomics or workspace when 0 < M * top_k <= 1024; the slots inside an expert then come in
     increasing slot id, exactly as the reference orders them.
 
@@ -566,14 +607,17 @@ def _check_moe_args(hidden, w13, w2, topk_ids, topk_weights, alignment, activati
 _ROUTE_NUM_WARPS: dict = {"num_warps": 4}
 #: Opt-in kernel variants (benchmarks and sweeps; the defaults are the measured paths):
 #: ``route``: ``"fast"`` (default: see _launch_route_align_fast; 0 < M * top_k <= 1024), ``"atomic"`` (one
-#: program per token, atomics + last-program alignment, sentinel-filled tail) or ``"single"`` (one program routes
+#: program per token, atomics + last-program alignment, sentinel-filled tail), ``"warp"`` (one program, a warp per
+#: token row, alignment from the routing's choice matrix; see _WARP_ROUTE_CONFIG) or ``"single"`` (one program routes
 #: and aligns every slot, no atomics; used when 0 < M * top_k <= 1024 and aligning);
 #: ``experts``: ``"auto"`` (default: ``"fused"`` at _FUSED_MIN_M <= M <= _FUSED_MAX_M, else ``"dot"``; H200
 #: sweep,
 #: Kimi-K2 per rank: M=1 dot 36.8 us vs fused 47.2; M=4 fused BI32/BK128 101.7 vs dot 110.6; M=16 dot 280 vs
 #: fused 300), ``"fused"`` (one streaming
 #: launch + a fixed-order partial sum), ``"dot"`` (block-aligned tl.dot GEMMs, three launches) or ``"gemv"`` (no
-#: tl.dot, two launches, top-k sum fused into the down GEMV; used when M <= ``_GEMV_CONFIG["max_m"]``).
+#: tl.dot, two launches, top-k sum fused into the down GEMV; used when M <= ``_GEMV_CONFIG["max_m"]``) or
+#: ``"stream"`` (weight streaming for M <= ``_STREAM_CONFIG["max_m"]``: small FMA programs, prefetched H loop, one
+#: down gather over every slot with the top-k sum; two launches, the second a programmatic dependent).
 _VARIANT: dict = {"route": "fast", "experts": "auto"}
 _SINGLE_MAX_SLOTS = 1024
 _FAST_MAX_SLOTS = 1024
@@ -584,6 +628,12 @@ _FAST_MAX_SLOTS = 1024
 #: program per row (ROWS 1) takes 6.56: the one-program path is kept to 32 slots; 4 warps up to 8 slots.
 _FAST_ROUTE_CONFIG: dict = {"one_max_slots": 32, "one_num_warps": 8, "one_small_slots": 8,
                             "one_small_warps": 4, "ROWS": 1, "num_warps": 4, "CHUNK": 1024, "FILL_TAIL": False}
+#: Opt-in warp-per-row router (``_VARIANT["route"] = "warp"``, routing + alignment, 0 < M <= ``max_m``): one
+#: program, each token row held by one warp (``rows_per_warp`` rows each, at most ``max_warps`` warps), alignment
+#: from the routing's choice matrix; tail fill chunk; FILL_TAIL as in the "fast" router. Not yet measured on the
+#: H200 (sm_90 offline compile, Kimi-K2 bf16 logits: 5 / 53 / 41 / 41 barriers at M = 1 / 4 / 16 / 64 against
+#: the "fast" one-program kernel's 25 / 59 / 221 at M = 1 / 4 / 16).
+_WARP_ROUTE_CONFIG: dict = {"max_m": 64, "rows_per_warp": 1, "max_warps": 16, "CHUNK": 1024, "FILL_TAIL": False}
 #: Launch config of the one-program router: rows routed per step, [CI, CJ] rank tiles, fill chunk, warps.
 _SINGLE_ROUTE_CONFIG: dict = {"ROWS": 4, "CI": 64, "CJ": 128, "CHUNK": 1024, "num_warps": 8}
 #: GEMV experts: largest M it takes, gate/up tile ``g1`` ([BLOCK_N gate rows + BLOCK_N up rows, BLOCK_K]) and
@@ -601,6 +651,18 @@ _FUSED_CONFIGS: list = [
     {"max_m": 1 << 30, "BI": 32, "BK": 128, "BH": 128, "DOT": True, "MP": 4, "RBN": 256, "num_warps": 4,
      "num_stages": 3},
 ]
+#: Stream experts (``_VARIANT["experts"] = "stream"``, 1 <= M <= ``max_m``; see _fused_moe_stream): gate/up programs
+#: of ``R`` gate + ``R`` up rows over H in [R, BK] tiles (``PREFETCH``: the next tile requested before the current
+#: one is used) with ``num_warps`` / ``num_stages`` (> 1 lets Triton's own pipeliner try the H loop: compare with
+#: PREFETCH=False); blocks of the alignment as units when given and ``ALIGNED``; down programs of ``BH`` output rows
+#: x every slot x ``BI`` of I (BH lowered so the gather stays <= ``TILE`` elements) with ``down_warps``; ``PDL``:
+#: the down kernel as a programmatic dependent launch (CUDA sm_90+ only). Not yet measured on the H200 (run
+#: bench/sweep_experts.py); sized by Little's law: at M = 1 with the shared expert 1152 gate/up programs (~8.7 per
+#: SM), each keeping an 8 KB gate+up tile in flight, and 3584 down programs of one ~9 KB gather each.
+_STREAM_CONFIG: dict = {"max_m": 2, "R": 2, "BK": 1024, "PREFETCH": True, "ALIGNED": True, "num_warps": 4,
+                        "num_stages": 1, "BH": 2, "BI": 256, "TILE": 8192, "down_warps": 4, "PDL": True}
+#: Overrides merged into the stream config (benchmarks and sweeps only; empty in normal use).
+_STREAM_OVERRIDE: dict = {}
 #: Overrides merged into the chosen fused config (benchmarks and sweeps only; empty in normal use).
 _FUSED_OVERRIDE: dict = {}
 #: Tile overrides for benchmarks and sweeps only: keys ``g1`` / ``g2`` (dicts merged into the gate/up and down
@@ -750,6 +812,77 @@ def _fused_moe_gemv(hidden, w13, w2, topk_ids, topk_weights, alignment, out):
     return out
 
 
+def _stream_config(m: int, h: int, inter: int, top_k: int, on_gpu: bool) -> dict:
+    """Tiles of the stream experts for ``m`` tokens: ``_STREAM_CONFIG`` with ``_STREAM_OVERRIDE`` merged, clamped to
+    the shapes. The down tile [SP, BH, BI] is kept to at most ``TILE`` elements by lowering BH (M = 2 at top-9 needs
+    SP = 32 slot lanes against 16 at M = 1)."""
+    cfg = dict(_STREAM_CONFIG)
+    cfg.update(_STREAM_OVERRIDE)
+    cfg["R"] = max(1, min(cfg["R"], _next_pow2(inter)))
+    cfg["BK"] = max(16, min(cfg["BK"], _next_pow2(h)))
+    cfg["BI"] = max(16, min(cfg["BI"], _next_pow2(inter)))
+    sp = max(_next_pow2(m * top_k), 2)
+    cfg["SP"] = sp
+    cfg["BH"] = max(1, min(cfg["BH"], _next_pow2(h), _next_pow2(max(cfg["TILE"] // (sp * cfg["BI"]), 1))))
+    if not on_gpu:  # interpreter: no warps, no programmatic dependent launch
+        cfg["PDL"] = False
+    return cfg
+
+
+def _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, alignment, out):
+    """The opt-in weight-streaming experts (``_VARIANT["experts"] == "stream"``, M <= ``_STREAM_CONFIG["max_m"]``):
+    two launches built for one or two tokens (see "Stream variant" in ``specverify.kernels.fused_moe``).
+
+    Launch 1: program = (unit, R gate rows + the same R up rows) over all of H with a double-buffered FMA loop, SiLU·up
+    fused, ``act`` [M·top_k, I] in the input dtype; a unit is an alignment block when ``alignment`` is given and
+    ``ALIGNED`` allows (each activated expert read once), else one slot (no alignment needed). Launch 2: program =
+    BH output rows; one gather of w2[e_s][rows, :] for every slot, the routed weight and the top-k (+ shared) sum
+    in one fixed-order reduction (deterministic, no atomics, no ``part`` buffer). With ``PDL`` (CUDA, sm_90+) launch
+    2 is a programmatic dependent of launch 1 and issues its w2 gather before waiting for ``act``.
+    CUDA-graph capturable: grids depend only on shapes, unused units exit at once, no host sync.
+    """
+    from specverify.kernels.fused_moe import _moe_stream_down_kernel, _moe_stream_gate_up_kernel
+
+    hidden, w13, w2, ids32, tw = _expert_operands(hidden, w13, w2, topk_ids, topk_weights)
+    m, h = hidden.shape
+    e, two_i, _ = w13.shape
+    inter = two_i // 2
+    top_k = topk_ids.shape[1]
+    s = m * top_k
+    dev = hidden.device
+    if out is None:
+        out = torch.empty((m, h), dtype=hidden.dtype, device=dev)
+    if m == 0:
+        return out
+    on_gpu = dev.type == "cuda"
+    cfg = _stream_config(m, h, inter, top_k, on_gpu)
+    pdl = bool(cfg["PDL"]) and on_gpu and torch.cuda.get_device_capability(dev)[0] >= 9
+    launch1 = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]} if on_gpu else {}
+    launch2 = {"num_warps": cfg["down_warps"], "num_stages": 1} if on_gpu else {}
+    if pdl:
+        launch2["launch_pdl"] = True
+    act = torch.empty((s, inter), dtype=hidden.dtype, device=dev)
+    nt = _cdiv(inter, cfg["R"])
+    aligned = alignment is not None and cfg["ALIGNED"]
+    if aligned:
+        bs = alignment.block_size
+        nunits = _used_blocks_bound(alignment, s)
+        mp = min(bs, max(_next_pow2(m), 1))
+        _moe_stream_gate_up_kernel[(nunits * nt,)](
+            hidden, w13, act, alignment.sorted_token_ids, alignment.expert_ids, alignment.num_tokens_post_padded,
+            ids32, s, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), E=e, H=h, I=inter, TOP_K=top_k,
+            B=bs, MP=mp, R=cfg["R"], BK=cfg["BK"], ALIGNED=True, PREFETCH=bool(cfg["PREFETCH"]), PDL=pdl, **launch1)
+    else:
+        _moe_stream_gate_up_kernel[(s * nt,)](
+            hidden, w13, act, ids32, ids32, ids32, ids32, s, hidden.stride(0), w13.stride(0), w13.stride(1),
+            act.stride(0), E=e, H=h, I=inter, TOP_K=top_k, B=1, MP=1, R=cfg["R"], BK=cfg["BK"], ALIGNED=False,
+            PREFETCH=bool(cfg["PREFETCH"]), PDL=pdl, **launch1)
+    _moe_stream_down_kernel[(_cdiv(h, cfg["BH"]),)](
+        act, w2, ids32, tw, out, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), E=e, H=h, I=inter,
+        TOP_K=top_k, MT=m, SP=cfg["SP"], BH=cfg["BH"], BI=cfg["BI"], PDL=pdl, **launch2)
+    return out
+
+
 def _fused_config(m: int, h: int, inter: int, block: int, on_gpu: bool) -> dict:
     """Tiles of the fused experts for ``m`` tokens: the first ``_FUSED_CONFIGS`` entry whose ``max_m`` >= m,
     clamped to the shapes, with ``_FUSED_OVERRIDE`` merged last (benchmarks and sweeps)."""
@@ -865,7 +998,9 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
     capturable too but computes in fp32 with gathered weight copies (slow, memory-hungry).
     Opt-in (benchmarks): ``specverify.moe._VARIANT["experts"] = "gemv"`` runs M <= 4 as two GEMV launches (no
     tensor cores, the top-k sum fused into the down projection; with ``alignment=None`` no alignment is computed),
-    equally deterministic and capturable.
+    equally deterministic and capturable. ``_VARIANT["experts"] = "stream"`` runs M <= 2 as two weight-streaming
+    launches (small FMA programs, the down projection of every slot and the top-k sum in one gather per output
+    tile; on sm_90+ the second launch is a programmatic dependent of the first), equally deterministic and capturable.
 
     Examples
     --------
@@ -895,6 +1030,8 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
     variant = _VARIANT["experts"]
     if variant == "fused" or (variant == "auto" and _FUSED_MIN_M <= hidden.shape[0] <= _FUSED_MAX_M):
         return _fused_moe_fused(hidden, w13, w2, topk_ids, topk_weights, alignment, out)
+    if variant == "stream" and 0 < hidden.shape[0] <= _STREAM_CONFIG["max_m"]:
+        return _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, alignment, out)
     if variant == "gemv" and hidden.shape[0] <= _GEMV_CONFIG["max_m"]:
         return _fused_moe_gemv(hidden, w13, w2, topk_ids, topk_weights, alignment, out)
     return _fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, alignment, out)

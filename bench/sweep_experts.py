@@ -1,0 +1,206 @@
+"""Sweep: the weight-streaming experts (``_VARIANT["experts"] = "stream"``) at M = 1 and 2 against the bytes floor.
+
+Shape: Kimi-K2 per rank (tp 8: H 7168, expert intermediate 256, 384 routed experts, top-8, bf16 SwiGLU; w13
+[E, 512, 7168], w2 [E, 7168, 256]), with and without the shared expert (stacked as expert 384 and appended to every
+token with ``specverify.moe.append_shared_expert``, weight 1), M = 1 and 2 tokens.
+
+Providers: ``default`` (``_VARIANT["experts"] = "auto"``: the three-launch tl.dot path at M = 1, the fused path at
+M = 2), ``gemv`` (the earlier GEMV variant) and ``stream`` with each tile config of ``STREAM_GRID`` (merged into
+``_STREAM_OVERRIDE``), all given the same precomputed alignment (block 16); ``stream noalign`` runs with
+``alignment=None`` (per-slot programs, no alignment launch needed at all). Every provider is first checked against
+a per-expert fp64 torch reference (tolerance: twice torch's own bf16 error + 1e-6), then timed by CUDA-graph replay
+(``graph_us``): each graph holds ``SETS`` = 20 calls, each with its own routing (different random logits), so
+consecutive calls hit different experts (~20 x 9 x 11 MB = ~2 GB of weights) and come from HBM, not the 50 MB L2.
+
+``floor_us = mean over the sets of distinct experts * (w13 + w2 bytes per expert) / copy_bw``, ``copy_bw`` from
+``copy_bandwidth_gbps`` (read + write bytes / time) in the same run; ``x_floor = us / floor_us`` (target <= 1.25).
+
+Usage: ``python bench/sweep_experts.py [--quick] [--json PATH] [--budget-s S]``. Stops starting new measurements
+once ``--budget-s`` seconds have passed (the table still prints). Needs a CUDA GPU (exit code 2 otherwise).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import sys
+import time
+
+import torch
+
+SETS = 20  # calls per graph, each with its own routing
+BLOCK = 16
+#: stream tile configs swept (merged into ``_STREAM_OVERRIDE``); "q" marks the ones --quick keeps
+STREAM_GRID = [
+    dict(q=1),  # the defaults of _STREAM_CONFIG
+    dict(q=1, PDL=False),
+    dict(q=1, PREFETCH=False),
+    dict(q=0, PREFETCH=False, num_stages=3),
+    dict(q=0, PREFETCH=False, num_stages=4, R=1),
+    dict(q=1, R=1),
+    dict(q=1, R=4, BK=512),
+    dict(q=0, R=2, BK=2048),
+    dict(q=0, R=2, BK=512),
+    dict(q=0, R=4, BK=1024, num_warps=8),
+    dict(q=0, R=1, BK=2048, num_warps=8),
+    dict(q=0, R=2, num_warps=2, BK=512),
+    dict(q=1, BH=4, down_warps=4),
+    dict(q=0, BH=1, down_warps=4),
+    dict(q=0, BH=4, down_warps=8, TILE=16384),
+    dict(q=0, BH=8, down_warps=8, TILE=32768),
+    dict(q=0, BH=2, down_warps=2),
+    dict(q=0, ALIGNED=False),
+]
+
+
+def _reference(hidden, w13, w2, ids, w, dtype):
+    """out[m] = sum_k w[m,k] * w2[e] @ (silu(gate) * up), one expert at a time in ``dtype`` (fp64: the truth)."""
+    m, h = hidden.shape
+    inter = w2.shape[2]
+    out = torch.zeros(m, h, dtype=dtype, device=hidden.device)
+    x = hidden.to(dtype)
+    for e in torch.unique(ids[ids >= 0]).tolist():
+        rows, ks = (ids == e).nonzero(as_tuple=True)
+        gu = x[rows] @ w13[e].to(dtype).T
+        act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+        y = (act @ w2[e].to(dtype).T) * w[rows, ks].to(dtype)[:, None]
+        out.index_add_(0, rows, y)
+    return out.double()
+
+
+def _label(ov: dict) -> str:
+    return "stream " + (" ".join(f"{k}{v}" for k, v in ov.items()) or "default")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="only the configs marked q")
+    ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    ap.add_argument("--budget-s", type=float, default=480.0, help="stop starting measurements after this long")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("sweep_experts: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import triton
+
+    import specverify.moe as moe
+    from specverify.benchmarking import copy_bandwidth_gbps, git_commit, graph_us
+    from specverify.configs import per_rank_shapes
+
+    t0 = time.time()
+
+    def over():
+        return time.time() - t0 > args.budget_s
+    bw = copy_bandwidth_gbps()
+    print(f"# measured D2D copy bandwidth: {bw:.0f} GB/s", flush=True)
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                commit=git_commit(__file__), date=datetime.datetime.now().isoformat(timespec="seconds"), copy_gbps=bw,
+                sets=SETS, block=BLOCK, stream_config=dict(moe._STREAM_CONFIG))
+    rows, skipped = [], []
+    saved = (dict(moe._VARIANT), dict(moe._STREAM_OVERRIDE))
+
+    def restore():
+        moe._VARIANT.clear(), moe._VARIANT.update(saved[0])
+        moe._STREAM_OVERRIDE.clear(), moe._STREAM_OVERRIDE.update(saved[1])
+
+    rs = per_rank_shapes("kimi-k2", tp=8)
+    cfg = rs.config
+    e, h, inter, top_k = cfg.n_routed_experts, cfg.hidden_size, rs.moe_intermediate_size, cfg.num_experts_per_tok
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    # the routed experts and the shared one (expert e) stacked: one pool serves both cases
+    w13 = torch.empty(e + 1, 2 * inter, h, dtype=torch.bfloat16, device="cuda")
+    w2 = torch.empty(e + 1, h, inter, dtype=torch.bfloat16, device="cuda")
+    for i in range(e + 1):  # per expert: no multi-GB fp32 temporary
+        w13[i] = (torch.randn(2 * inter, h, device="cuda", generator=gen) / math.sqrt(h)).bfloat16()
+        w2[i] = (torch.randn(h, inter, device="cuda", generator=gen) / math.sqrt(inter)).bfloat16()
+    bias = torch.randn(e, device="cuda", generator=gen) * 0.05 if cfg.e_score_correction_bias else None
+    expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
+    rkw = dict(top_k=top_k, scoring=cfg.scoring_func, correction_bias=bias, n_group=cfg.n_group,
+               topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor)
+    for shared in (True, False):
+        for m in (1, 2):
+            case = f"M={m} {'+shared' if shared else 'routed'}"
+            if over():
+                skipped.append(case)
+                continue
+            restore()
+            logits = [torch.randn(m, e, device="cuda", generator=gen).bfloat16() for _ in range(SETS)]
+            hidden = [torch.randn(m, h, device="cuda", generator=gen).bfloat16() for _ in range(SETS)]
+            routed = []
+            for x in logits:
+                ids, w, al = moe.moe_route(x, block_size=BLOCK, impl="triton", **rkw)
+                if shared:  # one more slot per token (expert e, weight 1), realigned over e + 1 experts
+                    ids, w = moe.append_shared_expert(ids, w, e)
+                    _, _, al = moe._launch_route_align(None, None, top_k + 1, False, 1, 1, False, 1.0, BLOCK,
+                                                       topk_ids=ids, num_experts=e + 1)
+                routed.append((ids, w, al))
+            distinct = sum(int(torch.unique(r[0][r[0] >= 0]).numel()) for r in routed) / SETS
+            floor_us = distinct * expert_bytes / (bw * 1e9) * 1e6
+            ids0, w0, _ = routed[0]
+            want = _reference(hidden[0], w13, w2, ids0, w0, torch.float64)
+            tol = 2 * (_reference(hidden[0], w13, w2, ids0, w0, torch.bfloat16) - want).abs().max().item() + 1e-6
+            outs = [torch.empty(m, h, dtype=torch.bfloat16, device="cuda") for _ in range(SETS)]
+            base = dict(model="kimi-k2", m=m, shared=shared, distinct_experts=distinct, floor_us=floor_us)
+            print(f"# {case}: {distinct:.2f} distinct experts per call, floor {floor_us:.2f} us", flush=True)
+
+            def measure(label, variant, override, use_alignment=True):
+                if over():
+                    skipped.append(f"{case} {label}")
+                    return
+                restore()
+                moe._VARIANT["experts"] = variant
+                moe._STREAM_OVERRIDE.update(override)
+
+                def call(i):
+                    ids, w, al = routed[i % SETS]
+                    return moe.fused_moe(hidden[i % SETS], w13, w2, ids, w, alignment=al if use_alignment else None,
+                                         out=outs[i % SETS], impl="triton")
+                try:
+                    err = (call(0).double() - want).abs().max().item()
+                    it = iter(range(1 << 30))
+                    us = graph_us(lambda: call(next(it)), calls=SETS, repeats=3)
+                except Exception as exc:  # a config that fails to compile or run is reported, not fatal
+                    print(f"# {case} {label} failed: {exc.__class__.__name__}: {exc}", flush=True)
+                    return
+                rows.append(dict(base, variant=label, us=us, x_floor=us / floor_us, err=err, tol=tol, ok=err <= tol))
+                print(f"# {case} {label}: {us:.2f} us ({us / floor_us:.2f}x floor) err {err:.3g} tol {tol:.3g}",
+                      flush=True)
+
+            measure("default (auto)", "auto", {})
+            measure("gemv", "gemv", {})
+            for c in STREAM_GRID:
+                if args.quick and not c["q"]:
+                    continue
+                ov = {k: v for k, v in c.items() if k != "q"}
+                measure(_label(ov), "stream", ov)
+            measure("stream noalign", "stream", {}, use_alignment=False)
+            restore()
+            logits = hidden = routed = outs = None  # free this case's buffers before the next
+    w13 = w2 = None
+    torch.cuda.empty_cache()
+    restore()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, rows=rows, skipped=skipped, elapsed_s=time.time() - t0), f, indent=1)
+    if skipped:
+        print(f"# budget reached: skipped {len(skipped)} measurements, first: {skipped[0]}")
+    best = {}
+    for r in rows:
+        k = (r["m"], r["shared"])
+        if r["ok"] and r["variant"].startswith("stream") and (k not in best or r["us"] < best[k]["us"]):
+            best[k] = r
+    for (m, shared), r in sorted(best.items()):
+        print(f"# best stream M={m} {'+shared' if shared else 'routed'}: {r['variant']} {r['us']:.2f} us "
+              f"({r['x_floor']:.2f}x floor)")
+    hdr = f"{'M':>2} {'experts':<8} {'variant':<44} {'us':>8} {'floor_us':>9} {'x_floor':>7} {'ok':>3}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        print(f"{r['m']:>2} {'+shared' if r['shared'] else 'routed':<8} {r['variant']:<44} {r['us']:>8.2f} "
+              f"{r['floor_us']:>9.2f} {r['x_floor']:>7.2f} {'y' if r['ok'] else 'N':>3}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""The weight-streaming experts for one or two tokens (``specverify.moe._VARIANT["experts"] = "stream"``).
+
+CPU: the Triton interpreter on tiny shapes (10 experts, hidden 64, intermediate 32) with tiles small enough that
+every loop runs several steps and every tile has a masked edge somewhere. GPU (``-m gpu``): Kimi-K2 per rank with
+the default tiles, the shared expert, programmatic dependent launch on and off, CUDA-graph replay bit for bit.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import specverify.moe as moe_mod
+from specverify.moe import append_shared_expert, fused_moe
+from specverify.reference.moe import fused_moe_loop_reference, fused_moe_reference
+
+
+def _weights(e, h, inter, dtype, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(e, 2 * inter, h, generator=g) / math.sqrt(h)).to(dtype).to(device)
+    w2 = (torch.randn(e, h, inter, generator=g) / math.sqrt(inter)).to(dtype).to(device)
+    return w13, w2
+
+
+def _tolerance(hidden, w13, w2, ids, w):
+    """fp64 truth, and twice torch's own error in the inputs' dtype against it plus a floor."""
+    want = fused_moe_loop_reference(hidden, w13, w2, ids, w)
+    torch_err = (fused_moe_reference(hidden, w13, w2, ids, w, compute_dtype=hidden.dtype).double() - want)
+    return want, 2 * torch_err.abs().max().item() + 1e-2 * want.abs().max().item() * 2 ** -8 + 1e-6
+
+
+def check(hidden, w13, w2, ids, w, **kw):
+    out = fused_moe(hidden, w13, w2, ids, w, impl="triton", **kw)
+    want, tol = _tolerance(hidden, w13, w2, ids, w)
+    err = (out.double() - want).abs().max().item()
+    assert out.dtype == hidden.dtype and out.shape == hidden.shape
+    assert not torch.isnan(out).any(), "an output element was left unwritten (NaN poison survived)"
+    assert err <= tol, f"stream experts error {err:.3g} > tolerance {tol:.3g}"
+    return out
+
+
+def _align(ids, e, block=16):
+    _, _, al = moe_mod._launch_route_align(None, None, ids.shape[1], False, 1, 1, False, 1.0, block, topk_ids=ids,
+                                           num_experts=e)
+    return al
+
+
+@pytest.fixture
+def stream(monkeypatch):
+    """The stream experts with interpreter-sized tiles: R = 8 gate rows (I = 20 leaves a 4-row tail), BK = 32 (H = 72
+    leaves an 8-column tail, and the prefetch past the end is masked), BI = 16 (I = 20: two I steps in the down
+    kernel, the second mostly masked), BH = 16 (H = 72: a ragged last output tile)."""
+    monkeypatch.setitem(moe_mod._VARIANT, "experts", "stream")
+    monkeypatch.setattr(moe_mod, "_STREAM_OVERRIDE", {"R": 8, "BK": 32, "BI": 16, "BH": 16, "TILE": 1 << 14})
+    return moe_mod
+
+
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("h, inter", [(64, 32), (72, 20)])  # (72, 20): tails in H (BK, BH) and in I (R, BI)
+@pytest.mark.parametrize("aligned", [True, False])
+def test_stream_experts(device, stream, poison, m, h, inter, aligned):
+    # top-3 over 10 experts; a -1 slot with a nonzero weight adds nothing; result deterministic and written in place
+    e = 10
+    w13, w2 = _weights(e, h, inter, torch.bfloat16, device, 300 + h)
+    g = torch.Generator().manual_seed(301 + m)
+    hidden = torch.randn(m, h, generator=g).bfloat16().to(device)
+    ids = torch.stack([torch.randperm(e, generator=g)[:3] for _ in range(m)]).to(torch.int32)
+    ids[m - 1, 1] = -1
+    w = torch.rand(m, 3, generator=g)
+    w[m - 1, 1] = 0.7
+    ids, w = ids.to(device), w.to(device)
+    al = _align(ids, e) if aligned else None
+    out = poison(hidden)
+    a = check(hidden, w13, w2, ids, w, alignment=al, out=out)
+    assert a.data_ptr() == out.data_ptr()
+    b = fused_moe(hidden, w13, w2, ids, w, alignment=al, impl="triton")
+    assert torch.equal(a, b), "stream experts must be deterministic"
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_stream_repeated_and_shared_expert(device, stream, poison, prefetch):
+    # M = 2 with the shared expert appended as expert 9 (both tokens), token 0 listing expert 1 twice and token 1 once:
+    # expert 1 holds 3 slots of one block, more than MP = 2, so the aligned gate/up takes two passes; experts 3..8 get
+    # no token; both H-loop forms (double-buffered and plain)
+    stream._STREAM_OVERRIDE["PREFETCH"] = prefetch
+    e, h, inter = 10, 64, 32
+    w13, w2 = _weights(e, h, inter, torch.bfloat16, device, 310)
+    g = torch.Generator().manual_seed(311)
+    hidden = torch.randn(2, h, generator=g).bfloat16().to(device)
+    ids, w = append_shared_expert(torch.tensor([[1, 1, 0], [2, 1, 0]], dtype=torch.int32).to(device),
+                                  torch.rand(2, 3, generator=g).to(device), 9)
+    for al in (_align(ids, e), None):
+        out = poison(hidden)
+        check(hidden, w13, w2, ids, w, alignment=al, out=out)
+
+
+def test_stream_one_token_top8_plus_shared(device, stream, poison):
+    # the Kimi-K2 slot layout at M = 1: top-8 + the shared expert = 9 slots in 16 down-kernel lanes; fp16 as well
+    e, h, inter = 10, 64, 32
+    for dtype in (torch.bfloat16, torch.float16):
+        w13, w2 = _weights(e, h, inter, dtype, device, 320)
+        g = torch.Generator().manual_seed(321)
+        hidden = torch.randn(1, h, generator=g).to(dtype).to(device)
+        ids, w = append_shared_expert(torch.randperm(9, generator=g)[:8].view(1, 8).to(torch.int32).to(device),
+                                      torch.rand(1, 8, generator=g).to(device), 9)
+        check(hidden, w13, w2, ids, w, alignment=_align(ids, e), out=poison(hidden))
+
+
+def test_stream_above_max_m_falls_through(device, stream):
+    # M = 3 > max_m = 2: the default path runs, and must still be right
+    e, h, inter = 10, 64, 32
+    w13, w2 = _weights(e, h, inter, torch.bfloat16, device, 330)
+    g = torch.Generator().manual_seed(331)
+    hidden = torch.randn(3, h, generator=g).bfloat16().to(device)
+    ids = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(3)]).to(torch.int32).to(device)
+    check(hidden, w13, w2, ids, torch.rand(3, 2, generator=g).to(device))
+
+
+def test_stream_config_shapes():
+    # Kimi-K2 per rank (H 7168, I 256, top-8 + shared): the down tile stays within TILE by lowering BH as the slot
+    # lanes grow; tiles are clamped to tiny shapes; the interpreter never asks for programmatic dependent launch
+    base = dict(moe_mod._STREAM_CONFIG)
+    c1 = moe_mod._stream_config(1, 7168, 256, 9, on_gpu=True)
+    c2 = moe_mod._stream_config(2, 7168, 256, 9, on_gpu=True)
+    assert (c1["SP"], c2["SP"]) == (16, 32)
+    assert c1["SP"] * c1["BH"] * c1["BI"] <= base["TILE"] and c2["SP"] * c2["BH"] * c2["BI"] <= base["TILE"]
+    assert c2["BH"] <= c1["BH"] and c1["PDL"] == base["PDL"]
+    tiny = moe_mod._stream_config(1, 24, 6, 3, on_gpu=False)
+    assert tiny["BK"] == 32 and tiny["BI"] == 16 and tiny["R"] <= 8 and tiny["PDL"] is False
+
+
+# --------------------------------------------------------------------------------------------- GPU, real sizes
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("shared", [True, False])
+def test_stream_kimi_k2_gpu(m, shared, monkeypatch):
+    # Kimi-K2 per rank (384 routed experts + the shared one as expert 384, H 7168, I 256, top-8): the default tiles
+    # and variants (no programmatic dependent launch, per-slot units, plain H loop) within the derived tolerance,
+    # PDL on and off bit-identical (same arithmetic), and replayed from a CUDA graph bit for bit after the inputs
+    # change in place
+    monkeypatch.setitem(moe_mod._VARIANT, "experts", "stream")
+    e, h, inter = 385, 7168, 256
+    w13, w2 = _weights(e, h, inter, torch.bfloat16, "cuda", 340)
+    g = torch.Generator().manual_seed(341 + m)
+    hidden = torch.randn(m, h, generator=g).bfloat16().cuda()
+    logits = torch.randn(m, e - 1, generator=g).cuda()
+
+    def route():
+        ids, w, al = moe_mod.moe_route(logits, top_k=8, block_size=16, routed_scaling_factor=2.827)
+        if shared:  # the routed alignment does not hold the shared slots: realign (alignment-only launch)
+            ids, w = append_shared_expert(ids, w, e - 1)
+            al = _align(ids, e)
+        return ids, w, al
+
+    ids, w, al = route()
+    want = fused_moe_reference(hidden, w13, w2, ids, w, compute_dtype=torch.float64)
+    torch_err = (fused_moe_reference(hidden, w13, w2, ids, w, compute_dtype=torch.bfloat16).double() - want)
+    tol = 2 * torch_err.abs().max().item() + 1e-6
+    outs = []
+    for ov in ({}, {"PDL": False}, {"ALIGNED": False}, {"PREFETCH": False}):
+        monkeypatch.setattr(moe_mod, "_STREAM_OVERRIDE", ov)
+        outs.append(fused_moe(hidden, w13, w2, ids, w, alignment=al))
+        assert (outs[-1].double() - want).abs().max().item() <= tol, ov
+    assert torch.equal(outs[0], outs[1]), "programmatic dependent launch must not change the result"
+    monkeypatch.setattr(moe_mod, "_STREAM_OVERRIDE", {})
+
+    def step():
+        i, ww, aa = route()
+        return fused_moe(hidden, w13, w2, i, ww, alignment=aa)
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out = step()
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(g_out, step())
+        logits.copy_(torch.randn_like(logits))
+        hidden.copy_(torch.randn_like(hidden))

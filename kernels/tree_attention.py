@@ -90,6 +90,18 @@ MAX_BLOCK_M = 64
 
 
 @triton.jit
+def _split_range(prefix, split, NUM_SPLITS, NUM_DRAFT, BLOCK_N):
+    """KV positions [start, end) of one split: whole tiles of the prefix, the last split also the draft tokens."""
+    chunk = tl.cdiv(tl.cdiv(prefix, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, prefix)
+    if split == NUM_SPLITS - 1:
+        start = tl.minimum(start, prefix)
+        end = prefix + NUM_DRAFT
+    return start, end
+
+
+@triton.jit
 def _online_softmax_step(s, vis, v, acc, m_i, l_i):
     """One online-softmax update with scores ``s`` (log2 domain) [M, N], visibility [M, N], values [N, DV]."""
     s = tl.where(vis, s, float("-inf"))
@@ -167,12 +179,7 @@ def _tree_attention_fwd_kernel(
     # ---- one loop: this split's prefix chunk; the last split also takes the k draft tokens ---------------------
     # Draft positions (pos >= prefix) are visible through the bit-packed tree mask; the mask load is predicated off
     # for prefix tiles, so they pay no memory traffic for it. One loop body keeps registers and code size down.
-    chunk = tl.cdiv(tl.cdiv(prefix, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, prefix)
-    if split == NUM_SPLITS - 1:
-        start = tl.minimum(start, prefix)
-        end = prefix + NUM_DRAFT
+    start, end = _split_range(prefix, split, NUM_SPLITS, NUM_DRAFT, BLOCK_N)
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(start, end, BLOCK_N):
         pos = start_n + offs_n
@@ -463,12 +470,7 @@ def _tree_attention_mla_chunked_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
 
-    chunk = tl.cdiv(tl.cdiv(prefix, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, prefix)
-    if split == NUM_SPLITS - 1:
-        start = tl.minimum(start, prefix)
-        end = prefix + NUM_DRAFT
+    start, end = _split_range(prefix, split, NUM_SPLITS, NUM_DRAFT, BLOCK_N)
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(start, end, BLOCK_N):
         pos = start_n + offs_n
@@ -671,12 +673,7 @@ def _tree_attention_mla_swapped_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
 
-    chunk = tl.cdiv(tl.cdiv(prefix, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, prefix)
-    if split == NUM_SPLITS - 1:
-        start = tl.minimum(start, prefix)
-        end = prefix + NUM_DRAFT
+    start, end = _split_range(prefix, split, NUM_SPLITS, NUM_DRAFT, BLOCK_N)
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(start, end, BLOCK_N):
         pos = start_n + offs_n

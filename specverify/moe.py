@@ -717,15 +717,23 @@ def _expert_operands(hidden, w13, w2, topk_ids, topk_weights):
     return hidden, w13, w2, topk_ids.to(torch.int32).contiguous(), topk_weights.float().contiguous()
 
 
-def _fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, alignment, out):
-    from specverify.kernels.fused_moe import _moe_down_kernel, _moe_gate_up_kernel, _moe_topk_sum_kernel
-
+def _expert_setup(hidden, w13, w2, topk_ids, topk_weights, out):
+    """Operands (:func:`_expert_operands`), the sizes every expert launcher uses, and ``out`` (allocated if None):
+    ``(hidden, w13, w2, ids32, weights32, M, H, E, I, top_k, slots, out)``."""
     hidden, w13, w2, ids32, tw = _expert_operands(hidden, w13, w2, topk_ids, topk_weights)
     m, h = hidden.shape
     e, two_i, _ = w13.shape
-    inter = two_i // 2
     top_k = topk_ids.shape[1]
-    s = m * top_k
+    if out is None:
+        out = torch.empty((m, h), dtype=hidden.dtype, device=hidden.device)
+    return hidden, w13, w2, ids32, tw, m, h, e, two_i // 2, top_k, m * top_k, out
+
+
+def _fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, alignment, out):
+    from specverify.kernels.fused_moe import _moe_down_kernel, _moe_gate_up_kernel, _moe_topk_sum_kernel
+
+    hidden, w13, w2, ids32, tw, m, h, e, inter, top_k, s, out = _expert_setup(hidden, w13, w2, topk_ids,
+                                                                               topk_weights, out)
     dev = hidden.device
     if alignment is None:
         bs = 16
@@ -772,15 +780,9 @@ def _fused_moe_gemv(hidden, w13, w2, topk_ids, topk_weights, alignment, out):
     """
     from specverify.kernels.fused_moe import _moe_gemv_down_sum_kernel, _moe_gemv_gate_up_kernel
 
-    hidden, w13, w2, ids32, tw = _expert_operands(hidden, w13, w2, topk_ids, topk_weights)
-    m, h = hidden.shape
-    e, two_i, _ = w13.shape
-    inter = two_i // 2
-    top_k = topk_ids.shape[1]
-    s = m * top_k
+    hidden, w13, w2, ids32, tw, m, h, e, inter, top_k, s, out = _expert_setup(hidden, w13, w2, topk_ids,
+                                                                               topk_weights, out)
     dev = hidden.device
-    if out is None:
-        out = torch.empty((m, h), dtype=hidden.dtype, device=dev)
     if m == 0:
         return out
     act = torch.empty((s, inter), dtype=hidden.dtype, device=dev)
@@ -843,15 +845,9 @@ def _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, alignment, out):
     """
     from specverify.kernels.fused_moe import _moe_stream_down_kernel, _moe_stream_gate_up_kernel
 
-    hidden, w13, w2, ids32, tw = _expert_operands(hidden, w13, w2, topk_ids, topk_weights)
-    m, h = hidden.shape
-    e, two_i, _ = w13.shape
-    inter = two_i // 2
-    top_k = topk_ids.shape[1]
-    s = m * top_k
+    hidden, w13, w2, ids32, tw, m, h, e, inter, top_k, s, out = _expert_setup(hidden, w13, w2, topk_ids,
+                                                                               topk_weights, out)
     dev = hidden.device
-    if out is None:
-        out = torch.empty((m, h), dtype=hidden.dtype, device=dev)
     if m == 0:
         return out
     on_gpu = dev.type == "cuda"
@@ -911,15 +907,9 @@ def _fused_moe_fused(hidden, w13, w2, topk_ids, topk_weights, alignment, out):
     partials over top_k and the chunks in a fixed order (deterministic)."""
     from specverify.kernels.fused_moe import _moe_fused_kernel, _moe_partial_sum_kernel
 
-    hidden, w13, w2, ids32, tw = _expert_operands(hidden, w13, w2, topk_ids, topk_weights)
-    m, h = hidden.shape
-    e, two_i, _ = w13.shape
-    inter = two_i // 2
-    top_k = topk_ids.shape[1]
-    s = m * top_k
+    hidden, w13, w2, ids32, tw, m, h, e, inter, top_k, s, out = _expert_setup(hidden, w13, w2, topk_ids,
+                                                                               topk_weights, out)
     dev = hidden.device
-    if out is None:
-        out = torch.empty((m, h), dtype=hidden.dtype, device=dev)
     if m == 0:
         return out
     if alignment is None:

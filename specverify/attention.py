@@ -263,11 +263,7 @@ def _choose_chunked_config(base: dict, *, mla: bool, rows: int, head_dim: int, h
     if cpt not in (1, 2, 4) or d % block_dv:
         raise ValueError(f"config BLOCK_DV={block_dv} must be 1, 2 or 4 chunks of D_CHUNK={dc} and divide "
                          f"kv_lora_rank {d}")
-    block_m = int(base.get("BLOCK_M") or min(kernels.MAX_BLOCK_M, _next_pow2(max(16, rows))))
-    block_n = int(base.get("BLOCK_N", 64))
-    for name, value in (("BLOCK_M", block_m), ("BLOCK_N", block_n)):
-        if value < 16 or value & (value - 1):
-            raise ValueError(f"config {name} must be a power of two >= 16 (tl.dot tiles), got {value}")
+    block_m, block_n = _row_and_token_tiles(base, rows, kernels.MAX_BLOCK_M)
     return {
         "BLOCK_M": block_m,
         "M_TILES": _cdiv(rows, block_m),
@@ -283,6 +279,16 @@ def _choose_chunked_config(base: dict, *, mla: bool, rows: int, head_dim: int, h
     }
 
 
+def _row_and_token_tiles(base: dict, rows: int, max_block_m: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) of the MLA kernels: the config's or the defaults, checked as tl.dot tiles."""
+    block_m = int(base.get("BLOCK_M") or min(max_block_m, _next_pow2(max(16, rows))))
+    block_n = int(base.get("BLOCK_N", 64))
+    for name, value in (("BLOCK_M", block_m), ("BLOCK_N", block_n)):
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"config {name} must be a power of two >= 16 (tl.dot tiles), got {value}")
+    return block_m, block_n
+
+
 def _choose_swapped_config(base: dict, *, mla: bool, rows: int, head_dim: int, head_dim_v: int) -> dict:
     """Geometry of the transposed MLA kernel: BLOCK_N KV tokens (the MMA's M) x BLOCK_M query rows (its N)."""
     kernels = _kernels()
@@ -294,11 +300,7 @@ def _choose_swapped_config(base: dict, *, mla: bool, rows: int, head_dim: int, h
         raise ValueError(f"config KERNEL='mla_swapped' keeps the whole latent in one program: BLOCK_DV must be None "
                          f"or {head_dim}, got {base['BLOCK_DV']!r}; use KERNEL='mla_chunked' to split the value "
                          "columns")
-    block_m = int(base.get("BLOCK_M") or min(kernels.MAX_BLOCK_M, _next_pow2(max(16, rows))))
-    block_n = int(base.get("BLOCK_N", 64))
-    for name, value in (("BLOCK_M", block_m), ("BLOCK_N", block_n)):
-        if value < 16 or value & (value - 1):
-            raise ValueError(f"config {name} must be a power of two >= 16 (tl.dot tiles), got {value}")
+    block_m, block_n = _row_and_token_tiles(base, rows, kernels.MAX_BLOCK_M)
     return {
         "BLOCK_M": block_m,
         "M_TILES": _cdiv(rows, block_m),

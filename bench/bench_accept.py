@@ -15,13 +15,12 @@ Usage: ``python bench/bench_accept.py [--quick] [--json PATH]``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 
 import torch
 
-from specverify.benchmarking import load_sglang_peer, bench_us, git_commit, graph_us
+from specverify.benchmarking import run_meta, load_sglang_peer, bench_us, graph_us
 
 
 def _peer():
@@ -74,7 +73,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_accept needs a CUDA GPU")
         return 1
-    import triton
 
     from specverify.accept import verify_greedy, verify_sampling
     from specverify.reference.accept import greedy_accept_reference
@@ -141,9 +139,7 @@ def main(argv=None) -> int:
             ref = next(x for x in rows if x["provider"] == "reference" and x["op"] == r["op"] and x["vocab"] == r["vocab"]
                        and x["k"] == r["k"] and x["batch"] == r["batch"])
             r["speedup"] = ref["us"] / r["us"] if r["us"] == r["us"] and r["us"] > 0 else float("nan")
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                commit=git_commit(__file__), date=datetime.datetime.now().isoformat(timespec="seconds"),
-                sglang=("yes" if peer is not None else f"no: {why}"), logits="bf16 randn*4", top_p=top_p)
+    meta = run_meta(__file__, sglang=("yes" if peer is not None else f"no: {why}"), logits="bf16 randn*4", top_p=top_p)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)

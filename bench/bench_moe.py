@@ -14,14 +14,13 @@ Usage: ``python bench/bench_moe.py [--quick] [--json PATH]`` (``--quick``: M = 1
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import sys
 
 import torch
 
-from specverify.benchmarking import load_sglang_peer, bench_us, copy_bandwidth_gbps, git_commit, graph_us
+from specverify.benchmarking import run_meta, load_sglang_peer, bench_us, copy_bandwidth_gbps, graph_us
 
 # per-rank shapes at tp 8: hidden H, expert intermediate I (2048/8 etc.), experts, top-k, routing
 MODELS = {
@@ -48,7 +47,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_moe: needs a CUDA GPU", file=sys.stderr)
         return 2
-    import triton
 
     from specverify.moe import fused_moe, moe_route
     from specverify.reference.moe import align_reference, fused_moe_reference, route_reference
@@ -59,8 +57,7 @@ def main(argv=None) -> int:
     ms_list = [1, 4, 16, 64] if args.quick else [1, 2, 4, 8, 16, 32, 64]
     bw = copy_bandwidth_gbps()
     print(f"# measured D2D copy bandwidth: {bw:.0f} GB/s")
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                commit=git_commit(__file__), date=datetime.datetime.now().isoformat(timespec="seconds"), copy_gbps=bw)
+    meta = run_meta(__file__, copy_gbps=bw)
     rows = []
     for name in args.models.split(","):
         cfg = MODELS[name]

@@ -16,14 +16,13 @@ default budget, most of it compiling; ``--quick``: the target shapes only, about
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 import time
 
 import torch
 
-from specverify.benchmarking import git_commit, graph_us
+from specverify.benchmarking import run_meta, graph_us
 
 # name -> (variant, _SELECT_CONFIG overrides)
 VARIANTS = {
@@ -114,7 +113,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("sweep_accept needs a CUDA GPU")
         return 1
-    import triton
 
     import specverify.accept as acc
 
@@ -135,9 +133,7 @@ def main(argv=None) -> int:
     acc._VARIANT.update(saved_variant)
     acc._SELECT_CONFIG.clear()
     acc._SELECT_CONFIG.update(saved_cfg)
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                commit=git_commit(__file__), date=datetime.datetime.now().isoformat(timespec="seconds"),
-                logits="bf16 randn*4", tree="chain", top_p=top_p, temperature=temperature,
+    meta = run_meta(__file__, logits="bf16 randn*4", tree="chain", top_p=top_p, temperature=temperature,
                 select_config=saved_cfg, variants={n: VARIANTS[n] for n in names},
                 skipped_for_budget=skipped, wall_s=round(time.time() - t_start, 1))
     if args.json:

@@ -21,7 +21,6 @@ once ``--budget-s`` seconds have passed (the table still prints). Needs a CUDA G
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import sys
@@ -82,10 +81,9 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("sweep_experts: needs a CUDA GPU", file=sys.stderr)
         return 2
-    import triton
 
     import specverify.moe as moe
-    from specverify.benchmarking import copy_bandwidth_gbps, git_commit, graph_us
+    from specverify.benchmarking import run_meta, copy_bandwidth_gbps, graph_us
     from specverify.configs import per_rank_shapes
 
     t0 = time.time()
@@ -94,8 +92,7 @@ def main(argv=None) -> int:
         return time.time() - t0 > args.budget_s
     bw = copy_bandwidth_gbps()
     print(f"# measured D2D copy bandwidth: {bw:.0f} GB/s", flush=True)
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                commit=git_commit(__file__), date=datetime.datetime.now().isoformat(timespec="seconds"), copy_gbps=bw,
+    meta = run_meta(__file__, copy_gbps=bw,
                 sets=SETS, block=BLOCK, stream_config=dict(moe._STREAM_CONFIG))
     rows, skipped = [], []
     saved = (dict(moe._VARIANT), dict(moe._STREAM_OVERRIDE))

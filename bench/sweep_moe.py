@@ -23,7 +23,6 @@ Stops starting new measurements once ``--budget-s`` seconds have passed (the tab
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import sys
@@ -92,10 +91,9 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("sweep_moe: needs a CUDA GPU", file=sys.stderr)
         return 2
-    import triton
 
     import specverify.moe as moe
-    from specverify.benchmarking import copy_bandwidth_gbps, git_commit, graph_us
+    from specverify.benchmarking import run_meta, copy_bandwidth_gbps, graph_us
     from specverify.configs import per_rank_shapes
     from specverify.reference.moe import align_reference, route_reference
 
@@ -105,8 +103,7 @@ def main(argv=None) -> int:
     ms_list = [1, 4, 16, 64] if args.quick else [1, 2, 4, 8, 16, 32, 64]
     bw = copy_bandwidth_gbps()
     print(f"# measured D2D copy bandwidth: {bw:.0f} GB/s", flush=True)
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                commit=git_commit(__file__), date=datetime.datetime.now().isoformat(timespec="seconds"), copy_gbps=bw,
+    meta = run_meta(__file__, copy_gbps=bw,
                 sets=SETS, block=BLOCK)
     rows, skipped = [], []
     saved = (dict(moe._VARIANT), dict(moe._FAST_ROUTE_CONFIG), dict(moe._FUSED_OVERRIDE), dict(moe._WARP_ROUTE_CONFIG))

@@ -55,6 +55,18 @@ def copy_bandwidth_gbps(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
+def run_meta(script: str, **extra) -> dict:
+    """The header every benchmark JSON carries: GPU, torch, Triton, commit (of ``script``'s checkout), date, plus
+    ``extra``."""
+    import datetime
+
+    import triton
+
+    return dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", torch=torch.__version__,
+                triton=triton.__version__, commit=git_commit(script),
+                date=datetime.datetime.now().isoformat(timespec="seconds"), **extra)
+
+
 def git_commit(path: str | None = None) -> str:
     """Short commit of the checkout holding ``path`` (default: this package); ``SPECVERIFY_COMMIT`` where git cannot
     tell (an exported tree, an installed wheel); ``"?"`` otherwise."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib
 import logging
 
-import torch
 
 log = logging.getLogger("specverify")
 

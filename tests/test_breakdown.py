@@ -1,0 +1,89 @@
+"""The verify-wall breakdown's event-cost correction (specverify.verify_wall), with stand-in events on the CPU.
+
+On the GPU the events are CUDA event-record nodes inside the pass's graph; here a fake event returns the elapsed
+times a graph replay would, so the arithmetic of the correction is checked without a GPU.
+"""
+import pytest
+
+from specverify import verify_wall as vw
+
+
+class _Event:
+    """Stands for a recorded CUDA event: a timestamp in ms."""
+
+    def __init__(self, t_ms):
+        self.t = t_ms
+
+    def elapsed_time(self, other):
+        return other.t - self.t
+
+
+class _Timer(vw.SectionTimer):
+    """A SectionTimer whose events come from a scripted clock instead of CUDA."""
+
+    def __init__(self, times):
+        super().__init__()
+        self.times = iter(times)
+
+    def event(self):
+        return _Scripted(self)
+
+    def totals_ms(self):  # no CUDA synchronise on the CPU
+        out = {}
+        for name, s, e in self.records:
+            out[name] = out.get(name, 0.0) + s.elapsed_time(e)
+        return out
+
+
+class _Scripted(_Event):
+    def __init__(self, timer):
+        super().__init__(None)
+        self.timer = timer
+
+    def record(self):
+        self.t = next(self.timer.times)
+
+
+def test_section_overhead_is_the_sectioned_excess_per_section():
+    n = vw._CALIBRATION_SECTIONS
+    kernel, overhead = 0.002, 0.0025  # ms: a tiny kernel back to back, and what two event nodes add around it
+    plain_a, plain_b = _Event(0.0), _Event(n * kernel)
+    totals = {"__calibration__": n * (kernel + overhead), "attention": 1.0}
+    got = vw._section_overhead_ms(totals, (plain_a, plain_b))
+    assert got == pytest.approx(overhead)
+    assert "__calibration__" not in totals and totals["attention"] == 1.0  # the calibration entry is consumed
+
+
+def test_section_overhead_never_negative():
+    n = vw._CALIBRATION_SECTIONS
+    totals = {"__calibration__": n * 0.001}
+    assert vw._section_overhead_ms(totals, (_Event(0.0), _Event(n * 0.002))) == 0.0
+
+
+def test_timer_counts_sections_per_name():
+    # two layers, each with attention and experts sections: 4 sections, 8 event records
+    timer = _Timer([0, 1, 1, 3, 3, 4, 4, 6])
+    for _ in range(2):
+        for name in ("attention", "experts"):
+            timer(name, "start")
+            timer(name, "end")
+    assert timer.counts() == {"attention": 2, "experts": 2}
+    assert timer.totals_ms() == {"attention": 2.0, "experts": 4.0}
+
+
+def test_calibration_records_a_plain_run_then_one_section_per_kernel():
+    import torch
+
+    n = vw._CALIBRATION_SECTIONS
+    kernel, overhead = 0.002, 0.0025
+    times = [0.0, n * kernel]  # the plain run's bounds
+    t = n * kernel
+    for _ in range(n):  # each sectioned kernel: start, end
+        times += [t, t + kernel + overhead]
+        t += kernel + overhead + 0.001  # the gap between sections falls outside every section
+    timer = _Timer(times)
+    probe = torch.zeros(1)
+    plain = vw._calibration(timer, probe)
+    assert probe.item() == 2 * n  # the tiny kernel ran once per plain slot and once per section
+    assert timer.counts() == {"__calibration__": n}
+    assert vw._section_overhead_ms(timer.totals_ms(), plain) == pytest.approx(overhead)

@@ -983,9 +983,9 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
     top_k and the chunks in fixed order. Other M: three launches (gate/up GEMM with fused SiLU·up into a
     [M·top_k, I] buffer; down GEMM with the routed weight applied into a fp32 [M·top_k, H] buffer; a sum over
     top_k in fixed order). Either way the result is deterministic. bf16/fp16 inputs, fp32 accumulation, the SwiGLU
-    output rounded to the input dtype. CUDA-graph
-    capturable: grids depend only on shapes, unused blocks exit early, no host sync. The reference path is
-    capturable too but computes in fp32 with gathered weight copies (slow, memory-hungry).
+    output rounded to the input dtype. CUDA-graph capturable: grids depend only on shapes (at most one block per
+    routed slot), unused blocks exit early, no host sync. The reference path is capturable too but computes in
+    fp32 with gathered weight copies (slow, memory-hungry).
     Opt-in (benchmarks): ``specverify.moe._VARIANT["experts"] = "gemv"`` runs M <= 4 as two GEMV launches (no
     tensor cores, the top-k sum fused into the down projection; with ``alignment=None`` no alignment is computed),
     equally deterministic and capturable. ``_VARIANT["experts"] = "stream"`` runs M <= 2 as two weight-streaming

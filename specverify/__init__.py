@@ -10,6 +10,10 @@ import os as _os
 
 __version__ = "0.1.0"
 
+from specverify import envvars as _envvars  # noqa: E402  (plain Python: keeps the import cheap)
+
+_envvars.configure_logging()
+
 # In a source checkout, kernels/ and csrc/ sit beside this package rather than inside it (an install maps them to
 # specverify.kernels and specverify/csrc); let the checkout resolve them the same way when run from its root.
 _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))

@@ -56,8 +56,11 @@ def collect_env() -> dict:
     for name in ("nvidia-nccl-cu13", "nvidia-nccl-cu12"):
         nccl = nccl or _version(name)
     info["nccl"] = nccl
-    backends = {"reference": True, "triton": info["triton"] is not None,
-                "cuda (NVRTC through CuPy)": cupy is not None}
+    has_gpu = info.get("gpu") != "no CUDA device"
+    triton_runs = info["triton"] is not None and (has_gpu or info["triton_interpret"])
+    backends = {"reference": True,
+                "triton" + ("" if has_gpu else " (CPU: only with TRITON_INTERPRET=1)"): triton_runs,
+                "cuda (NVRTC through CuPy)": cupy is not None and has_gpu}
     try:
         importlib.import_module("sglang")
         backends["sglang peer kernels"] = True

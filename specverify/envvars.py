@@ -41,6 +41,25 @@ def get(name: str) -> str:
     return os.environ.get(name, _BY_NAME[name].default)
 
 
+def configure_logging() -> None:
+    """Apply ``SPECVERIFY_LOG_LEVEL`` to the ``specverify`` logger. Below WARNING (INFO, DEBUG) the logger gets a
+    stderr handler of its own when it has none, so the once-per-cause fallback messages of ``impl="auto"`` show."""
+    import logging
+
+    logger = logging.getLogger("specverify")
+    name = get("SPECVERIFY_LOG_LEVEL").strip().upper()
+    level = logging.getLevelName(name)
+    if not isinstance(level, int):
+        logger.warning("SPECVERIFY_LOG_LEVEL=%r is not a logging level (DEBUG, INFO, WARNING, ERROR); using WARNING",
+                       name)
+        level = logging.WARNING
+    logger.setLevel(level)
+    if level < logging.WARNING and not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("specverify %(levelname)s: %(message)s"))
+        logger.addHandler(handler)
+
+
 def get_flag(name: str) -> bool:
     """Knob ``name`` read as a boolean (``1/true/yes/on`` are true)."""
     return get(name).strip().lower() in ("1", "true", "yes", "on")

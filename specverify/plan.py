@@ -232,7 +232,8 @@ def break_even_emitted(cycle_ms: float, decode_ms: float) -> float:
 
 @dataclass(frozen=True)
 class PlanRow:
-    """One draft length's plan. Times in ms, rates in tokens per second; ``pays`` is speed-up > 1."""
+    """One draft length's plan. Times in ms, rates in tokens per second; ``pays`` is speed-up > 1 at k > 1 (k = 1 is
+    plain decoding and never pays)."""
 
     k: int
     draft_steps: int
@@ -319,7 +320,8 @@ def plan_draft_lengths(decode_ms: float, verify_ms: Mapping[int, float], accept:
         rows.append(PlanRow(k=k, draft_steps=steps, verify_ms=v, draft_ms=d, cycle_ms=cycle,
                             expected_accept_length=e - 1.0, expected_emitted=e, tokens_per_s=tps,
                             speedup=tps * decode_ms / 1000.0, break_even_emitted=be,
-                            break_even_accept_length=be - 1.0, pays=e > be))
+                            break_even_accept_length=be - 1.0 if abs(be - 1.0) > 1e-9 else 0.0,
+                            pays=k > 1 and e > be))  # k = 1 is plain decoding: nothing to pay for
     return rows
 
 
@@ -495,6 +497,16 @@ def register_cli(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def _measured_on_cpu(path: str) -> bool:
+    """Whether a verify-wall JSON says it ran without a GPU (its notes carry the CPU caveat)."""
+    try:
+        with open(path) as f:
+            meta = json.load(f).get("meta", {})
+    except (OSError, ValueError, AttributeError):
+        return False
+    return any("not performance figures" in str(n) for n in meta.get("notes", []))
+
+
 def run_plan_cli(args: argparse.Namespace) -> int:
     """Handler of ``specverify plan``; returns the exit status (2 on a bad input, with the reason on stderr)."""
     try:
@@ -507,7 +519,8 @@ def run_plan_cli(args: argparse.Namespace) -> int:
         else:
             verify = parse_verify_ms(args.verify_ms)
         if decode_ms is None:
-            raise ValueError("--decode-ms is required (the JSON rows carry no decode_ms)")
+            raise ValueError("--decode-ms is required (the JSON rows carry no decode_ms)" if args.from_json else
+                             "--decode-ms is required with --verify-ms (ms of one plain decode step)")
         accept = parse_accept(args.accept)
         rows = plan_draft_lengths(decode_ms, verify, accept, args.draft_ms)
     except (ValueError, OSError) as e:
@@ -528,6 +541,9 @@ def run_plan_cli(args: argparse.Namespace) -> int:
     src = f" ({provider} from {args.from_json})" if provider else ""
     title = f"plan: decode {decode_ms:g} ms{src}, draft {args.draft_ms:g} ms/step, accept {accept}"
     _print_table(rows, title)
+    if args.from_json and _measured_on_cpu(args.from_json):
+        print(f"note: {args.from_json} was measured without a GPU: its times are not performance figures, so "
+              "neither is this plan")
     max_k = max(verify)
     if len(accept) < max_k - 1 and len(accept) > 1:
         print(f"note: positions beyond {len(accept)} use the last rate {accept[-1]:g}")

@@ -621,11 +621,16 @@ def write_plot(result: dict, path: str) -> None:
         rs = [r for r in rows if r["provider"] == prov]
         ax.plot([r["k"] for r in rs], [r["total_ms"] for r in rs], marker="o", label=f"{prov}")
     base = [r for r in rows if r["provider"] == rows[0]["provider"]] if rows else []
-    ax.plot([r["k"] for r in base], [r["floor_ms"] for r in base], "k--", label="bytes floor")
+    floor = [(r["k"], r["floor_ms"]) for r in base if r["floor_ms"] == r["floor_ms"]]  # no floor (NaN) on a CPU
+    if floor:
+        ax.plot([k for k, _ in floor], [f for _, f in floor], "k--", label="bytes floor")
     meta = result["meta"]
+    ax.set_xticks(sorted({r["k"] for r in rows}))
     ax.set_xlabel("draft tokens per request (k; 1 = decode)")
     ax.set_ylabel("ms per verify pass (per rank)")
-    ax.set_title(f"verify wall: {meta['model']} tp={meta['tp']} bs={meta['batch']} ctx={meta['context']}")
+    cpu = any("not performance figures" in str(n) for n in meta.get("notes", []))
+    ax.set_title(f"verify wall: {meta['model']} tp={meta['tp']} bs={meta['batch']} ctx={meta['context']}"
+                 + (" (CPU: not performance figures)" if cpu else ""))
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -695,29 +700,31 @@ def _cmd(args) -> int:
 
 def register_cli(bench_sub) -> None:
     p = bench_sub.add_parser("verify-wall", help="the verify pass cost per draft length, against the bytes floor",
-                             description=__doc__.split("\n\n")[0].replace("``", ""),
-                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="kimi-k2", help=f"one of {', '.join(list_configs())} (default kimi-k2)")
-    p.add_argument("--tp", type=int, default=8, help="tensor-parallel degree; one rank's shapes are run")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--context", type=int, default=4096, help="prefix tokens per request")
+                             description=__doc__.split("\n\n")[0].replace("``", ""))
+    p.add_argument("--model", default="kimi-k2", help=f"one of {', '.join(list_configs())} (default: kimi-k2)")
+    p.add_argument("--tp", type=int, default=8, help="tensor-parallel degree; one rank's shapes are run (default: 8)")
+    p.add_argument("--batch", type=int, default=1, help="requests per pass (default: 1)")
+    p.add_argument("--context", type=int, default=4096, help="prefix tokens per request (default: 4096)")
     p.add_argument("--draft-tokens", type=_parse_ints, default=[1, 2, 3, 4, 6, 8],
-                   help="comma-separated k values (tree nodes incl. the last verified token; 1 = decode)")
-    p.add_argument("--tree", default="chain", help="chain or topk:K")
+                   help="comma-separated k values (tree nodes incl. the last verified token; 1 = decode); sorted, "
+                        "duplicates dropped, k = 1 always added as the decode baseline (default: 1,2,3,4,6,8)")
+    p.add_argument("--tree", default="chain", help="chain or topk:K (default: chain)")
     p.add_argument("--layers", type=int, default=None, help="layers to run (default: the model's)")
     p.add_argument("--distinct-layers", type=int, default=None,
                    help="weight sets cycled over the layers (default: as many as fit in 45%% of free memory)")
     p.add_argument("--impl", default="reference,specverify,sglang",
                    help="comma-separated providers: reference, specverify, sglang (default: all three; sglang is "
                         "skipped with its reason when SGLang's kernels cannot be imported)")
-    p.add_argument("--graph", choices=["on", "off"], default="on", help="time CUDA-graph replay (on) or eager")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--graph", choices=["on", "off"], default="on",
+                   help="time CUDA-graph replay (on) or eager launches (default: on)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed passes per provider and k (default: 5)")
+    p.add_argument("--iters", type=int, default=30, help="timed passes per provider and k (default: 30)")
+    p.add_argument("--page-size", type=int, default=64, help="KV cache page size in tokens (default: 64)")
     p.add_argument("--breakdown", action="store_true", help="GPU time per component at k = 1 and 4")
     p.add_argument("--switch", action="store_true", help="also time replays that change k every pass")
-    p.add_argument("--link", choices=["nvlink", "pcie"], default="nvlink", help="link for the allreduce model")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, metavar="PATH")
-    p.add_argument("--plot", default=None, metavar="PATH.png")
+    p.add_argument("--link", choices=["nvlink", "pcie"], default="nvlink",
+                   help="link of the modelled tp allreduce (default: nvlink)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the dummy weights and inputs (default: 0)")
+    p.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON (after each provider)")
+    p.add_argument("--plot", default=None, metavar="PATH.png", help="plot ms per pass against k, with the floor")
     p.set_defaults(func=_cmd)

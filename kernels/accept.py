@@ -268,35 +268,7 @@ def _accept_sample_kernel(logits_ptr, stride_row, V, S, K, L,
             full = full_b.to(tl.int32)
         else:
             # exact fallback: bisection with passes over the whole row
-            tau_k = tl.zeros((), tl.int64) + NEG_KEY
-            lo0 = _okey(tl.zeros((), tl.float32) - 3.4028234663852886e38).to(tl.int64)
-            hi0 = _okey(M).to(tl.int64) + 1
-            if k_on:
-                c0, m0 = _row_count_mass(logits_ptr, row_off, V, inv_t, M, lo0, BLOCK)
-                if c0 >= top_k:
-                    lo = lo0
-                    hi = hi0
-                    for _ in range(33):
-                        mid = lo + (hi - lo) // 2
-                        cnt, ms = _row_count_mass(logits_ptr, row_off, V, inv_t, M, mid, BLOCK)
-                        go = cnt >= top_k
-                        lo = tl.where(go, mid, lo)
-                        hi = tl.where(go, hi, mid)
-                    tau_k = lo
-            tau_p = tl.zeros((), tl.int64) + NEG_KEY
-            if p_on:
-                ck0, zk = _row_count_mass(logits_ptr, row_off, V, inv_t, M, tau_k, BLOCK)
-                target = top_p * zk
-                lo = tl.maximum(lo0, tau_k)
-                hi = hi0
-                for _ in range(33):
-                    mid = lo + (hi - lo) // 2
-                    cnt, msum = _row_count_mass(logits_ptr, row_off, V, inv_t, M, tl.maximum(mid, tau_k), BLOCK)
-                    go = (msum >= target) & (cnt > 0)
-                    lo = tl.where(go, mid, lo)
-                    hi = tl.where(go, hi, mid)
-                tau_p = lo
-            tau = tl.maximum(tau_k, tau_p)
+            tau = _fallback_tau(logits_ptr, row_off, V, inv_t, M, top_k, k_on, top_p, p_on, BLOCK)
             norm = _row_kept_mass(logits_ptr, row_off, V, inv_t, M, tau, min_p, BLOCK)
             full = tl.zeros((), tl.int32)
     tl.store(r_max_ptr + row, M)

@@ -203,6 +203,15 @@ def _pad_alignment(sorted_ids, expert_ids, npad, m, top_k, num_experts, block_si
     return MoEAlignment(out_sorted, out_eids, npad, block_size)
 
 
+def _alignment_buffers(m: int, top_k: int, e: int, block_size: int, dev):
+    """(size, sorted_token_ids, expert_ids, num_tokens_post_padded) of an alignment, unwritten: the padded worst case
+    for ``m * top_k`` slots over ``e`` experts."""
+    size = max_num_tokens_padded(m, top_k, e, block_size)
+    return (size, torch.empty((size,), dtype=torch.int32, device=dev),
+            torch.empty((size // block_size,), dtype=torch.int32, device=dev),
+            torch.empty((1,), dtype=torch.int32, device=dev))
+
+
 def _launch_route_align(logits, bias, top_k, softmax, n_group, topk_group, renormalize, scale, block_size,
                         topk_ids=None, num_experts=None):
     """One launch: routing (unless ``topk_ids`` is given) and, with ``block_size``, the alignment."""
@@ -234,10 +243,7 @@ def _launch_route_align(logits, bias, top_k, softmax, n_group, topk_group, renor
         return _launch_route_align_single(logits, bias, ids, weights, m, e, top_k, softmax, n_group, topk_group,
                                           renormalize, scale, block_size, do_route)
     if do_align:
-        size = max_num_tokens_padded(m, top_k, e, block_size)
-        sorted_ids = torch.empty((size,), dtype=torch.int32, device=dev)
-        expert_ids = torch.empty((size // block_size,), dtype=torch.int32, device=dev)
-        npad = torch.empty((1,), dtype=torch.int32, device=dev)
+        size, sorted_ids, expert_ids, npad = _alignment_buffers(m, top_k, e, block_size, dev)
         rank = torch.empty((max(s, 1),), dtype=torch.int32, device=dev)
         ws = _workspace(dev)
         count, offs, ticket = ws[:_WS_STRIDE], ws[_WS_STRIDE: 2 * _WS_STRIDE], ws[2 * _WS_STRIDE:]
@@ -281,10 +287,7 @@ def _launch_route_align_single(logits, bias, ids, weights, m, e, top_k, softmax,
 
     dev = ids.device
     s = m * top_k
-    size = max_num_tokens_padded(m, top_k, e, block_size)
-    sorted_ids = torch.empty((size,), dtype=torch.int32, device=dev)
-    expert_ids = torch.empty((size // block_size,), dtype=torch.int32, device=dev)
-    npad = torch.empty((1,), dtype=torch.int32, device=dev)
+    size, sorted_ids, expert_ids, npad = _alignment_buffers(m, top_k, e, block_size, dev)
     eap = max(_next_pow2(e), 16)
     offs = torch.empty((eap,), dtype=torch.int32, device=dev)
     cfg = dict(_SINGLE_ROUTE_CONFIG)
@@ -318,10 +321,7 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
     dev = ids.device
     on_gpu = dev.type == "cuda"
     s = m * top_k
-    size = max_num_tokens_padded(m, top_k, e, block_size)
-    sorted_ids = torch.empty((size,), dtype=torch.int32, device=dev)
-    expert_ids = torch.empty((size // block_size,), dtype=torch.int32, device=dev)
-    npad = torch.empty((1,), dtype=torch.int32, device=dev)
+    size, sorted_ids, expert_ids, npad = _alignment_buffers(m, top_k, e, block_size, dev)
     topk_p = max(_next_pow2(top_k), 2)
     eap = max(_next_pow2(e), 16)
     one = s <= cfg["one_max_slots"]
@@ -368,10 +368,7 @@ def _launch_route_align_warp(logits, bias, ids, weights, m, e, top_k, softmax, n
     dev = ids.device
     on_gpu = dev.type == "cuda"
     s = m * top_k
-    size = max_num_tokens_padded(m, top_k, e, block_size)
-    sorted_ids = torch.empty((size,), dtype=torch.int32, device=dev)
-    expert_ids = torch.empty((size // block_size,), dtype=torch.int32, device=dev)
-    npad = torch.empty((1,), dtype=torch.int32, device=dev)
+    size, sorted_ids, expert_ids, npad = _alignment_buffers(m, top_k, e, block_size, dev)
     rows = _next_pow2(m)
     ep = max(_next_pow2(e), 16)
     ch = min(ep, 128)  # 32 lanes x 4 experts: one warp spans a row's CH experts, NH = EP / CH of them per lane
@@ -703,9 +700,10 @@ def _gemm_configs(m: int, h: int, inter: int, block_m: int, on_gpu: bool, *, top
 
 def _used_blocks_bound(alignment, slots: int) -> int:
     """Blocks the expert grids cover: every used block holds at least one routed slot (each expert's run is its
-    slot count rounded up to whole blocks, and used blocks come first), so at most ``slots`` blocks are used, however
-    many the padded worst case allocates. At M = 1 with Kimi-K2 that is 9 blocks instead of 361, so the down GEMM
-    launches about a thousand programs instead of forty thousand that would exit at once."""
+    slot count rounded up to whole blocks, and used blocks come first), so at most ``slots`` blocks are used. Our own
+    alignments are already sized to that (``max_num_tokens_padded`` counts at most ``min(slots, E)`` padded runs);
+    the bound matters for alignments a caller allocated for a larger worst case (every expert padded, as SGLang
+    sizes its buffers), whose extra blocks would only launch programs that exit at once."""
     return max(1, min(alignment.expert_ids.numel(), slots))
 
 

@@ -193,6 +193,32 @@ def _moe_topk_sum_kernel(part_ptr, ids_ptr, out_ptr, stride_pm, stride_om, E: tl
 #
 # fp32 products and sums; act is stored in the weights' dtype as in the tl.dot path. UPCAST is not needed (no dot).
 # ------------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _unit_expert(unit, sorted_ptr, eids_ptr, npad_ptr, ids_ptr, S, B: tl.constexpr, ALIGNED: tl.constexpr):
+    """(expert, real slots) of one work unit of the GEMV-style kernels: an alignment block, or one routed slot
+    without alignment. A block past the used part gets expert -1 (its program exits) and no slot load."""
+    if ALIGNED:
+        npad = tl.load(npad_ptr)  # a multiple of B: a block lies wholly before it or wholly past it
+        e = tl.where(unit * B < npad, tl.load(eids_ptr + unit), -1)  # the grid never passes expert_ids' length
+        # a block's real slots come first, its padding (the sentinel S) after: count them with one load
+        pos = unit * B + tl.arange(0, B)
+        n_valid = tl.sum((tl.load(sorted_ptr + pos, mask=pos < npad, other=S) < S).to(tl.int32), axis=0)
+    else:
+        e = tl.load(ids_ptr + unit)
+        n_valid = 1
+    return e, n_valid
+
+
+@triton.jit
+def _unit_slots(unit, p0, om, n_valid, sorted_ptr, S, B: tl.constexpr, ALIGNED: tl.constexpr):
+    """Slot ids p0 + om of a work unit (the sentinel S past its real slots)."""
+    if ALIGNED:
+        slots = tl.load(sorted_ptr + unit * B + p0 + om, mask=p0 + om < n_valid, other=S)
+    else:
+        slots = tl.where(om == 0, unit, S)
+    return slots
+
+
 @triton.jit(do_not_specialize=["S"])
 def _moe_gemv_gate_up_kernel(hidden_ptr, w13_ptr, act_ptr, sorted_ptr, eids_ptr, npad_ptr, ids_ptr, S, stride_hm,
                              stride_we, stride_wn, stride_am, E: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
@@ -203,15 +229,7 @@ def _moe_gemv_gate_up_kernel(hidden_ptr, w13_ptr, act_ptr, sorted_ptr, eids_ptr,
     blk = pid // n_tiles
     pid_n = pid % n_tiles
     om = tl.arange(0, MP)
-    if ALIGNED:
-        if blk * B >= tl.load(npad_ptr):
-            return
-        e = tl.load(eids_ptr + blk)
-        # a block's real slots come first, its padding (the sentinel S) after: count them with one load
-        n_valid = tl.sum((tl.load(sorted_ptr + blk * B + tl.arange(0, B)) < S).to(tl.int32), axis=0)
-    else:
-        e = tl.load(ids_ptr + blk)
-        n_valid = 1
+    e, n_valid = _unit_expert(blk, sorted_ptr, eids_ptr, npad_ptr, ids_ptr, S, B, ALIGNED)
     if (e < 0) | (e >= E):
         return
     on = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -219,10 +237,7 @@ def _moe_gemv_gate_up_kernel(hidden_ptr, w13_ptr, act_ptr, sorted_ptr, eids_ptr,
     ok = tl.arange(0, BLOCK_K)
     w_base = w13_ptr + e.to(tl.int64) * stride_we
     for p0 in range(0, n_valid, MP):  # one pass unless the expert holds more than MP slots
-        if ALIGNED:
-            slots = tl.load(sorted_ptr + blk * B + p0 + om, mask=p0 + om < n_valid, other=S)
-        else:
-            slots = tl.where(om == 0, blk, S)
+        slots = _unit_slots(blk, p0, om, n_valid, sorted_ptr, S, B, ALIGNED)
         valid = slots < S
         tok = tl.where(valid, slots // TOP_K, 0)
         a_base = hidden_ptr + tok.to(tl.int64) * stride_hm
@@ -438,15 +453,7 @@ def _moe_stream_gate_up_kernel(hidden_ptr, w13_ptr, act_ptr, sorted_ptr, eids_pt
     unit = pid // NT
     t = pid % NT
     om = tl.arange(0, MP)
-    if ALIGNED:
-        if unit * B >= tl.load(npad_ptr):
-            return
-        e = tl.load(eids_ptr + unit)
-        # a block's real slots come first, its padding (the sentinel S) after: count them with one load
-        n_valid = tl.sum((tl.load(sorted_ptr + unit * B + tl.arange(0, B)) < S).to(tl.int32), axis=0)
-    else:
-        e = tl.load(ids_ptr + unit)
-        n_valid = 1
+    e, n_valid = _unit_expert(unit, sorted_ptr, eids_ptr, npad_ptr, ids_ptr, S, B, ALIGNED)
     if (e < 0) | (e >= E):
         return
     rows = t * R + tl.arange(0, R)
@@ -454,10 +461,7 @@ def _moe_stream_gate_up_kernel(hidden_ptr, w13_ptr, act_ptr, sorted_ptr, eids_pt
     ok = tl.arange(0, BK)
     w_base = w13_ptr + e.to(tl.int64) * stride_we
     for p0 in range(0, n_valid, MP):  # one pass unless the expert holds more than MP slots of the block
-        if ALIGNED:
-            slots = tl.load(sorted_ptr + unit * B + p0 + om, mask=p0 + om < n_valid, other=S)
-        else:
-            slots = tl.where(om == 0, unit, S)
+        slots = _unit_slots(unit, p0, om, n_valid, sorted_ptr, S, B, ALIGNED)
         valid = slots < S
         tok = tl.where(valid, slots // TOP_K, 0)
         a_base = hidden_ptr + tok.to(tl.int64) * stride_hm

@@ -91,6 +91,29 @@ def _scores(x, emask, SOFTMAX: tl.constexpr):
 
 
 @triton.jit
+def _store_winners(logits_ptr, row_off, ids, kmask, mx, den, scale, out_off, ids_ptr, w_ptr, SOFTMAX: tl.constexpr,
+                   RENORM: tl.constexpr):
+    """Store the chosen ids [ROWS, TOPK_P] and their weights: the unbiased scores of the winners, recomputed from
+    their logits (``row_off`` [ROWS, 1] into the logits) with the same formula, renormalised where the sum is > 0,
+    times the routed scaling factor. Returns (valid slots, ids with 0 in the invalid ones)."""
+    valid = (ids >= 0) & kmask
+    safe = tl.where(valid, ids, 0)
+    xv = tl.load(logits_ptr + row_off + safe, mask=valid, other=0.0).to(tl.float32)
+    if SOFTMAX:
+        sv = tl.exp(xv - mx[:, None]) / den[:, None]
+    else:
+        sv = 1.0 / (1.0 + tl.exp(-xv))
+    w = tl.where(valid, sv, 0.0)
+    if RENORM:
+        tot = tl.sum(w, axis=1)
+        w = tl.where(tot[:, None] > 0, w / tl.where(tot > 0, tot, 1.0)[:, None], w)
+    w = w * scale
+    tl.store(ids_ptr + out_off, ids, mask=kmask)
+    tl.store(w_ptr + out_off, w, mask=kmask)
+    return valid, safe
+
+
+@triton.jit
 def _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, row0, M, stride_lm, scale,
                 E: tl.constexpr, EP: tl.constexpr, ROWS: tl.constexpr, TOP_K: tl.constexpr,
                 TOPK_P: tl.constexpr, N_GROUP: tl.constexpr, NG_P: tl.constexpr, GSIZE: tl.constexpr,
@@ -147,21 +170,9 @@ def _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, row0,
 
     # weights: the unbiased scores of the winners, recomputed from their logits with the same formula
     kmask = (kk < TOP_K)[None, :] & rmask[:, None]
-    valid = (ids >= 0) & kmask
-    safe = tl.where(valid, ids, 0)
-    xv = tl.load(logits_ptr + row_off[:, None] + safe, mask=valid, other=0.0).to(tl.float32)
-    if SOFTMAX:
-        sv = tl.exp(xv - mx[:, None]) / den[:, None]
-    else:
-        sv = 1.0 / (1.0 + tl.exp(-xv))
-    w = tl.where(valid, sv, 0.0)
-    if RENORM:
-        tot = tl.sum(w, axis=1)
-        w = tl.where(tot[:, None] > 0, w / tl.where(tot > 0, tot, 1.0)[:, None], w)
-    w = w * scale
     out_off = rows[:, None] * TOP_K + kk[None, :]
-    tl.store(ids_ptr + out_off, ids, mask=kmask)
-    tl.store(w_ptr + out_off, w, mask=kmask)
+    valid, safe = _store_winners(logits_ptr, row_off[:, None], ids, kmask, mx, den, scale, out_off, ids_ptr, w_ptr,
+                                 SOFTMAX, RENORM)
     if DO_ALIGN:
         rank = tl.atomic_add(count_ptr + safe, 1, mask=valid, sem="relaxed")
         tl.store(rank_ptr + out_off, rank, mask=valid)
@@ -547,21 +558,9 @@ def _moe_route_align_warp_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, sorted_pt
     # weights: the unbiased scores of the winners, recomputed from their logits with the same formula
     rows2 = r[:, None]
     kmask = (kk < TOP_K)[None, :] & (rows2 < M)
-    valid = (ids >= 0) & kmask
-    safe = tl.where(valid, ids, 0)
-    xv = tl.load(logits_ptr + rows2.to(tl.int64) * stride_lm + safe, mask=valid, other=0.0).to(tl.float32)
-    if SOFTMAX:
-        sv = tl.exp(xv - mx[:, None]) / den[:, None]
-    else:
-        sv = 1.0 / (1.0 + tl.exp(-xv))
-    w = tl.where(valid, sv, 0.0)
-    if RENORM:
-        tot = tl.sum(w, axis=1)
-        w = tl.where(tot[:, None] > 0, w / tl.where(tot > 0, tot, 1.0)[:, None], w)
-    w = w * scale
     out_off = rows2 * TOP_K + kk[None, :]
-    tl.store(ids_ptr + out_off, ids, mask=kmask)
-    tl.store(w_ptr + out_off, w, mask=kmask)
+    valid, safe = _store_winners(logits_ptr, rows2.to(tl.int64) * stride_lm, ids, kmask, mx, den, scale, out_off,
+                                 ids_ptr, w_ptr, SOFTMAX, RENORM)
 
     # alignment from the choice matrix (every tensor below is a reduction or scan of the routing's tile)
     pm = (kmat >= 0).to(tl.int32)

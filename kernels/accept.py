@@ -94,6 +94,18 @@ def _load_param_i(ptr, b, scalar, IS_TENSOR: tl.constexpr):
         return scalar
 
 
+@triton.jit
+def _request_params(b, temp_ptr, temp_s, topk_ptr, topk_s, topp_ptr, topp_s, minp_ptr, minp_s, TEMP_T: tl.constexpr,
+                    TOPK_T: tl.constexpr, TOPP_T: tl.constexpr, MINP_T: tl.constexpr):
+    """Request b's sampling parameters: (temperature, 1 / temperature or 1 when greedy, top_k, top_p, min_p)."""
+    t = _load_param_f(temp_ptr, b, temp_s, TEMP_T)
+    inv_t = tl.where(t > 0.0, 1.0 / t, 1.0)
+    top_k = _load_param_i(topk_ptr, b, topk_s, TOPK_T)
+    top_p = _load_param_f(topp_ptr, b, topp_s, TOPP_T)
+    min_p = _load_param_f(minp_ptr, b, minp_s, MINP_T)
+    return t, inv_t, top_k, top_p, min_p
+
+
 @triton.jit(do_not_specialize=["V", "stride_row", "S", "K", "temp_s"])
 def _accept_chunk_kernel(logits_ptr, stride_row, V, S, K,
                          temp_ptr, temp_s,
@@ -184,11 +196,8 @@ def _accept_sample_kernel(logits_ptr, stride_row, V, S, K, L,
                           S_BLOCK: tl.constexpr, CAP: tl.constexpr, K_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     b = row // K
-    t = _load_param_f(temp_ptr, b, temp_s, TEMP_T)
-    inv_t = tl.where(t > 0.0, 1.0 / t, 1.0)
-    top_k = _load_param_i(topk_ptr, b, topk_s, TOPK_T)
-    top_p = _load_param_f(topp_ptr, b, topp_s, TOPP_T)
-    min_p = _load_param_f(minp_ptr, b, minp_s, MINP_T)
+    t, inv_t, top_k, top_p, min_p = _request_params(b, temp_ptr, temp_s, topk_ptr, topk_s, topp_ptr, topp_s, minp_ptr,
+                                                    minp_s, TEMP_T, TOPK_T, TOPP_T, MINP_T)
     row_off = row.to(tl.int64) * stride_row
     NEG_KEY: tl.constexpr = -2147483649  # below every int32 key: "no threshold"
 
@@ -637,11 +646,8 @@ def _accept_select_kernel(logits_ptr, stride_row, V, S, K, L,
     row = tl.program_id(0)
     b = row // K
     node = row - b * K
-    t = _load_param_f(temp_ptr, b, temp_s, TEMP_T)
-    inv_t = tl.where(t > 0.0, 1.0 / t, 1.0)
-    top_k = _load_param_i(topk_ptr, b, topk_s, TOPK_T)
-    top_p = _load_param_f(topp_ptr, b, topp_s, TOPP_T)
-    min_p = _load_param_f(minp_ptr, b, minp_s, MINP_T)
+    t, inv_t, top_k, top_p, min_p = _request_params(b, temp_ptr, temp_s, topk_ptr, topk_s, topp_ptr, topp_s, minp_ptr,
+                                                    minp_s, TEMP_T, TOPK_T, TOPP_T, MINP_T)
     row_off = row.to(tl.int64) * stride_row
     NEG_KEY: tl.constexpr = -2147483649  # below every int32 key: "no threshold"
 

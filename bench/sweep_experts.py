@@ -53,21 +53,6 @@ STREAM_GRID = [
 ]
 
 
-def _reference(hidden, w13, w2, ids, w, dtype):
-    """out[m] = sum_k w[m,k] * w2[e] @ (silu(gate) * up), one expert at a time in ``dtype`` (fp64: the truth)."""
-    m, h = hidden.shape
-    inter = w2.shape[2]
-    out = torch.zeros(m, h, dtype=dtype, device=hidden.device)
-    x = hidden.to(dtype)
-    for e in torch.unique(ids[ids >= 0]).tolist():
-        rows, ks = (ids == e).nonzero(as_tuple=True)
-        gu = x[rows] @ w13[e].to(dtype).T
-        act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
-        y = (act @ w2[e].to(dtype).T) * w[rows, ks].to(dtype)[:, None]
-        out.index_add_(0, rows, y)
-    return out.double()
-
-
 def _label(ov: dict) -> str:
     return "stream " + (" ".join(f"{k}{v}" for k, v in ov.items()) or "default")
 
@@ -85,6 +70,7 @@ def main(argv=None) -> int:
     import specverify.moe as moe
     from specverify.benchmarking import run_meta, copy_bandwidth_gbps, graph_us
     from specverify.configs import per_rank_shapes
+    from specverify.reference.moe import fused_moe_by_expert_reference as by_expert
 
     t0 = time.time()
 
@@ -135,8 +121,8 @@ def main(argv=None) -> int:
             distinct = sum(int(torch.unique(r[0][r[0] >= 0]).numel()) for r in routed) / SETS
             floor_us = distinct * expert_bytes / (bw * 1e9) * 1e6
             ids0, w0, _ = routed[0]
-            want = _reference(hidden[0], w13, w2, ids0, w0, torch.float64)
-            tol = 2 * (_reference(hidden[0], w13, w2, ids0, w0, torch.bfloat16) - want).abs().max().item() + 1e-6
+            want = by_expert(hidden[0], w13, w2, ids0, w0, torch.float64)
+            tol = 2 * (by_expert(hidden[0], w13, w2, ids0, w0, torch.bfloat16) - want).abs().max().item() + 1e-6
             outs = [torch.empty(m, h, dtype=torch.bfloat16, device="cuda") for _ in range(SETS)]
             base = dict(model="kimi-k2", m=m, shared=shared, distinct_experts=distinct, floor_us=floor_us)
             print(f"# {case}: {distinct:.2f} distinct experts per call, floor {floor_us:.2f} us", flush=True)

@@ -66,21 +66,6 @@ ROUTE_GRID = [
 ]
 
 
-def _reference(hidden, w13, w2, ids, w, dtype):
-    """out[m] = sum_k w[m,k] * w2[e] @ (silu(gate) * up), one expert at a time in ``dtype`` (fp64: the truth)."""
-    m, h = hidden.shape
-    inter = w2.shape[2]
-    out = torch.zeros(m, h, dtype=dtype, device=hidden.device)
-    x = hidden.to(dtype)
-    for e in torch.unique(ids[ids >= 0]).tolist():
-        rows, ks = (ids == e).nonzero(as_tuple=True)
-        gu = x[rows] @ w13[e].to(dtype).T
-        act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
-        y = (act @ w2[e].to(dtype).T) * w[rows, ks].to(dtype)[:, None]
-        out.index_add_(0, rows, y)
-    return out.double()
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="M = 1, 4, 16, 64 and the configs marked q")
@@ -95,6 +80,7 @@ def main(argv=None) -> int:
     import specverify.moe as moe
     from specverify.benchmarking import run_meta, copy_bandwidth_gbps, graph_us
     from specverify.configs import per_rank_shapes
+    from specverify.reference.moe import fused_moe_by_expert_reference as by_expert
     from specverify.reference.moe import align_reference, route_reference
 
     t0 = time.time()
@@ -139,8 +125,8 @@ def main(argv=None) -> int:
             distinct = sum(int(torch.unique(r[0][r[0] >= 0]).numel()) for r in routed) / SETS
             floor_us = distinct * expert_bytes / (bw * 1e9) * 1e6
             ids0, w0, _ = routed[0]
-            want = _reference(hidden[0], w13, w2, ids0, w0, torch.float64)
-            tol = 2 * (_reference(hidden[0], w13, w2, ids0, w0, torch.bfloat16) - want).abs().max().item() + 1e-6
+            want = by_expert(hidden[0], w13, w2, ids0, w0, torch.float64)
+            tol = 2 * (by_expert(hidden[0], w13, w2, ids0, w0, torch.bfloat16) - want).abs().max().item() + 1e-6
             outs = [torch.empty(m, h, dtype=torch.bfloat16, device="cuda") for _ in range(SETS)]
             base = dict(model=name, m=m, distinct_experts=distinct, floor_us=floor_us)
 

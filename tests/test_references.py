@@ -137,3 +137,20 @@ def test_compact_reference_moves_only_the_path():
     assert torch.equal(flat[slot(0, 2)], fb[slot(0, 3)]) and torch.equal(flat[slot(0, 3)], fb[slot(0, 4)])
     changed = (flat != fb).any(-1).nonzero().flatten().tolist()
     assert set(changed) <= {slot(0, 2), slot(0, 3)}
+
+
+def test_fused_moe_by_expert_matches_the_per_token_loop():
+    # the sweeps' fp64 truth (one expert at a time) against the per-token loop; an id of -1 adds nothing
+    from specverify.reference.moe import fused_moe_by_expert_reference, fused_moe_loop_reference
+
+    g = torch.Generator().manual_seed(3)
+    m, h, inter, e, top_k = 5, 16, 8, 6, 3
+    hidden = torch.randn(m, h, generator=g)
+    w13, w2 = torch.randn(e, 2 * inter, h, generator=g), torch.randn(e, h, inter, generator=g)
+    ids = torch.randint(0, e, (m, top_k), generator=g)
+    ids[1, 2] = -1
+    w = torch.rand(m, top_k, generator=g)
+    want = fused_moe_loop_reference(hidden, w13, w2, ids, w)
+    got = fused_moe_by_expert_reference(hidden, w13, w2, ids, w)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

@@ -104,6 +104,23 @@ def fused_moe_reference(hidden, w13, w2, topk_ids, topk_weights, compute_dtype=t
     return y.view(m, top_k, h).sum(1).to(hidden.dtype)
 
 
+def fused_moe_by_expert_reference(hidden, w13, w2, topk_ids, topk_weights, dtype=torch.float64):
+    """SwiGLU experts one activated expert at a time, computed in ``dtype`` and returned as fp64 [M, H]: with fp64 the
+    truth for large shapes (no per-slot weight copies), with bf16 the error of a plain bf16 computation, from which
+    the sweeps derive their tolerances. Slots with id -1 add nothing."""
+    m, h = hidden.shape
+    inter = w2.shape[2]
+    out = torch.zeros(m, h, dtype=dtype, device=hidden.device)
+    x = hidden.to(dtype)
+    for e in torch.unique(topk_ids[topk_ids >= 0]).tolist():
+        rows, ks = (topk_ids == e).nonzero(as_tuple=True)
+        gu = x[rows] @ w13[e].to(dtype).T
+        act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+        y = (act @ w2[e].to(dtype).T) * topk_weights[rows, ks].to(dtype)[:, None]
+        out.index_add_(0, rows, y)
+    return out.double()
+
+
 def fused_moe_loop_reference(hidden, w13, w2, topk_ids, topk_weights):
     """Per-token loop in fp64: the slow, obviously-correct check for the kernels' tests."""
     m, h = hidden.shape

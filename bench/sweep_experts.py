@@ -1,11 +1,11 @@
-"""Sweep: the weight-streaming experts (``_VARIANT["experts"] = "stream"``) at M = 1 and 2 against the bytes floor.
+"""Sweep: the weight-streaming experts (``_VARIANT["experts"] = "stream"``) at M = 1..8 against the bytes floor.
 
 Shape: Kimi-K2 per rank (tp 8: H 7168, expert intermediate 256, 384 routed experts, top-8, bf16 SwiGLU; w13
 [E, 512, 7168], w2 [E, 7168, 256]), with and without the shared expert (stacked as expert 384 and appended to every
-token with ``specverify.moe.append_shared_expert``, weight 1), M = 1 and 2 tokens.
+token with ``specverify.moe.append_shared_expert``, weight 1), M = 1, 2, 4, 8 tokens (``--ms``); above the
+default ``max_m`` the stream rows raise it for the measurement.
 
-Providers: ``default`` (``_VARIANT["experts"] = "auto"``: the three-launch tl.dot path at M = 1, the fused path at
-M = 2), ``gemv`` (the earlier GEMV variant) and ``stream`` with each tile config of ``STREAM_GRID`` (merged into
+Providers: ``default`` (``_VARIANT["experts"] = "auto"``: stream up to its ``max_m``, then the fused path), ``gemv`` (the earlier GEMV variant) and ``stream`` with each tile config of ``STREAM_GRID`` (merged into
 ``_STREAM_OVERRIDE``), all given the same precomputed alignment (block 16); ``stream noalign`` runs with
 ``alignment=None`` (per-slot programs, no alignment launch needed at all). Every provider is first checked against
 a per-expert fp64 torch reference (tolerance: twice torch's own bf16 error + 1e-6), then timed by CUDA-graph replay
@@ -32,24 +32,25 @@ SETS = 20  # calls per graph, each with its own routing
 BLOCK = 16
 #: stream tile configs swept (merged into ``_STREAM_OVERRIDE``); "q" marks the ones --quick keeps
 STREAM_GRID = [
-    dict(q=1),  # the defaults of _STREAM_CONFIG
+    dict(q=1),  # the defaults of _STREAM_CONFIG (per-slot units: ALIGNED False)
+    dict(q=1, ALIGNED=True),  # alignment blocks as units (the run-16 default)
     dict(q=1, PDL=False),
     dict(q=1, PREFETCH=False),
-    dict(q=0, PREFETCH=False, num_stages=3),
+    dict(q=1, PREFETCH=False, num_stages=3),
     dict(q=0, PREFETCH=False, num_stages=4, R=1),
     dict(q=1, R=1),
     dict(q=1, R=4, BK=512),
+    dict(q=1, R=4, BK=512, PREFETCH=False),
     dict(q=0, R=2, BK=2048),
-    dict(q=0, R=2, BK=512),
+    dict(q=1, R=2, BK=512),
     dict(q=0, R=4, BK=1024, num_warps=8),
     dict(q=0, R=1, BK=2048, num_warps=8),
     dict(q=0, R=2, num_warps=2, BK=512),
     dict(q=1, BH=4, down_warps=4),
-    dict(q=0, BH=1, down_warps=4),
+    dict(q=1, BH=1, down_warps=4),
     dict(q=0, BH=4, down_warps=8, TILE=16384),
     dict(q=0, BH=8, down_warps=8, TILE=32768),
     dict(q=0, BH=2, down_warps=2),
-    dict(q=0, ALIGNED=False),
 ]
 
 
@@ -62,7 +63,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="only the configs marked q")
     ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     ap.add_argument("--budget-s", type=float, default=480.0, help="stop starting measurements after this long")
+    ap.add_argument("--ms", default="1,2,4,8", help="comma list of token counts")
     args = ap.parse_args(argv)
+    ms_list = [int(x) for x in args.ms.split(",")]
     if not torch.cuda.is_available():
         print("sweep_experts: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -102,7 +105,7 @@ def main(argv=None) -> int:
     rkw = dict(top_k=top_k, scoring=cfg.scoring_func, correction_bias=bias, n_group=cfg.n_group,
                topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor)
     for shared in (True, False):
-        for m in (1, 2):
+        for m in ms_list:
             case = f"M={m} {'+shared' if shared else 'routed'}"
             if over():
                 skipped.append(case)
@@ -134,6 +137,8 @@ def main(argv=None) -> int:
                 restore()
                 moe._VARIANT["experts"] = variant
                 moe._STREAM_OVERRIDE.update(override)
+                if variant == "stream":
+                    moe._STREAM_OVERRIDE["max_m"] = max(m, moe._STREAM_CONFIG["max_m"])
 
                 def call(i):
                     ids, w, al = routed[i % SETS]

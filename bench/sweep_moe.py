@@ -12,9 +12,8 @@ consecutive calls hit different experts and the weights (GBs per layer) come fro
 ``copy_bandwidth_gbps`` (read + write bytes / time) in the same run; ``x_floor = graph_us / floor_us`` (target
 <= 1.25 at M <= 16).
 
-Router + alignment (block 16): ``atomic`` (old default), ``single``, ``fast`` (new default) and ``warp`` (one warp
-per token row, M <= 64) with their configs,
-checked (ids against ``route_reference``, counts / blocks against ``align_reference``) and timed the same way; the
+Router + alignment (block 16): ``atomic`` (old default), ``single``, and ``fast`` (default) with their
+configs, checked (ids against ``route_reference``, counts / blocks against ``align_reference``) and timed the same way; the
 router alone (no alignment) as the baseline. Target <= 4 us at M <= 64.
 
 Usage: ``python bench/sweep_moe.py [--quick] [--json PATH] [--budget-s S] [--models kimi-k2,deepseek-v3]``.
@@ -46,7 +45,7 @@ FUSED_GRID = [
     dict(q=0, DOT=False, BI=16, BK=256, BH=64, MP=2, num_warps=8, num_stages=3, max_m=4),
     dict(q=0, DOT=False, BI=32, BK=64, BH=64, MP=2, num_warps=4, num_stages=3, max_m=4),
 ]
-#: router variants: (name, variant, config dict merged into _FAST_ROUTE_CONFIG, or _WARP_ROUTE_CONFIG for "warp")
+#: router variants: (name, variant, config dict merged into _FAST_ROUTE_CONFIG)
 ROUTE_GRID = [
     ("atomic", "atomic", {}),
     ("single", "single", {}),
@@ -58,11 +57,9 @@ ROUTE_GRID = [
     ("fast rows2", "fast", dict(ROWS=2, one_max_slots=0)),
     ("fast rows4", "fast", dict(ROWS=4, one_max_slots=0)),
     ("fast rows1", "fast", dict(ROWS=1, one_max_slots=0)),
-    # one program, one warp per token row, alignment from the routing's choice matrix (exact reference order)
-    ("warp", "warp", {}),
-    ("warp w8", "warp", dict(max_warps=8)),
-    ("warp w32", "warp", dict(max_warps=32)),
-    ("warp rpw2", "warp", dict(rows_per_warp=2)),
+    ("fast w1", "fast", dict(one_small_warps=1, one_num_warps=1)),
+    ("fast rows1 w1", "fast", dict(ROWS=1, one_max_slots=0, num_warps=1)),
+    ("fast rows1 w2", "fast", dict(ROWS=1, one_max_slots=0, num_warps=2)),
 ]
 
 
@@ -72,6 +69,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     ap.add_argument("--budget-s", type=float, default=480.0, help="stop starting measurements after this long")
     ap.add_argument("--models", default="kimi-k2,deepseek-v3")
+    ap.add_argument("--ops", default="experts,route", help="comma list: experts, route")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("sweep_moe: needs a CUDA GPU", file=sys.stderr)
@@ -87,18 +85,18 @@ def main(argv=None) -> int:
     def over():
         return time.time() - t0 > args.budget_s
     ms_list = [1, 4, 16, 64] if args.quick else [1, 2, 4, 8, 16, 32, 64]
+    ops = set(args.ops.split(","))
     bw = copy_bandwidth_gbps()
     print(f"# measured D2D copy bandwidth: {bw:.0f} GB/s", flush=True)
     meta = run_meta(__file__, copy_gbps=bw,
                 sets=SETS, block=BLOCK)
     rows, skipped = [], []
-    saved = (dict(moe._VARIANT), dict(moe._FAST_ROUTE_CONFIG), dict(moe._FUSED_OVERRIDE), dict(moe._WARP_ROUTE_CONFIG))
+    saved = (dict(moe._VARIANT), dict(moe._FAST_ROUTE_CONFIG), dict(moe._FUSED_OVERRIDE))
 
     def restore():
         moe._VARIANT.clear(), moe._VARIANT.update(saved[0])
         moe._FAST_ROUTE_CONFIG.clear(), moe._FAST_ROUTE_CONFIG.update(saved[1])
         moe._FUSED_OVERRIDE.clear(), moe._FUSED_OVERRIDE.update(saved[2])
-        moe._WARP_ROUTE_CONFIG.clear(), moe._WARP_ROUTE_CONFIG.update(saved[3])
 
     for name in args.models.split(","):
         rs = per_rank_shapes(name, tp=8)
@@ -156,11 +154,16 @@ def main(argv=None) -> int:
                 print(f"# {name} M={m} experts {label}: {us:.2f} us ({us / floor_us:.2f}x floor) err {err:.3g} "
                       f"tol {tol:.3g}", flush=True)
 
-            experts("dot", "dot", {})
-            if m <= moe._GEMV_CONFIG["max_m"]:
-                experts("gemv", "gemv", {})
-            experts("fused default", "fused", {})
-            for c in FUSED_GRID:
+            for c in [dict(q=1, tag="dot"), dict(q=1, tag="gemv"), dict(q=1, tag="fused default")] + FUSED_GRID:
+                if "experts" not in ops:
+                    break
+                if c.get("tag") in ("dot", "fused default"):
+                    experts(c["tag"], c["tag"].split()[0], {})
+                    continue
+                if c.get("tag") == "gemv":
+                    if m <= moe._GEMV_CONFIG["max_m"]:
+                        experts("gemv", "gemv", {})
+                    continue
                 if (args.quick and not c["q"]) or m > c.get("max_m", 1 << 30):
                     continue
                 ov = {k: v for k, v in c.items() if k not in ("q", "max_m")}
@@ -180,7 +183,7 @@ def main(argv=None) -> int:
                     return
                 restore()
                 moe._VARIANT["route"] = variant
-                (moe._WARP_ROUTE_CONFIG if variant == "warp" else moe._FAST_ROUTE_CONFIG).update(ov)
+                moe._FAST_ROUTE_CONFIG.update(ov)
                 bs = BLOCK if align else None
 
                 def call(i):
@@ -196,8 +199,6 @@ def main(argv=None) -> int:
                                                                          re_.cpu())
                         got = al.sorted_token_ids[:n].cpu()
                         ok = ok and sorted(got.tolist()) == sorted(rs_.cpu().tolist())
-                        if variant == "warp":  # slots in reference order inside each expert
-                            ok = ok and torch.equal(got, rs_.cpu())
                     us = time_sets(call)
                 except Exception as exc:
                     print(f"# {name} M={m} route {label} failed: {exc.__class__.__name__}: {exc}", flush=True)
@@ -206,9 +207,14 @@ def main(argv=None) -> int:
                                  x_floor=float("nan"), err=1.0 - agree, tol=0.0, ok=bool(ok)))
                 print(f"# {name} M={m} route {label}: {us:.2f} us ok={ok}", flush=True)
 
+            if "route" not in ops:
+                restore()
+                del logits, hidden, routed, outs
+                continue
             route_row("router only", "fast", {}, align=False)
+            route_row("router only w1", "fast", dict(one_small_warps=1, one_num_warps=1, num_warps=1), align=False)
             for label, variant, ov in ROUTE_GRID:
-                if args.quick and label in ("fast w2", "fast rows4", "fast one256", "warp rpw2"):
+                if args.quick and label in ("fast w2", "fast rows4", "fast one256"):
                     continue
                 route_row(label, variant, ov)
             restore()

@@ -232,10 +232,7 @@ def _launch_route_align(logits, bias, top_k, softmax, n_group, topk_group, renor
         ids = topk_ids.contiguous()
         weights = ids  # unused
     s = m * top_k
-    if do_align and do_route and _VARIANT["route"] == "warp" and 0 < m <= _WARP_ROUTE_CONFIG["max_m"]:
-        return _launch_route_align_warp(logits, bias, ids, weights, m, e, top_k, softmax, n_group, topk_group,
-                                        renormalize, scale, block_size)
-    if do_align and _VARIANT["route"] in ("fast", "warp") and 0 < s <= _FAST_MAX_SLOTS and (
+    if do_align and _VARIANT["route"] == "fast" and 0 < s <= _FAST_MAX_SLOTS and (
             do_route or s <= _FAST_ROUTE_CONFIG["one_max_slots"]):
         return _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n_group, topk_group,
                                         renormalize, scale, block_size, do_route)
@@ -351,39 +348,6 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
     return ids, weights, MoEAlignment(sorted_ids, expert_ids, npad, block_size)
 
 
-def _launch_route_align_warp(logits, bias, ids, weights, m, e, top_k, softmax, n_group, topk_group, renormalize,
-                             scale, block_size):
-    """The opt-in warp-per-row router + alignment (``_VARIANT["route"] == "warp"``, routing on, 0 < M <=
-    ``_WARP_ROUTE_CONFIG["max_m"]``; other calls take the "fast" path).
-
-    One program; each token row lives in one warp (``rows_per_warp`` rows per warp, at most ``max_warps`` warps), so
-    the top-k rounds need no barrier; the alignment is read off the routing's [expert x row] choice matrix (counts,
-    a scan over rows, a scan over experts), with no atomics, no workspace and no pairwise [S, S] comparison. Slots
-    inside an expert come in increasing slot id (``align_reference``'s order). ``sorted_token_ids`` past
-    ``num_tokens_post_padded`` is written only with ``FILL_TAIL``; ``expert_ids`` past the used blocks is -1.
-    """
-    from specverify.kernels.moe_route import _moe_route_align_warp_kernel
-
-    cfg = _WARP_ROUTE_CONFIG
-    dev = ids.device
-    on_gpu = dev.type == "cuda"
-    s = m * top_k
-    size, sorted_ids, expert_ids, npad = _alignment_buffers(m, top_k, e, block_size, dev)
-    rows = _next_pow2(m)
-    ep = max(_next_pow2(e), 16)
-    ch = min(ep, 128)  # 32 lanes x 4 experts: one warp spans a row's CH experts, NH = EP / CH of them per lane
-    warps = max(1, min(cfg["max_warps"], rows // cfg["rows_per_warp"]))
-    extra = {"num_warps": warps} if on_gpu else {}
-    _moe_route_align_warp_kernel[(1,)](
-        logits, bias if bias is not None else logits, ids, weights, sorted_ids, expert_ids, npad, m, s,
-        size // block_size, logits.stride(0), float(scale),
-        E=e, NH=ep // ch, CH=ch, ROWS=rows, TOP_K=top_k, TOPK_P=max(_next_pow2(top_k), 2), N_GROUP=n_group,
-        NG_P=max(_next_pow2(n_group), 2), GSIZE=e // n_group, TOPK_GROUP=topk_group, SOFTMAX=softmax,
-        HAS_BIAS=bias is not None, RENORM=renormalize, B=block_size, CHUNK=cfg["CHUNK"] if on_gpu else 64,
-        FILL_TAIL=bool(cfg["FILL_TAIL"]), **extra)
-    return ids, weights, MoEAlignment(sorted_ids, expert_ids, npad, block_size)
-
-
 def moe_route(router_logits, *, top_k, scoring="sigmoid", correction_bias=None, n_group=1, topk_group=1,
               renormalize=True, routed_scaling_factor=1.0, block_size=None, impl="auto"):
     """Choose each token's experts and weights, and (with ``block_size``) align the slots for the expert GEMM.
@@ -450,9 +414,7 @@ def moe_route(router_logits, *, top_k, scoring="sigmoid", correction_bias=None, 
     therefore run outside capture. Calls on different streams must not overlap in time (they share that
     workspace). ``impl="reference"`` synchronises with the host when aligning and is not capturable.
     Variants (benchmarks): ``specverify.moe._VARIANT["route"]`` is ``"fast"`` (default), ``"atomic"`` (the
-    previous default: always one program per token, sentinel-filled tail), ``"warp"`` (one program, one warp per token
-    row, alignment from the routing's choice matrix, slots in reference order; 0 < M <= 64, routing calls only) or
-    ``"single"``, which aligns in one
+    previous default: always one program per token, sentinel-filled tail) or ``"single"``, which aligns in one
     program without atomics or workspace when 0 < M * top_k <= 1024; the slots inside an expert then come in
     increasing slot id, exactly as the reference orders them.
 
@@ -604,13 +566,12 @@ def _check_moe_args(hidden, w13, w2, topk_ids, topk_weights, alignment, activati
 _ROUTE_NUM_WARPS: dict = {"num_warps": 4}
 #: Opt-in kernel variants (benchmarks and sweeps; the defaults are the measured paths):
 #: ``route``: ``"fast"`` (default: see _launch_route_align_fast; 0 < M * top_k <= 1024), ``"atomic"`` (one
-#: program per token, atomics + last-program alignment, sentinel-filled tail), ``"warp"`` (one program, a warp per
-#: token row, alignment from the routing's choice matrix; see _WARP_ROUTE_CONFIG) or ``"single"`` (one program routes
+#: program per token, atomics + last-program alignment, sentinel-filled tail) or ``"single"`` (one program routes
 #: and aligns every slot, no atomics; used when 0 < M * top_k <= 1024 and aligning);
-#: ``experts``: ``"auto"`` (default: ``"fused"`` at _FUSED_MIN_M <= M <= _FUSED_MAX_M, else ``"dot"``; H200
-#: sweep,
-#: Kimi-K2 per rank: M=1 dot 36.8 us vs fused 47.2; M=4 fused BI32/BK128 101.7 vs dot 110.6; M=16 dot 280 vs
-#: fused 300), ``"fused"`` (one streaming
+#: ``experts``: ``"auto"`` (default: ``"stream"`` at M <= _STREAM_CONFIG["max_m"], ``"fused"`` up to
+#: _FUSED_MAX_M, else ``"dot"``; H200 sweeps, Kimi-K2 per rank: M=1 + shared expert stream 30.4 us vs dot 49.0,
+#: M=2 stream 51.1 vs fused 71.8 (run 16); M=4 fused BI32/BK128 101.7 vs dot 110.6; M=16 dot 280 vs fused 300),
+#: ``"fused"`` (one streaming
 #: launch + a fixed-order partial sum), ``"dot"`` (block-aligned tl.dot GEMMs, three launches) or ``"gemv"`` (no
 #: tl.dot, two launches, top-k sum fused into the down GEMV; used when M <= ``_GEMV_CONFIG["max_m"]``) or
 #: ``"stream"`` (weight streaming for M <= ``_STREAM_CONFIG["max_m"]``: small FMA programs, prefetched H loop, one
@@ -625,12 +586,6 @@ _FAST_MAX_SLOTS = 1024
 #: program per row (ROWS 1) takes 6.56: the one-program path is kept to 32 slots; 4 warps up to 8 slots.
 _FAST_ROUTE_CONFIG: dict = {"one_max_slots": 32, "one_num_warps": 8, "one_small_slots": 8,
                             "one_small_warps": 4, "ROWS": 1, "num_warps": 4, "CHUNK": 1024, "FILL_TAIL": False}
-#: Opt-in warp-per-row router (``_VARIANT["route"] = "warp"``, routing + alignment, 0 < M <= ``max_m``): one
-#: program, each token row held by one warp (``rows_per_warp`` rows each, at most ``max_warps`` warps), alignment
-#: from the routing's choice matrix; tail fill chunk; FILL_TAIL as in the "fast" router. Not yet measured on the
-#: H200 (sm_90 offline compile, Kimi-K2 bf16 logits: 5 / 53 / 41 / 41 barriers at M = 1 / 4 / 16 / 64 against
-#: the "fast" one-program kernel's 25 / 59 / 221 at M = 1 / 4 / 16).
-_WARP_ROUTE_CONFIG: dict = {"max_m": 64, "rows_per_warp": 1, "max_warps": 16, "CHUNK": 1024, "FILL_TAIL": False}
 #: Launch config of the one-program router: rows routed per step, [CI, CJ] rank tiles, fill chunk, warps.
 _SINGLE_ROUTE_CONFIG: dict = {"ROWS": 4, "CI": 64, "CJ": 128, "CHUNK": 1024, "num_warps": 8}
 #: GEMV experts: largest M it takes, gate/up tile ``g1`` ([BLOCK_N gate rows + BLOCK_N up rows, BLOCK_K]) and
@@ -653,10 +608,11 @@ _FUSED_CONFIGS: list = [
 #: one is used) with ``num_warps`` / ``num_stages`` (> 1 lets Triton's own pipeliner try the H loop: compare with
 #: PREFETCH=False); blocks of the alignment as units when given and ``ALIGNED``; down programs of ``BH`` output rows
 #: x every slot x ``BI`` of I (BH lowered so the gather stays <= ``TILE`` elements) with ``down_warps``; ``PDL``:
-#: the down kernel as a programmatic dependent launch (CUDA sm_90+ only). Not yet measured on the H200 (run
-#: bench/sweep_experts.py); sized by Little's law: at M = 1 with the shared expert 1152 gate/up programs (~8.7 per
-#: SM), each keeping an 8 KB gate+up tile in flight, and 3584 down programs of one ~9 KB gather each.
-_STREAM_CONFIG: dict = {"max_m": 2, "R": 2, "BK": 1024, "PREFETCH": True, "ALIGNED": True, "num_warps": 4,
+#: the down kernel as a programmatic dependent launch (CUDA sm_90+ only). Sized by Little's law: at M = 1 with the
+#: shared expert 1152 gate/up programs (~8.7 per SM), each keeping an 8 KB gate+up tile in flight, and 3584 down
+#: programs of one ~9 KB gather each. H200 sweep (run 16, Kimi-K2 per rank, bench/sweep_experts.py): per-slot units
+#: (ALIGNED False) 30.4 / 56.9 us at M = 1 / 2 with the shared expert against 35.6 / 66.2 with alignment blocks.
+_STREAM_CONFIG: dict = {"max_m": 2, "R": 2, "BK": 1024, "PREFETCH": True, "ALIGNED": False, "num_warps": 4,
                         "num_stages": 1, "BH": 2, "BI": 256, "TILE": 8192, "down_warps": 4, "PDL": True}
 #: Overrides merged into the stream config (benchmarks and sweeps only; empty in normal use).
 _STREAM_OVERRIDE: dict = {}
@@ -975,7 +931,11 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
 
     Notes
     -----
-    Triton path, 2 <= M <= 8 (``_FUSED_MIN_M``, ``_FUSED_MAX_M``): two launches: one program per (expert block,
+    Triton path, M <= 2 (``_STREAM_CONFIG["max_m"]``): two weight-streaming launches: small FMA programs each
+    compute a few rows of one slot's gate/up over all of H (the next H tile requested before the current one is
+    used), then one gather per output tile does the down projection of every slot and the top-k sum, on sm_90+ as a
+    programmatic dependent launch; each slot reads its expert's weights (at M <= 2 nearly every slot has its own
+    expert). 3 <= M <= 8 (``_FUSED_MAX_M``): two launches: one program per (expert block,
     chunk of I) computes gate/up over all of H, SiLU·up, and its share of the down projection, so each activated
     expert's w13 and w2 are read once, writing weighted fp32 partials [M·top_k, I/BI, H]; a second sums them over
     top_k and the chunks in fixed order. Other M: three launches (gate/up GEMM with fused SiLU·up into a
@@ -986,9 +946,7 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
     fp32 with gathered weight copies (slow, memory-hungry).
     Opt-in (benchmarks): ``specverify.moe._VARIANT["experts"] = "gemv"`` runs M <= 4 as two GEMV launches (no
     tensor cores, the top-k sum fused into the down projection; with ``alignment=None`` no alignment is computed),
-    equally deterministic and capturable. ``_VARIANT["experts"] = "stream"`` runs M <= 2 as two weight-streaming
-    launches (small FMA programs, the down projection of every slot and the top-k sum in one gather per output
-    tile; on sm_90+ the second launch is a programmatic dependent of the first), equally deterministic and capturable.
+    equally deterministic and capturable; ``"fused"`` / ``"dot"`` force those paths at any M.
 
     Examples
     --------
@@ -1016,10 +974,11 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
         out.copy_(res)
         return out
     variant = _VARIANT["experts"]
-    if variant == "fused" or (variant == "auto" and _FUSED_MIN_M <= hidden.shape[0] <= _FUSED_MAX_M):
-        return _fused_moe_fused(hidden, w13, w2, topk_ids, topk_weights, alignment, out)
-    if variant == "stream" and 0 < hidden.shape[0] <= _STREAM_CONFIG["max_m"]:
+    m = hidden.shape[0]
+    if variant in ("stream", "auto") and 0 < m <= _STREAM_OVERRIDE.get("max_m", _STREAM_CONFIG["max_m"]):
         return _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, alignment, out)
+    if variant == "fused" or (variant == "auto" and _FUSED_MIN_M <= m <= _FUSED_MAX_M):
+        return _fused_moe_fused(hidden, w13, w2, topk_ids, topk_weights, alignment, out)
     if variant == "gemv" and hidden.shape[0] <= _GEMV_CONFIG["max_m"]:
         return _fused_moe_gemv(hidden, w13, w2, topk_ids, topk_weights, alignment, out)
     return _fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, alignment, out)

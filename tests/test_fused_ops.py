@@ -126,7 +126,7 @@ def test_mla_absorb_q_and_up_v(device, dtype, batch, k, poison):
     torch.testing.assert_close(got_o.double(), want_o, rtol=2 * eps, atol=4 * eps)
 
 
-def test_mla_projection_errors():
+def test_mla_projection_errors(device):
     q = torch.zeros(1, 2, 2, 48)
     with pytest.raises(ValueError, match="w_uk must be"):
         fused_ops.mla_absorb_q(q, torch.zeros(3, 32, 64), 32)
@@ -137,4 +137,5 @@ def test_mla_projection_errors():
     with pytest.raises(ValueError, match="out must be a contiguous"):
         fused_ops.mla_up_v(torch.zeros(1, 2, 2, 64), torch.zeros(2, 64, 16), out=torch.zeros(1, 2, 16))
     with pytest.raises(ValueError, match="K a power of two"):
-        fused_ops.mla_absorb_q(torch.zeros(1, 1, 2, 40), torch.zeros(2, 24, 64), 24, impl="triton")
+        fused_ops.mla_absorb_q(torch.zeros(1, 1, 2, 40, device=device), torch.zeros(2, 24, 64, device=device), 24,
+                               impl="triton")

@@ -60,7 +60,9 @@ def stream(monkeypatch):
 @pytest.mark.parametrize("h, inter", [(64, 32), (72, 20)])  # (72, 20): tails in H (BK, BH) and in I (R, BI)
 @pytest.mark.parametrize("aligned", [True, False])
 def test_stream_experts(device, stream, poison, m, h, inter, aligned):
-    # top-3 over 10 experts; a -1 slot with a nonzero weight adds nothing; result deterministic and written in place
+    # top-3 over 10 experts; a -1 slot with a nonzero weight adds nothing; result deterministic and written in place;
+    # aligned: the alignment's blocks as gate/up units (ALIGNED True), else one slot per unit and no alignment
+    stream._STREAM_OVERRIDE["ALIGNED"] = aligned
     e = 10
     w13, w2 = _weights(e, h, inter, torch.bfloat16, device, 300 + h)
     g = torch.Generator().manual_seed(301 + m)
@@ -90,7 +92,8 @@ def test_stream_repeated_and_shared_expert(device, stream, poison, prefetch):
     hidden = torch.randn(2, h, generator=g).bfloat16().to(device)
     ids, w = append_shared_expert(torch.tensor([[1, 1, 0], [2, 1, 0]], dtype=torch.int32).to(device),
                                   torch.rand(2, 3, generator=g).to(device), 9)
-    for al in (_align(ids, e), None):
+    for units, al in ((True, _align(ids, e)), (False, _align(ids, e)), (False, None)):
+        stream._STREAM_OVERRIDE["ALIGNED"] = units
         out = poison(hidden)
         check(hidden, w13, w2, ids, w, alignment=al, out=out)
 
@@ -158,7 +161,7 @@ def test_stream_kimi_k2_gpu(m, shared, monkeypatch):
     torch_err = (fused_moe_reference(hidden, w13, w2, ids, w, compute_dtype=torch.bfloat16).double() - want)
     tol = 2 * torch_err.abs().max().item() + 1e-6
     outs = []
-    for ov in ({}, {"PDL": False}, {"ALIGNED": False}, {"PREFETCH": False}):
+    for ov in ({}, {"PDL": False}, {"ALIGNED": True}, {"PREFETCH": False}):
         monkeypatch.setattr(moe_mod, "_STREAM_OVERRIDE", ov)
         outs.append(fused_moe(hidden, w13, w2, ids, w, alignment=al))
         assert (outs[-1].double() - want).abs().max().item() <= tol, ov

@@ -568,10 +568,10 @@ _ROUTE_NUM_WARPS: dict = {"num_warps": 4}
 #: ``route``: ``"fast"`` (default: see _launch_route_align_fast; 0 < M * top_k <= 1024), ``"atomic"`` (one
 #: program per token, atomics + last-program alignment, sentinel-filled tail) or ``"single"`` (one program routes
 #: and aligns every slot, no atomics; used when 0 < M * top_k <= 1024 and aligning);
-#: ``experts``: ``"auto"`` (default: ``"stream"`` at M <= _STREAM_CONFIG["max_m"], ``"fused"`` up to
-#: _FUSED_MAX_M, else ``"dot"``; H200 sweeps, Kimi-K2 per rank: M=1 + shared expert stream 30.4 us vs dot 49.0,
-#: M=2 stream 51.1 vs fused 71.8 (run 16); M=4 fused BI32/BK128 101.7 vs dot 110.6; M=16 dot 280 vs fused 300),
-#: ``"fused"`` (one streaming
+#: ``experts``: ``"auto"`` (default: ``"stream"`` at M <= _STREAM_CONFIG["max_m"] (8), then ``"fused"`` up to
+#: _FUSED_MAX_M (8: so none by default), else ``"dot"``; H200 sweeps, Kimi-K2 per rank with the shared expert
+#: (run 17): stream 29.3 / 56.7 / 96.3 / 188.6 us at M = 1 / 2 / 4 / 8 against 49.0 (dot) / 78.1 / 106.0 / 194.1
+#: (fused); M=16 dot 280 vs fused 300), ``"fused"`` (one streaming
 #: launch + a fixed-order partial sum), ``"dot"`` (block-aligned tl.dot GEMMs, three launches) or ``"gemv"`` (no
 #: tl.dot, two launches, top-k sum fused into the down GEMV; used when M <= ``_GEMV_CONFIG["max_m"]``) or
 #: ``"stream"`` (weight streaming for M <= ``_STREAM_CONFIG["max_m"]``: small FMA programs, prefetched H loop, one
@@ -610,9 +610,11 @@ _FUSED_CONFIGS: list = [
 #: x every slot x ``BI`` of I (BH lowered so the gather stays <= ``TILE`` elements) with ``down_warps``; ``PDL``:
 #: the down kernel as a programmatic dependent launch (CUDA sm_90+ only). Sized by Little's law: at M = 1 with the
 #: shared expert 1152 gate/up programs (~8.7 per SM), each keeping an 8 KB gate+up tile in flight, and 3584 down
-#: programs of one ~9 KB gather each. H200 sweep (run 16, Kimi-K2 per rank, bench/sweep_experts.py): per-slot units
-#: (ALIGNED False) 30.4 / 56.9 us at M = 1 / 2 with the shared expert against 35.6 / 66.2 with alignment blocks.
-_STREAM_CONFIG: dict = {"max_m": 2, "R": 2, "BK": 1024, "PREFETCH": True, "ALIGNED": False, "num_warps": 4,
+#: programs of one ~9 KB gather each. H200 sweeps (Kimi-K2 per rank, bench/sweep_experts.py): per-slot units
+#: (ALIGNED False) 30.4 / 56.9 us at M = 1 / 2 with the shared expert against 35.6 / 66.2 with alignment blocks
+#: (run 16); R 4, BK 512 without the prefetch: 1.26 / 1.32 / 1.19 / 1.27x the bytes floor at M = 1 / 2 / 4 / 8 with
+#: the shared expert, the most even of the configs swept (run 17).
+_STREAM_CONFIG: dict = {"max_m": 8, "R": 4, "BK": 512, "PREFETCH": False, "ALIGNED": False, "num_warps": 4,
                         "num_stages": 1, "BH": 2, "BI": 256, "TILE": 8192, "down_warps": 4, "PDL": True}
 #: Overrides merged into the stream config (benchmarks and sweeps only; empty in normal use).
 _STREAM_OVERRIDE: dict = {}
@@ -931,11 +933,11 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
 
     Notes
     -----
-    Triton path, M <= 2 (``_STREAM_CONFIG["max_m"]``): two weight-streaming launches: small FMA programs each
-    compute a few rows of one slot's gate/up over all of H (the next H tile requested before the current one is
-    used), then one gather per output tile does the down projection of every slot and the top-k sum, on sm_90+ as a
-    programmatic dependent launch; each slot reads its expert's weights (at M <= 2 nearly every slot has its own
-    expert). 3 <= M <= 8 (``_FUSED_MAX_M``): two launches: one program per (expert block,
+    Triton path, M <= 8 (``_STREAM_CONFIG["max_m"]``): two weight-streaming launches: small FMA programs each
+    compute a few rows of one slot's gate/up over all of H, then one gather per output tile does the down projection
+    of every slot and the top-k sum, on sm_90+ as a programmatic dependent launch; each slot reads its expert's
+    weights (at M <= 8 and top-8 of 384 nearly every slot has its own expert). Opt-in ``"fused"``: two launches:
+    one program per (expert block,
     chunk of I) computes gate/up over all of H, SiLU·up, and its share of the down projection, so each activated
     expert's w13 and w2 are read once, writing weighted fp32 partials [M·top_k, I/BI, H]; a second sums them over
     top_k and the chunks in fixed order. Other M: three launches (gate/up GEMM with fused SiLU·up into a

@@ -247,9 +247,10 @@ def test_reference_impl_same_buffers(device):
 
 # --------------------------------------------------------------------------------------------- experts
 def _weights(e, h, inter, dtype, device, seed):
-    g = torch.Generator().manual_seed(seed)
-    w13 = (torch.randn(e, 2 * inter, h, generator=g) / math.sqrt(h)).to(dtype).to(device)
-    w2 = (torch.randn(e, h, inter, generator=g) / math.sqrt(inter)).to(dtype).to(device)
+    # drawn where they live: Kimi-K2-sized pools (GBs) drawn on the host took ~20 s per GPU test
+    g = torch.Generator(device=device).manual_seed(seed)
+    w13 = (torch.randn(e, 2 * inter, h, generator=g, device=device) / math.sqrt(h)).to(dtype)
+    w2 = (torch.randn(e, h, inter, generator=g, device=device) / math.sqrt(inter)).to(dtype)
     return w13, w2
 
 

@@ -17,9 +17,10 @@ from specverify.reference.moe import fused_moe_loop_reference, fused_moe_referen
 
 
 def _weights(e, h, inter, dtype, device, seed):
-    g = torch.Generator().manual_seed(seed)
-    w13 = (torch.randn(e, 2 * inter, h, generator=g) / math.sqrt(h)).to(dtype).to(device)
-    w2 = (torch.randn(e, h, inter, generator=g) / math.sqrt(inter)).to(dtype).to(device)
+    # drawn where they live: Kimi-K2-sized pools (GBs) drawn on the host took ~20 s per GPU test
+    g = torch.Generator(device=device).manual_seed(seed)
+    w13 = (torch.randn(e, 2 * inter, h, generator=g, device=device) / math.sqrt(h)).to(dtype)
+    w2 = (torch.randn(e, h, inter, generator=g, device=device) / math.sqrt(inter)).to(dtype)
     return w13, w2
 
 
@@ -111,7 +112,8 @@ def test_stream_one_token_top8_plus_shared(device, stream, poison):
 
 
 def test_stream_above_max_m_falls_through(device, stream):
-    # M = 3 > max_m = 2: the default path runs, and must still be right
+    # M = 3 > max_m = 2: the next path runs, and must still be right
+    stream._STREAM_OVERRIDE["max_m"] = 2
     e, h, inter = 10, 64, 32
     w13, w2 = _weights(e, h, inter, torch.bfloat16, device, 330)
     g = torch.Generator().manual_seed(331)

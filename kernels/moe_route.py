@@ -390,7 +390,7 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
                                  HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, DO_ROUTE: tl.constexpr,
                                  EA: tl.constexpr, EAP: tl.constexpr, B: tl.constexpr, SP: tl.constexpr,
                                  ONE: tl.constexpr, PJ: tl.constexpr, CHUNK: tl.constexpr,
-                                 FILL_TAIL: tl.constexpr):
+                                 FILL_TAIL: tl.constexpr, RELOAD: tl.constexpr = False):
     """ONE: grid (1,), ROWS >= M (routing) or SP >= S (alignment only). Not ONE: routing on, grid (ceil(M/ROWS),),
     SP >= S; the workspace counters and ticket are zero on entry and left at zero."""
     pid = tl.program_id(0)
@@ -399,10 +399,17 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
             ids2 = _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, 0, M, stride_lm, scale,
                                E, EP, ROWS, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS,
                                RENORM, False)
-            ids2 = tl.where(ids2 < EA, ids2, -1)
-            slot2 = tl.arange(0, ROWS)[:, None] * TOP_K + tl.arange(0, TOPK_P)[None, :]
-            ids_v = tl.reshape(ids2, [SP])
-            slot_v = tl.reshape(slot2, [SP])
+            if RELOAD:
+                # read the stored winners back as one flat vector (see RELOAD in the launcher)
+                tl.debug_barrier()
+                slot_v = tl.arange(0, SP)
+                ids_v = tl.load(ids_ptr + slot_v, mask=slot_v < S, other=-1, cache_modifier=".cg")
+                ids_v = tl.where((ids_v >= 0) & (ids_v < EA), ids_v, -1)
+            else:
+                ids2 = tl.where(ids2 < EA, ids2, -1)
+                slot2 = tl.arange(0, ROWS)[:, None] * TOP_K + tl.arange(0, TOPK_P)[None, :]
+                ids_v = tl.reshape(ids2, [SP])
+                slot_v = tl.reshape(slot2, [SP])
         else:
             slot_v = tl.arange(0, SP)
             ids_v = tl.load(ids_ptr + slot_v, mask=slot_v < S, other=-1)

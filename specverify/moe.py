@@ -344,7 +344,8 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
         E=e, EP=eap, ROWS=rows, TOP_K=top_k, TOPK_P=topk_p, N_GROUP=n_group, NG_P=max(_next_pow2(n_group), 2),
         GSIZE=e // n_group, TOPK_GROUP=topk_group, SOFTMAX=softmax, HAS_BIAS=bias is not None, RENORM=renormalize,
         DO_ROUTE=do_route, EA=e, EAP=eap, B=block_size, SP=sp, ONE=one, PJ=min(block_size, 16),
-        CHUNK=cfg["CHUNK"] if on_gpu else 64, FILL_TAIL=bool(cfg["FILL_TAIL"]), **extra)
+        CHUNK=cfg["CHUNK"] if on_gpu else 64, FILL_TAIL=bool(cfg["FILL_TAIL"]),
+        RELOAD=one and do_route and (eap < _RESHAPE_MIN_EXPERTS or bool(cfg.get("RELOAD", False))), **extra)
     return ids, weights, MoEAlignment(sorted_ids, expert_ids, npad, block_size)
 
 
@@ -584,6 +585,12 @@ _FAST_MAX_SLOTS = 1024
 #: sorted_token_ids past the used part too (off: consumers read only the used part).
 #: H200 sweep (Kimi-K2): one program 3.79 us at M=1 (4 warps), 5.74 at M=4 (8 warps), but 21.8 at M=16 where one
 #: program per row (ROWS 1) takes 6.56: the one-program path is kept to 32 slots; 4 warps up to 8 slots.
+#: The one-program router hands its [rows, top-k] winners to the in-register alignment by a reshape to one slot
+#: vector. On the H200 (run 18, Triton 3.6) that reshape double-counted slots when the padded expert count was 16
+#: (10 experts: num_tokens_post_padded 2x too large at 1, 4 and 8 warps) and was exact at 256 and 512 (DeepSeek-V3,
+#: Kimi-K2: M = 1..16, all warp counts, rows with identical routing). Below this padded expert count the program
+#: stores the winners and reads them back as a flat vector instead (one barrier and one L2 round trip).
+_RESHAPE_MIN_EXPERTS = 256
 _FAST_ROUTE_CONFIG: dict = {"one_max_slots": 32, "one_num_warps": 8, "one_small_slots": 8,
                             "one_small_warps": 4, "ROWS": 1, "num_warps": 4, "CHUNK": 1024, "FILL_TAIL": False}
 #: Launch config of the one-program router: rows routed per step, [CI, CJ] rank tiles, fill chunk, warps.

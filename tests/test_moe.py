@@ -606,12 +606,17 @@ def fast_route(monkeypatch):
     dict(m=1, e=257, top_k=8, bias=True, block=1),
     # 16 x 8 = 128 slots, many per expert; block 4
     dict(m=16, e=10, top_k=8, block=4),
+    # 10 experts (padded to 16) at the default one-program size: the flat read-back hand-off (_RESHAPE_MIN_EXPERTS;
+    # the reshape hand-off double-counted slots here on the H200)
+    dict(m=4, e=10, top_k=8, block=16),
+    # Kimi-K2 size with the read-back hand-off forced
+    dict(m=4, e=384, top_k=8, bias=True, block=16, reload=True),
 ])
 def test_fast_route_one_program_exact(device, fast_route, case):
     # each case is held on the one-program path (slot order inside an expert is then exact); above the default
     # one_max_slots the launcher would take the atomic path, whose order inside an expert is free on a GPU
     fast_route._FAST_ROUTE_CONFIG.update(one_max_slots=max(fast_route._FAST_ROUTE_CONFIG["one_max_slots"],
-                                                           case["m"] * case["top_k"]))
+                                                           case["m"] * case["top_k"]), RELOAD=case.get("reload", False))
     g = torch.Generator().manual_seed(90 + case["m"] + case["e"])
     x = torch.randn(case["m"], case["e"], generator=g).to(device)
     bias = (torch.randn(case["e"], generator=g) * 0.05).to(device) if case.get("bias") else None

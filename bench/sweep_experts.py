@@ -5,7 +5,8 @@ Shape: Kimi-K2 per rank (tp 8: H 7168, expert intermediate 256, 384 routed exper
 token with ``specverify.moe.append_shared_expert``, weight 1), M = 1, 2, 4, 8 tokens (``--ms``); above the
 default ``max_m`` the stream rows raise it for the measurement.
 
-Providers: ``default`` (``_VARIANT["experts"] = "auto"``: stream up to its ``max_m``, then the fused path), ``gemv`` (the earlier GEMV variant) and ``stream`` with each tile config of ``STREAM_GRID`` (merged into
+Providers: ``default`` (``_VARIANT["experts"] = "auto"``: stream up to its ``max_m``, then the dot path), ``dot``,
+``gemv`` (the earlier GEMV variant, M <= 4) and ``stream`` with each tile config of ``STREAM_GRID`` (merged into
 ``_STREAM_OVERRIDE``), all given the same precomputed alignment (block 16); ``stream noalign`` runs with
 ``alignment=None`` (per-slot programs, no alignment launch needed at all). Every provider is first checked against
 a per-expert fp64 torch reference (tolerance: twice torch's own bf16 error + 1e-6), then timed by CUDA-graph replay
@@ -156,7 +157,9 @@ def main(argv=None) -> int:
                       flush=True)
 
             measure("default (auto)", "auto", {})
-            measure("gemv", "gemv", {})
+            measure("dot", "dot", {})  # the three-launch tl.dot path (the default above the stream's max_m)
+            if m <= moe._GEMV_CONFIG["max_m"]:  # above it the "gemv" variant falls through to the dot path
+                measure("gemv", "gemv", {})
             for c in STREAM_GRID:
                 if args.quick and not c["q"]:
                     continue

@@ -3,8 +3,9 @@
 Shapes: per-rank (tp 8) Kimi-K2 and DeepSeek-V3 from ``specverify.configs.per_rank_shapes`` (H 7168, I 256,
 384 / 256 experts, top-8, bf16), M = 1, 2, 4, 8, 16, 32, 64 tokens (``--quick``: 1, 4, 16, 64).
 
-Experts: every variant of ``specverify.moe._VARIANT["experts"]`` (``dot``: three launches; ``gemv``: M <= 4;
-``fused``: one streaming launch + a fixed-order partial sum, with each tile config of ``FUSED_GRID``) is checked
+Experts: the ``dot`` (three launches), ``gemv`` (M <= 4) and ``fused`` (one streaming launch + a fixed-order partial
+sum, with each tile config of ``FUSED_GRID``) variants of ``specverify.moe._VARIANT["experts"]`` (the stream
+variant, the default at M <= 8, has its own sweep: ``bench/sweep_experts.py``) are each checked
 against a per-expert fp64 torch reference (tolerance: twice torch's own bf16 error + 1e-6) and timed by CUDA-graph
 replay (``graph_us``). Each graph holds ``SETS`` calls, each with its own routing (different random logits), so
 consecutive calls hit different experts and the weights (GBs per layer) come from HBM, not the 50 MB L2.
@@ -12,11 +13,12 @@ consecutive calls hit different experts and the weights (GBs per layer) come fro
 ``copy_bandwidth_gbps`` (read + write bytes / time) in the same run; ``x_floor = graph_us / floor_us`` (target
 <= 1.25 at M <= 16).
 
-Router + alignment (block 16): ``atomic`` (old default), ``single``, and ``fast`` (default) with their
-configs, checked (ids against ``route_reference``, counts / blocks against ``align_reference``) and timed the same way; the
+Router + alignment (block 16): ``atomic`` (old default), ``single`` and ``fast`` (default) with their configs,
+checked (ids against ``route_reference``, counts / blocks against ``align_reference``) and timed the same way; the
 router alone (no alignment) as the baseline. Target <= 4 us at M <= 64.
 
-Usage: ``python bench/sweep_moe.py [--quick] [--json PATH] [--budget-s S] [--models kimi-k2,deepseek-v3]``.
+Usage: ``python bench/sweep_moe.py [--quick] [--json PATH] [--budget-s S] [--models kimi-k2,deepseek-v3]
+[--ops experts,route]``.
 Stops starting new measurements once ``--budget-s`` seconds have passed (the table still prints).
 """
 from __future__ import annotations

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import platform
 import sys
 
@@ -77,8 +78,9 @@ def _print_env(info: dict) -> None:
     for key, value in info.items():
         if isinstance(value, dict):
             print(f"{key:<{width}} :")
+            inner = max((len(k2) for k2 in value), default=0)
             for k2, v2 in value.items():
-                print(f"  {k2:<{width}} {v2}")
+                print(f"  {k2:<{inner}} {v2}")
         else:
             print(f"{key:<{width}} : {value}")
 
@@ -128,12 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specverify", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version('specverify-kernels')}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    p = sub.add_parser("env", help="versions, GPU, backends and the JIT cache directory")
+    text = "versions, GPU, backends and the JIT cache directory"
+    p = sub.add_parser("env", help=text, description=text)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_cmd_env)
-    p = sub.add_parser("build", help="compile the CUDA sources into the JIT cache ahead of time")
+    text = "compile the CUDA sources into the JIT cache ahead of time"
+    p = sub.add_parser("build", help=text, description=text)
     p.set_defaults(func=_cmd_build)
-    p = sub.add_parser("clear-cache", help="delete the JIT cache")
+    p = sub.add_parser("clear-cache", help="delete the JIT cache", description="delete the JIT cache")
     p.set_defaults(func=_cmd_clear_cache)
     bench = sub.add_parser("bench", help="benchmarks: verify-wall (the main job)")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
@@ -155,7 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 0 if args.command is None else 2
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except BrokenPipeError:  # e.g. `specverify env --json | head`: the reader left; stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -13,7 +13,8 @@ def _pow2(n: int) -> int:
 
 
 def compact_kv(caches: Sequence[torch.Tensor] | torch.Tensor, page_table: torch.Tensor, prefix_lens: torch.Tensor,
-               accepted_nodes: torch.Tensor, accept_len: torch.Tensor, *, impl: str = "auto") -> None:
+               accepted_nodes: torch.Tensor, accept_len: torch.Tensor, *, impl: str = "auto",
+               validate: bool = True) -> None:
     """Move each request's accepted KV to positions ``prefix_len + d`` in place, for every cache given.
 
     During verify node i of request b sits at position ``prefix_lens[b] + i``; after acceptance node
@@ -37,15 +38,22 @@ def compact_kv(caches: Sequence[torch.Tensor] | torch.Tensor, page_table: torch.
     accept_len : torch.Tensor
         Shape: (batch,); int64 (or int32).
     impl : {"auto", "triton", "reference"}
+    validate : bool
+        Check the values (one host sync, skipped under CUDA-graph capture): ``0 <= accept_len[b] < L``, prefix
+        lengths >= 0, the used accepted nodes strictly increasing and never below their depth, and every position
+        read or written inside the page table with its page id inside every cache. The kernel trusts these; a bad
+        value would read or write outside the request's pages.
 
     Raises
     ------
     ValueError, TypeError
-        Shapes, devices or dtypes that disagree; a cache whose row dims are not contiguous.
+        Shapes, devices or dtypes that disagree; a cache whose row dims are not contiguous; with ``validate``, a
+        value outside the ranges above (the message names the request).
 
     Notes
     -----
-    One launch per cache (grid: request x column block), no host sync: CUDA-graph capturable. Copies run in
+    One launch per cache (grid: request x column block); with ``validate=False`` or under capture no host sync:
+    CUDA-graph capturable. Copies run in
     increasing depth inside one program, which is safe for overlapping ranges because accepted node indices
     strictly increase and are never below their depth.
 
@@ -97,6 +105,9 @@ def compact_kv(caches: Sequence[torch.Tensor] | torch.Tensor, page_table: torch.
     for name, t in (("page_table", page_table), ("prefix_lens", prefix_lens), ("accept_len", accept_len)):
         if t.device != device:
             raise ValueError(f"{name} is on {t.device}, expected {device}")
+    if validate and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        _check_values(min(c.shape[0] for c in caches), page_size, page_table, prefix_lens, accepted_nodes,
+                      accept_len)
     which = _choose_impl(impl, device)
     if which == "reference":
         from specverify.reference.kv import compact_kv_reference
@@ -114,3 +125,35 @@ def compact_kv(caches: Sequence[torch.Tensor] | torch.Tensor, page_table: torch.
         _kv_compact_kernel[grid](c, pt, prefix_lens, nodes, accept_len, length, row, c.stride(0), c.stride(1),
                                  pt.stride(0), PAGE_SIZE=page_size, BLOCK=block,
                                  num_warps=4 if block >= 512 else 1)
+
+
+def _check_values(num_pages: int, page_size: int, page_table: torch.Tensor, prefix_lens: torch.Tensor,
+                  accepted_nodes: torch.Tensor, accept_len: torch.Tensor) -> None:
+    """compact_kv's value checks on host copies (one sync); the first bad request is named."""
+    nodes, acc, prefix, pt = (t.detach().to("cpu", torch.int64) for t in (accepted_nodes, accept_len, prefix_lens,
+                                                                         page_table))
+    batch, length = nodes.shape
+    for b in range(batch):
+        a, p = int(acc[b]), int(prefix[b])
+        if not 0 <= a < length:
+            raise ValueError(f"compact_kv: accept_len[{b}] = {a} is outside [0, {length - 1}]: accepted_nodes has "
+                             f"{length} columns (the root and up to {length - 1} accepted draft tokens); pass the "
+                             "accept_len returned with these accepted_nodes")
+        if p < 0:
+            raise ValueError(f"compact_kv: prefix_lens[{b}] = {p} is negative; expected the request's prefix length")
+        used = nodes[b, : a + 1]
+        depth = torch.arange(a + 1)
+        if bool((used < depth).any()) or bool((used[1:] <= used[:-1]).any()):
+            raise ValueError(f"compact_kv: accepted_nodes[{b}, :{a + 1}] = {used.tolist()} must strictly increase "
+                             "with the node at depth d >= d (a root-to-leaf path in topological order); pass the "
+                             "accepted_nodes returned by verify_greedy / verify_sampling")
+        last = p + int(used[-1])  # the highest position read; positions written are lower
+        if last // page_size >= pt.shape[1]:
+            raise ValueError(f"compact_kv: request {b} reads position {last} (prefix {p} + node {int(used[-1])}), "
+                             f"past its page table of {pt.shape[1]} pages x {page_size}; give each request pages "
+                             "for its prefix and every draft token")
+        pages = pt[b, p // page_size: last // page_size + 1]
+        if bool(((pages < 0) | (pages >= num_pages)).any()):
+            bad = int(pages[(pages < 0) | (pages >= num_pages)][0])
+            raise ValueError(f"compact_kv: request {b} touches page id {bad}, outside the caches' [0, {num_pages}); "
+                             "every page a request's draft tokens use must be a page of the cache")

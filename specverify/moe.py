@@ -392,7 +392,7 @@ def moe_route(router_logits, *, top_k, scoring="sigmoid", correction_bias=None, 
     alignment : MoEAlignment
         Only when ``block_size`` is given. ``sorted_token_ids`` has length
         :func:`max_num_tokens_padded` ``(M, top_k, E, block_size)``; its used part holds each expert's slots
-        (increasing slot id, as the reference, when one program aligns: M * top_k <= 128 by default; otherwise
+        (increasing slot id, as the reference, when one program aligns: M * top_k <= 32 by default; otherwise
         the order of atomic updates) padded with the sentinel ``M * top_k``; unused ``expert_ids`` are -1;
         ``sorted_token_ids`` past ``num_tokens_post_padded`` is unspecified (not written).
 
@@ -408,7 +408,7 @@ def moe_route(router_logits, *, top_k, scoring="sigmoid", correction_bias=None, 
 
     Notes
     -----
-    ``impl="triton"`` is one kernel launch for any M (up to M * top_k = 128 slots one program routes every row
+    ``impl="triton"`` is one kernel launch for any M (up to M * top_k = 32 slots one program routes every row
     and aligns in registers; beyond, one program per token and the last program to finish aligns) and is
     CUDA-graph capturable: output sizes depend only on the shapes, there is no host sync, and
     the per-device workspace (zeroed counters the kernel resets itself) is allocated on the first call, which must
@@ -795,8 +795,8 @@ def _stream_config(m: int, h: int, inter: int, top_k: int, on_gpu: bool) -> dict
 
 
 def _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, alignment, out):
-    """The opt-in weight-streaming experts (``_VARIANT["experts"] == "stream"``, M <= ``_STREAM_CONFIG["max_m"]``):
-    two launches built for one or two tokens (see "Stream variant" in ``specverify.kernels.fused_moe``).
+    """The weight-streaming experts (the default at M <= ``_STREAM_CONFIG["max_m"]``, or
+    ``_VARIANT["experts"] == "stream"``): two launches (see "Stream variant" in ``specverify.kernels.fused_moe``).
 
     Launch 1: program = (unit, R gate rows + the same R up rows) over all of H with a double-buffered FMA loop, SiLU·up
     fused, ``act`` [M·top_k, I] in the input dtype; a unit is an alignment block when ``alignment`` is given and
@@ -865,7 +865,8 @@ def _fused_config(m: int, h: int, inter: int, block: int, on_gpu: bool) -> dict:
 
 
 def _fused_moe_fused(hidden, w13, w2, topk_ids, topk_weights, alignment, out):
-    """The fused experts (``_VARIANT["experts"] == "fused"``, or ``"auto"`` at 2 <= M <= ``_FUSED_MAX_M``): one launch
+    """The fused experts (``_VARIANT["experts"] == "fused"``; ``"auto"`` at _FUSED_MIN_M <= M <= _FUSED_MAX_M above
+    the stream path's max_m, so none by default): one launch
     streams each activated expert's w13 and w2 once (program = expert block x chunk of I), a second sums the fp32
     partials over top_k and the chunks in a fixed order (deterministic)."""
     from specverify.kernels.fused_moe import _moe_fused_kernel, _moe_partial_sum_kernel
@@ -897,9 +898,11 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
               quant=None, impl="auto"):
     """SwiGLU mixture of experts: ``out[m] = sum_k w[m,k] * w2[e] @ (silu(gate) * up)``, ``e = topk_ids[m, k]``.
 
-    Built for the verify pass (1–64 tokens per rank): a program owns one block of one expert's slots and one tile
-    of output columns, so each activated expert's weights are read once per pass however many tokens chose it.
-    Source: SwiGLU (Shazeer 2020); the block alignment follows the grouped-GEMM layout common to MoE kernels.
+    Built for the verify pass (1–64 tokens per rank), where the cost is reading the activated experts' weights:
+    at M <= 8 each routed slot streams its expert's weights (top-8 of hundreds of experts: nearly every slot has its
+    own), above that a program owns one block of one expert's slots so each activated expert is read once however
+    many tokens chose it. Source: SwiGLU (Shazeer 2020); the block alignment follows the grouped-GEMM layout common
+    to MoE kernels.
 
     Parameters
     ----------
@@ -910,12 +913,14 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
     w2 : torch.Tensor
         Shape: (E, H, I); hidden's dtype.
     topk_ids : torch.Tensor
-        Shape: (M, top_k); int32 or int64; -1 = no expert (adds nothing).
+        Shape: (M, top_k); int32 or int64; -1 = no expert (adds nothing). Not range-checked (that would need a
+        host sync): the Triton path skips any id outside [0, E) like -1, the reference raises IndexError.
     topk_weights : torch.Tensor
         Shape: (M, top_k); floating point.
     alignment : MoEAlignment, optional
-        From ``moe_route(..., block_size=16)`` on the same tokens (block_size ≥ 16 for Triton). When None it is
-        computed here (one extra launch).
+        From ``moe_route(..., block_size=16)`` on these ``topk_ids`` (block_size ≥ 16 for the Triton paths above
+        M = 8); its sizes are checked, its contents are not. Unused at M <= 8 (the stream path works per slot);
+        when None above that it is computed here (one extra launch).
     activation : {"silu"}
     out : torch.Tensor, optional
         Shape: (M, H); hidden's dtype. Mutated: receives the result.
@@ -949,7 +954,7 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
     expert's w13 and w2 are read once, writing weighted fp32 partials [M·top_k, I/BI, H]; a second sums them over
     top_k and the chunks in fixed order. Other M: three launches (gate/up GEMM with fused SiLU·up into a
     [M·top_k, I] buffer; down GEMM with the routed weight applied into a fp32 [M·top_k, H] buffer; a sum over
-    top_k in fixed order). Either way the result is deterministic. bf16/fp16 inputs, fp32 accumulation, the SwiGLU
+    top_k in fixed order). Every path is deterministic. bf16/fp16 inputs, fp32 accumulation, the SwiGLU
     output rounded to the input dtype. CUDA-graph capturable: grids depend only on shapes (at most one block per
     routed slot), unused blocks exit early, no host sync. The reference path is capturable too but computes in
     fp32 with gathered weight copies (slow, memory-hungry).

@@ -260,7 +260,8 @@ def plan_draft_lengths(decode_ms: float, verify_ms: Mapping[int, float], accept:
     For each k in ``verify_ms`` (ascending): ``cycle_ms = draft_ms * draft_steps(k) + verify_ms[k]``,
     ``E[emitted]`` by :func:`expected_emitted_chain` (or taken from ``expected_emitted``, e.g. a tree's),
     ``tokens_per_s = 1000 * E[emitted] / cycle_ms``, ``speedup = tokens_per_s * decode_ms / 1000``,
-    ``break_even_emitted = cycle_ms / decode_ms`` and ``break_even_accept_length = break_even_emitted - 1``.
+    ``break_even_emitted = cycle_ms / decode_ms`` and ``break_even_accept_length = max(0, break_even_emitted - 1)``
+    (0 when a cycle costs no more than a decode step, which only noisy or CPU measurements give).
 
     Parameters
     ----------
@@ -320,7 +321,7 @@ def plan_draft_lengths(decode_ms: float, verify_ms: Mapping[int, float], accept:
         rows.append(PlanRow(k=k, draft_steps=steps, verify_ms=v, draft_ms=d, cycle_ms=cycle,
                             expected_accept_length=e - 1.0, expected_emitted=e, tokens_per_s=tps,
                             speedup=tps * decode_ms / 1000.0, break_even_emitted=be,
-                            break_even_accept_length=be - 1.0 if abs(be - 1.0) > 1e-9 else 0.0,
+                            break_even_accept_length=be - 1.0 if be - 1.0 > 1e-9 else 0.0,
                             pays=k > 1 and e > be))  # k = 1 is plain decoding: nothing to pay for
     return rows
 
@@ -551,6 +552,6 @@ def run_plan_cli(args: argparse.Namespace) -> int:
     if best.speedup > 1.0:
         print(f"best k = {k_best}: {best.tokens_per_s:.1f} tokens/s, {best.speedup:.3f}x over decode")
     else:
-        print(f"best k = {k_best} ({best.tokens_per_s:.1f} tokens/s, {best.speedup:.3f}x): speculation does not "
-              "pay at these rates; plain decoding is as fast or faster")
+        print(f"no draft length pays at these rates: plain decoding (k = 1) is as fast or faster (closest: k = "
+              f"{k_best}, {best.tokens_per_s:.1f} tokens/s, {best.speedup:.3f}x)")
     return 0

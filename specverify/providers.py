@@ -73,7 +73,10 @@ def specverify_ops(model):
         (verify_greedy,) = fns
 
         def accept(target_ids, draft_tokens, parents, max_depth):
-            return verify_greedy(draft_tokens, parents, target_ids=target_ids, impl="triton")
+            # the Ops slot returns (accepted_nodes, accept_len, accepted_tokens), as greedy_accept_reference does;
+            # verify_greedy returns the tokens first
+            tokens, accept_len, nodes = verify_greedy(draft_tokens, parents, target_ids=target_ids, impl="triton")
+            return nodes, accept_len, tokens
 
         ops.accept_greedy = accept
         ops.pieces["acceptance"] = "triton"

@@ -700,7 +700,11 @@ def _cmd(args) -> int:
 
 def register_cli(bench_sub) -> None:
     p = bench_sub.add_parser("verify-wall", help="the verify pass cost per draft length, against the bytes floor",
-                             description=__doc__.split("\n\n")[0].replace("``", ""))
+                             description=__doc__.split("\n\n")[0].replace("``", ""),
+                             epilog="Without a CUDA GPU the model, context, tp and graph settings give way to a "
+                                    "tiny stand-in (tiny-mla-moe for kimi-k2, for example), context 64, tp 1, "
+                                    "eager, through the Triton interpreter; the table then says that CPU figures "
+                                    "are not performance figures.")
     p.add_argument("--model", default="kimi-k2", help=f"one of {', '.join(list_configs())} (default: kimi-k2)")
     p.add_argument("--tp", type=int, default=8, help="tensor-parallel degree; one rank's shapes are run (default: 8)")
     p.add_argument("--batch", type=int, default=1, help="requests per pass (default: 1)")

@@ -53,3 +53,23 @@ def test_drafter_gets_both_accepts_and_rejects():
         model, _, drafter = _setup(name)
         accept += speculative_generate(model, drafter, PROMPTS, NUM_TOKENS, DraftTree.chain(4))[1]
     assert min(accept) == 0 and max(accept) == 3
+
+
+@pytest.mark.parametrize("name", ["tiny-mla-moe", "tiny-gqa"])
+def test_specverify_acceptance_and_compaction_are_exact(name):
+    # the specverify provider's acceptance and KV compaction slots (Triton; integer and copy work, so still exact
+    # with the fp64 reference forward): a slot that returned its tuple in another order, or a compaction that moved
+    # the wrong rows, would change the tokens
+    from specverify.providers import specverify_ops
+
+    sv, _ = specverify_ops(None)
+    assert (sv.pieces["acceptance"], sv.pieces["kv_compaction"]) == ("triton", "triton")
+    model, expected, drafter = _setup(name)
+    saved = model.ops.accept_greedy, model.ops.compact_kv
+    model.ops.accept_greedy, model.ops.compact_kv = sv.accept_greedy, sv.compact_kv
+    try:
+        out, accept = speculative_generate(model, drafter, PROMPTS, NUM_TOKENS, TREES["ragged"])
+    finally:
+        model.ops.accept_greedy, model.ops.compact_kv = saved
+    assert out == expected
+    assert max(accept) >= 1  # something was accepted, so something was compacted

@@ -73,3 +73,28 @@ def test_compact_graph_capture_gpu():
     compact_kv_reference([ref], pt.cpu(), prefix.cpu(), nodes.cpu(), alen.cpu())
     graph.replay()
     assert torch.equal(pool2.cpu().view(torch.int16), ref.view(torch.int16))
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("nodes,alen,page_table,match", [
+    # accept_len past the accepted_nodes columns
+    ([[0, 1, 2]], [3], None, "accept_len\\[0\\] = 3 is outside \\[0, 2\\]"),
+    ([[0, 1, 2]], [-1], None, "accept_len\\[0\\] = -1"),
+    # a node below its depth (-1 inside the used part) and nodes out of order
+    ([[0, -1, 2]], [2], None, "must strictly increase"),
+    ([[0, 3, 2]], [2], None, "must strictly increase"),
+    # a node past the page table: position 2 + 30 with 8 one-slot pages
+    ([[0, 30, -1]], [1], None, "reads position 32"),
+    # a page id outside the pool (page 99 of 8)
+    ([[0, 3, -1]], [1], [[0, 1, 2, 3, 4, 99, 6, 7]], "page id 99"),
+])
+def test_compact_rejects_bad_values(impl, nodes, alen, page_table, match):
+    # the kernel trusts its indices: every value it would misuse is caught at the public function, and the pool is
+    # left as it was
+    pool = torch.arange(8.0).view(8, 1, 1)
+    pt = torch.tensor(page_table) if page_table is not None else torch.arange(8).view(1, 8)
+    with pytest.raises(ValueError, match=match):
+        compact_kv([pool], pt, torch.tensor([2]), torch.tensor(nodes), torch.tensor(alen), impl=impl)
+    assert pool.view(-1).tolist() == [float(i) for i in range(8)]
+    with pytest.raises(ValueError, match="prefix_lens\\[0\\] = -2"):
+        compact_kv([pool], pt, torch.tensor([-2]), torch.tensor([[0, 1, 2]]), torch.tensor([1]), impl=impl)

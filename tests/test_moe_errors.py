@@ -78,3 +78,15 @@ def test_triton_fp32_experts_refused():
     args = {k: (v.float() if v.is_floating_point() else v) for k, v in args.items()}
     with pytest.raises(TypeError, match="bfloat16 or float16"):
         fused_moe(args["hidden"], args["w13"], args["w2"], args["topk_ids"], args["topk_weights"], impl="triton")
+
+
+def test_dot_experts_refuse_small_alignment_blocks(device):
+    # M = 9, above the stream path: the tl.dot path needs blocks of >= 16 rows and says so
+    m, e, h, i = 9, 4, 16, 8
+    hidden = torch.zeros(m, h, dtype=torch.bfloat16, device=device)
+    w13 = torch.zeros(e, 2 * i, h, dtype=torch.bfloat16, device=device)
+    w2 = torch.zeros(e, h, i, dtype=torch.bfloat16, device=device)
+    ids = torch.zeros(m, 2, dtype=torch.int32, device=device)
+    _, _, al = moe_route(torch.zeros(m, e, device=device), top_k=2, block_size=4, impl="triton")
+    with pytest.raises(ValueError, match="block_size >= 16"):
+        fused_moe(hidden, w13, w2, ids, torch.zeros(m, 2, device=device), alignment=al, impl="triton")

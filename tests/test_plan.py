@@ -108,7 +108,22 @@ def test_cli_table_names_best_k(capsys):
     assert _cli(["plan", "--decode-ms", "11.1", "--verify-ms", "1:11.1,4:25.6,7:28.7",
                  "--accept", "0.63,0.40,0.26"]) == 0
     out = capsys.readouterr().out
-    assert "best k = 1" in out and "does not pay" in out
+    assert "no draft length pays" in out and "closest: k = 1" in out
+
+
+def test_cli_nothing_pays_names_plain_decoding(capsys):
+    # the motivating measurement without a k = 1 row: k = 4 is the closest, and the verdict is still plain decoding
+    assert _cli(["plan", "--decode-ms", "11.1", "--verify-ms", "4:25.6,7:28.7", "--accept", "0.63,0.40,0.26",
+                 "--draft-ms", "0.8"]) == 0
+    out = capsys.readouterr().out
+    assert "plain decoding (k = 1) is as fast or faster" in out and "closest: k = 4" in out
+
+
+def test_break_even_accept_never_negative():
+    # a verify pass timed below the decode step (noise, CPU runs) gives break-even 0, not a negative length
+    rows = plan_draft_lengths(10.0, {1: 9.0, 2: 9.5}, 0.7)
+    assert [r.break_even_accept_length for r in rows] == [0.0, 0.0]
+    assert rows[1].break_even_emitted == pytest.approx(0.95)
 
 
 def test_cli_json_from_verify_wall(tmp_path, capsys):

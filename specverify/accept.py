@@ -30,13 +30,14 @@ def _warn_once(msg: str) -> None:
         log.warning(msg)
 
 
-def _choose_impl(impl: str, device: torch.device) -> str:
+def _choose_impl(impl: str, device: torch.device, op: str = "verify") -> str:
     if impl not in _IMPLS:
-        raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
+        raise ValueError(f"specverify.{op}: impl must be one of {_IMPLS}, got {impl!r}")
     if impl != "auto":
         if impl == "triton" and device.type != "cuda" and not envvars.triton_interpret():
-            raise ValueError(f"impl='triton' needs CUDA tensors or TRITON_INTERPRET=1, got tensors on {device}; "
-                             "move the inputs to a GPU or use impl='reference'")
+            raise ValueError(f"specverify.{op}: impl='triton' needs CUDA tensors or TRITON_INTERPRET=1 (the CPU "
+                             f"interpreter), got tensors on {device}; move the inputs to a GPU or use "
+                             "impl='auto'/'reference'")
         return impl
     if envvars.get_flag("SPECVERIFY_DISABLE_TRITON"):
         _warn_once("verify: SPECVERIFY_DISABLE_TRITON=1, using the torch reference")
@@ -205,7 +206,7 @@ def verify_greedy(draft_tokens: torch.Tensor, tree, *, logits: torch.Tensor | No
         _check_tokens("target_ids", target_ids, (batch, k))
     length = max_depth + 1
     outs = _out_buffers(out, batch, length, device)
-    which = _choose_impl(impl, device)
+    which = _choose_impl(impl, device, "verify_greedy")
     if which == "reference":
         from specverify.reference.accept import greedy_accept_reference
 
@@ -350,7 +351,7 @@ def verify_sampling(logits: torch.Tensor, tree, draft_tokens: torch.Tensor, *, t
         if uniform_samples.device != device:
             raise ValueError(f"uniform_samples must be on {device}, got {uniform_samples.device}")
     outs = _out_buffers(out, batch, length, device)
-    which = _choose_impl(impl, device)
+    which = _choose_impl(impl, device, "verify_sampling")
     if which == "reference":
         from specverify.reference.sampling import verify_sampling_reference
 

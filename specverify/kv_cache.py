@@ -108,7 +108,7 @@ def compact_kv(caches: Sequence[torch.Tensor] | torch.Tensor, page_table: torch.
     if validate and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         _check_values(min(c.shape[0] for c in caches), page_size, page_table, prefix_lens, accepted_nodes,
                       accept_len)
-    which = _choose_impl(impl, device)
+    which = _choose_impl(impl, device, "compact_kv")
     if which == "reference":
         from specverify.reference.kv import compact_kv_reference
 

@@ -108,7 +108,7 @@ def _choose(impl: str, t: torch.Tensor, name: str) -> str:
         ok, why = _triton_usable(t)
         if not ok:
             raise ValueError(f"specverify.{name}: impl='triton' cannot run: {why}; pass CUDA tensors, set "
-                             "TRITON_INTERPRET=1 (before importing triton) for the CPU interpreter, or use "
+                             "TRITON_INTERPRET=1 (before importing specverify) for the CPU interpreter, or use "
                              "impl='auto'/'reference'")
     if impl != "auto":
         return impl

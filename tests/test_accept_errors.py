@@ -63,3 +63,20 @@ def test_compact_kv_errors():
         compact_kv([torch.zeros(4, 2, 8)], pt, pre.float(), nodes, ln)
     with pytest.raises(ValueError, match=r"accept_len must have shape \[batch\] = \[2\]"):
         compact_kv([torch.zeros(4, 2, 8)], pt, pre, nodes, ln[:1])
+
+
+def test_triton_on_cpu_without_interpreter_names_the_op(monkeypatch):
+    # CPU tensors, impl='triton', interpreter off: each op says which call refused, why, and what to do
+    import specverify.accept as acc
+
+    monkeypatch.setattr(acc.envvars, "triton_interpret", lambda: False)
+    calls = {
+        "verify_greedy": lambda: verify_greedy(DRAFT, TREES, target_ids=DRAFT, impl="triton"),
+        "verify_sampling": lambda: verify_sampling(LOGITS, TREES, DRAFT, impl="triton"),
+        "compact_kv": lambda: compact_kv([torch.zeros(4, 1, 1)], torch.arange(4).view(1, 4), torch.tensor([0]),
+                                         torch.tensor([[0, 1]]), torch.tensor([1]), impl="triton"),
+    }
+    for op, call in calls.items():
+        with pytest.raises(ValueError, match=rf"specverify\.{op}: impl='triton' needs CUDA tensors or "
+                                             r"TRITON_INTERPRET=1 .* use impl='auto'/'reference'"):
+            call()

@@ -595,64 +595,35 @@ def _launch(*, q, qr, kc, vc, k_strides, v_strides, page_table, prefix_lens, tre
     qr_t = qr if qr is not None else q
     grid = (_programs_per_split(cfg, hkv), splits, batch)
     mask_arg = tree_mask if tree_mask is not None else page_table
-    if cfg.get("KERNEL") == "mla_swapped":
+    # arguments every kernel takes in the same order: scale (log2 domain), q / q_rope strides, after the cache
+    # strides the page table, tree mask and output strides; then the shared constexprs and launch options
+    scale = float(sm_scale) * 1.4426950408889634
+    q_strides = (q.stride(0), q.stride(1), q.stride(2), qr_t.stride(0), qr_t.stride(1), qr_t.stride(2))
+    tail = (page_table.stride(0), smb, smt, out.stride(0), out.stride(1), out.stride(2))
+    lse_arg = lse if store_lse else out
+    common = dict(NUM_DRAFT=k, NUM_Q_HEADS=hq, PAGE_SIZE=page_size, NUM_SPLITS=splits, D=d, DR=dr,
+                  BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HAS_MASK=tree_mask is not None,
+                  STORE_LSE=store_lse, DOT_FP32=q.device.type == "cpu", PDL=bool(pdl), num_warps=cfg["num_warps"],
+                  num_stages=cfg["num_stages"], **pdl)
+    block_dr = _next_pow2(max(16, dr))
+    if cfg.get("KERNEL") == "mla_swapped":  # no fused merge (the config refuses it), so ``fused`` is False here
         kernels._tree_attention_mla_swapped_kernel[grid](
-            q, qr_t, kc, page_table, prefix_lens, mask_arg, out, lse if store_lse else out, ws_o, ws_lse,
-            float(sm_scale) * 1.4426950408889634,
-            q.stride(0), q.stride(1), q.stride(2),
-            qr_t.stride(0), qr_t.stride(1), qr_t.stride(2),
-            k_strides[0], k_strides[1],
-            page_table.stride(0),
-            smb, smt,
-            out.stride(0), out.stride(1), out.stride(2),
-            NUM_DRAFT=k, NUM_Q_HEADS=hq, PAGE_SIZE=page_size, NUM_SPLITS=splits, D=d, DR=dr,
-            BLOCK_D=cfg["BLOCK_DV"], BLOCK_DR=_next_pow2(max(16, dr)), BLOCK_M=cfg["BLOCK_M"],
-            BLOCK_N=cfg["BLOCK_N"], HAS_MASK=tree_mask is not None, STORE_LSE=store_lse,
-            DOT_FP32=q.device.type == "cpu", PDL=bool(pdl), num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"], **pdl,
-        )
-        if splits > 1:
-            _launch_merge(kernels, ws_o, ws_lse, out, lse, batch=batch, k=k, hq=hq, dv=dv, splits=splits, cfg=cfg,
-                          pdl=pdl)
-        return
-    if cfg.get("KERNEL") == "mla_chunked":
+            q, qr_t, kc, page_table, prefix_lens, mask_arg, out, lse_arg, ws_o, ws_lse, scale, *q_strides,
+            k_strides[0], k_strides[1], *tail,
+            BLOCK_D=cfg["BLOCK_DV"], BLOCK_DR=block_dr, **common)
+    elif cfg.get("KERNEL") == "mla_chunked":
         kernels._tree_attention_mla_chunked_kernel[grid](
-            q, qr_t, kc, page_table, prefix_lens, mask_arg, out, lse if store_lse else out, ws_o, ws_lse, count,
-            float(sm_scale) * 1.4426950408889634,
-            q.stride(0), q.stride(1), q.stride(2),
-            qr_t.stride(0), qr_t.stride(1), qr_t.stride(2),
-            k_strides[0], k_strides[1],
-            page_table.stride(0),
-            smb, smt,
-            out.stride(0), out.stride(1), out.stride(2),
-            NUM_DRAFT=k, NUM_Q_HEADS=hq, PAGE_SIZE=page_size, NUM_SPLITS=splits, D=d, DR=dr, DC=cfg["D_CHUNK"],
-            NC=cfg["NC"], CPT=cfg["CPT"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-            BLOCK_DR=_next_pow2(max(16, dr)), M_TILES=cfg["M_TILES"], DV_TILES=cfg["DV_TILES"],
-            HAS_MASK=tree_mask is not None, STORE_LSE=store_lse, FUSED_MERGE=fused, DOT_FP32=q.device.type == "cpu",
-            PDL=bool(pdl), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
-        )
-        if splits > 1 and not fused:
-            _launch_merge(kernels, ws_o, ws_lse, out, lse, batch=batch, k=k, hq=hq, dv=dv, splits=splits, cfg=cfg,
-                          pdl=pdl)
-        return
-    kernels._tree_attention_fwd_kernel[grid](
-        q, qr_t, kc, vc, page_table, prefix_lens, mask_arg,
-        out, lse if store_lse else out, ws_o, ws_lse, count,
-        float(sm_scale) * 1.4426950408889634,
-        q.stride(0), q.stride(1), q.stride(2),
-        qr_t.stride(0), qr_t.stride(1), qr_t.stride(2),
-        *k_strides, *v_strides,
-        page_table.stride(0),
-        smb, smt,
-        out.stride(0), out.stride(1), out.stride(2),
-        NUM_DRAFT=k, GROUP=hq // hkv, NUM_Q_HEADS=hq, PAGE_SIZE=page_size, NUM_SPLITS=splits,
-        D=d, DR=dr, DV=dv,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=_next_pow2(max(16, d)),
-        BLOCK_DR=_next_pow2(max(16, dr)) if dr else 16, BLOCK_DV=cfg["BLOCK_DV"], BLOCK_K=cfg["BLOCK_K"],
-        M_TILES=cfg["M_TILES"], DV_TILES=cfg["DV_TILES"],
-        HAS_MASK=tree_mask is not None, V_IS_K=v_is_k, STORE_LSE=store_lse, DOT_FP32=q.device.type == "cpu",
-        FUSED_MERGE=fused, PDL=bool(pdl), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
-    )
+            q, qr_t, kc, page_table, prefix_lens, mask_arg, out, lse_arg, ws_o, ws_lse, count, scale, *q_strides,
+            k_strides[0], k_strides[1], *tail,
+            DC=cfg["D_CHUNK"], NC=cfg["NC"], CPT=cfg["CPT"], BLOCK_DR=block_dr, M_TILES=cfg["M_TILES"],
+            DV_TILES=cfg["DV_TILES"], FUSED_MERGE=fused, **common)
+    else:
+        kernels._tree_attention_fwd_kernel[grid](
+            q, qr_t, kc, vc, page_table, prefix_lens, mask_arg, out, lse_arg, ws_o, ws_lse, count, scale, *q_strides,
+            *k_strides, *v_strides, *tail,
+            GROUP=hq // hkv, DV=dv, BLOCK_D=_next_pow2(max(16, d)), BLOCK_DR=block_dr, BLOCK_DV=cfg["BLOCK_DV"],
+            BLOCK_K=cfg["BLOCK_K"], M_TILES=cfg["M_TILES"], DV_TILES=cfg["DV_TILES"], V_IS_K=v_is_k,
+            FUSED_MERGE=fused, **common)
     if splits > 1 and not fused:
         _launch_merge(kernels, ws_o, ws_lse, out, lse, batch=batch, k=k, hq=hq, dv=dv, splits=splits, cfg=cfg,
                       pdl=pdl)

@@ -345,7 +345,7 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
         GSIZE=e // n_group, TOPK_GROUP=topk_group, SOFTMAX=softmax, HAS_BIAS=bias is not None, RENORM=renormalize,
         DO_ROUTE=do_route, EA=e, EAP=eap, B=block_size, SP=sp, ONE=one, PJ=min(block_size, 16),
         CHUNK=cfg["CHUNK"] if on_gpu else 64, FILL_TAIL=bool(cfg["FILL_TAIL"]),
-        RELOAD=one and do_route and (eap < _RESHAPE_MIN_EXPERTS or bool(cfg.get("RELOAD", False))), **extra)
+        RELOAD=one and do_route and (eap < _RESHAPE_MIN_EXPERTS or bool(cfg["RELOAD"])), **extra)
     return ids, weights, MoEAlignment(sorted_ids, expert_ids, npad, block_size)
 
 
@@ -589,10 +589,12 @@ _FAST_MAX_SLOTS = 1024
 #: vector. On the H200 (run 18, Triton 3.6) that reshape double-counted slots when the padded expert count was 16
 #: (10 experts: num_tokens_post_padded 2x too large at 1, 4 and 8 warps) and was exact at 256 and 512 (DeepSeek-V3,
 #: Kimi-K2: M = 1..16, all warp counts, rows with identical routing). Below this padded expert count the program
-#: stores the winners and reads them back as a flat vector instead (one barrier and one L2 round trip).
+#: stores the winners and reads them back as a flat vector instead (one barrier and one L2 round trip); RELOAD
+#: forces that read-back at any expert count (tests).
 _RESHAPE_MIN_EXPERTS = 256
 _FAST_ROUTE_CONFIG: dict = {"one_max_slots": 32, "one_num_warps": 8, "one_small_slots": 8,
-                            "one_small_warps": 4, "ROWS": 1, "num_warps": 4, "CHUNK": 1024, "FILL_TAIL": False}
+                            "one_small_warps": 4, "ROWS": 1, "num_warps": 4, "CHUNK": 1024, "FILL_TAIL": False,
+                            "RELOAD": False}
 #: Launch config of the one-program router: rows routed per step, [CI, CJ] rank tiles, fill chunk, warps.
 _SINGLE_ROUTE_CONFIG: dict = {"ROWS": 4, "CI": 64, "CJ": 128, "CHUNK": 1024, "num_warps": 8}
 #: GEMV experts: largest M it takes, gate/up tile ``g1`` ([BLOCK_N gate rows + BLOCK_N up rows, BLOCK_K]) and
@@ -759,22 +761,25 @@ def _fused_moe_gemv(hidden, w13, w2, topk_ids, topk_weights, alignment, out):
         g1.pop("num_warps", None)
         g2.pop("num_warps", None)
     n1 = -(-inter // g1["BLOCK_N"])
-    if alignment is not None:
-        bs = alignment.block_size
-        nblocks = _used_blocks_bound(alignment, s)
-        mp = min(bs, max(_next_pow2(m), 1))
-        _moe_gemv_gate_up_kernel[(nblocks * n1,)](
-            hidden, w13, act, alignment.sorted_token_ids, alignment.expert_ids, alignment.num_tokens_post_padded,
-            ids32, s, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), E=e, H=h, I=inter, TOP_K=top_k,
-            B=bs, MP=mp, ALIGNED=True, **g1)
-    else:
-        _moe_gemv_gate_up_kernel[(s * n1,)](
-            hidden, w13, act, ids32, ids32, ids32, ids32, s, hidden.stride(0), w13.stride(0), w13.stride(1),
-            act.stride(0), E=e, H=h, I=inter, TOP_K=top_k, B=1, MP=1, ALIGNED=False, **g1)
+    units, unit_ptrs, unit_kw = _gate_up_units(alignment, s, m, ids32, alignment is not None)
+    _moe_gemv_gate_up_kernel[(units * n1,)](
+        hidden, w13, act, *unit_ptrs, ids32, s, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), E=e,
+        H=h, I=inter, TOP_K=top_k, **unit_kw, **g1)
     n2 = -(-h // g2["BLOCK_N"])
     _moe_gemv_down_sum_kernel[(m * n2,)](act, w2, ids32, tw, out, act.stride(0), w2.stride(0), w2.stride(1),
                                          out.stride(0), E=e, H=h, I=inter, TOP_K=top_k, **g2)
     return out
+
+
+def _gate_up_units(alignment, s: int, m: int, ids32: torch.Tensor, use_alignment: bool):
+    """Work units of the GEMV and stream gate/up kernels: ``(count, (sorted_ids, expert_ids, num_post_padded),
+    constexprs)``. With the alignment, one unit per used block (up to MP of its tokens per pass, each expert read
+    once); without, one unit per routed slot (the three pointers unused)."""
+    if use_alignment:
+        bs = alignment.block_size
+        ptrs = (alignment.sorted_token_ids, alignment.expert_ids, alignment.num_tokens_post_padded)
+        return _used_blocks_bound(alignment, s), ptrs, dict(B=bs, MP=min(bs, max(_next_pow2(m), 1)), ALIGNED=True)
+    return s, (ids32, ids32, ids32), dict(B=1, MP=1, ALIGNED=False)
 
 
 def _stream_config(m: int, h: int, inter: int, top_k: int, on_gpu: bool) -> dict:
@@ -822,20 +827,11 @@ def _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, alignment, out):
         launch2["launch_pdl"] = True
     act = torch.empty((s, inter), dtype=hidden.dtype, device=dev)
     nt = _cdiv(inter, cfg["R"])
-    aligned = alignment is not None and cfg["ALIGNED"]
-    if aligned:
-        bs = alignment.block_size
-        nunits = _used_blocks_bound(alignment, s)
-        mp = min(bs, max(_next_pow2(m), 1))
-        _moe_stream_gate_up_kernel[(nunits * nt,)](
-            hidden, w13, act, alignment.sorted_token_ids, alignment.expert_ids, alignment.num_tokens_post_padded,
-            ids32, s, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), E=e, H=h, I=inter, TOP_K=top_k,
-            B=bs, MP=mp, R=cfg["R"], BK=cfg["BK"], ALIGNED=True, PREFETCH=bool(cfg["PREFETCH"]), PDL=pdl, **launch1)
-    else:
-        _moe_stream_gate_up_kernel[(s * nt,)](
-            hidden, w13, act, ids32, ids32, ids32, ids32, s, hidden.stride(0), w13.stride(0), w13.stride(1),
-            act.stride(0), E=e, H=h, I=inter, TOP_K=top_k, B=1, MP=1, R=cfg["R"], BK=cfg["BK"], ALIGNED=False,
-            PREFETCH=bool(cfg["PREFETCH"]), PDL=pdl, **launch1)
+    units, unit_ptrs, unit_kw = _gate_up_units(alignment, s, m, ids32, alignment is not None and cfg["ALIGNED"])
+    _moe_stream_gate_up_kernel[(units * nt,)](
+        hidden, w13, act, *unit_ptrs, ids32, s, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), E=e,
+        H=h, I=inter, TOP_K=top_k, **unit_kw, R=cfg["R"], BK=cfg["BK"], PREFETCH=bool(cfg["PREFETCH"]), PDL=pdl,
+        **launch1)
     _moe_stream_down_kernel[(_cdiv(h, cfg["BH"]),)](
         act, w2, ids32, tw, out, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), E=e, H=h, I=inter,
         TOP_K=top_k, MT=m, SP=cfg["SP"], BH=cfg["BH"], BI=cfg["BI"], PDL=pdl, **launch2)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 
 import torch
@@ -49,7 +48,7 @@ def main(argv=None) -> int:
         return 2
 
     from specverify.moe import fused_moe, moe_route
-    from specverify.reference.moe import align_reference, fused_moe_reference, route_reference
+    from specverify.reference.moe import align_reference, fused_moe_reference, random_expert_weights, route_reference
 
     peer, peer_why = _peer()
     if peer is None:
@@ -63,8 +62,7 @@ def main(argv=None) -> int:
         cfg = MODELS[name]
         e, h, inter, top_k = cfg["e"], cfg["h"], cfg["inter"], cfg["top_k"]
         gen = torch.Generator(device="cuda").manual_seed(0)
-        w13 = (torch.randn(e, 2 * inter, h, device="cuda", generator=gen) / math.sqrt(h)).bfloat16()
-        w2 = (torch.randn(e, h, inter, device="cuda", generator=gen) / math.sqrt(inter)).bfloat16()
+        w13, w2 = random_expert_weights(e, h, inter, generator=gen, device="cuda")
         bias = (torch.randn(e, device="cuda", generator=gen) * 0.05) if cfg["bias"] else None
         expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
         rkw = dict(top_k=top_k, scoring=cfg["scoring"], correction_bias=bias, n_group=cfg["n_group"],

@@ -42,10 +42,11 @@ TOP_P, TEMPERATURE = 0.9, 1.0
 def run_shape(vocab: int, k: int, batch: int, names, timer, device, g, t_start: float) -> list[dict]:
     """Rows for one shape: greedy, then every sampling variant in ``names`` (whole call, launch 1, launch 2)."""
     import specverify.accept as acc
+    from specverify.benchmarking import dict_restorer
     from specverify.tree import BatchedDraftTree, DraftTree
 
     top_p, temperature = TOP_P, TEMPERATURE
-    saved_variant, saved_cfg = dict(acc._VARIANT), dict(acc._SELECT_CONFIG)
+    restore = dict_restorer(acc._VARIANT, acc._SELECT_CONFIG)
     rows = []
     trees = BatchedDraftTree.repeat(DraftTree.chain(k), batch)
     parents = trees.parents.to(device)
@@ -75,9 +76,9 @@ def run_shape(vocab: int, k: int, batch: int, names, timer, device, g, t_start: 
                   ("min_p", 0.0, "f")))
     for name in names:
         variant, over = VARIANTS[name]
+        restore()
         acc._VARIANT["sampling"] = variant
-        acc._SELECT_CONFIG.clear()
-        acc._SELECT_CONFIG.update(saved_cfg, **over)
+        acc._SELECT_CONFIG.update(over)
         try:
             def call():
                 return acc.verify_sampling(logits, trees, draft, uniform_samples=u, top_p=top_p,
@@ -97,10 +98,7 @@ def run_shape(vocab: int, k: int, batch: int, names, timer, device, g, t_start: 
                          launch2_us=t2))
         print(f"# {base} {name}: {whole:.2f} us (launch 1 {t1:.2f}, launch 2 {t2:.2f}) match={match} "
               f"[{time.time() - t_start:.0f} s]", file=sys.stderr, flush=True)
-    acc._VARIANT.clear()
-    acc._VARIANT.update(saved_variant)
-    acc._SELECT_CONFIG.clear()
-    acc._SELECT_CONFIG.update(saved_cfg)
+    restore()
     return rows
 
 
@@ -117,7 +115,7 @@ def main(argv=None) -> int:
     import specverify.accept as acc
 
     t_start = time.time()
-    saved_variant, saved_cfg = dict(acc._VARIANT), dict(acc._SELECT_CONFIG)
+    select_config = dict(acc._SELECT_CONFIG)  # the defaults; run_shape restores them after each shape
     names = QUICK_VARIANTS if args.quick else tuple(VARIANTS)
     shapes = [(v, 4, 1) for v in (163840, 32000)] if args.quick else \
         [(v, k, b) for v in (163840, 32000) for k in (4, 8) for b in (1, 8, 64)]
@@ -129,12 +127,8 @@ def main(argv=None) -> int:
             skipped.append((vocab, k, batch))
             continue
         rows += run_shape(vocab, k, batch, names, graph_us, "cuda", g, t_start)
-    acc._VARIANT.clear()
-    acc._VARIANT.update(saved_variant)
-    acc._SELECT_CONFIG.clear()
-    acc._SELECT_CONFIG.update(saved_cfg)
     meta = run_meta(__file__, logits="bf16 randn*4", tree="chain", top_p=top_p, temperature=temperature,
-                select_config=saved_cfg, variants={n: VARIANTS[n] for n in names},
+                select_config=select_config, variants={n: VARIANTS[n] for n in names},
                 skipped_for_budget=skipped, wall_s=round(time.time() - t_start, 1))
     if args.json:
         with open(args.json, "w") as f:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 
@@ -72,9 +71,10 @@ def main(argv=None) -> int:
         return 2
 
     import specverify.moe as moe
-    from specverify.benchmarking import run_meta, copy_bandwidth_gbps, graph_us
+    from specverify.benchmarking import run_meta, copy_bandwidth_gbps, dict_restorer, graph_us
     from specverify.configs import per_rank_shapes
     from specverify.reference.moe import fused_moe_by_expert_reference as by_expert
+    from specverify.reference.moe import random_expert_weights
 
     t0 = time.time()
 
@@ -85,22 +85,14 @@ def main(argv=None) -> int:
     meta = run_meta(__file__, copy_gbps=bw,
                 sets=SETS, block=BLOCK, stream_config=dict(moe._STREAM_CONFIG))
     rows, skipped = [], []
-    saved = (dict(moe._VARIANT), dict(moe._STREAM_OVERRIDE))
-
-    def restore():
-        moe._VARIANT.clear(), moe._VARIANT.update(saved[0])
-        moe._STREAM_OVERRIDE.clear(), moe._STREAM_OVERRIDE.update(saved[1])
+    restore = dict_restorer(moe._VARIANT, moe._STREAM_OVERRIDE)
 
     rs = per_rank_shapes("kimi-k2", tp=8)
     cfg = rs.config
     e, h, inter, top_k = cfg.n_routed_experts, cfg.hidden_size, rs.moe_intermediate_size, cfg.num_experts_per_tok
     gen = torch.Generator(device="cuda").manual_seed(0)
     # the routed experts and the shared one (expert e) stacked: one pool serves both cases
-    w13 = torch.empty(e + 1, 2 * inter, h, dtype=torch.bfloat16, device="cuda")
-    w2 = torch.empty(e + 1, h, inter, dtype=torch.bfloat16, device="cuda")
-    for i in range(e + 1):  # per expert: no multi-GB fp32 temporary
-        w13[i] = (torch.randn(2 * inter, h, device="cuda", generator=gen) / math.sqrt(h)).bfloat16()
-        w2[i] = (torch.randn(h, inter, device="cuda", generator=gen) / math.sqrt(inter)).bfloat16()
+    w13, w2 = random_expert_weights(e + 1, h, inter, generator=gen, device="cuda")
     bias = torch.randn(e, device="cuda", generator=gen) * 0.05 if cfg.e_score_correction_bias else None
     expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
     rkw = dict(top_k=top_k, scoring=cfg.scoring_func, correction_bias=bias, n_group=cfg.n_group,

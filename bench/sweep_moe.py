@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 
@@ -78,9 +77,10 @@ def main(argv=None) -> int:
         return 2
 
     import specverify.moe as moe
-    from specverify.benchmarking import run_meta, copy_bandwidth_gbps, graph_us
+    from specverify.benchmarking import run_meta, copy_bandwidth_gbps, dict_restorer, graph_us
     from specverify.configs import per_rank_shapes
     from specverify.reference.moe import fused_moe_by_expert_reference as by_expert
+    from specverify.reference.moe import random_expert_weights
     from specverify.reference.moe import align_reference, route_reference
 
     t0 = time.time()
@@ -93,23 +93,14 @@ def main(argv=None) -> int:
     meta = run_meta(__file__, copy_gbps=bw,
                 sets=SETS, block=BLOCK)
     rows, skipped = [], []
-    saved = (dict(moe._VARIANT), dict(moe._FAST_ROUTE_CONFIG), dict(moe._FUSED_OVERRIDE))
-
-    def restore():
-        moe._VARIANT.clear(), moe._VARIANT.update(saved[0])
-        moe._FAST_ROUTE_CONFIG.clear(), moe._FAST_ROUTE_CONFIG.update(saved[1])
-        moe._FUSED_OVERRIDE.clear(), moe._FUSED_OVERRIDE.update(saved[2])
+    restore = dict_restorer(moe._VARIANT, moe._FAST_ROUTE_CONFIG, moe._FUSED_OVERRIDE)
 
     for name in args.models.split(","):
         rs = per_rank_shapes(name, tp=8)
         cfg = rs.config
         e, h, inter, top_k = cfg.n_routed_experts, cfg.hidden_size, rs.moe_intermediate_size, cfg.num_experts_per_tok
         gen = torch.Generator(device="cuda").manual_seed(0)
-        w13 = torch.empty(e, 2 * inter, h, dtype=torch.bfloat16, device="cuda")
-        w2 = torch.empty(e, h, inter, dtype=torch.bfloat16, device="cuda")
-        for i in range(e):  # per expert: no multi-GB fp32 temporary
-            w13[i] = (torch.randn(2 * inter, h, device="cuda", generator=gen) / math.sqrt(h)).bfloat16()
-            w2[i] = (torch.randn(h, inter, device="cuda", generator=gen) / math.sqrt(inter)).bfloat16()
+        w13, w2 = random_expert_weights(e, h, inter, generator=gen, device="cuda")
         bias = torch.randn(e, device="cuda", generator=gen) * 0.05 if cfg.e_score_correction_bias else None
         expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
         rkw = dict(top_k=top_k, scoring=cfg.scoring_func, correction_bias=bias, n_group=cfg.n_group,
@@ -156,22 +147,18 @@ def main(argv=None) -> int:
                 print(f"# {name} M={m} experts {label}: {us:.2f} us ({us / floor_us:.2f}x floor) err {err:.3g} "
                       f"tol {tol:.3g}", flush=True)
 
-            for c in [dict(q=1, tag="dot"), dict(q=1, tag="gemv"), dict(q=1, tag="fused default")] + FUSED_GRID:
-                if "experts" not in ops:
-                    break
-                if c.get("tag") in ("dot", "fused default"):
-                    experts(c["tag"], c["tag"].split()[0], {})
-                    continue
-                if c.get("tag") == "gemv":
-                    if m <= moe._GEMV_CONFIG["max_m"]:
-                        experts("gemv", "gemv", {})
-                    continue
-                if (args.quick and not c["q"]) or m > c.get("max_m", 1 << 30):
-                    continue
-                ov = {k: v for k, v in c.items() if k not in ("q", "max_m")}
-                label = "fused " + ("dot" if ov["DOT"] else "gemv") + " " + " ".join(
-                    f"{k}{v}" for k, v in ov.items() if k != "DOT")
-                experts(label, "fused", ov)
+            if "experts" in ops:
+                experts("dot", "dot", {})
+                if m <= moe._GEMV_CONFIG["max_m"]:
+                    experts("gemv", "gemv", {})
+                experts("fused default", "fused", {})
+                for c in FUSED_GRID:
+                    if (args.quick and not c["q"]) or m > c.get("max_m", 1 << 30):
+                        continue
+                    ov = {k: v for k, v in c.items() if k not in ("q", "max_m")}
+                    label = "fused " + ("dot" if ov["DOT"] else "gemv") + " " + " ".join(
+                        f"{k}{v}" for k, v in ov.items() if k != "DOT")
+                    experts(label, "fused", ov)
 
             # router + alignment
             restore()
@@ -209,16 +196,12 @@ def main(argv=None) -> int:
                                  x_floor=float("nan"), err=1.0 - agree, tol=0.0, ok=bool(ok)))
                 print(f"# {name} M={m} route {label}: {us:.2f} us ok={ok}", flush=True)
 
-            if "route" not in ops:
-                restore()
-                del logits, hidden, routed, outs
-                continue
-            route_row("router only", "fast", {}, align=False)
-            route_row("router only w1", "fast", dict(one_small_warps=1, one_num_warps=1, num_warps=1), align=False)
-            for label, variant, ov in ROUTE_GRID:
-                if args.quick and label in ("fast w2", "fast rows4", "fast one256"):
-                    continue
-                route_row(label, variant, ov)
+            if "route" in ops:
+                route_row("router only", "fast", {}, align=False)
+                for label, variant, ov in ROUTE_GRID:
+                    if args.quick and label in ("fast w2", "fast rows4", "fast one256"):
+                        continue
+                    route_row(label, variant, ov)
             restore()
             del logits, hidden, routed, outs
         del w13, w2

@@ -359,12 +359,11 @@ def sweep_route(quick):
 
 def sweep_experts(bw, quick):
     import specverify.moe as moe
-    from specverify.reference.moe import fused_moe_reference
+    from specverify.reference.moe import fused_moe_reference, random_expert_weights
 
     gen = torch.Generator(device="cuda").manual_seed(1)
     e, h, inter, top_k = KIMI["e"], KIMI["h"], KIMI["inter"], KIMI["top_k"]
-    w13 = (torch.randn(e, 2 * inter, h, device="cuda", generator=gen) / math.sqrt(h)).bfloat16()
-    w2 = (torch.randn(e, h, inter, device="cuda", generator=gen) / math.sqrt(inter)).bfloat16()
+    w13, w2 = random_expert_weights(e, h, inter, generator=gen, device="cuda")
     expert_bytes = (w13[0].numel() + w2[0].numel()) * 2
     variants = [
         {},
@@ -473,12 +472,11 @@ def sweep_gemv(bw, quick):
     """Experts at M <= 4: the default tl.dot path against the GEMV variant (aligned and per slot), then the whole
     MoE (router [+ alignment] + experts) for each combination a provider could pick (group ``moe``)."""
     import specverify.moe as moe
-    from specverify.reference.moe import fused_moe_reference
+    from specverify.reference.moe import fused_moe_reference, random_expert_weights
 
     gen = torch.Generator(device="cuda").manual_seed(1)
     e, h, inter, top_k = KIMI["e"], KIMI["h"], KIMI["inter"], KIMI["top_k"]
-    w13 = (torch.randn(e, 2 * inter, h, device="cuda", generator=gen) / math.sqrt(h)).bfloat16()
-    w2 = (torch.randn(e, h, inter, device="cuda", generator=gen) / math.sqrt(inter)).bfloat16()
+    w13, w2 = random_expert_weights(e, h, inter, generator=gen, device="cuda")
     bias = torch.randn(e, device="cuda", generator=gen) * 0.05
     rkw = dict(top_k=top_k, scoring="sigmoid", correction_bias=bias, routed_scaling_factor=KIMI["scale"])
     expert_bytes = (w13[0].numel() + w2[0].numel()) * 2

@@ -58,10 +58,10 @@ def test_moe_route_kimi(benchmark, m):
 @pytest.mark.parametrize("m", [1, 4, 16])
 def test_fused_moe_kimi(benchmark, m):
     import specverify as sv
+    from specverify.reference.moe import random_expert_weights
 
     e, h, i = 384, 7168, 256
-    w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16) / math.sqrt(h)
-    w2 = torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16) / math.sqrt(i)
+    w13, w2 = random_expert_weights(e, h, i, device="cuda")
     x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
     ids, w = sv.moe_route(torch.randn(m, e, device="cuda"), top_k=8)
     benchmark(_graph(lambda: sv.fused_moe(x, w13, w2, ids, w, impl="triton")))

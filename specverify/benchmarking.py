@@ -6,6 +6,7 @@
 * :func:`copy_bandwidth_gbps`: device-to-device copy bandwidth, read + write bytes over the median time — the
   ceiling the bandwidth fractions are quoted against.
 * :func:`git_commit`: the short commit of the checkout a script runs from (``"?"`` outside a git checkout).
+* :func:`dict_restorer`: put module-level config dicts that a sweep edits in place back as they were.
 """
 from __future__ import annotations
 
@@ -65,6 +66,19 @@ def run_meta(script: str, **extra) -> dict:
     return dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", torch=torch.__version__,
                 triton=triton.__version__, commit=git_commit(script),
                 date=datetime.datetime.now().isoformat(timespec="seconds"), **extra)
+
+
+def dict_restorer(*dicts: dict):
+    """A function that puts each of ``dicts`` back to its contents at this call (clear + update, in place, so
+    modules holding the same dict objects see the restored values). Sweeps edit kernel configs in place between
+    variants and restore them before the next one."""
+    saved = [dict(d) for d in dicts]
+
+    def restore() -> None:
+        for d, kept in zip(dicts, saved):
+            d.clear()
+            d.update(kept)
+    return restore
 
 
 def git_commit(path: str | None = None) -> str:

@@ -70,3 +70,27 @@ def nan_like(t: torch.Tensor) -> torch.Tensor:
 @pytest.fixture
 def poison():
     return nan_like
+
+
+def check_graph_replay(step, inputs, replays: int = 2) -> None:
+    """Capture ``step()`` (already warmed up: compiled, workspaces allocated) in a CUDA graph, then ``replays``
+    times: replay, compare every captured output with an eager ``step()`` bit for bit, and refill ``inputs`` in
+    place with fresh normals, so later replays must follow inputs that changed after capture."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for _ in range(replays):
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = step()
+        pairs = zip(captured, eager, strict=True) if isinstance(captured, tuple) else [(captured, eager)]
+        for i, (got, want) in enumerate(pairs):
+            assert torch.equal(got, want), f"graph replay output {i} differs from the eager call"
+        for t in inputs:
+            t.copy_(torch.randn_like(t))
+
+
+@pytest.fixture
+def graph_replay():
+    """:func:`check_graph_replay`, for GPU tests of capturable ops."""
+    return check_graph_replay

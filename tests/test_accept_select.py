@@ -24,11 +24,9 @@ _SETTINGS = dict(
 
 
 @pytest.fixture
-def variant():
-    saved = dict(acc._VARIANT)
-    yield acc._VARIANT
-    acc._VARIANT.clear()
-    acc._VARIANT.update(saved)
+def variant(monkeypatch):
+    monkeypatch.setattr(acc, "_VARIANT", dict(acc._VARIANT))  # a copy the test may edit; restored after it
+    return acc._VARIANT
 
 
 def _case(seed: int, integer_logits: bool):
@@ -74,11 +72,9 @@ def test_variants_match_reference(name, cap, integer_logits, variant, device, po
 
 
 @pytest.fixture
-def fused_config():
-    saved = dict(acc._SELECT_CONFIG)
-    yield acc._SELECT_CONFIG
-    acc._SELECT_CONFIG.clear()
-    acc._SELECT_CONFIG.update(saved)
+def fused_config(monkeypatch):
+    monkeypatch.setattr(acc, "_SELECT_CONFIG", dict(acc._SELECT_CONFIG))  # a copy the test may edit
+    return acc._SELECT_CONFIG
 
 
 @pytest.mark.parametrize("vocab,chunk,cap,k", [

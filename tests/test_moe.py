@@ -12,7 +12,7 @@ import torch
 
 from specverify.moe import MoEAlignment, fused_moe, max_num_tokens_padded, moe_route
 from specverify.reference.moe import (align_reference, fused_moe_loop_reference, fused_moe_reference,
-                                      route_reference)
+                                      random_expert_weights, route_reference)
 
 GAP = 1e-5  # biased scores closer than this (but not equal) may order differently under fp32 rounding
 
@@ -87,6 +87,18 @@ def _tail_written():
 
     variant = moe_mod._VARIANT["route"]
     return variant != "fast" or bool(moe_mod._FAST_ROUTE_CONFIG["FILL_TAIL"])
+
+
+def _poison_torch_empty(monkeypatch, moe_mod):
+    """Every torch.empty the MoE launchers make comes back filled with NaN (floats) or -7 (integers), so an output
+    element a kernel forgets to write cannot pass (monkeypatch restores torch.empty)."""
+    real_empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(math.nan) if t.is_floating_point() else t.fill_(-7)
+
+    monkeypatch.setattr(moe_mod.torch, "empty", poisoned)
 
 
 def check_alignment(ids, num_experts, block_size, al):
@@ -246,14 +258,6 @@ def test_reference_impl_same_buffers(device):
 
 
 # --------------------------------------------------------------------------------------------- experts
-def _weights(e, h, inter, dtype, device, seed):
-    # drawn where they live: Kimi-K2-sized pools (GBs) drawn on the host took ~20 s per GPU test
-    g = torch.Generator(device=device).manual_seed(seed)
-    w13 = (torch.randn(e, 2 * inter, h, generator=g, device=device) / math.sqrt(h)).to(dtype)
-    w2 = (torch.randn(e, h, inter, generator=g, device=device) / math.sqrt(inter)).to(dtype)
-    return w13, w2
-
-
 def check_experts(hidden, w13, w2, ids, w, **kw):
     out = fused_moe(hidden, w13, w2, ids, w, impl="triton", **kw)
     want = fused_moe_loop_reference(hidden, w13, w2, ids, w)
@@ -273,7 +277,7 @@ def test_fused_moe_with_alignment(device, dtype, poison, variant, monkeypatch):
 
     monkeypatch.setitem(moe_mod._VARIANT, "experts", variant)
     m, e, h, inter = 5, 8, 48, 24
-    w13, w2 = _weights(e, h, inter, dtype, device, 20)
+    w13, w2 = random_expert_weights(e, h, inter, dtype=dtype, device=device, seed=20)
     hidden = torch.randn(m, h, generator=torch.Generator().manual_seed(21)).to(dtype).to(device)
     logits = torch.randn(m, e, generator=torch.Generator().manual_seed(22)).to(device)
     ids, w, al = moe_route(logits, top_k=3, block_size=16, impl="triton")
@@ -285,7 +289,7 @@ def test_fused_moe_with_alignment(device, dtype, poison, variant, monkeypatch):
 def test_fused_moe_aligns_itself_and_skips_missing(device):
     # alignment=None (aligned inside), int64 ids, a slot with -1 and every token sharing expert 2 (2 blocks)
     m, e, h, inter = 20, 6, 32, 16
-    w13, w2 = _weights(e, h, inter, torch.bfloat16, device, 23)
+    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.bfloat16, device=device, seed=23)
     g = torch.Generator().manual_seed(24)
     hidden = torch.randn(m, h, generator=g).bfloat16().to(device)
     ids = torch.stack([torch.full((m,), 2), torch.randint(3, 6, (m,), generator=g)], 1)
@@ -305,7 +309,7 @@ def test_fused_moe_split_k(device, monkeypatch, split_k):
     monkeypatch.setattr(moe_mod, "_CONFIG_OVERRIDE", {"g1": {"SPLIT_K": split_k, "BLOCK_K": 16}})
     monkeypatch.setitem(moe_mod._VARIANT, "experts", "dot")
     m, e, h, inter = 3, 5, 80, 16
-    w13, w2 = _weights(e, h, inter, torch.bfloat16, device, 27)
+    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.bfloat16, device=device, seed=27)
     hidden = torch.randn(m, h, generator=torch.Generator().manual_seed(28)).bfloat16().to(device)
     ids, w, al = moe_route(torch.randn(m, e, generator=torch.Generator().manual_seed(29)).to(device), top_k=2,
                            block_size=16, impl="triton")
@@ -316,7 +320,7 @@ def test_fused_moe_split_k(device, monkeypatch, split_k):
 
 def test_fused_moe_reference_impl(device):
     m, e, h, inter = 3, 4, 16, 8
-    w13, w2 = _weights(e, h, inter, torch.float32, device, 25)
+    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.float32, device=device, seed=25)
     hidden = torch.randn(m, h, generator=torch.Generator().manual_seed(26)).to(device)
     ids, w = moe_route(torch.randn(m, e).to(device), top_k=2, impl="reference")
     out = fused_moe(hidden, w13, w2, ids, w, impl="reference")
@@ -346,7 +350,7 @@ def test_route_real_sizes_gpu(m, model):
 def test_fused_moe_kimi_k2_per_rank_gpu(m):
     # Kimi-K2 per rank at tp 8: H 7168, I 256, 384 experts, top-8
     e, h, inter = 384, 7168, 256
-    w13, w2 = _weights(e, h, inter, torch.bfloat16, "cuda", 30)
+    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.bfloat16, device="cuda", seed=30)
     g = torch.Generator().manual_seed(31 + m)
     hidden = torch.randn(m, h, generator=g).bfloat16().cuda()
     ids, w, al = moe_route(torch.randn(m, e, generator=g).cuda(), top_k=8, block_size=16, routed_scaling_factor=2.827)
@@ -358,10 +362,10 @@ def test_fused_moe_kimi_k2_per_rank_gpu(m):
 
 
 @pytest.mark.gpu
-def test_cuda_graph_capture_gpu():
+def test_cuda_graph_capture_gpu(graph_replay):
     # eager -> capture -> replay -> change the inputs in place -> replay -> compare with eager
     e, h, inter, m = 64, 256, 64, 8
-    w13, w2 = _weights(e, h, inter, torch.bfloat16, "cuda", 40)
+    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.bfloat16, device="cuda", seed=40)
     logits = torch.randn(m, e, device="cuda")
     hidden = torch.randn(m, h, device="cuda").bfloat16()
     bias = torch.randn(e, device="cuda") * 0.05
@@ -376,17 +380,7 @@ def test_cuda_graph_capture_gpu():
     with torch.cuda.stream(s):
         step()
     torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        g_ids, g_out = step()
-    for _ in range(2):
-        graph.replay()
-        torch.cuda.synchronize()
-        ids, out = step()
-        assert torch.equal(g_ids, ids)
-        assert torch.equal(g_out, out)
-        logits.copy_(torch.randn_like(logits))
-        hidden.copy_(torch.randn_like(hidden))
+    graph_replay(step, (logits, hidden))
 
 
 # --------------------------------------------------------------------------------------------- opt-in variants
@@ -397,13 +391,7 @@ def single_route(monkeypatch):
     import specverify.moe as moe_mod
 
     monkeypatch.setitem(moe_mod._VARIANT, "route", "single")
-    real_empty = torch.empty
-
-    def poisoned(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        return t.fill_(math.nan) if t.is_floating_point() else t.fill_(-7)
-
-    monkeypatch.setattr(moe_mod.torch, "empty", poisoned)
+    _poison_torch_empty(monkeypatch, moe_mod)
     yield moe_mod
     # monkeypatch restores torch.empty and the variant
 
@@ -492,7 +480,7 @@ def test_gemv_experts(device, gemv_experts, poison, aligned, dtype):
     # M = 4 (the GEMV's limit) x top-3 over 7 experts (prime), one -1 slot; aligned (per expert block, block 4) and
     # not (per slot, no alignment launch); the result is deterministic
     m, e, h, inter = 4, 7, 48, 24
-    w13, w2 = _weights(e, h, inter, dtype, device, 70)
+    w13, w2 = random_expert_weights(e, h, inter, dtype=dtype, device=device, seed=70)
     g = torch.Generator().manual_seed(71)
     hidden = torch.randn(m, h, generator=g).to(dtype).to(device)
     ids, w = moe_route(torch.randn(m, e, generator=g).to(device), top_k=3, impl="triton")
@@ -513,7 +501,7 @@ def test_gemv_shared_expert_and_repeats(device, gemv_experts):
     # the shared expert fused as expert E-1 with weight 1 (providers.experts_with_shared), every token choosing it;
     # token 0 lists expert 1 twice and tokens 1-3 too, so expert 1 holds 8 slots > MP = 4: two passes
     m, e, h, inter = 4, 6, 48, 24
-    w13, w2 = _weights(e, h, inter, torch.bfloat16, device, 72)
+    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.bfloat16, device=device, seed=72)
     g = torch.Generator().manual_seed(73)
     hidden = torch.randn(m, h, generator=g).bfloat16().to(device)
     ids = torch.tensor([[1, 1], [1, 1], [1, 1], [1, 1]], dtype=torch.int32)
@@ -528,7 +516,7 @@ def test_gemv_shared_expert_and_repeats(device, gemv_experts):
 def test_gemv_one_token_and_fallback(device, gemv_experts):
     # M = 1 (the verify pass's smallest step); M = 5 > max_m takes the tl.dot path and must still be right
     e, h, inter = 5, 48, 24
-    w13, w2 = _weights(e, h, inter, torch.bfloat16, device, 74)
+    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.bfloat16, device=device, seed=74)
     g = torch.Generator().manual_seed(75)
     for m in (1, 5):
         hidden = torch.randn(m, h, generator=g).bfloat16().to(device)
@@ -538,7 +526,7 @@ def test_gemv_one_token_and_fallback(device, gemv_experts):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 4, 64, 128])
-def test_variants_kimi_k2_gpu(m, monkeypatch):
+def test_variants_kimi_k2_gpu(m, monkeypatch, graph_replay):
     # Kimi-K2 per rank: one-program router (128 x 8 = 1024 slots: its limit) exact against the reference; GEMV
     # experts (M <= 4) within the derived tolerance; both replayed from a CUDA graph after the inputs change
     import specverify.moe as moe_mod
@@ -553,7 +541,7 @@ def test_variants_kimi_k2_gpu(m, monkeypatch):
     check_alignment_exact(ids, e, 16, al)
     if m > 4:
         return
-    w13, w2 = _weights(e, h, inter, torch.bfloat16, "cuda", 81)
+    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.bfloat16, device="cuda", seed=81)
     hidden = torch.randn(m, h, generator=g).bfloat16().cuda()
     want = fused_moe_reference(hidden, w13, w2, ids, w, compute_dtype=torch.float64)
     torch_err = (fused_moe_reference(hidden, w13, w2, ids, w, compute_dtype=torch.bfloat16).double() - want)
@@ -566,16 +554,7 @@ def test_variants_kimi_k2_gpu(m, monkeypatch):
         return aa.sorted_token_ids, fused_moe(hidden, w13, w2, i, ww, alignment=aa)
 
     step()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        g_sorted, g_out = step()
-    for _ in range(2):
-        graph.replay()
-        torch.cuda.synchronize()
-        sorted_ids, out = step()
-        assert torch.equal(g_sorted, sorted_ids) and torch.equal(g_out, out)
-        logits.copy_(torch.randn_like(logits))
-        hidden.copy_(torch.randn_like(hidden))
+    graph_replay(step, (logits, hidden))
 
 
 # --------------------------------------------------------------------------------------------- "fast" router
@@ -587,13 +566,7 @@ def fast_route(monkeypatch):
 
     monkeypatch.setitem(moe_mod._VARIANT, "route", "fast")
     monkeypatch.setattr(moe_mod, "_FAST_ROUTE_CONFIG", dict(moe_mod._FAST_ROUTE_CONFIG))
-    real_empty = torch.empty
-
-    def poisoned(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        return t.fill_(math.nan) if t.is_floating_point() else t.fill_(-7)
-
-    monkeypatch.setattr(moe_mod.torch, "empty", poisoned)
+    _poison_torch_empty(monkeypatch, moe_mod)
     return moe_mod
 
 
@@ -690,7 +663,7 @@ def test_fused_experts(device, fused_experts, poison, dot, h, inter):
     # 5 tokens (odd) x top-3 over 10 experts; a -1 slot with a nonzero weight (adds nothing); deterministic
     fused_experts._FUSED_OVERRIDE["DOT"] = dot
     m, e = 5, 10
-    w13, w2 = _weights(e, h, inter, torch.bfloat16, device, 100)
+    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.bfloat16, device=device, seed=100)
     g = torch.Generator().manual_seed(101)
     hidden = torch.randn(m, h, generator=g).bfloat16().to(device)
     ids, w = moe_route(torch.randn(m, e, generator=g).to(device), top_k=3, impl="triton")
@@ -711,7 +684,7 @@ def test_fused_experts_shared_expert(device, fused_experts, dot):
     # expert 1 twice, experts 2..8 have no tokens; alignment computed inside (alignment=None)
     fused_experts._FUSED_OVERRIDE["DOT"] = dot
     m, e, h, inter = 7, 10, 64, 32
-    w13, w2 = _weights(e, h, inter, torch.bfloat16, device, 102)
+    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.bfloat16, device=device, seed=102)
     g = torch.Generator().manual_seed(103)
     hidden = torch.randn(m, h, generator=g).bfloat16().to(device)
     ids = torch.tensor([[9, 1, 1]] + [[9, 0, 1]] * (m - 1), dtype=torch.int32).to(device)
@@ -722,7 +695,7 @@ def test_fused_experts_shared_expert(device, fused_experts, dot):
 def test_fused_experts_small_blocks_and_one_token(device, fused_experts):
     # block 4 (< 16 rows: the GEMV form is forced), and M = 1 with the default tiles clamped to the shapes
     m, e, h, inter = 3, 10, 64, 32
-    w13, w2 = _weights(e, h, inter, torch.float16, device, 104)
+    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.float16, device=device, seed=104)
     g = torch.Generator().manual_seed(105)
     hidden = torch.randn(m, h, generator=g).half().to(device)
     ids, w, al = moe_route(torch.randn(m, e, generator=g).to(device), top_k=2, block_size=4, impl="triton")
@@ -735,7 +708,7 @@ def test_fused_experts_small_blocks_and_one_token(device, fused_experts):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dot", [True, False])
 @pytest.mark.parametrize("m", [1, 4, 16])
-def test_fused_experts_kimi_k2_gpu(m, dot, monkeypatch):
+def test_fused_experts_kimi_k2_gpu(m, dot, monkeypatch, graph_replay):
     # Kimi-K2 per rank (H 7168, I 256, 384 experts, top-8): both forms of the fused experts with their default
     # tiles, within the derived tolerance, and replayed from a CUDA graph bit for bit after the inputs change
     import specverify.moe as moe_mod
@@ -743,7 +716,7 @@ def test_fused_experts_kimi_k2_gpu(m, dot, monkeypatch):
     monkeypatch.setitem(moe_mod._VARIANT, "experts", "fused")
     monkeypatch.setattr(moe_mod, "_FUSED_OVERRIDE", {"DOT": dot})
     e, h, inter = 384, 7168, 256
-    w13, w2 = _weights(e, h, inter, torch.bfloat16, "cuda", 110)
+    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.bfloat16, device="cuda", seed=110)
     g = torch.Generator().manual_seed(111 + m)
     hidden = torch.randn(m, h, generator=g).bfloat16().cuda()
     logits = torch.randn(m, e, generator=g).cuda()
@@ -758,15 +731,7 @@ def test_fused_experts_kimi_k2_gpu(m, dot, monkeypatch):
         return fused_moe(hidden, w13, w2, i, ww, alignment=aa)
 
     step()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        g_out = step()
-    for _ in range(2):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(g_out, step())
-        logits.copy_(torch.randn_like(logits))
-        hidden.copy_(torch.randn_like(hidden))
+    graph_replay(step, (logits, hidden))
 
 
 @pytest.mark.parametrize("m, top_k", [(1, 8), (5, 3), (40, 8)])  # 40*9 = 360 slots: two programs with a ragged end

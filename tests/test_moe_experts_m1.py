@@ -6,22 +6,12 @@ the default tiles, the shared expert, programmatic dependent launch on and off, 
 """
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 import specverify.moe as moe_mod
 from specverify.moe import append_shared_expert, fused_moe
-from specverify.reference.moe import fused_moe_loop_reference, fused_moe_reference
-
-
-def _weights(e, h, inter, dtype, device, seed):
-    # drawn where they live: Kimi-K2-sized pools (GBs) drawn on the host took ~20 s per GPU test
-    g = torch.Generator(device=device).manual_seed(seed)
-    w13 = (torch.randn(e, 2 * inter, h, generator=g, device=device) / math.sqrt(h)).to(dtype)
-    w2 = (torch.randn(e, h, inter, generator=g, device=device) / math.sqrt(inter)).to(dtype)
-    return w13, w2
+from specverify.reference.moe import fused_moe_loop_reference, fused_moe_reference, random_expert_weights
 
 
 def _tolerance(hidden, w13, w2, ids, w):
@@ -65,7 +55,7 @@ def test_stream_experts(device, stream, poison, m, h, inter, aligned):
     # aligned: the alignment's blocks as gate/up units (ALIGNED True), else one slot per unit and no alignment
     stream._STREAM_OVERRIDE["ALIGNED"] = aligned
     e = 10
-    w13, w2 = _weights(e, h, inter, torch.bfloat16, device, 300 + h)
+    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.bfloat16, device=device, seed=300 + h)
     g = torch.Generator().manual_seed(301 + m)
     hidden = torch.randn(m, h, generator=g).bfloat16().to(device)
     ids = torch.stack([torch.randperm(e, generator=g)[:3] for _ in range(m)]).to(torch.int32)
@@ -88,7 +78,7 @@ def test_stream_repeated_and_shared_expert(device, stream, poison, prefetch):
     # no token; both H-loop forms (double-buffered and plain)
     stream._STREAM_OVERRIDE["PREFETCH"] = prefetch
     e, h, inter = 10, 64, 32
-    w13, w2 = _weights(e, h, inter, torch.bfloat16, device, 310)
+    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.bfloat16, device=device, seed=310)
     g = torch.Generator().manual_seed(311)
     hidden = torch.randn(2, h, generator=g).bfloat16().to(device)
     ids, w = append_shared_expert(torch.tensor([[1, 1, 0], [2, 1, 0]], dtype=torch.int32).to(device),
@@ -103,7 +93,7 @@ def test_stream_one_token_top8_plus_shared(device, stream, poison):
     # the Kimi-K2 slot layout at M = 1: top-8 + the shared expert = 9 slots in 16 down-kernel lanes; fp16 as well
     e, h, inter = 10, 64, 32
     for dtype in (torch.bfloat16, torch.float16):
-        w13, w2 = _weights(e, h, inter, dtype, device, 320)
+        w13, w2 = random_expert_weights(e, h, inter, dtype=dtype, device=device, seed=320)
         g = torch.Generator().manual_seed(321)
         hidden = torch.randn(1, h, generator=g).to(dtype).to(device)
         ids, w = append_shared_expert(torch.randperm(9, generator=g)[:8].view(1, 8).to(torch.int32).to(device),
@@ -115,7 +105,7 @@ def test_stream_above_max_m_falls_through(device, stream):
     # M = 3 > max_m = 2: the next path runs, and must still be right
     stream._STREAM_OVERRIDE["max_m"] = 2
     e, h, inter = 10, 64, 32
-    w13, w2 = _weights(e, h, inter, torch.bfloat16, device, 330)
+    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.bfloat16, device=device, seed=330)
     g = torch.Generator().manual_seed(331)
     hidden = torch.randn(3, h, generator=g).bfloat16().to(device)
     ids = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(3)]).to(torch.int32).to(device)
@@ -139,14 +129,14 @@ def test_stream_config_shapes():
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("shared", [True, False])
-def test_stream_kimi_k2_gpu(m, shared, monkeypatch):
+def test_stream_kimi_k2_gpu(m, shared, monkeypatch, graph_replay):
     # Kimi-K2 per rank (384 routed experts + the shared one as expert 384, H 7168, I 256, top-8): the default tiles
     # and variants (no programmatic dependent launch, per-slot units, plain H loop) within the derived tolerance,
     # PDL on and off bit-identical (same arithmetic), and replayed from a CUDA graph bit for bit after the inputs
     # change in place
     monkeypatch.setitem(moe_mod._VARIANT, "experts", "stream")
     e, h, inter = 385, 7168, 256
-    w13, w2 = _weights(e, h, inter, torch.bfloat16, "cuda", 340)
+    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.bfloat16, device="cuda", seed=340)
     g = torch.Generator().manual_seed(341 + m)
     hidden = torch.randn(m, h, generator=g).bfloat16().cuda()
     logits = torch.randn(m, e - 1, generator=g).cuda()
@@ -175,12 +165,4 @@ def test_stream_kimi_k2_gpu(m, shared, monkeypatch):
         return fused_moe(hidden, w13, w2, i, ww, alignment=aa)
 
     step()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        g_out = step()
-    for _ in range(2):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(g_out, step())
-        logits.copy_(torch.randn_like(logits))
-        hidden.copy_(torch.randn_like(hidden))
+    graph_replay(step, (logits, hidden))

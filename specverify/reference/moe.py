@@ -20,6 +20,8 @@ Expert weights: ``w13`` [E, 2 * I, H] (rows 0..I-1 gate, I..2I-1 up), ``w2`` [E,
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -136,3 +138,19 @@ def fused_moe_loop_reference(hidden, w13, w2, topk_ids, topk_weights):
             a = torch.nn.functional.silu(gu[:inter]) * gu[inter:]
             out[i] += float(topk_weights[i, j]) * (w2[e].double() @ a)
     return out
+
+
+def random_expert_weights(num_experts, hidden, inter, *, generator=None, seed=0, dtype=torch.bfloat16, device="cpu"):
+    """Random SwiGLU expert weights for tests and benchmarks: ``(w13 [E, 2I, H], w2 [E, H, I])`` in ``dtype``.
+
+    Entries are normal / sqrt(fan-in) (H for w13, I for w2), drawn on ``device`` one expert at a time, so a
+    Kimi-K2-sized pool (384 x 11 MB in bf16) needs no E-sized fp32 temporary and no host-side draw. ``generator``
+    (on ``device``) continues a caller's stream; without it one is seeded with ``seed``.
+    """
+    g = generator if generator is not None else torch.Generator(device=device).manual_seed(seed)
+    w13 = torch.empty(num_experts, 2 * inter, hidden, dtype=dtype, device=device)
+    w2 = torch.empty(num_experts, hidden, inter, dtype=dtype, device=device)
+    for i in range(num_experts):
+        w13[i] = torch.randn(2 * inter, hidden, generator=g, device=device) / math.sqrt(hidden)
+        w2[i] = torch.randn(hidden, inter, generator=g, device=device) / math.sqrt(inter)
+    return w13, w2

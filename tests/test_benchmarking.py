@@ -1,0 +1,35 @@
+"""Helpers the benchmarks share: config restore and the random expert pool."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from specverify.benchmarking import dict_restorer
+from specverify.reference.moe import random_expert_weights
+
+
+def test_dict_restorer_restores_in_place():
+    a, b = {"x": 1}, {"y": 2, "z": 3}
+    held = a  # a module would hold the same object
+    restore = dict_restorer(a, b)
+    a["x"], a["new"] = 5, 6
+    b.clear()
+    restore()
+    assert a == {"x": 1} and b == {"y": 2, "z": 3} and held is a
+    a["x"] = 7
+    restore()  # reusable: back to the contents at creation again
+    assert a == {"x": 1}
+
+
+def test_random_expert_weights_shapes_scale_and_seed():
+    # 3 experts, H 64, I 16: [E, 2I, H] and [E, H, I] in the asked dtype, entries ~ N(0, 1 / fan-in), seeded
+    w13, w2 = random_expert_weights(3, 64, 16, seed=4, dtype=torch.float32)
+    assert w13.shape == (3, 32, 64) and w2.shape == (3, 64, 16) and w13.dtype == torch.float32
+    assert abs(w13.std().item() * math.sqrt(64) - 1) < 0.1 and abs(w2.std().item() * math.sqrt(16) - 1) < 0.1
+    again = random_expert_weights(3, 64, 16, seed=4, dtype=torch.float32)
+    assert torch.equal(w13, again[0]) and torch.equal(w2, again[1])
+    assert not torch.equal(w13[0], w13[1]), "each expert gets its own draw"
+    g = torch.Generator().manual_seed(4)
+    assert torch.equal(random_expert_weights(3, 64, 16, generator=g, dtype=torch.float32)[0], w13)
+    assert random_expert_weights(1, 8, 4)[0].dtype == torch.bfloat16

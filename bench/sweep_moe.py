@@ -29,6 +29,7 @@ import sys
 import time
 
 import torch
+import triton
 
 SETS = 20  # calls per graph, each with its own routing
 BLOCK = 16
@@ -64,6 +65,12 @@ ROUTE_GRID = [
 ]
 
 
+@triton.jit
+def _null_kernel(x_ptr):
+    """An empty one-program kernel: the launch floor the router rows are read against."""
+    pass
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="M = 1, 4, 16, 64 and the configs marked q")
@@ -71,6 +78,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=480.0, help="stop starting measurements after this long")
     ap.add_argument("--models", default="kimi-k2,deepseek-v3")
     ap.add_argument("--ops", default="experts,route", help="comma list: experts, route")
+    ap.add_argument("--ms", help="comma list of M (default: 1,4,16,64 with --quick, else 1..64)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("sweep_moe: needs a CUDA GPU", file=sys.stderr)
@@ -87,6 +95,8 @@ def main(argv=None) -> int:
     def over():
         return time.time() - t0 > args.budget_s
     ms_list = [1, 4, 16, 64] if args.quick else [1, 2, 4, 8, 16, 32, 64]
+    if args.ms:
+        ms_list = [int(v) for v in args.ms.split(",")]
     ops = set(args.ops.split(","))
     bw = copy_bandwidth_gbps()
     print(f"# measured D2D copy bandwidth: {bw:.0f} GB/s", flush=True)
@@ -197,6 +207,11 @@ def main(argv=None) -> int:
                 print(f"# {name} M={m} route {label}: {us:.2f} us ok={ok}", flush=True)
 
             if "route" in ops:
+                # the floor of any one-launch router: an empty kernel timed the same way
+                us = time_sets(lambda i: _null_kernel[(1,)](logits[i]))
+                rows.append(dict(base, op="route", variant="empty kernel (launch floor)", us=us,
+                                 x_floor=float("nan"), err=0.0, tol=0.0, ok=True))
+                print(f"# {name} M={m} empty kernel: {us:.2f} us", flush=True)
                 route_row("router only", "fast", {}, align=False)
                 for label, variant, ov in ROUTE_GRID:
                     if args.quick and label in ("fast w2", "fast rows4", "fast one256"):

@@ -62,7 +62,19 @@ ROUTE_GRID = [
     ("fast w1", "fast", dict(one_small_warps=1, one_num_warps=1)),
     ("fast rows1 w1", "fast", dict(ROWS=1, one_max_slots=0, num_warps=1)),
     ("fast rows1 w2", "fast", dict(ROWS=1, one_max_slots=0, num_warps=2)),
+    ("fast gather", "fast", dict(ALIGN=1)),
+    ("fast memb", "fast", dict(ALIGN=2)),
+    ("fast memb ec8k", "fast", dict(ALIGN=2, EC_ELEMS=8192)),
+    ("fast memb w8", "fast", dict(ALIGN=2, num_warps=8)),
+    ("fast sort", "fast", dict(TOPK_SORT=True)),
+    ("fast memb sort", "fast", dict(ALIGN=2, TOPK_SORT=True)),
+    ("fast memb one512", "fast", dict(ALIGN=2, one_max_slots=512)),
+    ("fast memb sort one512", "fast", dict(ALIGN=2, TOPK_SORT=True, one_max_slots=512)),
+    ("fast memb sort one512 w16", "fast", dict(ALIGN=2, TOPK_SORT=True, one_max_slots=512, one_num_warps=16)),
 ]
+#: skipped with --quick
+ROUTE_SLOW = ("fast w2", "fast rows4", "fast one256", "atomic", "single", "fast tail", "fast rows2", "fast w1",
+              "fast rows1 w1")
 
 
 @triton.jit
@@ -214,7 +226,7 @@ def main(argv=None) -> int:
                 print(f"# {name} M={m} empty kernel: {us:.2f} us", flush=True)
                 route_row("router only", "fast", {}, align=False)
                 for label, variant, ov in ROUTE_GRID:
-                    if args.quick and label in ("fast w2", "fast rows4", "fast one256"):
+                    if args.quick and label in ROUTE_SLOW:
                         continue
                     route_row(label, variant, ov)
             restore()

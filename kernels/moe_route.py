@@ -116,7 +116,11 @@ def _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, row0,
                 E: tl.constexpr, EP: tl.constexpr, ROWS: tl.constexpr, TOP_K: tl.constexpr,
                 TOPK_P: tl.constexpr, N_GROUP: tl.constexpr, NG_P: tl.constexpr, GSIZE: tl.constexpr,
                 TOPK_GROUP: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
-                DO_ALIGN: tl.constexpr):
+                DO_ALIGN: tl.constexpr, TOPK_SORT: tl.constexpr = False):
+    """Route rows ``row0 .. row0 + ROWS - 1``. Returns (ids [ROWS, TOPK_P], -1 for no expert, padding lanes and
+    rows past M; memb [ROWS, EP] int32, k + 1 where the row chose expert e as its k-th winner, else 0).
+
+    TOPK_SORT: the winners by one bitonic top-k of the keys (tl.topk) instead of TOP_K rounds of argmax."""
     rows = row0 + tl.arange(0, ROWS)
     rmask = rows < M
     e = tl.arange(0, EP)
@@ -159,12 +163,21 @@ def _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, row0,
 
     key = _order_key(c, e[None, :], EP)
     kk = tl.arange(0, TOPK_P)
-    ids = tl.full([ROWS, TOPK_P], -1, tl.int32)
-    for k in tl.static_range(TOP_K):
-        best = tl.max(key, axis=1)
-        sel = tl.where(_key_is_finite(best), _key_index(best, EP), -1)
-        ids = tl.where(kk[None, :] == k, sel[:, None], ids)
-        key = tl.where(e[None, :] == sel[:, None], _REMOVED, key)
+    memb = tl.zeros([ROWS, EP], tl.int32)
+    if TOPK_SORT:
+        top = tl.topk(key, TOPK_P, dim=1)  # [ROWS, TOPK_P], largest key first
+        ids = tl.where(_key_is_finite(top) & (kk < TOP_K)[None, :], _key_index(top, EP), -1)
+        for k in tl.static_range(TOP_K):
+            sel = tl.sum(tl.where(kk[None, :] == k, ids, 0), axis=1)
+            memb = tl.where((e[None, :] == sel[:, None]) & (sel >= 0)[:, None], k + 1, memb)
+    else:
+        ids = tl.full([ROWS, TOPK_P], -1, tl.int32)
+        for k in tl.static_range(TOP_K):
+            best = tl.max(key, axis=1)
+            sel = tl.where(_key_is_finite(best), _key_index(best, EP), -1)
+            ids = tl.where(kk[None, :] == k, sel[:, None], ids)
+            key = tl.where(e[None, :] == sel[:, None], _REMOVED, key)
+            memb = tl.where(e[None, :] == sel[:, None], k + 1, memb)
 
     # weights: the unbiased scores of the winners, recomputed from their logits with the same formula
     kmask = (kk < TOP_K)[None, :] & rmask[:, None]
@@ -174,7 +187,8 @@ def _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, row0,
     if DO_ALIGN:
         rank = tl.atomic_add(count_ptr + safe, 1, mask=valid, sem="relaxed")
         tl.store(rank_ptr + out_off, rank, mask=valid)
-    return tl.where(valid, ids, -1)  # [ROWS, TOPK_P]: -1 for no expert, padding lanes and rows past M
+    memb = tl.where(rmask[:, None], memb, 0)
+    return tl.where(valid, ids, -1), memb
 
 
 @triton.jit
@@ -381,6 +395,32 @@ def _fill_tails(sorted_ptr, eids_ptr, total, S, max_blocks, B: tl.constexpr, CHU
             tl.store(sorted_ptr + t0 + ob, S, mask=t0 + ob < max_blocks * B)
 
 
+@triton.jit
+def _align_membership(memb, rows, c0, base, sorted_ptr, eids_ptr, S, TOP_K: tl.constexpr, EA: tl.constexpr,
+                      EC: tl.constexpr, B: tl.constexpr, PJ: tl.constexpr):
+    """Alignment of experts ``c0 .. c0 + EC - 1`` from their membership columns ``memb`` [RP, EC] (k + 1 where row
+    r chose the expert as its k-th winner, else 0; ``rows`` [RP] the row ids), the experts before them taking
+    ``base`` padded entries. Each expert's slots in increasing row (so slot) order. Returns the new ``base``."""
+    e = c0 + tl.arange(0, EC)
+    present = (memb > 0) & (e < EA)[None, :]
+    p = present.to(tl.int32)
+    cnt = tl.sum(p, axis=0)
+    excl = tl.cumsum(p, axis=0) - p  # earlier rows of the same expert
+    padded = (cnt + B - 1) // B * B
+    offs = base + tl.cumsum(padded, axis=0) - padded
+    tl.store(sorted_ptr + offs[None, :] + excl, rows[:, None] * TOP_K + memb - 1, mask=present)
+    emask = cnt > 0
+    oj = tl.arange(0, PJ)
+    for j0 in range(0, B - 1, PJ):  # each expert's padding
+        jj = j0 + oj
+        tl.store(sorted_ptr + (offs + cnt)[:, None] + jj[None, :], S,
+                 mask=emask[:, None] & (jj[None, :] < (padded - cnt)[:, None]))
+    nblk = padded // B
+    for j in range(0, tl.max(nblk, axis=0)):
+        tl.store(eids_ptr + offs // B + j, e, mask=emask & (j < nblk))
+    return base + tl.sum(padded, axis=0)
+
+
 @triton.jit(do_not_specialize=["M", "S", "max_blocks"])
 def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr, sorted_ptr, eids_ptr, npad_ptr,
                                  count_ptr, offs_ptr, ticket_ptr, M, S, max_blocks, stride_lm, scale,
@@ -390,34 +430,74 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
                                  HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, DO_ROUTE: tl.constexpr,
                                  EA: tl.constexpr, EAP: tl.constexpr, B: tl.constexpr, SP: tl.constexpr,
                                  ONE: tl.constexpr, PJ: tl.constexpr, CHUNK: tl.constexpr,
-                                 FILL_TAIL: tl.constexpr, RELOAD: tl.constexpr = False):
+                                 FILL_TAIL: tl.constexpr, RELOAD: tl.constexpr = False, ALIGN: tl.constexpr = 0,
+                                 TOPK_SORT: tl.constexpr = False, MP: tl.constexpr = 1, EC: tl.constexpr = 16):
     """ONE: grid (1,), ROWS >= M (routing) or SP >= S (alignment only). Not ONE: routing on, grid (ceil(M/ROWS),),
-    SP >= S; the workspace counters and ticket are zero on entry and left at zero."""
+    SP >= S, MP >= M; the workspace counters and ticket are zero on entry and left at zero.
+
+    ALIGN (how the slots reach the alignment): 0, slot vector (ONE: reshaped or, with RELOAD, read back; not ONE:
+    atomic ranks, offsets stored and read back); 1, as 0 but not ONE gathers the offsets in registers (tl.gather);
+    2, membership: each row's [EAP] membership (k + 1 at its k-th winner) aligned column-wise (_align_membership;
+    ONE: in registers; not ONE: each program stores its rows' membership to ``rank_ptr`` as int8 [M, EAP] and the
+    last program reads it back in EC-column chunks, each requested one chunk ahead). Requires DO_ROUTE."""
     pid = tl.program_id(0)
     if ONE:
         if DO_ROUTE:
-            ids2 = _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, 0, M, stride_lm, scale,
-                               E, EP, ROWS, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS,
-                               RENORM, False)
-            if RELOAD:
-                # read the stored winners back as one flat vector (see RELOAD in the launcher)
-                tl.debug_barrier()
-                slot_v = tl.arange(0, SP)
-                ids_v = tl.load(ids_ptr + slot_v, mask=slot_v < S, other=-1, cache_modifier=".cg")
-                ids_v = tl.where((ids_v >= 0) & (ids_v < EA), ids_v, -1)
+            ids2, memb = _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, 0, M, stride_lm,
+                                     scale, E, EP, ROWS, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX,
+                                     HAS_BIAS, RENORM, False, TOPK_SORT)
+            if ALIGN == 2:
+                rows = tl.arange(0, ROWS)
+                total = _align_membership(memb, rows, 0, 0, sorted_ptr, eids_ptr, S, TOP_K, EA, EP, B, PJ)
+                tl.store(npad_ptr, total)
+                _fill_tails(sorted_ptr, eids_ptr, total, S, max_blocks, B, CHUNK, FILL_TAIL)
             else:
-                ids2 = tl.where(ids2 < EA, ids2, -1)
-                slot2 = tl.arange(0, ROWS)[:, None] * TOP_K + tl.arange(0, TOPK_P)[None, :]
-                ids_v = tl.reshape(ids2, [SP])
-                slot_v = tl.reshape(slot2, [SP])
+                if RELOAD:
+                    # read the stored winners back as one flat vector (see RELOAD in the launcher)
+                    tl.debug_barrier()
+                    slot_v = tl.arange(0, SP)
+                    ids_v = tl.load(ids_ptr + slot_v, mask=slot_v < S, other=-1, cache_modifier=".cg")
+                    ids_v = tl.where((ids_v >= 0) & (ids_v < EA), ids_v, -1)
+                else:
+                    ids2 = tl.where(ids2 < EA, ids2, -1)
+                    slot2 = tl.arange(0, ROWS)[:, None] * TOP_K + tl.arange(0, TOPK_P)[None, :]
+                    ids_v = tl.reshape(ids2, [SP])
+                    slot_v = tl.reshape(slot2, [SP])
+                _align_pairwise(ids_v, slot_v, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks, B, PJ, CHUNK,
+                                FILL_TAIL)
         else:
             slot_v = tl.arange(0, SP)
             ids_v = tl.load(ids_ptr + slot_v, mask=slot_v < S, other=-1)
             ids_v = tl.where((ids_v >= 0) & (ids_v < EA), ids_v, -1)
-        _align_pairwise(ids_v, slot_v, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks, B, PJ, CHUNK, FILL_TAIL)
+            _align_pairwise(ids_v, slot_v, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks, B, PJ, CHUNK, FILL_TAIL)
+    elif ALIGN == 2:
+        _, memb = _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, pid * ROWS, M, stride_lm,
+                              scale, E, EP, ROWS, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX,
+                              HAS_BIAS, RENORM, False, TOPK_SORT)
+        r = pid * ROWS + tl.arange(0, ROWS)
+        ec = tl.arange(0, EP)
+        tl.store(rank_ptr + r[:, None] * EAP + ec[None, :], memb.to(tl.int8), mask=(r < M)[:, None])
+        tl.debug_barrier()  # this program's membership rows precede its ticket
+        ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
+        if ticket == tl.num_programs(0) - 1:
+            rows = tl.arange(0, MP)
+            rmask = (rows < M)[:, None]
+            cc = tl.arange(0, EC)
+            nxt = tl.load(rank_ptr + rows[:, None] * EAP + cc[None, :], mask=rmask, other=0, cache_modifier=".cg")
+            base = 0
+            for c0 in tl.static_range(0, EAP, EC):
+                cur = nxt.to(tl.int32)
+                if c0 + EC < EAP:  # the next chunk is requested before this one is aligned
+                    nxt = tl.load(rank_ptr + rows[:, None] * EAP + (c0 + EC) + cc[None, :], mask=rmask, other=0,
+                                  cache_modifier=".cg")
+                base = _align_membership(cur, rows, c0, base, sorted_ptr, eids_ptr, S, TOP_K, EA, EC, B, PJ)
+            tl.store(npad_ptr, base)
+            _fill_tails(sorted_ptr, eids_ptr, base, S, max_blocks, B, CHUNK, FILL_TAIL)
+            tl.atomic_xchg(ticket_ptr, 0)
     else:
         _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, pid * ROWS, M, stride_lm, scale,
-                    E, EP, ROWS, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS, RENORM, True)
+                    E, EP, ROWS, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS, RENORM, True,
+                    TOPK_SORT)
         tl.debug_barrier()  # this program's ids, ranks and counter updates precede its ticket
         ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
         if ticket == tl.num_programs(0) - 1:
@@ -433,7 +513,8 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
             offs = tl.cumsum(padded, axis=0) - padded
             total = tl.sum(padded, axis=0)
             tl.store(npad_ptr, total)
-            tl.store(offs_ptr + e, offs, mask=emask)
+            if ALIGN == 0:
+                tl.store(offs_ptr + e, offs, mask=emask)
             nblk = padded // B
             for j in range(0, tl.max(nblk, axis=0)):
                 tl.store(eids_ptr + offs // B + j, e, mask=emask & (j < nblk))
@@ -443,8 +524,11 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
                 tl.store(sorted_ptr + (offs + cnt)[:, None] + jj[None, :], S,
                          mask=emask[:, None] & (jj[None, :] < (padded - cnt)[:, None]))
             _fill_tails(sorted_ptr, eids_ptr, total, S, max_blocks, B, CHUNK, FILL_TAIL)
-            tl.debug_barrier()  # offsets visible to every thread of this program
-            base = tl.load(offs_ptr + tl.where(ok, ids, 0), mask=ok, other=0, cache_modifier=".cg")
+            if ALIGN == 0:
+                tl.debug_barrier()  # offsets visible to every thread of this program
+                base = tl.load(offs_ptr + tl.where(ok, ids, 0), mask=ok, other=0, cache_modifier=".cg")
+            else:
+                base = tl.gather(offs, tl.where(ok, ids, 0), axis=0)
             tl.store(sorted_ptr + base + rk, sl, mask=ok)
             tl.store(count_ptr + e, tl.zeros([EAP], tl.int32), mask=emask)
             tl.atomic_xchg(ticket_ptr, 0)

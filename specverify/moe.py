@@ -322,6 +322,10 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
     topk_p = max(_next_pow2(top_k), 2)
     eap = max(_next_pow2(e), 16)
     one = s <= cfg["one_max_slots"]
+    # membership alignment needs the routing (ids given: the slot-vector forms) and k + 1 to fit int8
+    align = cfg["ALIGN"] if do_route and (cfg["ALIGN"] != 2 or top_k < 128) else 0
+    mp = max(_next_pow2(m), 1)
+    ec = min(eap, max(16, _next_pow2(cfg["EC_ELEMS"] // mp + 1) // 2))
     if one:
         rows = max(_next_pow2(m), 1)
         sp = rows * topk_p if do_route else max(_next_pow2(s), 2)
@@ -331,7 +335,10 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
     else:  # routing on (the launcher sends alignment-only calls this large elsewhere)
         rows = cfg["ROWS"]
         sp = max(_next_pow2(s), 2)
-        rank = torch.empty((s,), dtype=torch.int32, device=dev)
+        if align == 2:  # each row's membership, int8 [M, EAP] (k + 1 <= top_k < 128)
+            rank = torch.empty((m * eap,), dtype=torch.int8, device=dev)
+        else:
+            rank = torch.empty((s,), dtype=torch.int32, device=dev)
         ws = _workspace(dev)
         count, offs, ticket = ws[:_WS_STRIDE], ws[_WS_STRIDE: 2 * _WS_STRIDE], ws[2 * _WS_STRIDE:]
         grid = (_cdiv(m, rows),)
@@ -345,7 +352,8 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
         GSIZE=e // n_group, TOPK_GROUP=topk_group, SOFTMAX=softmax, HAS_BIAS=bias is not None, RENORM=renormalize,
         DO_ROUTE=do_route, EA=e, EAP=eap, B=block_size, SP=sp, ONE=one, PJ=min(block_size, 16),
         CHUNK=cfg["CHUNK"] if on_gpu else 64, FILL_TAIL=bool(cfg["FILL_TAIL"]),
-        RELOAD=one and do_route and (eap < _RESHAPE_MIN_EXPERTS or bool(cfg["RELOAD"])), **extra)
+        RELOAD=one and do_route and (eap < _RESHAPE_MIN_EXPERTS or bool(cfg["RELOAD"])), ALIGN=align,
+        TOPK_SORT=bool(cfg["TOPK_SORT"]) and do_route, MP=mp, EC=ec if on_gpu else min(ec, 16), **extra)
     return ids, weights, MoEAlignment(sorted_ids, expert_ids, npad, block_size)
 
 
@@ -594,7 +602,7 @@ _FAST_MAX_SLOTS = 1024
 _RESHAPE_MIN_EXPERTS = 256
 _FAST_ROUTE_CONFIG: dict = {"one_max_slots": 32, "one_num_warps": 8, "one_small_slots": 8,
                             "one_small_warps": 4, "ROWS": 1, "num_warps": 4, "CHUNK": 1024, "FILL_TAIL": False,
-                            "RELOAD": False}
+                            "RELOAD": False, "ALIGN": 0, "TOPK_SORT": False, "EC_ELEMS": 4096}
 #: Launch config of the one-program router: rows routed per step, [CI, CJ] rank tiles, fill chunk, warps.
 _SINGLE_ROUTE_CONFIG: dict = {"ROWS": 4, "CI": 64, "CJ": 128, "CHUNK": 1024, "num_warps": 8}
 #: GEMV experts: largest M it takes, gate/up tile ``g1`` ([BLOCK_N gate rows + BLOCK_N up rows, BLOCK_K]) and

@@ -622,6 +622,61 @@ def test_fast_route_multi_program(device, fast_route, rows):
         check_route(x, 3, bias=bias, block_size=4)
 
 
+@pytest.mark.parametrize("mode", [
+    # membership alignment in the one program (no reshape, no read-back)
+    dict(ALIGN=2),
+    # membership rows stored by one program per row, the last program aligns them in column chunks
+    dict(ALIGN=2, one_max_slots=0),
+    # as above with the winners by one bitonic top-k (tl.topk) instead of top_k rounds of argmax
+    dict(ALIGN=2, one_max_slots=0, TOPK_SORT=True),
+    dict(ALIGN=2, TOPK_SORT=True),
+])
+@pytest.mark.parametrize("case", [
+    # Kimi-K2: 384 experts, bias, top-8; 6 tokens: not a power of two (row padding in the last program's tile)
+    dict(m=6, e=384, top_k=8, bias=True, block=16),
+    # DeepSeek-V3 groups; top-6 pads to 8 lanes per row (lanes 6, 7 must be ignored)
+    dict(m=3, e=256, top_k=6, bias=True, n_group=8, topk_group=4, block=16),
+    # 9 tokens x top-3 over 11 experts (prime, padded to 16: one column chunk), block 4
+    dict(m=9, e=11, top_k=3, bias=True, block=4),
+])
+def test_fast_route_membership_exact(device, fast_route, mode, case):
+    # membership alignment orders the slots inside an expert by row, so by slot id, on every program layout (no
+    # atomics): exact against align_reference, on a GPU too
+    fast_route._FAST_ROUTE_CONFIG.update(mode, EC_ELEMS=64)  # several column chunks at Kimi-K2 size
+    g = torch.Generator().manual_seed(120 + case["m"] + case["e"])
+    x = torch.randn(case["m"], case["e"], generator=g).to(device)
+    bias = (torch.randn(case["e"], generator=g) * 0.05).to(device) if case.get("bias") else None
+    for _ in range(2):  # the second call must find the ticket reset
+        ids, w, al = check_route(x, case["top_k"], bias=bias, n_group=case.get("n_group", 1),
+                                 topk_group=case.get("topk_group", 1), block_size=case["block"])
+        check_alignment_exact(ids, case["e"], case["block"], al)
+
+
+def test_fast_route_membership_nan_row(device, fast_route):
+    # a NaN row contributes no slot; every other token's first choice is expert 5 (two blocks of 8)
+    fast_route._FAST_ROUTE_CONFIG.update(ALIGN=2, one_max_slots=0)
+    x = torch.randn(7, 32, generator=torch.Generator().manual_seed(131))
+    x[:, 5] = 20.0
+    x[2] = math.nan
+    ids, _, al = check_route(x.to(device), 3, block_size=8)
+    assert (ids[2].cpu() == -1).all()
+    check_alignment_exact(ids, 32, 8, al)
+
+
+@pytest.mark.parametrize("align", [1, 2])
+def test_fast_route_multi_program_kimi(device, fast_route, align):
+    # Kimi-K2 at M = 64 (512 slots, the largest verify batch the router targets) on the multi-program path with
+    # gathered offsets (1) or membership (2); order inside an expert is free for 1 on a GPU, exact for 2
+    fast_route._FAST_ROUTE_CONFIG.update(ALIGN=align)
+    m = 64 if device == "cuda" else 12
+    g = torch.Generator().manual_seed(140 + align)
+    x = torch.randn(m, 384, generator=g).bfloat16().to(device)
+    bias = (torch.randn(384, generator=g) * 0.05).to(device)
+    ids, _, al = check_route(x, 8, bias=bias, scale=2.827, block_size=16)
+    if align == 2:
+        check_alignment_exact(ids, 384, 16, al)
+
+
 def test_fast_route_fill_tail(device, fast_route):
     # FILL_TAIL: the sentinel over the whole unused part of sorted_token_ids, in both program layouts
     fast_route._FAST_ROUTE_CONFIG.update(FILL_TAIL=True)

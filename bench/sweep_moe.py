@@ -64,17 +64,23 @@ ROUTE_GRID = [
     ("fast rows1 w2", "fast", dict(ROWS=1, one_max_slots=0, num_warps=2)),
     ("fast gather", "fast", dict(ALIGN=1)),
     ("fast memb", "fast", dict(ALIGN=2)),
-    ("fast memb ec8k", "fast", dict(ALIGN=2, EC_ELEMS=8192)),
-    ("fast memb w8", "fast", dict(ALIGN=2, num_warps=8)),
     ("fast sort", "fast", dict(TOPK_SORT=True)),
-    ("fast memb sort", "fast", dict(ALIGN=2, TOPK_SORT=True)),
-    ("fast memb one512", "fast", dict(ALIGN=2, one_max_slots=512)),
-    ("fast memb sort one512", "fast", dict(ALIGN=2, TOPK_SORT=True, one_max_slots=512)),
-    ("fast memb sort one512 w16", "fast", dict(ALIGN=2, TOPK_SORT=True, one_max_slots=512, one_num_warps=16)),
+    ("fast gw", "fast", dict(GATHER_W=True)),
+    ("fast gather gw", "fast", dict(ALIGN=1, GATHER_W=True)),
+    ("fast gather gw w8", "fast", dict(ALIGN=1, GATHER_W=True, num_warps=8)),
+    ("fast memb gw", "fast", dict(ALIGN=2, GATHER_W=True)),
+    ("fast memb gw w8", "fast", dict(ALIGN=2, GATHER_W=True, num_warps=8)),
+    ("fast memb gw w8 one8", "fast", dict(ALIGN=2, GATHER_W=True, num_warps=8, one_max_slots=8)),
+    ("fast memb gw ec8k", "fast", dict(ALIGN=2, GATHER_W=True, EC_ELEMS=8192)),
+    ("fast memb gw ec2k", "fast", dict(ALIGN=2, GATHER_W=True, EC_ELEMS=2048)),
+    ("fast memb gw sort", "fast", dict(ALIGN=2, GATHER_W=True, TOPK_SORT=True)),
+    ("fast memb gw sort w8", "fast", dict(ALIGN=2, GATHER_W=True, TOPK_SORT=True, num_warps=8)),
+    ("fast memb gw one64", "fast", dict(ALIGN=2, GATHER_W=True, one_max_slots=64)),
+    ("fast memb gw sort one64", "fast", dict(ALIGN=2, GATHER_W=True, TOPK_SORT=True, one_max_slots=64)),
 ]
 #: skipped with --quick
 ROUTE_SLOW = ("fast w2", "fast rows4", "fast one256", "atomic", "single", "fast tail", "fast rows2", "fast w1",
-              "fast rows1 w1")
+              "fast rows1 w1", "fast rows1 w2", "fast w4", "fast rows1")
 
 
 @triton.jit

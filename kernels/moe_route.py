@@ -90,17 +90,21 @@ def _scores(x, emask, SOFTMAX: tl.constexpr):
 
 @triton.jit
 def _store_winners(logits_ptr, row_off, ids, kmask, mx, den, scale, out_off, ids_ptr, w_ptr, SOFTMAX: tl.constexpr,
-                   RENORM: tl.constexpr):
+                   RENORM: tl.constexpr, s=None, GATHER_W: tl.constexpr = False):
     """Store the chosen ids [ROWS, TOPK_P] and their weights: the unbiased scores of the winners, recomputed from
-    their logits (``row_off`` [ROWS, 1] into the logits) with the same formula, renormalised where the sum is > 0,
-    times the routed scaling factor. Returns (valid slots, ids with 0 in the invalid ones)."""
+    their logits (``row_off`` [ROWS, 1] into the logits) with the same formula, or with GATHER_W taken from the
+    row's score tile ``s`` [ROWS, EP] in registers (the same values, without a second load), renormalised where the
+    sum is > 0, times the routed scaling factor. Returns (valid slots, ids with 0 in the invalid ones)."""
     valid = (ids >= 0) & kmask
     safe = tl.where(valid, ids, 0)
-    xv = tl.load(logits_ptr + row_off + safe, mask=valid, other=0.0).to(tl.float32)
-    if SOFTMAX:
-        sv = tl.exp(xv - mx[:, None]) / den[:, None]
+    if GATHER_W:
+        sv = tl.gather(s, safe, axis=1)
     else:
-        sv = 1.0 / (1.0 + tl.exp(-xv))
+        xv = tl.load(logits_ptr + row_off + safe, mask=valid, other=0.0).to(tl.float32)
+        if SOFTMAX:
+            sv = tl.exp(xv - mx[:, None]) / den[:, None]
+        else:
+            sv = 1.0 / (1.0 + tl.exp(-xv))
     w = tl.where(valid, sv, 0.0)
     if RENORM:
         tot = tl.sum(w, axis=1)
@@ -116,11 +120,12 @@ def _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, row0,
                 E: tl.constexpr, EP: tl.constexpr, ROWS: tl.constexpr, TOP_K: tl.constexpr,
                 TOPK_P: tl.constexpr, N_GROUP: tl.constexpr, NG_P: tl.constexpr, GSIZE: tl.constexpr,
                 TOPK_GROUP: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
-                DO_ALIGN: tl.constexpr, TOPK_SORT: tl.constexpr = False):
+                DO_ALIGN: tl.constexpr, TOPK_SORT: tl.constexpr = False, GATHER_W: tl.constexpr = False):
     """Route rows ``row0 .. row0 + ROWS - 1``. Returns (ids [ROWS, TOPK_P], -1 for no expert, padding lanes and
     rows past M; memb [ROWS, EP] int32, k + 1 where the row chose expert e as its k-th winner, else 0).
 
-    TOPK_SORT: the winners by one bitonic top-k of the keys (tl.topk) instead of TOP_K rounds of argmax."""
+    TOPK_SORT: the winners by one bitonic top-k of the keys (tl.topk) instead of TOP_K rounds of argmax.
+    GATHER_W: the winners' scores gathered from registers instead of reloaded (see _store_winners)."""
     rows = row0 + tl.arange(0, ROWS)
     rmask = rows < M
     e = tl.arange(0, EP)
@@ -183,7 +188,7 @@ def _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, row0,
     kmask = (kk < TOP_K)[None, :] & rmask[:, None]
     out_off = rows[:, None] * TOP_K + kk[None, :]
     valid, safe = _store_winners(logits_ptr, row_off[:, None], ids, kmask, mx, den, scale, out_off, ids_ptr, w_ptr,
-                                 SOFTMAX, RENORM)
+                                 SOFTMAX, RENORM, s, GATHER_W)
     if DO_ALIGN:
         rank = tl.atomic_add(count_ptr + safe, 1, mask=valid, sem="relaxed")
         tl.store(rank_ptr + out_off, rank, mask=valid)
@@ -431,7 +436,8 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
                                  EA: tl.constexpr, EAP: tl.constexpr, B: tl.constexpr, SP: tl.constexpr,
                                  ONE: tl.constexpr, PJ: tl.constexpr, CHUNK: tl.constexpr,
                                  FILL_TAIL: tl.constexpr, RELOAD: tl.constexpr = False, ALIGN: tl.constexpr = 0,
-                                 TOPK_SORT: tl.constexpr = False, MP: tl.constexpr = 1, EC: tl.constexpr = 16):
+                                 TOPK_SORT: tl.constexpr = False, MP: tl.constexpr = 1, EC: tl.constexpr = 16,
+                                 GATHER_W: tl.constexpr = False):
     """ONE: grid (1,), ROWS >= M (routing) or SP >= S (alignment only). Not ONE: routing on, grid (ceil(M/ROWS),),
     SP >= S, MP >= M; the workspace counters and ticket are zero on entry and left at zero.
 
@@ -445,7 +451,7 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
         if DO_ROUTE:
             ids2, memb = _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, 0, M, stride_lm,
                                      scale, E, EP, ROWS, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX,
-                                     HAS_BIAS, RENORM, False, TOPK_SORT)
+                                     HAS_BIAS, RENORM, False, TOPK_SORT, GATHER_W)
             if ALIGN == 2:
                 rows = tl.arange(0, ROWS)
                 total = _align_membership(memb, rows, 0, 0, sorted_ptr, eids_ptr, S, TOP_K, EA, EP, B, PJ)
@@ -473,7 +479,7 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
     elif ALIGN == 2:
         _, memb = _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, pid * ROWS, M, stride_lm,
                               scale, E, EP, ROWS, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX,
-                              HAS_BIAS, RENORM, False, TOPK_SORT)
+                              HAS_BIAS, RENORM, False, TOPK_SORT, GATHER_W)
         r = pid * ROWS + tl.arange(0, ROWS)
         ec = tl.arange(0, EP)
         tl.store(rank_ptr + r[:, None] * EAP + ec[None, :], memb.to(tl.int8), mask=(r < M)[:, None])
@@ -497,7 +503,7 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
     else:
         _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, pid * ROWS, M, stride_lm, scale,
                     E, EP, ROWS, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS, RENORM, True,
-                    TOPK_SORT)
+                    TOPK_SORT, GATHER_W)
         tl.debug_barrier()  # this program's ids, ranks and counter updates precede its ticket
         ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
         if ticket == tl.num_programs(0) - 1:

@@ -62,21 +62,14 @@ ROUTE_GRID = [
     ("fast w1", "fast", dict(one_small_warps=1, one_num_warps=1)),
     ("fast rows1 w1", "fast", dict(ROWS=1, one_max_slots=0, num_warps=1)),
     ("fast rows1 w2", "fast", dict(ROWS=1, one_max_slots=0, num_warps=2)),
-    ("fast gather", "fast", dict(ALIGN=1)),
-    ("fast memb", "fast", dict(ALIGN=2)),
-    ("fast sort", "fast", dict(TOPK_SORT=True)),
-    ("fast gw", "fast", dict(GATHER_W=True)),
-    ("fast gather gw", "fast", dict(ALIGN=1, GATHER_W=True)),
-    ("fast gather gw w8", "fast", dict(ALIGN=1, GATHER_W=True, num_warps=8)),
-    ("fast memb gw", "fast", dict(ALIGN=2, GATHER_W=True)),
-    ("fast memb gw w8", "fast", dict(ALIGN=2, GATHER_W=True, num_warps=8)),
-    ("fast memb gw w8 one8", "fast", dict(ALIGN=2, GATHER_W=True, num_warps=8, one_max_slots=8)),
-    ("fast memb gw ec8k", "fast", dict(ALIGN=2, GATHER_W=True, EC_ELEMS=8192)),
-    ("fast memb gw ec2k", "fast", dict(ALIGN=2, GATHER_W=True, EC_ELEMS=2048)),
-    ("fast memb gw sort", "fast", dict(ALIGN=2, GATHER_W=True, TOPK_SORT=True)),
-    ("fast memb gw sort w8", "fast", dict(ALIGN=2, GATHER_W=True, TOPK_SORT=True, num_warps=8)),
-    ("fast memb gw one64", "fast", dict(ALIGN=2, GATHER_W=True, one_max_slots=64)),
-    ("fast memb gw sort one64", "fast", dict(ALIGN=2, GATHER_W=True, TOPK_SORT=True, one_max_slots=64)),
+    ("fast topk", "fast", dict(TOPK_SORT=True)),
+    ("fast sorted", "fast", dict(SORTED=True)),
+    ("fast sorted topk", "fast", dict(SORTED=True, TOPK_SORT=True)),
+    ("fast sorted topk w8", "fast", dict(SORTED=True, TOPK_SORT=True, num_warps=8)),
+    ("fast sorted topk w2", "fast", dict(SORTED=True, TOPK_SORT=True, num_warps=2)),
+    ("fast sorted topk one0", "fast", dict(SORTED=True, TOPK_SORT=True, one_max_slots=0)),
+    ("fast sorted topk one8", "fast", dict(SORTED=True, TOPK_SORT=True, one_max_slots=8)),
+    ("fast sorted topk rows2", "fast", dict(SORTED=True, TOPK_SORT=True, ROWS=2)),
 ]
 #: skipped with --quick
 ROUTE_SLOW = ("fast w2", "fast rows4", "fast one256", "atomic", "single", "fast tail", "fast rows2", "fast w1",
@@ -121,7 +114,7 @@ def main(argv=None) -> int:
     meta = run_meta(__file__, copy_gbps=bw,
                 sets=SETS, block=BLOCK)
     rows, skipped = [], []
-    restore = dict_restorer(moe._VARIANT, moe._FAST_ROUTE_CONFIG, moe._FUSED_OVERRIDE)
+    restore = dict_restorer(moe._VARIANT, moe._FAST_ROUTE_CONFIG, moe._FUSED_OVERRIDE, moe._ROUTE_CONFIG)
 
     for name in args.models.split(","):
         rs = per_rank_shapes(name, tp=8)
@@ -194,13 +187,14 @@ def main(argv=None) -> int:
                                      cfg.routed_scaling_factor)
             rs_, re_, rn_ = align_reference(rid, e, BLOCK)
 
-            def route_row(label, variant, ov, align=True):
+            def route_row(label, variant, ov, align=True, router=None):
                 if over():
                     skipped.append(f"{name} M={m} route {label}")
                     return
                 restore()
                 moe._VARIANT["route"] = variant
                 moe._FAST_ROUTE_CONFIG.update(ov)
+                moe._ROUTE_CONFIG.update(router or {})
                 bs = BLOCK if align else None
 
                 def call(i):
@@ -231,6 +225,7 @@ def main(argv=None) -> int:
                                  x_floor=float("nan"), err=0.0, tol=0.0, ok=True))
                 print(f"# {name} M={m} empty kernel: {us:.2f} us", flush=True)
                 route_row("router only", "fast", {}, align=False)
+                route_row("router only topk", "fast", {}, align=False, router=dict(TOPK_SORT=True))
                 for label, variant, ov in ROUTE_GRID:
                     if args.quick and label in ROUTE_SLOW:
                         continue

@@ -339,7 +339,7 @@ def sweep_route(quick):
         logits = torch.randn(m, e, device="cuda", generator=gen).bfloat16()
         rids, _ = route_reference(logits, top_k, "sigmoid", bias, 1, 1, True, KIMI["scale"])
         for nw in ((1, 4) if quick else (1, 2, 4, 8)):
-            moe._ROUTE_NUM_WARPS["num_warps"] = nw
+            moe._ROUTE_CONFIG["num_warps"] = nw
             ids, w, al = moe.moe_route(logits, block_size=16, impl="triton", **kw)
             agree = (ids == rids).float().mean().item()
             # alignment invariants: every slot once, grouped by its expert
@@ -354,7 +354,7 @@ def sweep_route(quick):
             us_r = graph_us(lambda: moe.moe_route(logits, impl="triton", **kw))
             add("route", f"kimi-k2 M{m}", f"warps{nw}", us, f"route-only {us_r:.2f}", 1 - agree,
                 "" if ok_align else "ALIGN WRONG")
-        moe._ROUTE_NUM_WARPS["num_warps"] = 4
+        moe._ROUTE_CONFIG["num_warps"] = 4
 
 
 def sweep_experts(bw, quick):

@@ -19,7 +19,7 @@ flight; their fp32 partials ``gu`` [SPLIT_K, S, 2I] are summed by the down kerne
 An opt-in GEMV variant for M <= 4 (``_moe_gemv_gate_up_kernel`` + ``_moe_gemv_down_sum_kernel``, end of this
 file) uses no tl.dot, needs no ``part`` buffer and sums over top_k inside the down GEMV (two launches).
 
-The weight-streaming variant, the default for M <= 8 (``_moe_stream_gate_up_kernel`` + ``_moe_stream_down_kernel``,
+The weight-streaming variant, the default for M <= 6 (``_moe_stream_gate_up_kernel`` + ``_moe_stream_down_kernel``,
 end of this file, section "Stream variant"), is built to keep enough weight bytes in flight at a few tokens: small
 programs, FMA GEMVs, a prefetched H loop, and the down projection of every slot plus the top-k sum in one gather.
 
@@ -406,7 +406,7 @@ def _moe_partial_sum_kernel(part_ptr, ids_ptr, out_ptr, stride_ps, stride_pc, st
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Stream variant (the default at M <= 8, see _STREAM_CONFIG): pure weight streaming at a few tokens.
+# Stream variant (the default at M <= 6, see _STREAM_CONFIG): pure weight streaming at a few tokens.
 #
 # At M = 1 the expert GEMM is a GEMV: ~11 MB of weights per activated expert, 2 FLOPs per weight element. Its time
 # is set by how many weight bytes are in flight (Little's law: ~4.2 TB/s x ~1 us loaded latency = ~4 MB GPU-wide,

@@ -90,21 +90,17 @@ def _scores(x, emask, SOFTMAX: tl.constexpr):
 
 @triton.jit
 def _store_winners(logits_ptr, row_off, ids, kmask, mx, den, scale, out_off, ids_ptr, w_ptr, SOFTMAX: tl.constexpr,
-                   RENORM: tl.constexpr, s=None, GATHER_W: tl.constexpr = False):
+                   RENORM: tl.constexpr):
     """Store the chosen ids [ROWS, TOPK_P] and their weights: the unbiased scores of the winners, recomputed from
-    their logits (``row_off`` [ROWS, 1] into the logits) with the same formula, or with GATHER_W taken from the
-    row's score tile ``s`` [ROWS, EP] in registers (the same values, without a second load), renormalised where the
-    sum is > 0, times the routed scaling factor. Returns (valid slots, ids with 0 in the invalid ones)."""
+    their logits (``row_off`` [ROWS, 1] into the logits) with the same formula, renormalised where the sum is > 0,
+    times the routed scaling factor. Returns (valid slots, ids with 0 in the invalid ones)."""
     valid = (ids >= 0) & kmask
     safe = tl.where(valid, ids, 0)
-    if GATHER_W:
-        sv = tl.gather(s, safe, axis=1)
+    xv = tl.load(logits_ptr + row_off + safe, mask=valid, other=0.0).to(tl.float32)
+    if SOFTMAX:
+        sv = tl.exp(xv - mx[:, None]) / den[:, None]
     else:
-        xv = tl.load(logits_ptr + row_off + safe, mask=valid, other=0.0).to(tl.float32)
-        if SOFTMAX:
-            sv = tl.exp(xv - mx[:, None]) / den[:, None]
-        else:
-            sv = 1.0 / (1.0 + tl.exp(-xv))
+        sv = 1.0 / (1.0 + tl.exp(-xv))
     w = tl.where(valid, sv, 0.0)
     if RENORM:
         tot = tl.sum(w, axis=1)
@@ -120,12 +116,10 @@ def _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, row0,
                 E: tl.constexpr, EP: tl.constexpr, ROWS: tl.constexpr, TOP_K: tl.constexpr,
                 TOPK_P: tl.constexpr, N_GROUP: tl.constexpr, NG_P: tl.constexpr, GSIZE: tl.constexpr,
                 TOPK_GROUP: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
-                DO_ALIGN: tl.constexpr, TOPK_SORT: tl.constexpr = False, GATHER_W: tl.constexpr = False):
-    """Route rows ``row0 .. row0 + ROWS - 1``. Returns (ids [ROWS, TOPK_P], -1 for no expert, padding lanes and
-    rows past M; memb [ROWS, EP] int32, k + 1 where the row chose expert e as its k-th winner, else 0).
-
-    TOPK_SORT: the winners by one bitonic top-k of the keys (tl.topk) instead of TOP_K rounds of argmax.
-    GATHER_W: the winners' scores gathered from registers instead of reloaded (see _store_winners)."""
+                DO_ALIGN: tl.constexpr, TOPK_SORT: tl.constexpr = False):
+    """Route rows ``row0 .. row0 + ROWS - 1``; returns their ids [ROWS, TOPK_P] (-1 for no expert, padding lanes and
+    rows past M). TOPK_SORT: the winners by one bitonic top-k of the keys (tl.topk) instead of TOP_K rounds of
+    argmax (same keys, so the same winners in the same order)."""
     rows = row0 + tl.arange(0, ROWS)
     rmask = rows < M
     e = tl.arange(0, EP)
@@ -168,13 +162,9 @@ def _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, row0,
 
     key = _order_key(c, e[None, :], EP)
     kk = tl.arange(0, TOPK_P)
-    memb = tl.zeros([ROWS, EP], tl.int32)
     if TOPK_SORT:
         top = tl.topk(key, TOPK_P, dim=1)  # [ROWS, TOPK_P], largest key first
         ids = tl.where(_key_is_finite(top) & (kk < TOP_K)[None, :], _key_index(top, EP), -1)
-        for k in tl.static_range(TOP_K):
-            sel = tl.sum(tl.where(kk[None, :] == k, ids, 0), axis=1)
-            memb = tl.where((e[None, :] == sel[:, None]) & (sel >= 0)[:, None], k + 1, memb)
     else:
         ids = tl.full([ROWS, TOPK_P], -1, tl.int32)
         for k in tl.static_range(TOP_K):
@@ -182,18 +172,16 @@ def _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, row0,
             sel = tl.where(_key_is_finite(best), _key_index(best, EP), -1)
             ids = tl.where(kk[None, :] == k, sel[:, None], ids)
             key = tl.where(e[None, :] == sel[:, None], _REMOVED, key)
-            memb = tl.where(e[None, :] == sel[:, None], k + 1, memb)
 
     # weights: the unbiased scores of the winners, recomputed from their logits with the same formula
     kmask = (kk < TOP_K)[None, :] & rmask[:, None]
     out_off = rows[:, None] * TOP_K + kk[None, :]
     valid, safe = _store_winners(logits_ptr, row_off[:, None], ids, kmask, mx, den, scale, out_off, ids_ptr, w_ptr,
-                                 SOFTMAX, RENORM, s, GATHER_W)
+                                 SOFTMAX, RENORM)
     if DO_ALIGN:
         rank = tl.atomic_add(count_ptr + safe, 1, mask=valid, sem="relaxed")
         tl.store(rank_ptr + out_off, rank, mask=valid)
-    memb = tl.where(rmask[:, None], memb, 0)
-    return tl.where(valid, ids, -1), memb
+    return tl.where(valid, ids, -1)  # [ROWS, TOPK_P]: -1 for no expert, padding lanes and rows past M
 
 
 @triton.jit
@@ -240,7 +228,7 @@ def _moe_route_align_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr, sort
                             GSIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, SOFTMAX: tl.constexpr,
                             HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, DO_ROUTE: tl.constexpr,
                             DO_ALIGN: tl.constexpr, EA: tl.constexpr, EAP: tl.constexpr, B: tl.constexpr,
-                            CHUNK: tl.constexpr, SINGLE: tl.constexpr = False):
+                            CHUNK: tl.constexpr, SINGLE: tl.constexpr = False, TOPK_SORT: tl.constexpr = False):
     """Routing of ROWS rows per program (DO_ROUTE) and/or the alignment (DO_ALIGN; the last program finishes it).
 
     Without DO_ROUTE the grid must be (1,): the one program ranks every slot itself.
@@ -249,7 +237,7 @@ def _moe_route_align_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr, sort
     if DO_ROUTE:
         _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, pid * ROWS, M, stride_lm, scale,
                     E, EP, ROWS, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS, RENORM,
-                    DO_ALIGN)
+                    DO_ALIGN, TOPK_SORT)
     if DO_ALIGN:
         if DO_ROUTE and SINGLE:
             tl.debug_barrier()  # the grid is one program: it finishes the alignment itself, no ticket
@@ -401,29 +389,52 @@ def _fill_tails(sorted_ptr, eids_ptr, total, S, max_blocks, B: tl.constexpr, CHU
 
 
 @triton.jit
-def _align_membership(memb, rows, c0, base, sorted_ptr, eids_ptr, S, TOP_K: tl.constexpr, EA: tl.constexpr,
-                      EC: tl.constexpr, B: tl.constexpr, PJ: tl.constexpr):
-    """Alignment of experts ``c0 .. c0 + EC - 1`` from their membership columns ``memb`` [RP, EC] (k + 1 where row
-    r chose the expert as its k-th winner, else 0; ``rows`` [RP] the row ids), the experts before them taking
-    ``base`` padded entries. Each expert's slots in increasing row (so slot) order. Returns the new ``base``."""
-    e = c0 + tl.arange(0, EC)
-    present = (memb > 0) & (e < EA)[None, :]
-    p = present.to(tl.int32)
-    cnt = tl.sum(p, axis=0)
-    excl = tl.cumsum(p, axis=0) - p  # earlier rows of the same expert
+def _run_count(ka, ca, kb, cb):
+    """Combine of a segmented count over sorted keys: (key of the right part, its trailing run's count, plus the left
+    part's when both end in the same key). Associative because equal keys are contiguous."""
+    return kb, tl.where(ka == kb, ca + cb, cb)
+
+
+@triton.jit
+def _align_sorted(ids_v, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks, EA: tl.constexpr, B: tl.constexpr,
+                  SP: tl.constexpr, PJ: tl.constexpr, CHUNK: tl.constexpr, FILL_TAIL: tl.constexpr):
+    """Alignment of the flat [SP] slot vector (slot s has expert ``ids_v[s]``, -1 or >= EA: none) by one sort:
+
+        key[s] = id[s] * SP + s, sorted ascending (slots without an expert last)
+        rank = position inside its expert's run (forward segmented count - 1), cnt = run length (+ backward count)
+        pad = ceil(cnt / B) * B;  base = sum of pad over the earlier runs (cumsum of pad at each run's first slot)
+        sorted_ids[base + rank] = s
+
+    O(SP log^2 SP) work in registers, no atomics, slots in increasing slot id inside an expert (exact order)."""
+    pos = tl.arange(0, SP)
+    ok0 = (ids_v >= 0) & (ids_v < EA)
+    key = tl.sort(tl.where(ok0, ids_v * SP + pos, EA * SP + pos))
+    sid = key // SP
+    slot = key % SP
+    ok = sid < EA
+    one = tl.full([SP], 1, tl.int32)
+    _, fwd = tl.associative_scan((sid, one), 0, _run_count)
+    # the same count from the other end (on the flipped keys): the run's slots at and after this one
+    _, bwd = tl.associative_scan((tl.flip(sid, 0), one), 0, _run_count)
+    bwd = tl.flip(bwd, 0)
+    rank = fwd - 1
+    cnt = fwd + bwd - 1
     padded = (cnt + B - 1) // B * B
-    offs = base + tl.cumsum(padded, axis=0) - padded
-    tl.store(sorted_ptr + offs[None, :] + excl, rows[:, None] * TOP_K + memb - 1, mask=present)
-    emask = cnt > 0
+    first = ok & (rank == 0)
+    lead = tl.where(first, padded, 0)
+    base = tl.cumsum(lead, axis=0) - padded  # the run's own pad is in the inclusive sum from its first slot on
+    total = tl.sum(lead, axis=0)
+    tl.store(npad_ptr, total)
+    tl.store(sorted_ptr + base + rank, slot, mask=ok)
     oj = tl.arange(0, PJ)
-    for j0 in range(0, B - 1, PJ):  # each expert's padding
+    for j0 in range(0, B - 1, PJ):  # each expert's padding, written by its first slot
         jj = j0 + oj
-        tl.store(sorted_ptr + (offs + cnt)[:, None] + jj[None, :], S,
-                 mask=emask[:, None] & (jj[None, :] < (padded - cnt)[:, None]))
+        tl.store(sorted_ptr + (base + cnt)[:, None] + jj[None, :], S,
+                 mask=first[:, None] & (jj[None, :] < (padded - cnt)[:, None]))
     nblk = padded // B
-    for j in range(0, tl.max(nblk, axis=0)):
-        tl.store(eids_ptr + offs // B + j, e, mask=emask & (j < nblk))
-    return base + tl.sum(padded, axis=0)
+    for j in range(0, tl.max(tl.where(first, nblk, 0), axis=0)):
+        tl.store(eids_ptr + base // B + j, sid, mask=first & (j < nblk))
+    _fill_tails(sorted_ptr, eids_ptr, total, S, max_blocks, B, CHUNK, FILL_TAIL)
 
 
 @triton.jit(do_not_specialize=["M", "S", "max_blocks"])
@@ -435,108 +446,73 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
                                  HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, DO_ROUTE: tl.constexpr,
                                  EA: tl.constexpr, EAP: tl.constexpr, B: tl.constexpr, SP: tl.constexpr,
                                  ONE: tl.constexpr, PJ: tl.constexpr, CHUNK: tl.constexpr,
-                                 FILL_TAIL: tl.constexpr, RELOAD: tl.constexpr = False, ALIGN: tl.constexpr = 0,
-                                 TOPK_SORT: tl.constexpr = False, MP: tl.constexpr = 1, EC: tl.constexpr = 16,
-                                 GATHER_W: tl.constexpr = False):
+                                 FILL_TAIL: tl.constexpr, RELOAD: tl.constexpr = False, SORTED: tl.constexpr = False,
+                                 TOPK_SORT: tl.constexpr = False):
     """ONE: grid (1,), ROWS >= M (routing) or SP >= S (alignment only). Not ONE: routing on, grid (ceil(M/ROWS),),
-    SP >= S, MP >= M; the workspace counters and ticket are zero on entry and left at zero.
+    SP >= S; the ticket (and, without SORTED, the workspace counters) are zero on entry and left at zero.
 
-    ALIGN (how the slots reach the alignment): 0, slot vector (ONE: reshaped or, with RELOAD, read back; not ONE:
-    atomic ranks, offsets stored and read back); 1, as 0 but not ONE gathers the offsets in registers (tl.gather);
-    2, membership: each row's [EAP] membership (k + 1 at its k-th winner) aligned column-wise (_align_membership;
-    ONE: in registers; not ONE: each program stores its rows' membership to ``rank_ptr`` as int8 [M, EAP] and the
-    last program reads it back in EC-column chunks, each requested one chunk ahead). Requires DO_ROUTE."""
+    SORTED (not ONE): the routing programs only store their ids; the last one (ticket) loads every slot's id once
+    and aligns by one sort in registers (_align_sorted: no atomic ranks, exact slot order). Without it: atomic
+    ranks in the routing programs, and the last program scans the counters and scatters."""
     pid = tl.program_id(0)
     if ONE:
         if DO_ROUTE:
-            ids2, memb = _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, 0, M, stride_lm,
-                                     scale, E, EP, ROWS, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX,
-                                     HAS_BIAS, RENORM, False, TOPK_SORT, GATHER_W)
-            if ALIGN == 2:
-                rows = tl.arange(0, ROWS)
-                total = _align_membership(memb, rows, 0, 0, sorted_ptr, eids_ptr, S, TOP_K, EA, EP, B, PJ)
-                tl.store(npad_ptr, total)
-                _fill_tails(sorted_ptr, eids_ptr, total, S, max_blocks, B, CHUNK, FILL_TAIL)
+            ids2 = _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, 0, M, stride_lm, scale,
+                               E, EP, ROWS, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS,
+                               RENORM, False, TOPK_SORT)
+            if RELOAD:
+                # read the stored winners back as one flat vector (see RELOAD in the launcher)
+                tl.debug_barrier()
+                slot_v = tl.arange(0, SP)
+                ids_v = tl.load(ids_ptr + slot_v, mask=slot_v < S, other=-1, cache_modifier=".cg")
+                ids_v = tl.where((ids_v >= 0) & (ids_v < EA), ids_v, -1)
             else:
-                if RELOAD:
-                    # read the stored winners back as one flat vector (see RELOAD in the launcher)
-                    tl.debug_barrier()
-                    slot_v = tl.arange(0, SP)
-                    ids_v = tl.load(ids_ptr + slot_v, mask=slot_v < S, other=-1, cache_modifier=".cg")
-                    ids_v = tl.where((ids_v >= 0) & (ids_v < EA), ids_v, -1)
-                else:
-                    ids2 = tl.where(ids2 < EA, ids2, -1)
-                    slot2 = tl.arange(0, ROWS)[:, None] * TOP_K + tl.arange(0, TOPK_P)[None, :]
-                    ids_v = tl.reshape(ids2, [SP])
-                    slot_v = tl.reshape(slot2, [SP])
-                _align_pairwise(ids_v, slot_v, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks, B, PJ, CHUNK,
-                                FILL_TAIL)
+                ids2 = tl.where(ids2 < EA, ids2, -1)
+                slot2 = tl.arange(0, ROWS)[:, None] * TOP_K + tl.arange(0, TOPK_P)[None, :]
+                ids_v = tl.reshape(ids2, [SP])
+                slot_v = tl.reshape(slot2, [SP])
         else:
             slot_v = tl.arange(0, SP)
             ids_v = tl.load(ids_ptr + slot_v, mask=slot_v < S, other=-1)
             ids_v = tl.where((ids_v >= 0) & (ids_v < EA), ids_v, -1)
-            _align_pairwise(ids_v, slot_v, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks, B, PJ, CHUNK, FILL_TAIL)
-    elif ALIGN == 2:
-        _, memb = _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, pid * ROWS, M, stride_lm,
-                              scale, E, EP, ROWS, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX,
-                              HAS_BIAS, RENORM, False, TOPK_SORT, GATHER_W)
-        r = pid * ROWS + tl.arange(0, ROWS)
-        ec = tl.arange(0, EP)
-        tl.store(rank_ptr + r[:, None] * EAP + ec[None, :], memb.to(tl.int8), mask=(r < M)[:, None])
-        tl.debug_barrier()  # this program's membership rows precede its ticket
-        ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
-        if ticket == tl.num_programs(0) - 1:
-            rows = tl.arange(0, MP)
-            rmask = (rows < M)[:, None]
-            cc = tl.arange(0, EC)
-            nxt = tl.load(rank_ptr + rows[:, None] * EAP + cc[None, :], mask=rmask, other=0, cache_modifier=".cg")
-            base = 0
-            for c0 in tl.static_range(0, EAP, EC):
-                cur = nxt.to(tl.int32)
-                if c0 + EC < EAP:  # the next chunk is requested before this one is aligned
-                    nxt = tl.load(rank_ptr + rows[:, None] * EAP + (c0 + EC) + cc[None, :], mask=rmask, other=0,
-                                  cache_modifier=".cg")
-                base = _align_membership(cur, rows, c0, base, sorted_ptr, eids_ptr, S, TOP_K, EA, EC, B, PJ)
-            tl.store(npad_ptr, base)
-            _fill_tails(sorted_ptr, eids_ptr, base, S, max_blocks, B, CHUNK, FILL_TAIL)
-            tl.atomic_xchg(ticket_ptr, 0)
+        _align_pairwise(ids_v, slot_v, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks, B, PJ, CHUNK, FILL_TAIL)
     else:
         _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, pid * ROWS, M, stride_lm, scale,
-                    E, EP, ROWS, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS, RENORM, True,
-                    TOPK_SORT, GATHER_W)
-        tl.debug_barrier()  # this program's ids, ranks and counter updates precede its ticket
+                    E, EP, ROWS, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS, RENORM,
+                    not SORTED, TOPK_SORT)
+        tl.debug_barrier()  # this program's ids (and ranks and counter updates) precede its ticket
         ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
         if ticket == tl.num_programs(0) - 1:
             sl = tl.arange(0, SP)
-            e = tl.arange(0, EAP)
-            emask = e < EA
-            # one round trip: ids, ranks and counters are independent loads
-            ids = tl.load(ids_ptr + sl, mask=sl < S, other=-1, cache_modifier=".cg")
-            cnt = tl.load(count_ptr + e, mask=emask, other=0, cache_modifier=".cg")
-            ok = (sl < S) & (ids >= 0) & (ids < EA)
-            rk = tl.load(rank_ptr + sl, mask=ok, other=0, cache_modifier=".cg")
-            padded = (cnt + B - 1) // B * B
-            offs = tl.cumsum(padded, axis=0) - padded
-            total = tl.sum(padded, axis=0)
-            tl.store(npad_ptr, total)
-            if ALIGN == 0:
+            if SORTED:
+                ids = tl.load(ids_ptr + sl, mask=sl < S, other=-1, cache_modifier=".cg")
+                _align_sorted(ids, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks, EA, B, SP, PJ, CHUNK, FILL_TAIL)
+            else:
+                e = tl.arange(0, EAP)
+                emask = e < EA
+                # one round trip: ids, ranks and counters are independent loads
+                ids = tl.load(ids_ptr + sl, mask=sl < S, other=-1, cache_modifier=".cg")
+                cnt = tl.load(count_ptr + e, mask=emask, other=0, cache_modifier=".cg")
+                ok = (sl < S) & (ids >= 0) & (ids < EA)
+                rk = tl.load(rank_ptr + sl, mask=ok, other=0, cache_modifier=".cg")
+                padded = (cnt + B - 1) // B * B
+                offs = tl.cumsum(padded, axis=0) - padded
+                total = tl.sum(padded, axis=0)
+                tl.store(npad_ptr, total)
                 tl.store(offs_ptr + e, offs, mask=emask)
-            nblk = padded // B
-            for j in range(0, tl.max(nblk, axis=0)):
-                tl.store(eids_ptr + offs // B + j, e, mask=emask & (j < nblk))
-            oj = tl.arange(0, PJ)
-            for j0 in range(0, B - 1, PJ):
-                jj = j0 + oj
-                tl.store(sorted_ptr + (offs + cnt)[:, None] + jj[None, :], S,
-                         mask=emask[:, None] & (jj[None, :] < (padded - cnt)[:, None]))
-            _fill_tails(sorted_ptr, eids_ptr, total, S, max_blocks, B, CHUNK, FILL_TAIL)
-            if ALIGN == 0:
+                nblk = padded // B
+                for j in range(0, tl.max(nblk, axis=0)):
+                    tl.store(eids_ptr + offs // B + j, e, mask=emask & (j < nblk))
+                oj = tl.arange(0, PJ)
+                for j0 in range(0, B - 1, PJ):
+                    jj = j0 + oj
+                    tl.store(sorted_ptr + (offs + cnt)[:, None] + jj[None, :], S,
+                             mask=emask[:, None] & (jj[None, :] < (padded - cnt)[:, None]))
+                _fill_tails(sorted_ptr, eids_ptr, total, S, max_blocks, B, CHUNK, FILL_TAIL)
                 tl.debug_barrier()  # offsets visible to every thread of this program
                 base = tl.load(offs_ptr + tl.where(ok, ids, 0), mask=ok, other=0, cache_modifier=".cg")
-            else:
-                base = tl.gather(offs, tl.where(ok, ids, 0), axis=0)
-            tl.store(sorted_ptr + base + rk, sl, mask=ok)
-            tl.store(count_ptr + e, tl.zeros([EAP], tl.int32), mask=emask)
+                tl.store(sorted_ptr + base + rk, sl, mask=ok)
+                tl.store(count_ptr + e, tl.zeros([EAP], tl.int32), mask=emask)
             tl.atomic_xchg(ticket_ptr, 0)
 
 

@@ -263,7 +263,8 @@ def _launch_route_align(logits, bias, top_k, softmax, n_group, topk_group, renor
             NG_P=max(_next_pow2(n_group), 2), GSIZE=gsize, TOPK_GROUP=topk_group, SOFTMAX=softmax,
             HAS_BIAS=bias is not None, RENORM=renormalize, DO_ROUTE=do_route, DO_ALIGN=do_align, EA=e,
             EAP=max(_next_pow2(e), 16), B=block_size or 1, CHUNK=512 if dev.type == "cuda" else 64,
-            SINGLE=grid[0] == 1, num_warps=_ROUTE_NUM_WARPS.get("num_warps", 4))
+            SINGLE=grid[0] == 1, TOPK_SORT=bool(_ROUTE_CONFIG["TOPK_SORT"]) and do_route,
+            num_warps=_ROUTE_CONFIG["num_warps"])
     if m == 0 and do_align:
         sorted_ids.fill_(s)
         expert_ids.fill_(-1)
@@ -322,10 +323,7 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
     topk_p = max(_next_pow2(top_k), 2)
     eap = max(_next_pow2(e), 16)
     one = s <= cfg["one_max_slots"]
-    # membership alignment needs the routing (ids given: the slot-vector forms) and k + 1 to fit int8
-    align = cfg["ALIGN"] if do_route and (cfg["ALIGN"] != 2 or top_k < 128) else 0
-    mp = max(_next_pow2(m), 1)
-    ec = min(eap, max(16, _next_pow2(cfg["EC_ELEMS"] // mp + 1) // 2))
+    sort_align = not one and bool(cfg["SORTED"])
     if one:
         rows = max(_next_pow2(m), 1)
         sp = rows * topk_p if do_route else max(_next_pow2(s), 2)
@@ -335,10 +333,7 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
     else:  # routing on (the launcher sends alignment-only calls this large elsewhere)
         rows = cfg["ROWS"]
         sp = max(_next_pow2(s), 2)
-        if align == 2:  # each row's membership, int8 [M, EAP] (k + 1 <= top_k < 128)
-            rank = torch.empty((m * eap,), dtype=torch.int8, device=dev)
-        else:
-            rank = torch.empty((s,), dtype=torch.int32, device=dev)
+        rank = ids if sort_align else torch.empty((s,), dtype=torch.int32, device=dev)
         ws = _workspace(dev)
         count, offs, ticket = ws[:_WS_STRIDE], ws[_WS_STRIDE: 2 * _WS_STRIDE], ws[2 * _WS_STRIDE:]
         grid = (_cdiv(m, rows),)
@@ -352,9 +347,8 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
         GSIZE=e // n_group, TOPK_GROUP=topk_group, SOFTMAX=softmax, HAS_BIAS=bias is not None, RENORM=renormalize,
         DO_ROUTE=do_route, EA=e, EAP=eap, B=block_size, SP=sp, ONE=one, PJ=min(block_size, 16),
         CHUNK=cfg["CHUNK"] if on_gpu else 64, FILL_TAIL=bool(cfg["FILL_TAIL"]),
-        RELOAD=one and do_route and (eap < _RESHAPE_MIN_EXPERTS or bool(cfg["RELOAD"])), ALIGN=align,
-        TOPK_SORT=bool(cfg["TOPK_SORT"]) and do_route, MP=mp, EC=ec if on_gpu else min(ec, 16),
-        GATHER_W=bool(cfg["GATHER_W"]), **extra)
+        RELOAD=one and do_route and (eap < _RESHAPE_MIN_EXPERTS or bool(cfg["RELOAD"])), SORTED=sort_align,
+        TOPK_SORT=bool(cfg["TOPK_SORT"]), **extra)
     return ids, weights, MoEAlignment(sorted_ids, expert_ids, npad, block_size)
 
 
@@ -572,16 +566,17 @@ def _check_moe_args(hidden, w13, w2, topk_ids, topk_weights, alignment, activati
                              f"{list(out.shape)} on {out.device}")
 
 
-#: Warps of the routing kernel (one token row per program); a dict so benchmarks can sweep it.
-_ROUTE_NUM_WARPS: dict = {"num_warps": 4}
+#: The routing kernel of the router alone (no alignment; one token row per program) and of the "atomic" variant:
+#: its warps, and TOPK_SORT (the winners by one bitonic top-k, tl.topk, instead of top_k rounds of argmax).
+_ROUTE_CONFIG: dict = {"num_warps": 4, "TOPK_SORT": False}
 #: Opt-in kernel variants (benchmarks and sweeps; the defaults are the measured paths):
 #: ``route``: ``"fast"`` (default: see _launch_route_align_fast; 0 < M * top_k <= 1024), ``"atomic"`` (one
 #: program per token, atomics + last-program alignment, sentinel-filled tail) or ``"single"`` (one program routes
 #: and aligns every slot, no atomics; used when 0 < M * top_k <= 1024 and aligning);
-#: ``experts``: ``"auto"`` (default: ``"stream"`` at M <= _STREAM_CONFIG["max_m"] (8), then ``"fused"`` up to
-#: _FUSED_MAX_M (8: so none by default), else ``"dot"``; H200 sweeps, Kimi-K2 per rank with the shared expert
-#: (run 17): stream 29.3 / 56.7 / 96.3 / 188.6 us at M = 1 / 2 / 4 / 8 against 49.0 (dot) / 78.1 / 106.0 / 194.1
-#: (fused); M=16 dot 280 vs fused 300), ``"fused"`` (one streaming
+#: ``experts``: ``"auto"`` (default: ``"stream"`` at M <= _STREAM_CONFIG["max_m"] (6), else ``"dot"``; H200
+#: sweeps, Kimi-K2 per rank, routed experts (runs 21-22): stream 1.15 / 1.18 / 1.21 / 1.24x the bytes floor at
+#: M = 4 / 6 / 7 / 8 against dot 1.26 / 1.20 / 1.19x at M = 6 / 7 / 8; the fused variant lost to one of the two
+#: at every M of run 17: M=16 dot 280 vs fused 300 us), ``"fused"`` (one streaming
 #: launch + a fixed-order partial sum), ``"dot"`` (block-aligned tl.dot GEMMs, three launches) or ``"gemv"`` (no
 #: tl.dot, two launches, top-k sum fused into the down GEMV; used when M <= ``_GEMV_CONFIG["max_m"]``) or
 #: ``"stream"`` (weight streaming for M <= ``_STREAM_CONFIG["max_m"]``: small FMA programs, prefetched H loop, one
@@ -603,21 +598,16 @@ _FAST_MAX_SLOTS = 1024
 _RESHAPE_MIN_EXPERTS = 256
 _FAST_ROUTE_CONFIG: dict = {"one_max_slots": 32, "one_num_warps": 8, "one_small_slots": 8,
                             "one_small_warps": 4, "ROWS": 1, "num_warps": 4, "CHUNK": 1024, "FILL_TAIL": False,
-                            "RELOAD": False, "ALIGN": 0, "TOPK_SORT": False, "EC_ELEMS": 4096,
-                            "GATHER_W": False}
+                            "RELOAD": False, "SORTED": False, "TOPK_SORT": False}
 #: Launch config of the one-program router: rows routed per step, [CI, CJ] rank tiles, fill chunk, warps.
 _SINGLE_ROUTE_CONFIG: dict = {"ROWS": 4, "CI": 64, "CJ": 128, "CHUNK": 1024, "num_warps": 8}
 #: GEMV experts: largest M it takes, gate/up tile ``g1`` ([BLOCK_N gate rows + BLOCK_N up rows, BLOCK_K]) and
 #: down tile ``g2`` ([BLOCK_N rows of H, BLOCK_K of I]), with their warps.
 _GEMV_CONFIG: dict = {"max_m": 4, "g1": {"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 4},
                       "g2": {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4}}
-#: Fused experts (one launch streams each activated expert once, then a fixed-order partial sum): ``"auto"`` uses
-#: them for _FUSED_MIN_M <= M <= _FUSED_MAX_M and the three-launch tl.dot path above. Tiles per M range (first entry
-#: with
-#: max_m >= M): BI columns of I per program, BK of H per gate/up step, BH rows of H per down step, DOT (tl.dot on
+#: Fused experts (opt-in: one launch streams each activated expert once, then a fixed-order partial sum). Tiles
+#: per M range (first entry with max_m >= M): BI columns of I per program, BK of H per gate/up step, BH rows of H per down step, DOT (tl.dot on
 #: the block's 16 rows) or the GEMV form with MP slots per pass, RBN columns per partial-sum program.
-_FUSED_MIN_M = 2
-_FUSED_MAX_M = 8
 _FUSED_CONFIGS: list = [
     {"max_m": 1 << 30, "BI": 32, "BK": 128, "BH": 128, "DOT": True, "MP": 4, "RBN": 256, "num_warps": 4,
      "num_stages": 3},
@@ -632,8 +622,12 @@ _FUSED_CONFIGS: list = [
 #: programs of one ~9 KB gather each. H200 sweeps (Kimi-K2 per rank, bench/sweep_experts.py): per-slot units
 #: (ALIGNED False) 30.4 / 56.9 us at M = 1 / 2 with the shared expert against 35.6 / 66.2 with alignment blocks
 #: (run 16); R 4, BK 512 without the prefetch: 1.26 / 1.32 / 1.19 / 1.27x the bytes floor at M = 1 / 2 / 4 / 8 with
-#: the shared expert, the most even of the configs swept (run 17).
-_STREAM_CONFIG: dict = {"max_m": 8, "R": 4, "BK": 512, "PREFETCH": False, "ALIGNED": False, "num_warps": 4,
+#: the shared expert, the most even of the configs swept (run 17). Up to ``small_m`` tokens the gate/up programs take
+#: ``small_R`` rows instead (twice the programs, each with half the rows in flight): routed experts at M = 1 / 2,
+#: R 2 against R 4: 1.25 / 1.18 against 1.35 / 1.25 (run 17), 1.263 / - against 1.27 (run 18), 1.245 / 1.19
+#: against 1.25 / 1.23 (run 22); from M = 4 R 4 wins (1.15 against 1.20 at M = 4, run 21). From M = 7 the dot
+#: path is faster (``max_m`` 6, see _VARIANT).
+_STREAM_CONFIG: dict = {"max_m": 6, "small_m": 2, "small_R": 2, "R": 4, "BK": 512, "PREFETCH": False, "ALIGNED": False, "num_warps": 4,
                         "num_stages": 1, "BH": 2, "BI": 256, "TILE": 8192, "down_warps": 4, "PDL": True}
 #: Overrides merged into the stream config (benchmarks and sweeps only; empty in normal use).
 _STREAM_OVERRIDE: dict = {}
@@ -797,6 +791,8 @@ def _stream_config(m: int, h: int, inter: int, top_k: int, on_gpu: bool) -> dict
     the shapes. The down tile [SP, BH, BI] is kept to at most ``TILE`` elements by lowering BH (M = 2 at top-9 needs
     SP = 32 slot lanes against 16 at M = 1)."""
     cfg = dict(_STREAM_CONFIG)
+    if m <= cfg["small_m"]:
+        cfg["R"] = cfg["small_R"]
     cfg.update(_STREAM_OVERRIDE)
     cfg["R"] = max(1, min(cfg["R"], _next_pow2(inter)))
     cfg["BK"] = max(16, min(cfg["BK"], _next_pow2(h)))
@@ -871,7 +867,7 @@ def _fused_config(m: int, h: int, inter: int, block: int, on_gpu: bool) -> dict:
 
 
 def _fused_moe_fused(hidden, w13, w2, topk_ids, topk_weights, alignment, out):
-    """The fused experts (``_VARIANT["experts"] == "fused"``; ``"auto"`` at _FUSED_MIN_M <= M <= _FUSED_MAX_M above
+    """The fused experts (``_VARIANT["experts"] == "fused"``; never chosen by ``"auto"``, see _VARIANT; above
     the stream path's max_m, so none by default): one launch
     streams each activated expert's w13 and w2 once (program = expert block x chunk of I), a second sums the fp32
     partials over top_k and the chunks in a fixed order (deterministic)."""
@@ -905,7 +901,7 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
     """SwiGLU mixture of experts: ``out[m] = sum_k w[m,k] * w2[e] @ (silu(gate) * up)``, ``e = topk_ids[m, k]``.
 
     Built for the verify pass (1–64 tokens per rank), where the cost is reading the activated experts' weights:
-    at M <= 8 each routed slot streams its expert's weights (top-8 of hundreds of experts: nearly every slot has its
+    at M <= 6 each routed slot streams its expert's weights (top-8 of hundreds of experts: nearly every slot has its
     own), above that a program owns one block of one expert's slots so each activated expert is read once however
     many tokens chose it. Source: SwiGLU (Shazeer 2020); the block alignment follows the grouped-GEMM layout common
     to MoE kernels.
@@ -925,7 +921,7 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
         Shape: (M, top_k); floating point.
     alignment : MoEAlignment, optional
         From ``moe_route(..., block_size=16)`` on these ``topk_ids`` (block_size ≥ 16 for the Triton paths above
-        M = 8); its sizes are checked, its contents are not. Unused at M <= 8 (the stream path works per slot);
+        M = 6); its sizes are checked, its contents are not. Unused at M <= 6 (the stream path works per slot);
         when None above that it is computed here (one extra launch).
     activation : {"silu"}
     out : torch.Tensor, optional
@@ -951,10 +947,10 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
 
     Notes
     -----
-    Triton path, M <= 8 (``_STREAM_CONFIG["max_m"]``): two weight-streaming launches: small FMA programs each
+    Triton path, M <= 6 (``_STREAM_CONFIG["max_m"]``): two weight-streaming launches: small FMA programs each
     compute a few rows of one slot's gate/up over all of H, then one gather per output tile does the down projection
     of every slot and the top-k sum, on sm_90+ as a programmatic dependent launch; each slot reads its expert's
-    weights (at M <= 8 and top-8 of 384 nearly every slot has its own expert). Opt-in ``"fused"``: two launches:
+    weights (at M <= 6 and top-8 of 384 nearly every slot has its own expert). Opt-in ``"fused"``: two launches:
     one program per (expert block,
     chunk of I) computes gate/up over all of H, SiLU·up, and its share of the down projection, so each activated
     expert's w13 and w2 are read once, writing weighted fp32 partials [M·top_k, I/BI, H]; a second sums them over
@@ -997,7 +993,7 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
     m = hidden.shape[0]
     if variant in ("stream", "auto") and 0 < m <= _STREAM_OVERRIDE.get("max_m", _STREAM_CONFIG["max_m"]):
         return _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, alignment, out)
-    if variant == "fused" or (variant == "auto" and _FUSED_MIN_M <= m <= _FUSED_MAX_M):
+    if variant == "fused":
         return _fused_moe_fused(hidden, w13, w2, topk_ids, topk_weights, alignment, out)
     if variant == "gemv" and hidden.shape[0] <= _GEMV_CONFIG["max_m"]:
         return _fused_moe_gemv(hidden, w13, w2, topk_ids, topk_weights, alignment, out)

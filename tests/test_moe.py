@@ -623,47 +623,43 @@ def test_fast_route_multi_program(device, fast_route, rows):
 
 
 @pytest.mark.parametrize("mode", [
-    # membership alignment in the one program (no reshape, no read-back)
-    dict(ALIGN=2),
-    # membership rows stored by one program per row, the last program aligns them in column chunks
-    dict(ALIGN=2, one_max_slots=0),
+    # one program per row, the last program aligns by one sort of the slots (no atomic ranks)
+    dict(SORTED=True, one_max_slots=0),
     # as above with the winners by one bitonic top-k (tl.topk) instead of top_k rounds of argmax
-    dict(ALIGN=2, one_max_slots=0, TOPK_SORT=True),
-    dict(ALIGN=2, TOPK_SORT=True),
-    # the winners' weights gathered from the score tile in registers (no reload of their logits)
-    dict(ALIGN=2, one_max_slots=0, GATHER_W=True),
-    dict(GATHER_W=True),
+    dict(SORTED=True, TOPK_SORT=True, one_max_slots=0),
+    # bitonic top-k on the one-program path
+    dict(TOPK_SORT=True),
 ])
 @pytest.mark.parametrize("case", [
-    # Kimi-K2: 384 experts, bias, top-8; 6 tokens: not a power of two (row padding in the last program's tile)
+    # Kimi-K2: 384 experts, bias, top-8; 6 tokens (48 slots: not a power of two, not a multiple of the block)
     dict(m=6, e=384, top_k=8, bias=True, block=16),
     # DeepSeek-V3 groups; top-6 pads to 8 lanes per row (lanes 6, 7 must be ignored)
     dict(m=3, e=256, top_k=6, bias=True, n_group=8, topk_group=4, block=16),
-    # 9 tokens x top-3 over 11 experts (prime, padded to 16: one column chunk), block 4
+    # 9 tokens x top-3 over 11 experts (prime), many slots per expert, block 4
     dict(m=9, e=11, top_k=3, bias=True, block=4),
     # Qwen3: softmax over 128 experts, top-8, no bias
     dict(m=5, e=128, top_k=8, scoring="softmax", block=16),
 ])
-def test_fast_route_membership_exact(device, fast_route, mode, case):
-    # membership alignment orders the slots inside an expert by row, so by slot id, on every program layout (no
-    # atomics): exact against align_reference, on a GPU too
-    fast_route._FAST_ROUTE_CONFIG.update(mode, EC_ELEMS=64)  # several column chunks at Kimi-K2 size
+def test_fast_route_sorted_exact(device, fast_route, mode, case):
+    # the sorted alignment orders the slots inside an expert by slot id on every program layout (no atomics): exact
+    # against align_reference, on a GPU too; the second call must find the ticket reset
+    fast_route._FAST_ROUTE_CONFIG.update(mode)
+    if not mode.get("SORTED"):  # the one-program path must hold the case
+        fast_route._FAST_ROUTE_CONFIG.update(one_max_slots=max(32, case["m"] * case["top_k"]))
     g = torch.Generator().manual_seed(120 + case["m"] + case["e"])
     x = torch.randn(case["m"], case["e"], generator=g).to(device)
     bias = (torch.randn(case["e"], generator=g) * 0.05).to(device) if case.get("bias") else None
-    for _ in range(2):  # the second call must find the ticket reset
+    for _ in range(2):
         ids, w, al = check_route(x, case["top_k"], case.get("scoring", "sigmoid"), bias=bias,
                                  n_group=case.get("n_group", 1), topk_group=case.get("topk_group", 1),
                                  block_size=case["block"])
-        if mode.get("ALIGN", 0) == 2 or case["m"] * case["top_k"] <= fast_route._FAST_ROUTE_CONFIG["one_max_slots"]:
-            check_alignment_exact(ids, case["e"], case["block"], al)
-        else:  # atomic ranks: order inside an expert free on a GPU
-            check_alignment(ids, case["e"], case["block"], al)
+        check_alignment_exact(ids, case["e"], case["block"], al)
 
 
-def test_fast_route_membership_nan_row(device, fast_route):
-    # a NaN row contributes no slot; every other token's first choice is expert 5 (two blocks of 8)
-    fast_route._FAST_ROUTE_CONFIG.update(ALIGN=2, one_max_slots=0)
+def test_fast_route_sorted_nan_row_and_one_expert(device, fast_route):
+    # a NaN row contributes no slot (its ids sort last); every other token's first choice is expert 5 (two blocks of
+    # 8), experts with no tokens
+    fast_route._FAST_ROUTE_CONFIG.update(SORTED=True, TOPK_SORT=True, one_max_slots=0)
     x = torch.randn(7, 32, generator=torch.Generator().manual_seed(131))
     x[:, 5] = 20.0
     x[2] = math.nan
@@ -672,18 +668,30 @@ def test_fast_route_membership_nan_row(device, fast_route):
     check_alignment_exact(ids, 32, 8, al)
 
 
-@pytest.mark.parametrize("align", [1, 2])
-def test_fast_route_multi_program_kimi(device, fast_route, align):
-    # Kimi-K2 at M = 64 (512 slots, the largest verify batch the router targets) on the multi-program path with
-    # gathered offsets (1) or membership (2); order inside an expert is free for 1 on a GPU, exact for 2
-    fast_route._FAST_ROUTE_CONFIG.update(ALIGN=align)
+def test_fast_route_sorted_kimi(device, fast_route):
+    # Kimi-K2 at M = 64 (512 slots: the largest verify batch the router targets) on the sorted multi-program path
+    fast_route._FAST_ROUTE_CONFIG.update(SORTED=True, TOPK_SORT=True)
     m = 64 if device == "cuda" else 12
-    g = torch.Generator().manual_seed(140 + align)
+    g = torch.Generator().manual_seed(141)
     x = torch.randn(m, 384, generator=g).bfloat16().to(device)
     bias = (torch.randn(384, generator=g) * 0.05).to(device)
     ids, _, al = check_route(x, 8, bias=bias, scale=2.827, block_size=16)
-    if align == 2:
-        check_alignment_exact(ids, 384, 16, al)
+    check_alignment_exact(ids, 384, 16, al)
+
+
+@pytest.mark.parametrize("topk_sort", [False, True])
+def test_router_only_topk(device, monkeypatch, topk_sort):
+    # the router without alignment (one program per row), both ways of picking the winners; a NaN score, and a
+    # -inf row (sigmoid scores 0: the bias alone ranks its experts, ties to the lowest id among equal biases)
+    import specverify.moe as moe_mod
+
+    monkeypatch.setattr(moe_mod, "_ROUTE_CONFIG", dict(moe_mod._ROUTE_CONFIG, TOPK_SORT=topk_sort))
+    g = torch.Generator().manual_seed(150)
+    x = torch.randn(5, 384, generator=g)
+    x[1, 7] = math.nan
+    x[3] = -math.inf
+    bias = torch.randn(384, generator=g) * 0.05
+    check_route(x.to(device), 8, bias=bias.to(device), scale=2.827)
 
 
 def test_fast_route_fill_tail(device, fast_route):

@@ -47,33 +47,24 @@ FUSED_GRID = [
     dict(q=0, DOT=False, BI=16, BK=256, BH=64, MP=2, num_warps=8, num_stages=3, max_m=4),
     dict(q=0, DOT=False, BI=32, BK=64, BH=64, MP=2, num_warps=4, num_stages=3, max_m=4),
 ]
-#: router variants: (name, variant, config dict merged into _FAST_ROUTE_CONFIG)
+#: router variants: (name, variant, config dict merged into _FAST_ROUTE_CONFIG); the default "fast" router picks
+#: winners by a bitonic top-k, routes M * top_k <= one_max_slots (8) in one program, and beyond aligns in the last
+#: program by one sort up to sorted_max_slots (32), by atomic ranks above
 ROUTE_GRID = [
     ("atomic", "atomic", {}),
     ("single", "single", {}),
     ("fast", "fast", {}),
-    ("fast w4", "fast", dict(one_num_warps=4)),
-    ("fast w2", "fast", dict(one_num_warps=2, num_warps=2)),
+    ("fast rounds", "fast", dict(TOPK_SORT=False)),
+    ("fast one32", "fast", dict(one_max_slots=32)),
+    ("fast sorted all", "fast", dict(sorted_max_slots=1024)),
+    ("fast atomic ranks", "fast", dict(sorted_max_slots=0)),
+    ("fast w8", "fast", dict(num_warps=8)),
+    ("fast w2", "fast", dict(num_warps=2)),
+    ("fast rows2", "fast", dict(ROWS=2)),
     ("fast tail", "fast", dict(FILL_TAIL=True)),
-    ("fast one256", "fast", dict(one_max_slots=256, one_num_warps=8)),
-    ("fast rows2", "fast", dict(ROWS=2, one_max_slots=0)),
-    ("fast rows4", "fast", dict(ROWS=4, one_max_slots=0)),
-    ("fast rows1", "fast", dict(ROWS=1, one_max_slots=0)),
-    ("fast w1", "fast", dict(one_small_warps=1, one_num_warps=1)),
-    ("fast rows1 w1", "fast", dict(ROWS=1, one_max_slots=0, num_warps=1)),
-    ("fast rows1 w2", "fast", dict(ROWS=1, one_max_slots=0, num_warps=2)),
-    ("fast topk", "fast", dict(TOPK_SORT=True)),
-    ("fast sorted", "fast", dict(SORTED=True)),
-    ("fast sorted topk", "fast", dict(SORTED=True, TOPK_SORT=True)),
-    ("fast sorted topk w8", "fast", dict(SORTED=True, TOPK_SORT=True, num_warps=8)),
-    ("fast sorted topk w2", "fast", dict(SORTED=True, TOPK_SORT=True, num_warps=2)),
-    ("fast sorted topk one0", "fast", dict(SORTED=True, TOPK_SORT=True, one_max_slots=0)),
-    ("fast sorted topk one8", "fast", dict(SORTED=True, TOPK_SORT=True, one_max_slots=8)),
-    ("fast sorted topk rows2", "fast", dict(SORTED=True, TOPK_SORT=True, ROWS=2)),
 ]
 #: skipped with --quick
-ROUTE_SLOW = ("fast w2", "fast rows4", "fast one256", "atomic", "single", "fast tail", "fast rows2", "fast w1",
-              "fast rows1 w1", "fast rows1 w2", "fast w4", "fast rows1")
+ROUTE_SLOW = ("atomic", "single", "fast w2", "fast rows2", "fast tail")
 
 
 @triton.jit
@@ -225,7 +216,7 @@ def main(argv=None) -> int:
                                  x_floor=float("nan"), err=0.0, tol=0.0, ok=True))
                 print(f"# {name} M={m} empty kernel: {us:.2f} us", flush=True)
                 route_row("router only", "fast", {}, align=False)
-                route_row("router only topk", "fast", {}, align=False, router=dict(TOPK_SORT=True))
+                route_row("router only rounds", "fast", {}, align=False, router=dict(TOPK_SORT=False))
                 for label, variant, ov in ROUTE_GRID:
                     if args.quick and label in ROUTE_SLOW:
                         continue

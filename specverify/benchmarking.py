@@ -82,19 +82,21 @@ def dict_restorer(*dicts: dict):
 
 
 def git_commit(path: str | None = None) -> str:
-    """Short commit of the checkout holding ``path`` (default: this package); ``SPECVERIFY_COMMIT`` where git cannot
-    tell (an exported tree, an installed wheel); ``"?"`` otherwise."""
+    """``SPECVERIFY_COMMIT`` when set (a runner that exported the tree names its commit: a git checkout around the
+    export may be at another commit), else the short commit of the checkout holding ``path`` (default: this
+    package), else ``"?"``."""
+    from specverify import envvars
+
+    named = envvars.get("SPECVERIFY_COMMIT")
+    if named:
+        return named
     try:
         here = os.path.dirname(os.path.abspath(path or __file__))
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here,
                              timeout=5).stdout.strip()
     except Exception:
         out = ""
-    if out:
-        return out
-    from specverify import envvars
-
-    return envvars.get("SPECVERIFY_COMMIT") or "?"
+    return out or "?"
 
 
 def load_sglang_peer(script: str):

@@ -22,7 +22,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("SPECVERIFY_ALLREDUCE", "auto", "Custom allreduce: `auto` (eligibility gate), `off` (always NCCL), `oneshot`/`twoshot` (force an algorithm)."),
     EnvVar("SPECVERIFY_ALLREDUCE_TIMEOUT_S", "10", "Seconds a peer flag wait may spin before the allreduce raises instead of hanging."),
     EnvVar("SPECVERIFY_CACHE_DIR", "~/.cache/specverify", "JIT cache for compiled CUDA sources (versioned by specverify, arch and CUDA version, file-locked)."),
-    EnvVar("SPECVERIFY_COMMIT", "", "Commit recorded in benchmark JSON when git cannot tell (a tree exported with `git archive`)."),
+    EnvVar("SPECVERIFY_COMMIT", "", "Commit recorded in benchmark JSON (set by a runner that ships a `git archive` export; wins over git)."),
     EnvVar("SPECVERIFY_DISABLE_TRITON", "0", "`1` makes `impl=\"auto\"` choose the torch reference everywhere (debugging)."),
     EnvVar("SPECVERIFY_LOG_LEVEL", "WARNING", "Logging level of the `specverify` logger."),
     EnvVar("SPECVERIFY_SGLANG_ALLREDUCE", "1", "SGLang plugin: replace SGLang's custom-allreduce class with ours where eligible."),

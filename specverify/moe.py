@@ -233,7 +233,7 @@ def _launch_route_align(logits, bias, top_k, softmax, n_group, topk_group, renor
         weights = ids  # unused
     s = m * top_k
     if do_align and _VARIANT["route"] == "fast" and 0 < s <= _FAST_MAX_SLOTS and (
-            do_route or s <= _FAST_ROUTE_CONFIG["one_max_slots"]):
+            do_route or s <= _FAST_ROUTE_CONFIG["align_one_max_slots"]):
         return _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n_group, topk_group,
                                         renormalize, scale, block_size, do_route)
     if do_align and _VARIANT["route"] == "single" and 0 < s <= _SINGLE_MAX_SLOTS:
@@ -306,10 +306,12 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
                              scale, block_size, do_route):
     """The default router + alignment (``_VARIANT["route"] == "fast"``, 0 < M * top_k <= 1024).
 
-    Up to ``_FAST_ROUTE_CONFIG["one_max_slots"]`` slots (M <= 4 at top-8): one program routes every row at once
-    and aligns in registers (no atomics, no workspace, no global round trip; slots in increasing slot id inside an
-    expert, exactly as ``align_reference``). Beyond: one program per ``ROWS`` rows with atomic ranks, and the last
-    program (ticket) aligns after one load of ids, ranks and counters. Either way ``sorted_token_ids`` past
+    Up to ``_FAST_ROUTE_CONFIG["one_max_slots"]`` slots (M = 1 at top-8; ``align_one_max_slots`` for alignment-only
+    calls): one program routes every row at once and aligns in registers (no atomics, no workspace, no global round
+    trip; slots in increasing slot id inside an expert, exactly as ``align_reference``). Beyond: one program per
+    ``ROWS`` rows, and the last program (ticket) aligns: up to ``sorted_max_slots`` slots by one sort of every
+    slot's id (exact order again), above with atomic ranks taken by the routing programs, after one load of ids,
+    ranks and counters (order inside an expert then free). Either way ``sorted_token_ids`` past
     ``num_tokens_post_padded`` is left unwritten unless ``FILL_TAIL`` (consumers read only the used part);
     ``expert_ids`` past the used blocks is always -1.
     """
@@ -322,8 +324,8 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
     size, sorted_ids, expert_ids, npad = _alignment_buffers(m, top_k, e, block_size, dev)
     topk_p = max(_next_pow2(top_k), 2)
     eap = max(_next_pow2(e), 16)
-    one = s <= cfg["one_max_slots"]
-    sort_align = not one and bool(cfg["SORTED"])
+    one = s <= (cfg["one_max_slots"] if do_route else cfg["align_one_max_slots"])
+    sort_align = not one and s <= cfg["sorted_max_slots"]
     if one:
         rows = max(_next_pow2(m), 1)
         sp = rows * topk_p if do_route else max(_next_pow2(s), 2)
@@ -411,8 +413,9 @@ def moe_route(router_logits, *, top_k, scoring="sigmoid", correction_bias=None, 
 
     Notes
     -----
-    ``impl="triton"`` is one kernel launch for any M (up to M * top_k = 32 slots one program routes every row
-    and aligns in registers; beyond, one program per token and the last program to finish aligns) and is
+    ``impl="triton"`` is one kernel launch for any M (up to M * top_k = 8 slots one program routes every row
+    and aligns in registers; beyond, one program per token and the last program to finish aligns: by one sort up
+    to 32 slots, by atomic ranks above) and is
     CUDA-graph capturable: output sizes depend only on the shapes, there is no host sync, and
     the per-device workspace (zeroed counters the kernel resets itself) is allocated on the first call, which must
     therefore run outside capture. Calls on different streams must not overlap in time (they share that
@@ -568,7 +571,7 @@ def _check_moe_args(hidden, w13, w2, topk_ids, topk_weights, alignment, activati
 
 #: The routing kernel of the router alone (no alignment; one token row per program) and of the "atomic" variant:
 #: its warps, and TOPK_SORT (the winners by one bitonic top-k, tl.topk, instead of top_k rounds of argmax).
-_ROUTE_CONFIG: dict = {"num_warps": 4, "TOPK_SORT": False}
+_ROUTE_CONFIG: dict = {"num_warps": 4, "TOPK_SORT": True}
 #: Opt-in kernel variants (benchmarks and sweeps; the defaults are the measured paths):
 #: ``route``: ``"fast"`` (default: see _launch_route_align_fast; 0 < M * top_k <= 1024), ``"atomic"`` (one
 #: program per token, atomics + last-program alignment, sentinel-filled tail) or ``"single"`` (one program routes
@@ -585,10 +588,16 @@ _VARIANT: dict = {"route": "fast", "experts": "auto"}
 _SINGLE_MAX_SLOTS = 1024
 _FAST_MAX_SLOTS = 1024
 #: Launch config of the "fast" router: largest M * top_k routed and aligned by one program in registers, that
-#: program's warps; rows per program and warps beyond it; fill chunk; FILL_TAIL writes the sentinel over
-#: sorted_token_ids past the used part too (off: consumers read only the used part).
-#: H200 sweep (Kimi-K2): one program 3.79 us at M=1 (4 warps), 5.74 at M=4 (8 warps), but 21.8 at M=16 where one
-#: program per row (ROWS 1) takes 6.56: the one-program path is kept to 32 slots; 4 warps up to 8 slots.
+#: program's warps; rows per program and warps beyond it; up to ``sorted_max_slots`` slots the multi-program path's
+#: last program aligns by one sort (SORTED in the kernel), above it by atomic ranks; TOPK_SORT picks the winners
+#: by one bitonic top-k; fill chunk; FILL_TAIL writes the sentinel over sorted_token_ids past the used part too
+#: (off: consumers read only the used part).
+#: H200 sweeps (Kimi-K2, bench/sweep_moe.py --ops route, graph replay; an empty kernel takes 0.58-0.76 us there):
+#: run 23 (commit ebf4c0c), route + align at M = 1 / 4 / 8 / 16 / 64: one program with top-k rounds (the previous
+#: default) 3.81 / 5.78 / - / - / -, one program per row with atomic ranks 6.38 / 6.43 / 6.40 / 6.50 / 8.49 (run 21);
+#: with the bitonic top-k: one program 3.14 at M = 1 (6.05 at M = 4), one program per row with the sorted
+#: alignment 4.68 at M = 4 (5.80 at M = 8, 9.28 at M = 64), with atomic ranks 5.58 / 5.69 / 7.61 at M = 8 / 16 / 64.
+#: The router alone: 2.96-3.26 us with top-k rounds, 2.29-2.43 with the bitonic top-k.
 #: The one-program router hands its [rows, top-k] winners to the in-register alignment by a reshape to one slot
 #: vector. On the H200 (run 18, Triton 3.6) that reshape double-counted slots when the padded expert count was 16
 #: (10 experts: num_tokens_post_padded 2x too large at 1, 4 and 8 warps) and was exact at 256 and 512 (DeepSeek-V3,
@@ -596,9 +605,9 @@ _FAST_MAX_SLOTS = 1024
 #: stores the winners and reads them back as a flat vector instead (one barrier and one L2 round trip); RELOAD
 #: forces that read-back at any expert count (tests).
 _RESHAPE_MIN_EXPERTS = 256
-_FAST_ROUTE_CONFIG: dict = {"one_max_slots": 32, "one_num_warps": 8, "one_small_slots": 8,
+_FAST_ROUTE_CONFIG: dict = {"one_max_slots": 8, "align_one_max_slots": 32, "one_num_warps": 8, "one_small_slots": 8,
                             "one_small_warps": 4, "ROWS": 1, "num_warps": 4, "CHUNK": 1024, "FILL_TAIL": False,
-                            "RELOAD": False, "SORTED": False, "TOPK_SORT": False}
+                            "RELOAD": False, "sorted_max_slots": 32, "TOPK_SORT": True}
 #: Launch config of the one-program router: rows routed per step, [CI, CJ] rank tiles, fill chunk, warps.
 _SINGLE_ROUTE_CONFIG: dict = {"ROWS": 4, "CI": 64, "CJ": 128, "CHUNK": 1024, "num_warps": 8}
 #: GEMV experts: largest M it takes, gate/up tile ``g1`` ([BLOCK_N gate rows + BLOCK_N up rows, BLOCK_K]) and

@@ -611,10 +611,10 @@ def test_fast_route_nan_rows_and_one_expert(device, fast_route):
 
 @pytest.mark.parametrize("rows", [1, 2])
 def test_fast_route_multi_program(device, fast_route, rows):
-    # more slots than one program takes (limit lowered to 8): one program per ROWS rows, atomic ranks, the last
+    # more slots than one program takes (limit 8): one program per ROWS rows, atomic ranks (sorted alignment off), the last
     # program aligns; 9 tokens (odd: the last program of ROWS=2 has one row) x top-3 over 11 experts (prime);
     # repeated calls must find the workspace clean
-    fast_route._FAST_ROUTE_CONFIG.update(one_max_slots=8, ROWS=rows)
+    fast_route._FAST_ROUTE_CONFIG.update(one_max_slots=8, ROWS=rows, sorted_max_slots=0)
     g = torch.Generator().manual_seed(96 + rows)
     x = torch.randn(9, 11, generator=g).to(device)
     bias = (torch.randn(11, generator=g) * 0.05).to(device)
@@ -624,9 +624,9 @@ def test_fast_route_multi_program(device, fast_route, rows):
 
 @pytest.mark.parametrize("mode", [
     # one program per row, the last program aligns by one sort of the slots (no atomic ranks)
-    dict(SORTED=True, one_max_slots=0),
+    dict(sorted_max_slots=1024, one_max_slots=0),
     # as above with the winners by one bitonic top-k (tl.topk) instead of top_k rounds of argmax
-    dict(SORTED=True, TOPK_SORT=True, one_max_slots=0),
+    dict(sorted_max_slots=1024, TOPK_SORT=True, one_max_slots=0),
     # bitonic top-k on the one-program path
     dict(TOPK_SORT=True),
 ])
@@ -644,7 +644,7 @@ def test_fast_route_sorted_exact(device, fast_route, mode, case):
     # the sorted alignment orders the slots inside an expert by slot id on every program layout (no atomics): exact
     # against align_reference, on a GPU too; the second call must find the ticket reset
     fast_route._FAST_ROUTE_CONFIG.update(mode)
-    if not mode.get("SORTED"):  # the one-program path must hold the case
+    if not mode.get("sorted_max_slots"):  # the one-program path must hold the case
         fast_route._FAST_ROUTE_CONFIG.update(one_max_slots=max(32, case["m"] * case["top_k"]))
     g = torch.Generator().manual_seed(120 + case["m"] + case["e"])
     x = torch.randn(case["m"], case["e"], generator=g).to(device)
@@ -659,7 +659,7 @@ def test_fast_route_sorted_exact(device, fast_route, mode, case):
 def test_fast_route_sorted_nan_row_and_one_expert(device, fast_route):
     # a NaN row contributes no slot (its ids sort last); every other token's first choice is expert 5 (two blocks of
     # 8), experts with no tokens
-    fast_route._FAST_ROUTE_CONFIG.update(SORTED=True, TOPK_SORT=True, one_max_slots=0)
+    fast_route._FAST_ROUTE_CONFIG.update(sorted_max_slots=1024, TOPK_SORT=True, one_max_slots=0)
     x = torch.randn(7, 32, generator=torch.Generator().manual_seed(131))
     x[:, 5] = 20.0
     x[2] = math.nan
@@ -670,7 +670,7 @@ def test_fast_route_sorted_nan_row_and_one_expert(device, fast_route):
 
 def test_fast_route_sorted_kimi(device, fast_route):
     # Kimi-K2 at M = 64 (512 slots: the largest verify batch the router targets) on the sorted multi-program path
-    fast_route._FAST_ROUTE_CONFIG.update(SORTED=True, TOPK_SORT=True)
+    fast_route._FAST_ROUTE_CONFIG.update(sorted_max_slots=1024, TOPK_SORT=True)
     m = 64 if device == "cuda" else 12
     g = torch.Generator().manual_seed(141)
     x = torch.randn(m, 384, generator=g).bfloat16().to(device)

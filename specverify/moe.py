@@ -306,7 +306,7 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
                              scale, block_size, do_route):
     """The default router + alignment (``_VARIANT["route"] == "fast"``, 0 < M * top_k <= 1024).
 
-    Up to ``_FAST_ROUTE_CONFIG["one_max_slots"]`` slots (M = 1 at top-8; ``align_one_max_slots`` for alignment-only
+    Up to ``_FAST_ROUTE_CONFIG["one_max_slots"]`` slots (M <= 2 at top-8; ``align_one_max_slots`` for alignment-only
     calls): one program routes every row at once and aligns in registers (no atomics, no workspace, no global round
     trip; slots in increasing slot id inside an expert, exactly as ``align_reference``). Beyond: one program per
     ``ROWS`` rows, and the last program (ticket) aligns: up to ``sorted_max_slots`` slots by one sort of every
@@ -339,7 +339,7 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
         ws = _workspace(dev)
         count, offs, ticket = ws[:_WS_STRIDE], ws[_WS_STRIDE: 2 * _WS_STRIDE], ws[2 * _WS_STRIDE:]
         grid = (_cdiv(m, rows),)
-        warps = cfg["num_warps"]
+        warps = cfg["wide_warps"] if s > cfg["wide_slots"] else cfg["num_warps"]
     extra = {"num_warps": warps} if on_gpu else {}
     bias_arg = bias if bias is not None else (logits if do_route else ids)
     _moe_route_align_fast_kernel[grid](
@@ -413,7 +413,7 @@ def moe_route(router_logits, *, top_k, scoring="sigmoid", correction_bias=None, 
 
     Notes
     -----
-    ``impl="triton"`` is one kernel launch for any M (up to M * top_k = 8 slots one program routes every row
+    ``impl="triton"`` is one kernel launch for any M (up to M * top_k = 16 slots one program routes every row
     and aligns in registers; beyond, one program per token and the last program to finish aligns: by one sort up
     to 32 slots, by atomic ranks above) and is
     CUDA-graph capturable: output sizes depend only on the shapes, there is no host sync, and
@@ -588,7 +588,8 @@ _VARIANT: dict = {"route": "fast", "experts": "auto"}
 _SINGLE_MAX_SLOTS = 1024
 _FAST_MAX_SLOTS = 1024
 #: Launch config of the "fast" router: largest M * top_k routed and aligned by one program in registers, that
-#: program's warps; rows per program and warps beyond it; up to ``sorted_max_slots`` slots the multi-program path's
+#: program's warps; rows per program and warps beyond it (``wide_warps`` above ``wide_slots`` slots); up to
+#: ``sorted_max_slots`` slots the multi-program path's
 #: last program aligns by one sort (SORTED in the kernel), above it by atomic ranks; TOPK_SORT picks the winners
 #: by one bitonic top-k; fill chunk; FILL_TAIL writes the sentinel over sorted_token_ids past the used part too
 #: (off: consumers read only the used part).
@@ -597,7 +598,10 @@ _FAST_MAX_SLOTS = 1024
 #: default) 3.81 / 5.78 / - / - / -, one program per row with atomic ranks 6.38 / 6.43 / 6.40 / 6.50 / 8.49 (run 21);
 #: with the bitonic top-k: one program 3.14 at M = 1 (6.05 at M = 4), one program per row with the sorted
 #: alignment 4.68 at M = 4 (5.80 at M = 8, 9.28 at M = 64), with atomic ranks 5.58 / 5.69 / 7.61 at M = 8 / 16 / 64.
-#: The router alone: 2.96-3.26 us with top-k rounds, 2.29-2.43 with the bitonic top-k.
+#: The router alone: 2.96-3.26 us with top-k rounds, 2.29-2.43 with the bitonic top-k. Run 24 (commit 2eb7238) with
+#: those defaults, M = 1 / 2 / 4 / 8 / 16 / 32 / 64: 3.08 / 4.25 / 4.49 / 5.38 / 5.66 / 6.43 / 7.57 us; one program at
+#: M = 2 took 4.00, 8 warps per row program 5.79 / 6.38 at M = 32 / 64 (the same at M = 8 and 16, slower at 2 and 4):
+#: hence one_max_slots 16 and wide_warps above 128 slots.
 #: The one-program router hands its [rows, top-k] winners to the in-register alignment by a reshape to one slot
 #: vector. On the H200 (run 18, Triton 3.6) that reshape double-counted slots when the padded expert count was 16
 #: (10 experts: num_tokens_post_padded 2x too large at 1, 4 and 8 warps) and was exact at 256 and 512 (DeepSeek-V3,
@@ -605,9 +609,10 @@ _FAST_MAX_SLOTS = 1024
 #: stores the winners and reads them back as a flat vector instead (one barrier and one L2 round trip); RELOAD
 #: forces that read-back at any expert count (tests).
 _RESHAPE_MIN_EXPERTS = 256
-_FAST_ROUTE_CONFIG: dict = {"one_max_slots": 8, "align_one_max_slots": 32, "one_num_warps": 8, "one_small_slots": 8,
-                            "one_small_warps": 4, "ROWS": 1, "num_warps": 4, "CHUNK": 1024, "FILL_TAIL": False,
-                            "RELOAD": False, "sorted_max_slots": 32, "TOPK_SORT": True}
+_FAST_ROUTE_CONFIG: dict = {"one_max_slots": 16, "align_one_max_slots": 32, "one_num_warps": 8,
+                            "one_small_slots": 8, "one_small_warps": 4, "ROWS": 1, "num_warps": 4, "wide_slots": 128,
+                            "wide_warps": 8, "CHUNK": 1024, "FILL_TAIL": False, "RELOAD": False,
+                            "sorted_max_slots": 32, "TOPK_SORT": True}
 #: Launch config of the one-program router: rows routed per step, [CI, CJ] rank tiles, fill chunk, warps.
 _SINGLE_ROUTE_CONFIG: dict = {"ROWS": 4, "CI": 64, "CJ": 128, "CHUNK": 1024, "num_warps": 8}
 #: GEMV experts: largest M it takes, gate/up tile ``g1`` ([BLOCK_N gate rows + BLOCK_N up rows, BLOCK_K]) and
@@ -615,8 +620,9 @@ _SINGLE_ROUTE_CONFIG: dict = {"ROWS": 4, "CI": 64, "CJ": 128, "CHUNK": 1024, "nu
 _GEMV_CONFIG: dict = {"max_m": 4, "g1": {"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 4},
                       "g2": {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4}}
 #: Fused experts (opt-in: one launch streams each activated expert once, then a fixed-order partial sum). Tiles
-#: per M range (first entry with max_m >= M): BI columns of I per program, BK of H per gate/up step, BH rows of H per down step, DOT (tl.dot on
-#: the block's 16 rows) or the GEMV form with MP slots per pass, RBN columns per partial-sum program.
+#: per M range (first entry with max_m >= M): BI columns of I per program, BK of H per gate/up step, BH rows of H
+#: per down step, DOT (tl.dot on the block's 16 rows) or the GEMV form with MP slots per pass, RBN columns per
+#: partial-sum program.
 _FUSED_CONFIGS: list = [
     {"max_m": 1 << 30, "BI": 32, "BK": 128, "BH": 128, "DOT": True, "MP": 4, "RBN": 256, "num_warps": 4,
      "num_stages": 3},
@@ -636,8 +642,9 @@ _FUSED_CONFIGS: list = [
 #: R 2 against R 4: 1.25 / 1.18 against 1.35 / 1.25 (run 17), 1.263 / - against 1.27 (run 18), 1.245 / 1.19
 #: against 1.25 / 1.23 (run 22); from M = 4 R 4 wins (1.15 against 1.20 at M = 4, run 21). From M = 7 the dot
 #: path is faster (``max_m`` 6, see _VARIANT).
-_STREAM_CONFIG: dict = {"max_m": 6, "small_m": 2, "small_R": 2, "R": 4, "BK": 512, "PREFETCH": False, "ALIGNED": False, "num_warps": 4,
-                        "num_stages": 1, "BH": 2, "BI": 256, "TILE": 8192, "down_warps": 4, "PDL": True}
+_STREAM_CONFIG: dict = {"max_m": 6, "small_m": 2, "small_R": 2, "R": 4, "BK": 512, "PREFETCH": False,
+                        "ALIGNED": False, "num_warps": 4, "num_stages": 1, "BH": 2, "BI": 256, "TILE": 8192,
+                        "down_warps": 4, "PDL": True}
 #: Overrides merged into the stream config (benchmarks and sweeps only; empty in normal use).
 _STREAM_OVERRIDE: dict = {}
 #: Overrides merged into the chosen fused config (benchmarks and sweeps only; empty in normal use).

@@ -611,8 +611,8 @@ def test_fast_route_nan_rows_and_one_expert(device, fast_route):
 
 @pytest.mark.parametrize("rows", [1, 2])
 def test_fast_route_multi_program(device, fast_route, rows):
-    # more slots than one program takes (limit 8): one program per ROWS rows, atomic ranks (sorted alignment off), the last
-    # program aligns; 9 tokens (odd: the last program of ROWS=2 has one row) x top-3 over 11 experts (prime);
+    # more slots than one program takes (limit 8): one program per ROWS rows, atomic ranks (sorted alignment off),
+    # the last program aligns; 9 tokens (odd: the last program of ROWS=2 has one row) x top-3 over 11 experts (prime);
     # repeated calls must find the workspace clean
     fast_route._FAST_ROUTE_CONFIG.update(one_max_slots=8, ROWS=rows, sorted_max_slots=0)
     g = torch.Generator().manual_seed(96 + rows)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 import torch
 
@@ -54,8 +55,9 @@ def main(argv=None) -> int:
     if peer is None:
         print(f"# sglang provider skipped: {peer_why}")
     ms_list = [1, 4, 16, 64] if args.quick else [1, 2, 4, 8, 16, 32, 64]
+    t0 = time.time()
     bw = copy_bandwidth_gbps()
-    print(f"# measured D2D copy bandwidth: {bw:.0f} GB/s")
+    print(f"# measured D2D copy bandwidth: {bw:.0f} GB/s", flush=True)
     meta = run_meta(__file__, copy_gbps=bw)
     rows = []
     for name in args.models.split(","):
@@ -95,6 +97,9 @@ def main(argv=None) -> int:
                 if floor_us is not None:
                     row.update(floor_us=floor_us, floor_frac=floor_us / us)
                 rows.append(row)
+                # progress as it goes: a step cut by its time limit still shows what it measured
+                print(f"# {name} M={m} {op}/{provider}: {us:.2f} us eager, {gus:.2f} us graph "
+                      f"({time.time() - t0:.0f} s)", flush=True)
 
             add("route+align", "triton", lambda: moe_route(logits, block_size=BLOCK, impl="triton", **rkw))
             if not args.quick or m <= 4:

@@ -364,16 +364,26 @@ def _align_pairwise(ids_v, slot_v, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks
     lower = (ids_v[None, :] < ids_v[:, None]) & first[None, :]
     offs = tl.sum(tl.where(lower, padded[None, :], 0), axis=1)
     total = tl.sum(tl.where(first, padded, 0), axis=0)
+    _write_runs(sorted_ptr, eids_ptr, npad_ptr, offs, rank, cnt, padded, first, ok, slot_v, ids_v, total, S,
+                max_blocks, B, PJ, CHUNK, FILL_TAIL)
+
+
+@triton.jit
+def _write_runs(sorted_ptr, eids_ptr, npad_ptr, start, rank, cnt, padded, first, ok, slot, expert, total, S,
+                max_blocks, B: tl.constexpr, PJ: tl.constexpr, CHUNK: tl.constexpr, FILL_TAIL: tl.constexpr):
+    """Write an alignment from per-slot vectors: each slot's place ``start + rank`` (``start``: its expert's first
+    padded entry; ``ok``: the slot has an expert), and, from the first slot of each expert (``first``), the
+    expert's padding (``padded - cnt`` sentinels) and its block ids; then the used length and the tails."""
     tl.store(npad_ptr, total)
-    tl.store(sorted_ptr + offs + rank, slot_v, mask=ok)
+    tl.store(sorted_ptr + start + rank, slot, mask=ok)
     oj = tl.arange(0, PJ)
     for j0 in range(0, B - 1, PJ):  # each expert's padding, written by its first slot
         jj = j0 + oj
-        tl.store(sorted_ptr + (offs + cnt)[:, None] + jj[None, :], S,
+        tl.store(sorted_ptr + (start + cnt)[:, None] + jj[None, :], S,
                  mask=first[:, None] & (jj[None, :] < (padded - cnt)[:, None]))
     nblk = padded // B
-    for j in range(0, tl.max(nblk, axis=0)):
-        tl.store(eids_ptr + offs // B + j, ids_v, mask=first & (j < nblk))
+    for j in range(0, tl.max(tl.where(first, nblk, 0), axis=0)):
+        tl.store(eids_ptr + start // B + j, expert, mask=first & (j < nblk))
     _fill_tails(sorted_ptr, eids_ptr, total, S, max_blocks, B, CHUNK, FILL_TAIL)
 
 
@@ -424,17 +434,8 @@ def _align_sorted(ids_v, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks, EA: tl.c
     lead = tl.where(first, padded, 0)
     base = tl.cumsum(lead, axis=0) - padded  # the run's own pad is in the inclusive sum from its first slot on
     total = tl.sum(lead, axis=0)
-    tl.store(npad_ptr, total)
-    tl.store(sorted_ptr + base + rank, slot, mask=ok)
-    oj = tl.arange(0, PJ)
-    for j0 in range(0, B - 1, PJ):  # each expert's padding, written by its first slot
-        jj = j0 + oj
-        tl.store(sorted_ptr + (base + cnt)[:, None] + jj[None, :], S,
-                 mask=first[:, None] & (jj[None, :] < (padded - cnt)[:, None]))
-    nblk = padded // B
-    for j in range(0, tl.max(tl.where(first, nblk, 0), axis=0)):
-        tl.store(eids_ptr + base // B + j, sid, mask=first & (j < nblk))
-    _fill_tails(sorted_ptr, eids_ptr, total, S, max_blocks, B, CHUNK, FILL_TAIL)
+    _write_runs(sorted_ptr, eids_ptr, npad_ptr, base, rank, cnt, padded, first, ok, slot, sid, total, S, max_blocks,
+                B, PJ, CHUNK, FILL_TAIL)
 
 
 @triton.jit(do_not_specialize=["M", "S", "max_blocks"])

@@ -598,9 +598,14 @@ def test_fast_route_one_program_exact(device, fast_route, case):
     check_alignment_exact(ids, case["e"], case["block"], al)
 
 
-def test_fast_route_nan_rows_and_one_expert(device, fast_route):
-    # a NaN row (all -1: no slot aligned), every other token's first choice expert 5 (one expert over two blocks
-    # of 8), experts with no tokens; 7 x 3 = 21 slots, not a multiple of the block
+@pytest.mark.parametrize("mode", [
+    dict(one_max_slots=32),  # one program, pairwise alignment in registers
+    dict(one_max_slots=0, sorted_max_slots=1024),  # a program per row, the last aligns by one sort
+])
+def test_fast_route_nan_rows_and_one_expert(device, fast_route, mode):
+    # a NaN row (all -1: no slot aligned; its ids sort last), every other token's first choice expert 5 (one expert
+    # over two blocks of 8), experts with no tokens; 7 x 3 = 21 slots, not a multiple of the block
+    fast_route._FAST_ROUTE_CONFIG.update(mode)
     x = torch.randn(7, 32, generator=torch.Generator().manual_seed(95))
     x[:, 5] = 20.0
     x[2] = math.nan
@@ -654,18 +659,6 @@ def test_fast_route_sorted_exact(device, fast_route, mode, case):
                                  n_group=case.get("n_group", 1), topk_group=case.get("topk_group", 1),
                                  block_size=case["block"])
         check_alignment_exact(ids, case["e"], case["block"], al)
-
-
-def test_fast_route_sorted_nan_row_and_one_expert(device, fast_route):
-    # a NaN row contributes no slot (its ids sort last); every other token's first choice is expert 5 (two blocks of
-    # 8), experts with no tokens
-    fast_route._FAST_ROUTE_CONFIG.update(sorted_max_slots=1024, TOPK_SORT=True, one_max_slots=0)
-    x = torch.randn(7, 32, generator=torch.Generator().manual_seed(131))
-    x[:, 5] = 20.0
-    x[2] = math.nan
-    ids, _, al = check_route(x.to(device), 3, block_size=8)
-    assert (ids[2].cpu() == -1).all()
-    check_alignment_exact(ids, 32, 8, al)
 
 
 def test_fast_route_sorted_kimi(device, fast_route):

@@ -4,7 +4,8 @@ Shapes (Kimi-K2 per rank at tp 8: 8 heads, kv_lora_rank 512 + rope 64, bf16, pag
 batch 1 context 4096 k 1 (decode) and k 4 (top-2 tree) — the <= 10 us latency target of issue 4 —, batch 8
 context 32768 k 4 and batch 64 context 4096 k 4 (bandwidth). Variants: ``MLA_LATENCY_CONFIGS`` (16-bit split
 partials, programmatic dependent launch, merge width, fewer rows or value columns per program, chunked kernel,
-fused merge), ``MLA_CHUNKED_CONFIGS`` and ``MLA_SWAPPED_CONFIGS`` (the transposed kernel, ``swap`` rows: KV tokens as
+fused merge), ``MLA_PAGE_AHEAD_CONFIGS`` (``ahead`` rows: the default kernel with the KV tile double-buffered),
+``MLA_CHUNKED_CONFIGS`` and ``MLA_SWAPPED_CONFIGS`` (the transposed kernel, ``swap`` rows: KV tokens as
 the MMA's M dimension so Hopper can use wgmma) from ``specverify/kernels/tree_attention.py``, at several split counts
 (the 4-warp BLOCK_N 32 swapped config fits two CTAs on an SM, so it is timed at twice the heuristic's splits).
 
@@ -48,8 +49,11 @@ def variants_for(batch: int, k: int, quick: bool):
     from specverify.kernels import tree_attention as kernels
 
     L, C, W = kernels.MLA_LATENCY_CONFIGS, kernels.MLA_CHUNKED_CONFIGS, kernels.MLA_SWAPPED_CONFIGS
+    A = kernels.MLA_PAGE_AHEAD_CONFIGS  # the default kernel, KV double-buffered (page ids one tile ahead)
+    ahead = [("ahead N64 s3", A[0], None), ("ahead N32 s4", A[1], None), ("ahead N32 s3", A[2], None)]
     if batch == 1:
-        v = [("default", None, None), ("default s64", None, 64),
+        v = [("default", None, None), ("default s64", None, 64), ("ahead N64 s3 bf16+pdl s64", dict(A[0], **{
+                 "PARTIAL_DTYPE": "bf16", "PDL": True}), 64),
              ("swap bf16+pdl s64", L["swap bf16+pdl"], 64), ("swap s3 bf16+pdl s64", L["swap s3 bf16+pdl"], 64),
              ("swap N32 w4 bf16+pdl s128", L["swap N32 w4 bf16+pdl"], 128),
              ("bf16 s64", L["bf16"], 64), ("pdl s64", L["pdl"], 64), ("bf16+pdl s64", L["bf16+pdl"], 64),
@@ -69,14 +73,14 @@ def variants_for(batch: int, k: int, quick: bool):
              ("chunk DV128 fused bf16+pdl s16", L["chunk DV128 fused bf16+pdl"], 16)]
         return v[:15] if quick else v
     if batch == 8:
-        v = [("default", None, None), ("swap", W[0], None), ("swap s3", W[1], None),
+        v = [("default", None, None), *ahead, ("swap", W[0], None), ("swap s3", W[1], None),
              ("swap pdl", dict(W[0], PDL=True), None), ("swap N32 w4 s32", W[2], 32),
              ("swap N32 w8 s16", W[3], 16), ("swap s3 bf16+pdl s16", L["swap s3 bf16+pdl"], 16),
              ("bf16+pdl", L["bf16+pdl"], None), ("pdl", L["pdl"], None),
              ("bf16+pdl s16", L["bf16+pdl"], 16), ("chunk DV256 bf16+pdl s8", L["chunk DV256 bf16+pdl"], 8),
              ("chunk DV256 bf16+pdl s16", L["chunk DV256 bf16+pdl"], 16), ("C3 s8", C[3], 8)]
         return v[:8] if quick else v
-    v = [("default", None, None), ("swap", W[0], None), ("swap s3", W[1], None),
+    v = [("default", None, None), *ahead, ("swap", W[0], None), ("swap s3", W[1], None),
          ("swap pdl", dict(W[0], PDL=True), None), ("swap N32 w4 s4", W[2], 4), ("swap N32 w8 s2", W[3], 2),
          ("swap s1", W[0], 1), ("pdl", L["pdl"], None), ("default s1", None, 1),
          ("chunk DV256 pdl s1", dict(C[0], PDL=True), 1), ("C3 s1 (M64)", C[3], 1),
@@ -104,6 +108,7 @@ def resources(quick: bool) -> list[dict]:
     from sweep_verify_kernels import _captured_launches, _compile_sm90
 
     cfgs = [("default", dict(kernels.MLA_CONFIGS[0], BLOCK_M=32))]
+    cfgs += [(f"ahead{i}", c) for i, c in enumerate(kernels.MLA_PAGE_AHEAD_CONFIGS)]
     cfgs += [(f"swap{i}", c) for i, c in enumerate(kernels.MLA_SWAPPED_CONFIGS)]
     shapes = [(64, 4096, 4, 2), (1, 4096, 4, 64)] + ([] if quick else [(64, 4096, 8, 2)])
     rows = []

@@ -132,7 +132,7 @@ def _tree_attention_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_K: tl.constexpr, M_TILES: tl.constexpr, DV_TILES: tl.constexpr,
     HAS_MASK: tl.constexpr, V_IS_K: tl.constexpr, STORE_LSE: tl.constexpr, DOT_FP32: tl.constexpr,
-    FUSED_MERGE: tl.constexpr = False, PDL: tl.constexpr = False,
+    FUSED_MERGE: tl.constexpr = False, PDL: tl.constexpr = False, PAGE_AHEAD: tl.constexpr = False,
 ):
     if PDL:  # launched as a programmatic dependent: wait for the previous kernel's writes, let the merge launch
         gdc_wait()
@@ -181,10 +181,17 @@ def _tree_attention_fwd_kernel(
     # for prefix tiles, so they pay no memory traffic for it. One loop body keeps registers and code size down.
     start, end = _split_range(prefix, split, NUM_SPLITS, NUM_DRAFT, BLOCK_N)
     offs_n = tl.arange(0, BLOCK_N)
+    if PAGE_AHEAD:  # the first tile's page ids; each iteration then loads the next tile's (loop-carried)
+        page_nxt = tl.load(pt_row + (start + offs_n) // PAGE_SIZE, mask=start + offs_n < end, other=0)
     for start_n in range(start, end, BLOCK_N):
         pos = start_n + offs_n
         valid = pos < end
-        page = tl.load(pt_row + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+        if PAGE_AHEAD:
+            page = page_nxt.to(tl.int64)
+            pos_nxt = pos + BLOCK_N
+            page_nxt = tl.load(pt_row + pos_nxt // PAGE_SIZE, mask=pos_nxt < end, other=0)
+        else:
+            page = tl.load(pt_row + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
         slot = (pos % PAGE_SIZE).to(tl.int64)
         k_rows = page * stride_kp + slot * stride_ks + k_head
         kt = tl.load(K + k_rows[:, None] + offs_d[None, :], mask=valid[:, None] & d_mask[None, :], other=0.0)
@@ -323,6 +330,19 @@ MLA_CHUNKED_CONFIGS = [
      "num_stages": 4},
     {"KERNEL": "mla_chunked", "D_CHUNK": 128, "BLOCK_N": 64, "BLOCK_DV": 128, "BLOCK_M": 32, "num_warps": 4,
      "num_stages": 3},
+]
+# MLA_PAGE_AHEAD_CONFIGS: the default kernel with PAGE_AHEAD (issue 4, MLA bandwidth). Compiled offline for sm_90a
+# (Triton 3.9, Kimi-K2 rank, b 8 ctx 32768 k 4, 16 splits), the default MLA config keeps ONE KV buffer whatever
+# num_stages is (2, 3 or 4): the in-loop page-table load takes a pipeline stage, so the next tile's copy is issued
+# only after this tile's dots have read the single buffer, and its latency is exposed every tile (one CTA per SM:
+# nothing else hides it; the GQA shapes reach 81% because several CTAs share an SM). With the page ids loaded one
+# tile ahead the KV copy depends only on loop-carried values and the pipeliner double-buffers it:
+# BLOCK_N 64, 3 stages: 2 KV buffers, 248 regs, no spill, 184 KB shared; BLOCK_N 32, 4 stages: 3 buffers (two tiles
+# in flight), 180 regs, 148 KB; BLOCK_N 32, 3 stages: 2 buffers, 180 regs, 112 KB. Not yet timed on a GPU.
+MLA_PAGE_AHEAD_CONFIGS = [
+    {"BLOCK_N": 64, "BLOCK_DV": 512, "BLOCK_M": 32, "num_warps": 8, "num_stages": 3, "PAGE_AHEAD": True},
+    {"BLOCK_N": 32, "BLOCK_DV": 512, "BLOCK_M": 32, "num_warps": 8, "num_stages": 4, "PAGE_AHEAD": True},
+    {"BLOCK_N": 32, "BLOCK_DV": 512, "BLOCK_M": 32, "num_warps": 8, "num_stages": 3, "PAGE_AHEAD": True},
 ]
 # GQA_BANDWIDTH_CONFIGS: long tiles and deep pipelines for batch x context that moves hundreds of MB (with few splits).
 GQA_BANDWIDTH_CONFIGS = [

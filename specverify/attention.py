@@ -133,7 +133,9 @@ class TreeAttentionPlan:
         KV splits per (request, KV head); 1 means no workspace and no merge kernel.
     config : dict
         ``BLOCK_M, M_TILES, BLOCK_N, BLOCK_DV, DV_TILES, BLOCK_K, num_warps, num_stages, KERNEL, FUSED_MERGE,
-        PARTIAL_DTYPE, PDL, MERGE_BLOCK_DV, MERGE_WARPS`` (``KERNEL`` ``"default"``, ``"mla_chunked"`` (adds
+        PARTIAL_DTYPE, PDL, MERGE_BLOCK_DV, MERGE_WARPS`` (``KERNEL`` ``"default"`` (adds ``PAGE_AHEAD``: each tile
+        loads the next tile's page ids, so with ``num_stages`` >= 3 Triton's pipeliner double-buffers the KV tile;
+        opt-in until measured), ``"mla_chunked"`` (adds
         ``D_CHUNK, NC, CPT``) or ``"mla_swapped"`` (transposed products, one value tile, no fused merge);
         ``MERGE_BLOCK_DV`` None means the launcher's default width).
     workspace_out : torch.Tensor or None
@@ -189,13 +191,16 @@ def _choose_config(*, mla: bool, rows: int, head_dim: int, head_dim_v: int, inte
         base = dict(kernels.GQA_CONFIGS[0] if head_dim <= 128 else
                     {"BLOCK_N": 32, "BLOCK_DV": None, "num_warps": 4, "num_stages": 2})
     unknown = set(base) - {"BLOCK_N", "BLOCK_DV", "BLOCK_M", "num_warps", "num_stages", "KERNEL", "D_CHUNK",
-                           *_COMMON_KEYS}
+                           "PAGE_AHEAD", *_COMMON_KEYS}
     if unknown:
         raise ValueError(f"config has unknown keys {sorted(unknown)}; expected BLOCK_N, BLOCK_DV, BLOCK_M, "
-                         "num_warps, num_stages, KERNEL, D_CHUNK, " + ", ".join(_COMMON_KEYS))
+                         "num_warps, num_stages, KERNEL, D_CHUNK, PAGE_AHEAD, " + ", ".join(_COMMON_KEYS))
     kernel = base.get("KERNEL", "default")
     if kernel not in _KERNELS:
         raise ValueError(f"config KERNEL must be one of {_KERNELS}, got {kernel!r}")
+    if base.get("PAGE_AHEAD") and kernel != "default":
+        raise ValueError(f"config PAGE_AHEAD is a key of the default kernel only, got it with KERNEL={kernel!r}; "
+                         "drop PAGE_AHEAD or the KERNEL key")
     if kernel == "mla_chunked":
         cfg = _choose_chunked_config(base, mla=mla, rows=rows, head_dim=head_dim, head_dim_v=head_dim_v)
         cfg.update(_common_config(base))
@@ -223,6 +228,7 @@ def _choose_config(*, mla: bool, rows: int, head_dim: int, head_dim_v: int, inte
         "num_warps": int(base.get("num_warps", 4)),
         "num_stages": int(base.get("num_stages", 2)),
         "KERNEL": "default",
+        "PAGE_AHEAD": bool(base.get("PAGE_AHEAD", False)),
         **_common_config(base),
     }
 
@@ -623,7 +629,7 @@ def _launch(*, q, qr, kc, vc, k_strides, v_strides, page_table, prefix_lens, tre
             *k_strides, *v_strides, *tail,
             GROUP=hq // hkv, DV=dv, BLOCK_D=_next_pow2(max(16, d)), BLOCK_DR=block_dr, BLOCK_DV=cfg["BLOCK_DV"],
             BLOCK_K=cfg["BLOCK_K"], M_TILES=cfg["M_TILES"], DV_TILES=cfg["DV_TILES"], V_IS_K=v_is_k,
-            FUSED_MERGE=fused, **common)
+            FUSED_MERGE=fused, PAGE_AHEAD=cfg.get("PAGE_AHEAD", False), **common)
     if splits > 1 and not fused:
         _launch_merge(kernels, ws_o, ws_lse, out, lse, batch=batch, k=k, hq=hq, dv=dv, splits=splits, cfg=cfg,
                       pdl=pdl)

@@ -320,6 +320,13 @@ MLA_VARIANT_CASES = [
     # the default kernel with the fused merge (value columns over 2 programs); k = 1 decode
     ("default-kernel-fused-k1", [40, 2], 1, 4, 64, 16, 16, "chain", torch.bfloat16, 3,
      {"BLOCK_N": 16, "BLOCK_DV": 32, "FUSED_MERGE": True}),
+    # page ids one tile ahead: page size 1 (every token its own page), a prefix ending on a tile edge (48), a
+    # prefix-0 request, splits whose ranges end mid-tile, per-request trees
+    ("page-ahead-ps1", [48, 0, 29], 4, 4, 64, 16, 1, "random", torch.bfloat16, 3,
+     {"BLOCK_N": 16, "PAGE_AHEAD": True}),
+    # page ids one tile ahead with tiles spanning pages (page size 4 < BLOCK_N 16), no split, chain
+    ("page-ahead-ps4-nosplit", [37, 5], 3, 4, 64, 16, 4, "chain", torch.float16, 1,
+     {"BLOCK_N": 16, "PAGE_AHEAD": True}),
 ]
 
 
@@ -406,6 +413,9 @@ GQA_VARIANT_CASES = [
     # a bandwidth config's shape (long tile) at interpreter size, chain
     ("bandwidth-cfg-chain", [100, 33], 3, 4, 2, 64, 16, "chain", torch.bfloat16, 2,
      {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4}),
+    # page ids one tile ahead on the GQA path (separate K and V loads), page size 16, 2 KV heads
+    ("page-ahead-gqa", [70, 9], 4, 4, 2, 64, 16, "random", torch.bfloat16, 2,
+     {"BLOCK_N": 16, "PAGE_AHEAD": True}),
 ]
 
 
@@ -462,6 +472,7 @@ class _Forbid:
     ({"KERNEL": "mla_chunked", "D_CHUNK": 24}, "D_CHUNK=24"),  # not a power of two
     ({"KERNEL": "mla_chunked", "D_CHUNK": 16}, "at most 4 chunks"),  # 512 / 16 = 32 chunks
     ({"KERNEL": "mla_chunked", "D_CHUNK": 128, "BLOCK_DV": 384}, "BLOCK_DV=384"),  # 3 chunks, does not divide 512
+    ({"KERNEL": "mla_swapped", "PAGE_AHEAD": True}, "PAGE_AHEAD is a key of the default kernel"),
 ])
 def test_variant_config_errors(config, match):
     with pytest.raises(ValueError, match=match):
@@ -624,6 +635,7 @@ from specverify.kernels import tree_attention as _K  # noqa: E402 - the config l
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", _K.MLA_CONFIGS + _K.MLA_CHUNKED_CONFIGS + _K.MLA_SWAPPED_CONFIGS
+                         + _K.MLA_PAGE_AHEAD_CONFIGS
                          + [dict(c, FUSED_MERGE=True) for c in (_K.MLA_CONFIGS[0], _K.MLA_CHUNKED_CONFIGS[0])])
 def test_gpu_mla_every_config(config, poison):
     """Every config the bench may pick is correct (the bench sweeps these)."""

@@ -52,8 +52,10 @@ def variants_for(batch: int, k: int, quick: bool):
     A = kernels.MLA_PAGE_AHEAD_CONFIGS  # the default kernel, KV double-buffered (page ids one tile ahead)
     ahead = [("ahead N64 s3", A[0], None), ("ahead N32 s4", A[1], None), ("ahead N32 s3", A[2], None)]
     if batch == 1:
-        v = [("default", None, None), ("default s64", None, 64), ("ahead N64 s3 bf16+pdl s64", dict(A[0], **{
-                 "PARTIAL_DTYPE": "bf16", "PDL": True}), 64),
+        lat = {"PARTIAL_DTYPE": "bf16", "PDL": True}
+        # with the KV tile double-buffered a split can take several tiles at full speed: fewer splits, fewer partials
+        v = [("default", None, None), ("default s64", None, 64), ("ahead N64 s3 bf16+pdl s64", dict(A[0], **lat), 64),
+             ("ahead N64 s3 bf16+pdl s16", dict(A[0], **lat), 16), ("ahead N32 s4 bf16+pdl s32", dict(A[1], **lat), 32),
              ("swap bf16+pdl s64", L["swap bf16+pdl"], 64), ("swap s3 bf16+pdl s64", L["swap s3 bf16+pdl"], 64),
              ("swap N32 w4 bf16+pdl s128", L["swap N32 w4 bf16+pdl"], 128),
              ("bf16 s64", L["bf16"], 64), ("pdl s64", L["pdl"], 64), ("bf16+pdl s64", L["bf16+pdl"], 64),

@@ -332,13 +332,14 @@ MLA_CHUNKED_CONFIGS = [
      "num_stages": 3},
 ]
 # MLA_PAGE_AHEAD_CONFIGS: the default kernel with PAGE_AHEAD (issue 4, MLA bandwidth). Compiled offline for sm_90a
-# (Triton 3.9, Kimi-K2 rank, b 8 ctx 32768 k 4, 16 splits), the default MLA config keeps ONE KV buffer whatever
-# num_stages is (2, 3 or 4): the in-loop page-table load takes a pipeline stage, so the next tile's copy is issued
-# only after this tile's dots have read the single buffer, and its latency is exposed every tile (one CTA per SM:
-# nothing else hides it; the GQA shapes reach 81% because several CTAs share an SM). With the page ids loaded one
-# tile ahead the KV copy depends only on loop-carried values and the pipeliner double-buffers it:
-# BLOCK_N 64, 3 stages: 2 KV buffers, 248 regs, no spill, 184 KB shared; BLOCK_N 32, 4 stages: 3 buffers (two tiles
-# in flight), 180 regs, 148 KB; BLOCK_N 32, 3 stages: 2 buffers, 180 regs, 112 KB. Not yet timed on a GPU.
+# (Triton 3.6 as on the H200 machine, and 3.9; Kimi-K2 rank, b 8 ctx 32768 k 4, 16 splits), the default MLA config
+# keeps ONE KV buffer whatever num_stages is (2, 3 or 4) and waits for every copy at the top of each tile: the
+# in-loop page-table load takes a pipeline stage, so the next tile's copy is issued only after this tile's dots have
+# read the single buffer, and its latency is exposed every tile (one CTA per SM: nothing else hides it; the GQA
+# shapes reach 81% because several CTAs share an SM). With the page ids loaded one tile ahead the KV copy depends
+# only on loop-carried values and the pipeliner multi-buffers it (Triton 3.6): BLOCK_N 64, 3 stages: 2 KV buffers,
+# one tile in flight while the other is used, 248 regs, no spill, 188 KiB shared; BLOCK_N 32, 4 stages: 3 buffers
+# (two tiles in flight), 178 regs, 148 KiB; BLOCK_N 32, 3 stages: 2 buffers, 178 regs, 112 KiB. Not yet timed.
 MLA_PAGE_AHEAD_CONFIGS = [
     {"BLOCK_N": 64, "BLOCK_DV": 512, "BLOCK_M": 32, "num_warps": 8, "num_stages": 3, "PAGE_AHEAD": True},
     {"BLOCK_N": 32, "BLOCK_DV": 512, "BLOCK_M": 32, "num_warps": 8, "num_stages": 4, "PAGE_AHEAD": True},
@@ -346,6 +347,9 @@ MLA_PAGE_AHEAD_CONFIGS = [
 ]
 # GQA_BANDWIDTH_CONFIGS: long tiles and deep pipelines for batch x context that moves hundreds of MB (with few splits).
 GQA_BANDWIDTH_CONFIGS = [
+    # the default GQA tile with the page ids one tile ahead: 2 K and 2 V buffers instead of 1 (Triton 3.6 offline,
+    # Llama-3.1-8B b 8 ctx 32768 k 4: 158 regs, 72 KiB shared); not yet timed
+    {"BLOCK_N": 64, "BLOCK_DV": None, "num_warps": 4, "num_stages": 3, "PAGE_AHEAD": True},
     {"BLOCK_N": 128, "BLOCK_DV": None, "num_warps": 4, "num_stages": 4},
     {"BLOCK_N": 128, "BLOCK_DV": None, "num_warps": 8, "num_stages": 4},
     {"BLOCK_N": 64, "BLOCK_DV": None, "num_warps": 4, "num_stages": 4},

@@ -6,7 +6,8 @@ Math, for token row ``m`` of ``logits`` [M, E] (fp32 arithmetic throughout):
   (it never wins).
 * With ``N_GROUP > 1`` (equal groups of ``GSIZE`` experts): ``g[j] = c(1) + c(2)`` over the two best ``c`` in
   group ``j``; the ``TOPK_GROUP`` best groups stay (ties: lowest group id), the other experts' ``c`` become -inf.
-* ``TOP_K`` rounds of argmax over ``c`` (ties: lowest expert id), each winner removed. A round whose best ``c`` is
+* ``TOP_K`` rounds of argmax over ``c`` (ties: lowest expert id), each winner removed, or (TOPK_SORT) one bitonic
+  top-k (``tl.topk``) of the same keys, which yields the same winners in the same order. A winner whose ``c`` is
   -inf reports id -1 and weight 0.
 * ``w[k] = s[id_k]`` (unbiased score); with ``RENORM`` ``w /= sum(w)`` where the sum is > 0; ``w *= scale``.
 
@@ -347,6 +348,9 @@ def _moe_route_align_single_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, sorted_
 #     Slots inside an expert come in increasing slot id (align_reference's order: exact match).
 #   not ONE (grid (ceil(M / ROWS),)): ranks by atomics as in _moe_route_align_kernel; the last program (ticket)
 #     loads the ids, ranks and counters in one round trip, scans the counters and scatters (one gather of offsets).
+#     SORTED: no atomic ranks; the last program loads the ids once and aligns by one sort (_align_sorted: sorted
+#     (expert, slot) keys, run ranks and lengths by a segmented count from both ends, pad offsets by a cumsum), so
+#     the order inside an expert is exact here too.
 #
 #   FILL_TAIL: also write the sentinel S over sorted_ids[num_post_pad:] (~M * TOP_K * B entries at most); off by
 #   default: consumers read only the used part. expert_ids past the used blocks are always set to -1 (short).

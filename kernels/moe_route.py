@@ -186,22 +186,29 @@ def _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, row0,
 
 
 @triton.jit
+def _expert_blocks(cnt, e, emask, npad_ptr, offs_ptr, eids_ptr, B: tl.constexpr):
+    """From per-expert counts ``cnt`` [EAP] (experts ``e``, ``emask`` the real ones): each expert's padded length and
+    start offset, stored with the used length ``num_post_pad``, and the expert id of each used block (a block of
+    expert e starts at offs[e] / B). Returns (padded, offs, total)."""
+    padded = (cnt + B - 1) // B * B
+    offs = tl.cumsum(padded, axis=0) - padded
+    total = tl.sum(padded, axis=0)
+    tl.store(npad_ptr, total)
+    tl.store(offs_ptr + e, offs, mask=emask)
+    nblk = padded // B
+    for j in range(0, tl.max(nblk, axis=0)):
+        tl.store(eids_ptr + offs // B + j, e, mask=emask & (j < nblk))
+    return padded, offs, total
+
+
+@triton.jit
 def _align_finish(ids_ptr, rank_ptr, sorted_ptr, eids_ptr, npad_ptr, count_ptr, offs_ptr, S, max_blocks,
                   EA: tl.constexpr, EAP: tl.constexpr, B: tl.constexpr, CHUNK: tl.constexpr):
     """Run by one program once every slot has its rank: offsets, expert of each block, sentinels, scatter."""
     e = tl.arange(0, EAP)
     emask = e < EA
     cnt = tl.load(count_ptr + e, mask=emask, other=0, cache_modifier=".cg")
-    nblk = (cnt + B - 1) // B
-    padded = nblk * B
-    offs = tl.cumsum(padded, axis=0) - padded
-    total = tl.sum(padded, axis=0)
-    tl.store(npad_ptr, total)
-    tl.store(offs_ptr + e, offs, mask=emask)
-    # expert of each used block; a block of expert e starts at offs[e] / B
-    first = offs // B
-    for j in range(0, tl.max(nblk, axis=0)):
-        tl.store(eids_ptr + first + j, e, mask=emask & (j < nblk))
+    padded, offs, total = _expert_blocks(cnt, e, emask, npad_ptr, offs_ptr, eids_ptr, B)
     ob = tl.arange(0, CHUNK)
     for b0 in range(total // B, max_blocks, CHUNK):
         tl.store(eids_ptr + b0 + ob, -1, mask=b0 + ob < max_blocks)
@@ -500,14 +507,7 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
                 cnt = tl.load(count_ptr + e, mask=emask, other=0, cache_modifier=".cg")
                 ok = (sl < S) & (ids >= 0) & (ids < EA)
                 rk = tl.load(rank_ptr + sl, mask=ok, other=0, cache_modifier=".cg")
-                padded = (cnt + B - 1) // B * B
-                offs = tl.cumsum(padded, axis=0) - padded
-                total = tl.sum(padded, axis=0)
-                tl.store(npad_ptr, total)
-                tl.store(offs_ptr + e, offs, mask=emask)
-                nblk = padded // B
-                for j in range(0, tl.max(nblk, axis=0)):
-                    tl.store(eids_ptr + offs // B + j, e, mask=emask & (j < nblk))
+                padded, offs, total = _expert_blocks(cnt, e, emask, npad_ptr, offs_ptr, eids_ptr, B)
                 oj = tl.arange(0, PJ)
                 for j0 in range(0, B - 1, PJ):
                     jj = j0 + oj

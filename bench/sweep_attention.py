@@ -50,7 +50,8 @@ def variants_for(batch: int, k: int, quick: bool):
 
     L, C, W = kernels.MLA_LATENCY_CONFIGS, kernels.MLA_CHUNKED_CONFIGS, kernels.MLA_SWAPPED_CONFIGS
     A = kernels.MLA_PAGE_AHEAD_CONFIGS  # the default kernel, KV double-buffered (page ids one tile ahead)
-    ahead = [("ahead N64 s3", A[0], None), ("ahead N32 s4", A[1], None), ("ahead N32 s3", A[2], None)]
+    ahead = [("ahead N64 s3", A[0], None), ("ahead N32 s4", A[1], None), ("ahead N32 s3", A[2], None),
+             ("swap ahead N32 s4", A[3], None)]
     if batch == 1:
         lat = {"PARTIAL_DTYPE": "bf16", "PDL": True}
         # with the KV tile double-buffered a split can take several tiles at full speed: fewer splits, fewer partials

@@ -340,10 +340,13 @@ MLA_CHUNKED_CONFIGS = [
 # only on loop-carried values and the pipeliner multi-buffers it (Triton 3.6): BLOCK_N 64, 3 stages: 2 KV buffers,
 # one tile in flight while the other is used, 248 regs, no spill, 188 KiB shared; BLOCK_N 32, 4 stages: 3 buffers
 # (two tiles in flight), 178 regs, 148 KiB; BLOCK_N 32, 3 stages: 2 buffers, 178 regs, 112 KiB. Not yet timed.
+# The swapped kernel (wgmma) has the same single-stage wait; with PAGE_AHEAD at BLOCK_N 32 / 4 stages it keeps three
+# KV buffers and two tiles in flight (178 regs, 146 KiB; BLOCK_N 64 would need 256 KiB for three buffers).
 MLA_PAGE_AHEAD_CONFIGS = [
     {"BLOCK_N": 64, "BLOCK_DV": 512, "BLOCK_M": 32, "num_warps": 8, "num_stages": 3, "PAGE_AHEAD": True},
     {"BLOCK_N": 32, "BLOCK_DV": 512, "BLOCK_M": 32, "num_warps": 8, "num_stages": 4, "PAGE_AHEAD": True},
     {"BLOCK_N": 32, "BLOCK_DV": 512, "BLOCK_M": 32, "num_warps": 8, "num_stages": 3, "PAGE_AHEAD": True},
+    {"KERNEL": "mla_swapped", "BLOCK_N": 32, "BLOCK_M": 32, "num_warps": 8, "num_stages": 4, "PAGE_AHEAD": True},
 ]
 # GQA_BANDWIDTH_CONFIGS: long tiles and deep pipelines for batch x context that moves hundreds of MB (with few splits).
 GQA_BANDWIDTH_CONFIGS = [
@@ -653,7 +656,7 @@ def _tree_attention_mla_swapped_kernel(
     NUM_DRAFT: tl.constexpr, NUM_Q_HEADS: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     D: tl.constexpr, DR: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, STORE_LSE: tl.constexpr, DOT_FP32: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, PAGE_AHEAD: tl.constexpr = False,
 ):
     """Absorbed MLA with transposed products: ``s^T = K q^T`` [BLOCK_N, BLOCK_M], ``o^T += V^T p^T`` [BLOCK_D,
     BLOCK_M] (V = the latent part of K). Grid: (row tile, split, batch); workspace and merge as
@@ -699,10 +702,17 @@ def _tree_attention_mla_swapped_kernel(
 
     start, end = _split_range(prefix, split, NUM_SPLITS, NUM_DRAFT, BLOCK_N)
     offs_n = tl.arange(0, BLOCK_N)
+    if PAGE_AHEAD:  # as in _tree_attention_fwd_kernel: the next tile's page ids are loaded one tile ahead
+        page_nxt = tl.load(pt_row + (start + offs_n) // PAGE_SIZE, mask=start + offs_n < end, other=0)
     for start_n in range(start, end, BLOCK_N):
         pos = start_n + offs_n
         valid = pos < end
-        page = tl.load(pt_row + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+        if PAGE_AHEAD:
+            page = page_nxt.to(tl.int64)
+            pos_nxt = pos + BLOCK_N
+            page_nxt = tl.load(pt_row + pos_nxt // PAGE_SIZE, mask=pos_nxt < end, other=0)
+        else:
+            page = tl.load(pt_row + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
         kv_rows = page * stride_kp + (pos % PAGE_SIZE).to(tl.int64) * stride_ks
         kt = tl.load(KV + kv_rows[:, None] + offs_d[None, :], mask=valid[:, None] & d_mask[None, :], other=0.0)
         kr = tl.load(KV + kv_rows[:, None] + D + offs_dr[None, :], mask=valid[:, None] & dr_mask[None, :],

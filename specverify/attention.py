@@ -133,11 +133,11 @@ class TreeAttentionPlan:
         KV splits per (request, KV head); 1 means no workspace and no merge kernel.
     config : dict
         ``BLOCK_M, M_TILES, BLOCK_N, BLOCK_DV, DV_TILES, BLOCK_K, num_warps, num_stages, KERNEL, FUSED_MERGE,
-        PARTIAL_DTYPE, PDL, MERGE_BLOCK_DV, MERGE_WARPS`` (``KERNEL`` ``"default"`` (adds ``PAGE_AHEAD``: each tile
-        loads the next tile's page ids, so with ``num_stages`` >= 3 Triton's pipeliner double-buffers the KV tile;
-        opt-in until measured), ``"mla_chunked"`` (adds
-        ``D_CHUNK, NC, CPT``) or ``"mla_swapped"`` (transposed products, one value tile, no fused merge);
-        ``MERGE_BLOCK_DV`` None means the launcher's default width).
+        PARTIAL_DTYPE, PDL, MERGE_BLOCK_DV, MERGE_WARPS, PAGE_AHEAD`` (``KERNEL`` ``"default"``,
+        ``"mla_chunked"`` (adds ``D_CHUNK, NC, CPT``) or ``"mla_swapped"`` (transposed products, one value tile,
+        no fused merge); ``MERGE_BLOCK_DV`` None means the launcher's default width; ``PAGE_AHEAD`` (default and
+        swapped kernels): each tile loads the next tile's page ids, so with ``num_stages`` >= 3 Triton's pipeliner
+        multi-buffers the KV tile; opt-in until measured).
     workspace_out : torch.Tensor or None
         [max_batch, num_splits, num_draft_tokens, num_q_heads, head_dim_v] (None when ``num_splits == 1``); fp32,
         or bf16/fp16 with ``PARTIAL_DTYPE``.
@@ -198,16 +198,16 @@ def _choose_config(*, mla: bool, rows: int, head_dim: int, head_dim_v: int, inte
     kernel = base.get("KERNEL", "default")
     if kernel not in _KERNELS:
         raise ValueError(f"config KERNEL must be one of {_KERNELS}, got {kernel!r}")
-    if base.get("PAGE_AHEAD") and kernel != "default":
-        raise ValueError(f"config PAGE_AHEAD is a key of the default kernel only, got it with KERNEL={kernel!r}; "
-                         "drop PAGE_AHEAD or the KERNEL key")
+    if base.get("PAGE_AHEAD") and kernel == "mla_chunked":
+        raise ValueError("config PAGE_AHEAD is a key of the default and the swapped kernel, got it with "
+                         "KERNEL='mla_chunked'; drop PAGE_AHEAD or choose another KERNEL")
     if kernel == "mla_chunked":
         cfg = _choose_chunked_config(base, mla=mla, rows=rows, head_dim=head_dim, head_dim_v=head_dim_v)
         cfg.update(_common_config(base))
         return cfg
     if kernel == "mla_swapped":
         cfg = _choose_swapped_config(base, mla=mla, rows=rows, head_dim=head_dim, head_dim_v=head_dim_v)
-        cfg.update(_common_config(base))
+        cfg.update(_common_config(base), PAGE_AHEAD=bool(base.get("PAGE_AHEAD", False)))
         if cfg["FUSED_MERGE"]:
             raise ValueError("config KERNEL='mla_swapped' has no fused split merge; drop FUSED_MERGE (the merge "
                              "kernel runs after it, PDL=True overlaps its launch)")
@@ -616,7 +616,7 @@ def _launch(*, q, qr, kc, vc, k_strides, v_strides, page_table, prefix_lens, tre
         kernels._tree_attention_mla_swapped_kernel[grid](
             q, qr_t, kc, page_table, prefix_lens, mask_arg, out, lse_arg, ws_o, ws_lse, scale, *q_strides,
             k_strides[0], k_strides[1], *tail,
-            BLOCK_D=cfg["BLOCK_DV"], BLOCK_DR=block_dr, **common)
+            BLOCK_D=cfg["BLOCK_DV"], BLOCK_DR=block_dr, PAGE_AHEAD=cfg.get("PAGE_AHEAD", False), **common)
     elif cfg.get("KERNEL") == "mla_chunked":
         kernels._tree_attention_mla_chunked_kernel[grid](
             q, qr_t, kc, page_table, prefix_lens, mask_arg, out, lse_arg, ws_o, ws_lse, count, scale, *q_strides,

@@ -472,7 +472,7 @@ class _Forbid:
     ({"KERNEL": "mla_chunked", "D_CHUNK": 24}, "D_CHUNK=24"),  # not a power of two
     ({"KERNEL": "mla_chunked", "D_CHUNK": 16}, "at most 4 chunks"),  # 512 / 16 = 32 chunks
     ({"KERNEL": "mla_chunked", "D_CHUNK": 128, "BLOCK_DV": 384}, "BLOCK_DV=384"),  # 3 chunks, does not divide 512
-    ({"KERNEL": "mla_swapped", "PAGE_AHEAD": True}, "PAGE_AHEAD is a key of the default kernel"),
+    ({"KERNEL": "mla_chunked", "D_CHUNK": 128, "PAGE_AHEAD": True}, "PAGE_AHEAD is a key of the default and"),
 ])
 def test_variant_config_errors(config, match):
     with pytest.raises(ValueError, match=match):
@@ -515,6 +515,8 @@ MLA_SWAPPED_CASES = [
     ("swap-topk-k9-mtiles-ps16-nosplit", [16, 5], 9, 4, 64, 16, 16, "topk", torch.float16, 1, _swapped()),
     # no mask (chain); latent 48 is not a power of two (BLOCK_D 64, masked columns); page size 5 (not a power of two)
     ("swap-chain-r48-ps5", [11, 30], 4, 2, 48, 16, 5, "chain", torch.bfloat16, 2, _swapped()),
+    # page ids one tile ahead: page size 1, a prefix-0 request, splits ending mid-tile
+    ("swap-page-ahead-ps1", [0, 29, 48], 4, 4, 64, 16, 1, "random", torch.bfloat16, 3, _swapped(PAGE_AHEAD=True)),
     # 33 draft tokens (> 32: the per-tile mask gather path, 5 mask bytes); one head so rows stay few
     ("swap-k33-gather-mask", [7], 33, 1, 32, 16, 16, "random", torch.bfloat16, 2, _swapped(BLOCK_M=32)),
     # Kimi-K2 per-rank dims (8 heads, 512 + 64) with the bench's row tile (32 = 8 heads x 4 tokens), bf16 partials,
@@ -576,10 +578,15 @@ def test_swapped_config_rejected_for_gqa():
 
 
 def test_swapped_configs_plan():
-    """Every MLA_SWAPPED_CONFIGS entry plans for the Kimi-K2 rank: one value tile, rows tiled by BLOCK_M."""
-    from specverify.kernels.tree_attention import MLA_SWAPPED_CONFIGS
+    """Every MLA_SWAPPED_CONFIGS entry (and the swapped page-ahead one) plans for the Kimi-K2 rank: one value tile,
+    rows tiled by BLOCK_M, PAGE_AHEAD carried to the launch."""
+    from specverify.kernels.tree_attention import MLA_PAGE_AHEAD_CONFIGS, MLA_SWAPPED_CONFIGS
 
-    for config in MLA_SWAPPED_CONFIGS:
+    swapped_ahead = [c for c in MLA_PAGE_AHEAD_CONFIGS if c.get("KERNEL") == "mla_swapped"]
+    for config in MLA_SWAPPED_CONFIGS + swapped_ahead:
+        assert (plan_tree_attention_mla(max_batch=1, num_draft_tokens=4, num_heads=8, max_context=4096,
+                                        device="cpu", config=config).config["PAGE_AHEAD"]
+                == bool(config.get("PAGE_AHEAD")))
         for k in (4, 8):
             plan = plan_tree_attention_mla(max_batch=64, num_draft_tokens=k, num_heads=8, max_context=4096,
                                            device="cpu", config=config)

@@ -48,8 +48,8 @@ FUSED_GRID = [
     dict(q=0, DOT=False, BI=32, BK=64, BH=64, MP=2, num_warps=4, num_stages=3, max_m=4),
 ]
 #: router variants: (name, variant, config dict merged into _FAST_ROUTE_CONFIG); the default "fast" router picks
-#: winners by a bitonic top-k, routes M * top_k <= one_max_slots (8) in one program, and beyond aligns in the last
-#: program by one sort up to sorted_max_slots (32), by atomic ranks above
+#: winners by a bitonic top-k, routes M * top_k <= one_max_slots in one program, and beyond aligns in the last
+#: program by one sort up to sorted_max_slots slots, by atomic ranks above (see _FAST_ROUTE_CONFIG)
 ROUTE_GRID = [
     ("atomic", "atomic", {}),
     ("single", "single", {}),

@@ -102,6 +102,31 @@ def _split_range(prefix, split, NUM_SPLITS, NUM_DRAFT, BLOCK_N):
 
 
 @triton.jit
+def _first_tile_pages(pt_row, start, end, offs_n, PAGE_SIZE: tl.constexpr, PAGE_AHEAD: tl.constexpr):
+    """PAGE_AHEAD: the page ids of a split's first KV tile, loaded before its loop (else an unused placeholder)."""
+    if PAGE_AHEAD:
+        return tl.load(pt_row + (start + offs_n) // PAGE_SIZE, mask=start + offs_n < end, other=0)
+    return tl.zeros_like(offs_n)
+
+
+@triton.jit
+def _tile_pages(pt_row, pos, end, page_nxt, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                PAGE_AHEAD: tl.constexpr):
+    """Page ids (int64) of the KV tile at positions ``pos`` [BLOCK_N], and the loop-carried ids of the next tile.
+
+    PAGE_AHEAD: this tile's ids were loaded one tile earlier (``page_nxt``) and the next tile's are loaded now, so
+    the KV copy depends only on loop-carried values and Triton's pipeliner can multi-buffer it (without, the
+    in-loop page-table load takes a pipeline stage and the KV tile stays single-buffered). Else: loaded here."""
+    if PAGE_AHEAD:
+        page = page_nxt.to(tl.int64)
+        pos_nxt = pos + BLOCK_N
+        page_nxt = tl.load(pt_row + pos_nxt // PAGE_SIZE, mask=pos_nxt < end, other=0)
+    else:
+        page = tl.load(pt_row + pos // PAGE_SIZE, mask=pos < end, other=0).to(tl.int64)
+    return page, page_nxt
+
+
+@triton.jit
 def _online_softmax_step(s, vis, v, acc, m_i, l_i):
     """One online-softmax update with scores ``s`` (log2 domain) [M, N], visibility [M, N], values [N, DV]."""
     s = tl.where(vis, s, float("-inf"))
@@ -181,17 +206,11 @@ def _tree_attention_fwd_kernel(
     # for prefix tiles, so they pay no memory traffic for it. One loop body keeps registers and code size down.
     start, end = _split_range(prefix, split, NUM_SPLITS, NUM_DRAFT, BLOCK_N)
     offs_n = tl.arange(0, BLOCK_N)
-    if PAGE_AHEAD:  # the first tile's page ids; each iteration then loads the next tile's (loop-carried)
-        page_nxt = tl.load(pt_row + (start + offs_n) // PAGE_SIZE, mask=start + offs_n < end, other=0)
+    page_nxt = _first_tile_pages(pt_row, start, end, offs_n, PAGE_SIZE, PAGE_AHEAD)
     for start_n in range(start, end, BLOCK_N):
         pos = start_n + offs_n
         valid = pos < end
-        if PAGE_AHEAD:
-            page = page_nxt.to(tl.int64)
-            pos_nxt = pos + BLOCK_N
-            page_nxt = tl.load(pt_row + pos_nxt // PAGE_SIZE, mask=pos_nxt < end, other=0)
-        else:
-            page = tl.load(pt_row + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+        page, page_nxt = _tile_pages(pt_row, pos, end, page_nxt, PAGE_SIZE, BLOCK_N, PAGE_AHEAD)
         slot = (pos % PAGE_SIZE).to(tl.int64)
         k_rows = page * stride_kp + slot * stride_ks + k_head
         kt = tl.load(K + k_rows[:, None] + offs_d[None, :], mask=valid[:, None] & d_mask[None, :], other=0.0)
@@ -702,17 +721,11 @@ def _tree_attention_mla_swapped_kernel(
 
     start, end = _split_range(prefix, split, NUM_SPLITS, NUM_DRAFT, BLOCK_N)
     offs_n = tl.arange(0, BLOCK_N)
-    if PAGE_AHEAD:  # as in _tree_attention_fwd_kernel: the next tile's page ids are loaded one tile ahead
-        page_nxt = tl.load(pt_row + (start + offs_n) // PAGE_SIZE, mask=start + offs_n < end, other=0)
+    page_nxt = _first_tile_pages(pt_row, start, end, offs_n, PAGE_SIZE, PAGE_AHEAD)
     for start_n in range(start, end, BLOCK_N):
         pos = start_n + offs_n
         valid = pos < end
-        if PAGE_AHEAD:
-            page = page_nxt.to(tl.int64)
-            pos_nxt = pos + BLOCK_N
-            page_nxt = tl.load(pt_row + pos_nxt // PAGE_SIZE, mask=pos_nxt < end, other=0)
-        else:
-            page = tl.load(pt_row + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+        page, page_nxt = _tile_pages(pt_row, pos, end, page_nxt, PAGE_SIZE, BLOCK_N, PAGE_AHEAD)
         kv_rows = page * stride_kp + (pos % PAGE_SIZE).to(tl.int64) * stride_ks
         kt = tl.load(KV + kv_rows[:, None] + offs_d[None, :], mask=valid[:, None] & d_mask[None, :], other=0.0)
         kr = tl.load(KV + kv_rows[:, None] + D + offs_dr[None, :], mask=valid[:, None] & dr_mask[None, :],

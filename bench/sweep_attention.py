@@ -50,16 +50,22 @@ def variants_for(batch: int, k: int, quick: bool):
 
     L, C, W = kernels.MLA_LATENCY_CONFIGS, kernels.MLA_CHUNKED_CONFIGS, kernels.MLA_SWAPPED_CONFIGS
     A = kernels.MLA_PAGE_AHEAD_CONFIGS  # the default kernel, KV double-buffered (page ids one tile ahead)
-    ahead = [("ahead N64 s3", A[0], None), ("ahead N32 s4", A[1], None), ("ahead N32 s3", A[2], None),
-             ("swap ahead N32 s4", A[3], None)]
+    ahead = [("ahead N64 s3", A[0], None), ("ahead M64 N32 s3", A[4], None), ("ahead M64 N32 s4", A[5], None),
+             ("ahead M64 N64 s2", A[6], None), ("swap ahead N64 s2", A[7], None), ("ahead N32 s4", A[1], None),
+             ("ahead N32 s3", A[2], None), ("swap ahead N32 s4", A[3], None)]
     if batch == 1:
         lat = {"PARTIAL_DTYPE": "bf16", "PDL": True}
         # with the KV tile double-buffered a split can take several tiles at full speed: fewer splits, fewer partials
-        v = [("default", None, None), ("default s64", None, 64), ("ahead N64 s3 bf16+pdl s64", dict(A[0], **lat), 64),
+        v = [("default", None, None), ("bf16+pdl s64", L["bf16+pdl"], 64),
+             ("ahead M64 N32 s3 bf16+pdl s128", dict(A[4], **lat), 128),
+             ("ahead M64 N32 s3 bf16+pdl s64", dict(A[4], **lat), 64),
+             ("ahead M64 N64 s2 bf16+pdl s64", dict(A[6], **lat), 64),
+             ("swap ahead N64 s2 bf16+pdl s64", dict(A[7], **lat), 64),
+             ("default s64", None, 64), ("ahead N64 s3 bf16+pdl s64", dict(A[0], **lat), 64),
              ("ahead N64 s3 bf16+pdl s16", dict(A[0], **lat), 16), ("ahead N32 s4 bf16+pdl s32", dict(A[1], **lat), 32),
              ("swap bf16+pdl s64", L["swap bf16+pdl"], 64), ("swap s3 bf16+pdl s64", L["swap s3 bf16+pdl"], 64),
              ("swap N32 w4 bf16+pdl s128", L["swap N32 w4 bf16+pdl"], 128),
-             ("bf16 s64", L["bf16"], 64), ("pdl s64", L["pdl"], 64), ("bf16+pdl s64", L["bf16+pdl"], 64),
+             ("bf16 s64", L["bf16"], 64), ("pdl s64", L["pdl"], 64),
              ("bf16+pdl s32", L["bf16+pdl"], 32), ("bf16+pdl N32 s128", L["bf16+pdl N32"], 128),
              ("bf16+pdl DV256 s64", L["bf16+pdl DV256"], 64), ("bf16+pdl M16 s64", L["bf16+pdl M16"], 64),
              ("chunk DV256 bf16+pdl s64", L["chunk DV256 bf16+pdl"], 64),
@@ -76,14 +82,14 @@ def variants_for(batch: int, k: int, quick: bool):
              ("chunk DV128 fused bf16+pdl s16", L["chunk DV128 fused bf16+pdl"], 16)]
         return v[:15] if quick else v
     if batch == 8:
-        v = [("default", None, None), *ahead, ("swap", W[0], None), ("swap s3", W[1], None),
+        v = [("default", None, None), *ahead[:5], ("swap s3", W[1], None), *ahead[5:], ("swap", W[0], None),
              ("swap pdl", dict(W[0], PDL=True), None), ("swap N32 w4 s32", W[2], 32),
              ("swap N32 w8 s16", W[3], 16), ("swap s3 bf16+pdl s16", L["swap s3 bf16+pdl"], 16),
              ("bf16+pdl", L["bf16+pdl"], None), ("pdl", L["pdl"], None),
              ("bf16+pdl s16", L["bf16+pdl"], 16), ("chunk DV256 bf16+pdl s8", L["chunk DV256 bf16+pdl"], 8),
              ("chunk DV256 bf16+pdl s16", L["chunk DV256 bf16+pdl"], 16), ("C3 s8", C[3], 8)]
-        return v[:8] if quick else v
-    v = [("default", None, None), *ahead, ("swap", W[0], None), ("swap s3", W[1], None),
+        return v[:7] if quick else v
+    v = [("default", None, None), *ahead[:5], ("swap s3", W[1], None), *ahead[5:], ("swap", W[0], None),
          ("swap pdl", dict(W[0], PDL=True), None), ("swap N32 w4 s4", W[2], 4), ("swap N32 w8 s2", W[3], 2),
          ("swap s1", W[0], 1), ("pdl", L["pdl"], None), ("default s1", None, 1),
          ("chunk DV256 pdl s1", dict(C[0], PDL=True), 1), ("C3 s1 (M64)", C[3], 1),

@@ -358,15 +358,29 @@ MLA_CHUNKED_CONFIGS = [
 # shapes reach 81% because several CTAs share an SM). With the page ids loaded one tile ahead the KV copy depends
 # only on loop-carried values and the pipeliner multi-buffers it (Triton 3.6): BLOCK_N 64, 3 stages: 2 KV buffers,
 # one tile in flight while the other is used, 248 regs, no spill, 188 KiB shared; BLOCK_N 32, 4 stages: 3 buffers
-# (two tiles in flight), 178 regs, 148 KiB; BLOCK_N 32, 3 stages: 2 buffers, 178 regs, 112 KiB. Not yet timed.
+# (two tiles in flight), 178 regs, 148 KiB; BLOCK_N 32, 3 stages: 2 buffers, 178 regs, 112 KiB.
 # The swapped kernel (wgmma) has the same single-stage wait; with PAGE_AHEAD at BLOCK_N 32 / 4 stages it keeps three
 # KV buffers and two tiles in flight (178 regs, 146 KiB; BLOCK_N 64 would need 256 KiB for three buffers).
+# H200 (run 25, Kimi-K2 rank, k 4): BLOCK_N 64 / 3 stages took 152 us at batch 8 / 32k and batch 64 / 4k (46.6-46.9%
+# of copy bandwidth) against 191.5 us (37.1%) for the default; the BLOCK_N 32 rows (M 32, mma.sync) took ~247 us.
+# Entries 4-7 (offline, Triton 3.6): 64-row tiles, where both dots are wgmma and one program covers the 64 rows of
+# a k 4 tree (16 heads x 4 tokens), so each KV tile is read into one SM instead of two: BLOCK_N 32 with 3 / 4 stages
+# (3 / 4 KV buffers, 246 regs, no spill, 188 / 224 KiB), BLOCK_N 64 with 2 stages (2 buffers, 255 regs, no spill,
+# 224 KiB); and the swapped kernel at BLOCK_N 64 / 2 stages (2 buffers, 238 regs, 184 KiB).
 MLA_PAGE_AHEAD_CONFIGS = [
     {"BLOCK_N": 64, "BLOCK_DV": 512, "BLOCK_M": 32, "num_warps": 8, "num_stages": 3, "PAGE_AHEAD": True},
     {"BLOCK_N": 32, "BLOCK_DV": 512, "BLOCK_M": 32, "num_warps": 8, "num_stages": 4, "PAGE_AHEAD": True},
     {"BLOCK_N": 32, "BLOCK_DV": 512, "BLOCK_M": 32, "num_warps": 8, "num_stages": 3, "PAGE_AHEAD": True},
     {"KERNEL": "mla_swapped", "BLOCK_N": 32, "BLOCK_M": 32, "num_warps": 8, "num_stages": 4, "PAGE_AHEAD": True},
+    {"BLOCK_N": 32, "BLOCK_DV": 512, "BLOCK_M": 64, "num_warps": 8, "num_stages": 3, "PAGE_AHEAD": True},
+    {"BLOCK_N": 32, "BLOCK_DV": 512, "BLOCK_M": 64, "num_warps": 8, "num_stages": 4, "PAGE_AHEAD": True},
+    {"BLOCK_N": 64, "BLOCK_DV": 512, "BLOCK_M": 64, "num_warps": 8, "num_stages": 2, "PAGE_AHEAD": True},
+    {"KERNEL": "mla_swapped", "BLOCK_N": 64, "BLOCK_M": 32, "num_warps": 8, "num_stages": 2, "PAGE_AHEAD": True},
 ]
+#: The MLA config a plan takes when its splits walk two or more KV tiles (batch x context that moves tens of MB):
+#: the KV tile multi-buffered (PAGE_AHEAD). BLOCK_M is capped at the next power of two of the rows. A split of one
+#: tile (batch 1 at 4k: 64 splits of 64 tokens) has nothing to prefetch and keeps MLA_CONFIGS[0].
+MLA_BANDWIDTH_CONFIG = MLA_PAGE_AHEAD_CONFIGS[0]
 # GQA_BANDWIDTH_CONFIGS: long tiles and deep pipelines for batch x context that moves hundreds of MB (with few splits).
 GQA_BANDWIDTH_CONFIGS = [
     # the default GQA tile with the page ids one tile ahead: 2 K and 2 V buffers instead of 1 (Triton 3.6 offline,

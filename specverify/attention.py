@@ -366,12 +366,26 @@ def _make_plan(*, max_batch, k, hq, hkv, d, dr, dv, max_context, device, dtype_b
     cfg = _choose_config(mla=dr > 0, rows=(hq // hkv) * k, head_dim=d, head_dim_v=dv, interpret=interpret,
                          config=config)
     cfg["BLOCK_K"] = _next_pow2(max(16, k))
-    if num_splits is None:
-        bytes_per_token = (d + dr + (0 if v_is_k else dv)) * dtype_bytes
-        num_splits = _choose_num_splits(batch=max_batch, programs_per_split=_programs_per_split(cfg, hkv),
-                                        small_programs=cfg["BLOCK_M"] <= 16,
-                                        max_prefix=max(0, max_context - k), bytes_per_token=bytes_per_token,
-                                        block_n=cfg["BLOCK_N"], num_sms=_num_sms(device.type, device.index))
+    forced_splits = num_splits
+
+    def splits_for(c):
+        if forced_splits is not None:
+            return forced_splits
+        return _choose_num_splits(batch=max_batch, programs_per_split=_programs_per_split(c, hkv),
+                                  small_programs=c["BLOCK_M"] <= 16, max_prefix=max(0, max_context - k),
+                                  bytes_per_token=(d + dr + (0 if v_is_k else dv)) * dtype_bytes,
+                                  block_n=c["BLOCK_N"], num_sms=_num_sms(device.type, device.index))
+
+    num_splits = splits_for(cfg)
+    if config is None and dr > 0 and not interpret:
+        if _splits_walk_tiles(max_prefix=max(0, max_context - k), num_splits=int(num_splits),
+                              block_n=cfg["BLOCK_N"]):
+            bw = dict(_kernels().MLA_BANDWIDTH_CONFIG)
+            bw["BLOCK_M"] = min(bw["BLOCK_M"], _next_pow2(max(16, (hq // hkv) * k)))
+            cfg = _choose_config(mla=True, rows=(hq // hkv) * k, head_dim=d, head_dim_v=dv, interpret=False,
+                                 config=bw)
+            cfg["BLOCK_K"] = _next_pow2(max(16, k))
+            num_splits = splits_for(cfg)
     num_splits = int(num_splits)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}; pass None for the heuristic")
@@ -392,6 +406,12 @@ def _make_plan(*, max_batch, k, hq, hkv, d, dr, dv, max_context, device, dtype_b
         else:
             plan.workspace_lse = torch.empty(max_batch, num_splits, k, hq, dtype=torch.float32, device=device)
     return plan
+
+
+def _splits_walk_tiles(*, max_prefix: int, num_splits: int, block_n: int) -> bool:
+    """True when a split walks two or more KV tiles of ``block_n`` tokens, so the next tile can be prefetched while
+    one is used: the MLA plan then takes ``MLA_BANDWIDTH_CONFIG`` (page ids one tile ahead, KV multi-buffered)."""
+    return _cdiv(_cdiv(max_prefix, max(1, num_splits)), block_n) >= 2
 
 
 def _programs_per_split(cfg: dict, hkv: int) -> int:

@@ -594,6 +594,21 @@ def test_swapped_configs_plan():
             assert plan.config["M_TILES"] == math.ceil(8 * k / config["BLOCK_M"])
 
 
+@pytest.mark.parametrize("max_prefix, splits, block_n, walks", [
+    (4096 - 4, 64, 64, False),  # batch 1 at 4k: 64 splits of one 64-token tile each, nothing to prefetch
+    (4096 - 4, 32, 64, True),  # the same context in 32 splits: two tiles each
+    (32768 - 4, 16, 64, True),  # batch 8 at 32k: 32 tiles per split
+    (64, 1, 64, False),  # exactly one tile
+    (65, 1, 64, True),  # one token past a tile
+    (0, 1, 64, False),  # draft tokens only
+])
+def test_bandwidth_config_rule(max_prefix, splits, block_n, walks):
+    """The MLA plan switches to the page-ahead (multi-buffered) config only when a split walks two or more tiles."""
+    from specverify.attention import _splits_walk_tiles
+
+    assert _splits_walk_tiles(max_prefix=max_prefix, num_splits=splits, block_n=block_n) is walks
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # GPU: real sizes
 # ----------------------------------------------------------------------------------------------------------------
@@ -648,6 +663,16 @@ def test_gpu_mla_every_config(config, poison):
     """Every config the bench may pick is correct (the bench sweeps these)."""
     run_mla("cuda", poison, prefix_lens=[3000, 17], k=4, h=16, r=512, dr=64, page_size=16, mask_kind="random",
             dtype=torch.bfloat16, num_splits=None, seed=13, config=config)
+
+
+@pytest.mark.gpu
+def test_gpu_mla_plan_picks_bandwidth_config():
+    """Without a config, the Kimi-K2 rank plan takes the page-ahead tile where splits walk several tiles (batch 8 at
+    32k) and keeps the one-tile default at batch 1 / 4k (64 splits of one tile)."""
+    long = plan_tree_attention_mla(max_batch=8, num_draft_tokens=4, num_heads=16, max_context=32768, device="cuda")
+    assert long.config["PAGE_AHEAD"] and long.config["BLOCK_N"] == _K.MLA_BANDWIDTH_CONFIG["BLOCK_N"]
+    short = plan_tree_attention_mla(max_batch=1, num_draft_tokens=4, num_heads=16, max_context=4096, device="cuda")
+    assert not short.config["PAGE_AHEAD"] and short.num_splits == 64
 
 
 @pytest.mark.gpu

@@ -535,3 +535,84 @@ def _append_shared_kernel(ids_ptr, w_ptr, out_ids_ptr, out_w_ptr, M, shared_id, 
     w = tl.load(w_ptr + row * stride_w + col, mask=routed, other=0.0).to(tl.float32)
     tl.store(out_ids_ptr + offs, tl.where(col < TOP_K, i, shared_id), mask=mask)
     tl.store(out_w_ptr + offs, tl.where(col < TOP_K, w, 1.0), mask=mask)
+
+
+# Exchange variant (EXCHANGE in the launcher): the multi-program router without a ticket, a last program or atomic
+# ranks. Each program routes its row and publishes its slots' experts in a per-device int64 exchange buffer,
+# tagged with this call's epoch:  word[s] = (tag << 16) | (id[s] + 1),  tag = epoch + 1  (epoch read at the start
+# from word[-1], i.e. xch[0]; slots live at xch[1 + s]). Every program then polls the whole buffer until each of the
+# S words carries the tag (a word of an earlier call carries an older tag), and aligns its own slots from the full
+# id vector in registers:
+#
+#   cnt[e] = histogram of the ids;  pad[e] = ceil(cnt[e] / B) * B;  offs[e] = sum of pad over experts < e
+#   rank[s] = number of slots s' < s with id[s'] == id[s];  sorted_ids[offs[id[s]] + rank[s]] = s
+#
+# and the program holding an expert's first slot (rank 0) writes that expert's padding and block ids; program 0
+# writes the used length and the tails. The slot order inside an expert is the slot order (as align_reference).
+# The last program bumps the epoch after its poll: every program has read the epoch before publishing, and the
+# last program has seen every publication, so no program of this call can read the new epoch.
+#
+# Residency: a polling program waits for the others, so every program of the grid must be able to run while the
+# first ones poll; the launcher keeps the grid at or under the SM count (one row per program, small programs).
+# PHASE 0 does all of it in one launch (GPU). The CPU interpreter runs programs one after another, so there the
+# launcher runs PHASE 1 (route and publish) and then PHASE 2 (poll, already complete, and align).
+@triton.jit(do_not_specialize=["M", "S", "max_blocks"])
+def _moe_route_align_exchange_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, sorted_ptr, eids_ptr, npad_ptr, xch_ptr,
+                                     M, S, max_blocks, stride_lm, scale,
+                                     E: tl.constexpr, EP: tl.constexpr, TOP_K: tl.constexpr, TOPK_P: tl.constexpr,
+                                     N_GROUP: tl.constexpr, NG_P: tl.constexpr, GSIZE: tl.constexpr,
+                                     TOPK_GROUP: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
+                                     RENORM: tl.constexpr, EA: tl.constexpr, EAP: tl.constexpr, B: tl.constexpr,
+                                     SP: tl.constexpr, PJ: tl.constexpr, CHUNK: tl.constexpr,
+                                     FILL_TAIL: tl.constexpr, TOPK_SORT: tl.constexpr, PHASE: tl.constexpr):
+    """Grid (M,): one row per program; SP >= S = M * TOP_K; xch int64 [1 + >= S] (epoch, then one word per slot)."""
+    pid = tl.program_id(0)
+    kk = tl.arange(0, TOPK_P)
+    kmask = kk < TOP_K
+    slot = pid * TOP_K + kk
+    epoch = tl.load(xch_ptr, cache_modifier=".cg")
+    tag = epoch + 1
+    if PHASE != 2:
+        ids2 = _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, xch_ptr, xch_ptr, pid, M, stride_lm, scale,
+                           E, EP, 1, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS, RENORM,
+                           False, TOPK_SORT)
+        mine = tl.max(ids2, axis=0)  # [TOPK_P]: the one row
+        mine = tl.where(kmask & (mine < EA), mine, -1)
+        tl.store(xch_ptr + 1 + slot, (tag << 16) | (mine + 1).to(tl.int64), mask=kmask)
+    else:
+        mine = tl.load(ids_ptr + slot, mask=kmask, other=-1)
+        mine = tl.where(kmask & (mine >= 0) & (mine < EA), mine, -1)
+    if PHASE != 1:
+        sl = tl.arange(0, SP)
+        smask = sl < S
+        w = tl.load(xch_ptr + 1 + sl, mask=smask, other=0, volatile=True)
+        while tl.sum(((w >> 16) != tag) & smask) > 0:
+            w = tl.load(xch_ptr + 1 + sl, mask=smask, other=0, volatile=True)
+        if pid == tl.num_programs(0) - 1:
+            tl.store(xch_ptr, tag)
+        ids = (w & 65535).to(tl.int32) - 1
+        ok_all = smask & (ids >= 0)
+        e = tl.arange(0, EAP)
+        cnt_all = tl.histogram(tl.where(ok_all, ids, 0), EAP, mask=ok_all)
+        pad_all = (cnt_all + B - 1) // B * B
+        offs_all = tl.cumsum(pad_all, axis=0) - pad_all
+        total = tl.sum(pad_all, axis=0)
+        ok = mine >= 0
+        hit = e[None, :] == mine[:, None]  # [TOPK_P, EAP]: one-hot of each of my slots' expert
+        start = tl.sum(tl.where(hit, offs_all[None, :], 0), axis=1)
+        cnt = tl.sum(tl.where(hit, cnt_all[None, :], 0), axis=1)
+        rank = tl.sum(((ids[None, :] == mine[:, None]) & (sl[None, :] < slot[:, None])).to(tl.int32), axis=1)
+        padded = (cnt + B - 1) // B * B
+        first = ok & (rank == 0)
+        tl.store(sorted_ptr + start + rank, slot, mask=ok)
+        oj = tl.arange(0, PJ)
+        for j0 in range(0, B - 1, PJ):  # each expert's padding, written by the program holding its first slot
+            jj = j0 + oj
+            tl.store(sorted_ptr + (start + cnt)[:, None] + jj[None, :], S,
+                     mask=first[:, None] & (jj[None, :] < (padded - cnt)[:, None]))
+        nblk = padded // B
+        for j in range(0, tl.max(tl.where(first, nblk, 0), axis=0)):
+            tl.store(eids_ptr + start // B + j, mine, mask=first & (j < nblk))
+        if pid == 0:
+            tl.store(npad_ptr, total)
+            _fill_tails(sorted_ptr, eids_ptr, total, S, max_blocks, B, CHUNK, FILL_TAIL)

@@ -661,6 +661,74 @@ def test_fast_route_sorted_exact(device, fast_route, mode, case):
         check_alignment_exact(ids, case["e"], case["block"], al)
 
 
+_EXCHANGE = dict(one_max_slots=0, exchange_max_rows=1024)  # every routed call on the exchange path
+
+
+@pytest.mark.parametrize("case", [
+    # Kimi-K2: 384 experts, bias, top-8; 6 tokens (48 slots: not a power of two, not a multiple of the block)
+    dict(m=6, e=384, top_k=8, bias=True, block=16),
+    # DeepSeek-V3 groups; top-6 pads to 8 lanes per row (lanes 6, 7 must be ignored)
+    dict(m=3, e=256, top_k=6, bias=True, n_group=8, topk_group=4, block=16),
+    # 9 tokens x top-3 over 11 experts (prime), many slots per expert, block 4
+    dict(m=9, e=11, top_k=3, bias=True, block=4),
+    # Qwen3: softmax over 128 experts, top-8, no bias; block 1 (no padding at all)
+    dict(m=5, e=128, top_k=8, scoring="softmax", block=1),
+    # one token: a grid of one program polls only its own words
+    dict(m=1, e=257, top_k=8, bias=True, block=16),
+])
+def test_fast_route_exchange_exact(device, fast_route, case):
+    # one program per row, each publishes its experts with the call's tag, polls every row's and places its own
+    # slots: slot order inside an expert is exact (no atomics); three calls, so the epoch advances and words of the
+    # previous call (older tag) must not be taken for this call's
+    fast_route._FAST_ROUTE_CONFIG.update(_EXCHANGE)
+    g = torch.Generator().manual_seed(160 + case["m"] + case["e"])
+    bias = (torch.randn(case["e"], generator=g) * 0.05).to(device) if case.get("bias") else None
+    for _ in range(3):
+        x = torch.randn(case["m"], case["e"], generator=g).to(device)
+        ids, w, al = check_route(x, case["top_k"], case.get("scoring", "sigmoid"), bias=bias,
+                                 n_group=case.get("n_group", 1), topk_group=case.get("topk_group", 1),
+                                 block_size=case["block"])
+        check_alignment_exact(ids, case["e"], case["block"], al)
+
+
+def test_fast_route_exchange_changing_m(device, fast_route):
+    # the batch shrinks and grows between calls: the words past a smaller call's slots keep an older tag, and a
+    # larger call must wait for its own words there (a stale word taken would misplace or drop slots)
+    fast_route._FAST_ROUTE_CONFIG.update(_EXCHANGE)
+    g = torch.Generator().manual_seed(170)
+    bias = (torch.randn(384, generator=g) * 0.05).to(device)
+    for m in (9, 3, 9, 2, 12):
+        x = torch.randn(m, 384, generator=g).bfloat16().to(device)
+        ids, _, al = check_route(x, 8, bias=bias, scale=2.827, block_size=16)
+        check_alignment_exact(ids, 384, 16, al)
+
+
+def test_fast_route_exchange_nan_rows_and_one_expert(device, fast_route):
+    # a NaN row (its slots hold no expert and are skipped), every other token's first choice expert 5 (one expert
+    # over two blocks of 8), experts with no tokens; 7 x 3 = 21 slots; FILL_TAIL writes the unused tail too
+    fast_route._FAST_ROUTE_CONFIG.update(_EXCHANGE, FILL_TAIL=True)
+    x = torch.randn(7, 32, generator=torch.Generator().manual_seed(171))
+    x[:, 5] = 20.0
+    x[2] = math.nan
+    ids, _, al = check_route(x.to(device), 3, block_size=8)
+    assert (ids[2].cpu() == -1).all()
+    check_alignment_exact(ids, 32, 8, al)
+    n = int(al.num_tokens_post_padded.item())
+    assert (al.sorted_token_ids.cpu()[n:] == 21).all()
+
+
+def test_fast_route_exchange_kimi(device, fast_route):
+    # Kimi-K2 at M = 64 (512 slots, 64 programs polling each other) on the exchange path
+    fast_route._FAST_ROUTE_CONFIG.update(_EXCHANGE)
+    m = 64 if device == "cuda" else 10
+    g = torch.Generator().manual_seed(172)
+    bias = (torch.randn(384, generator=g) * 0.05).to(device)
+    for _ in range(2):
+        x = torch.randn(m, 384, generator=g).bfloat16().to(device)
+        ids, _, al = check_route(x, 8, bias=bias, scale=2.827, block_size=16)
+        check_alignment_exact(ids, 384, 16, al)
+
+
 def test_fast_route_sorted_kimi(device, fast_route):
     # Kimi-K2 at M = 64 (512 slots: the largest verify batch the router targets) on the sorted multi-program path
     fast_route._FAST_ROUTE_CONFIG.update(sorted_max_slots=1024, TOPK_SORT=True)

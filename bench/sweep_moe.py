@@ -49,15 +49,11 @@ FUSED_GRID = [
 ]
 #: router variants: (name, variant, config dict merged into _FAST_ROUTE_CONFIG); the default "fast" router picks
 #: winners by a bitonic top-k, routes M * top_k <= one_max_slots in one program, and beyond aligns in the last
-#: program by one sort up to sorted_max_slots slots, by atomic ranks above, or (exchange_max_rows) with every program
-#: polling the others' published experts and placing its own slots (see _FAST_ROUTE_CONFIG)
+#: program by one sort up to sorted_max_slots slots, by atomic ranks above (see _FAST_ROUTE_CONFIG)
 ROUTE_GRID = [
     ("atomic", "atomic", {}),
     ("single", "single", {}),
     ("fast", "fast", {}),
-    ("fast exchange", "fast", dict(exchange_max_rows=1024)),
-    ("fast exchange w8", "fast", dict(exchange_max_rows=1024, num_warps=8)),
-    ("fast exchange all", "fast", dict(exchange_max_rows=1024, one_max_slots=0)),
     ("fast rounds", "fast", dict(TOPK_SORT=False)),
     ("fast one32", "fast", dict(one_max_slots=32)),
     ("fast sorted all", "fast", dict(sorted_max_slots=1024)),
@@ -68,7 +64,7 @@ ROUTE_GRID = [
     ("fast tail", "fast", dict(FILL_TAIL=True)),
 ]
 #: skipped with --quick
-ROUTE_SLOW = ("atomic", "single", "fast w2", "fast rows2", "fast tail", "fast rounds", "fast sorted all")
+ROUTE_SLOW = ("atomic", "single", "fast w2", "fast rows2", "fast tail")
 
 
 @triton.jit

@@ -127,23 +127,6 @@ def _next_pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def _exchange_buffer(device: torch.device) -> torch.Tensor:
-    """Per-device int64 exchange buffer of the exchange router: the call epoch, then one tagged word per slot."""
-    key = ("xch", device.type, device.index)
-    buf = _WS.get(key)
-    if buf is not None:
-        return buf
-    with _WS_LOCK:
-        buf = _WS.get(key)
-        if buf is None:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("moe_route: the first call on a device must run outside CUDA-graph capture (it "
-                                   "allocates the per-device exchange buffer); run one eager warm-up call first")
-            buf = torch.zeros(1 + _FAST_MAX_SLOTS, dtype=torch.int64, device=device)
-            _WS[key] = buf
-    return buf
-
-
 def _workspace(device: torch.device) -> torch.Tensor:
     """Per-device int32 counters that the routing kernel leaves at zero after every call."""
     key = (device.type, device.index)
@@ -342,9 +325,6 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
     topk_p = max(_next_pow2(top_k), 2)
     eap = max(_next_pow2(e), 16)
     one = s <= (cfg["one_max_slots"] if do_route else cfg["align_one_max_slots"])
-    if not one and do_route and m <= cfg["exchange_max_rows"] and (not on_gpu or m <= _num_sms(dev)):
-        return _launch_route_align_exchange(logits, bias, ids, weights, m, e, top_k, softmax, n_group, topk_group,
-                                            renormalize, scale, block_size)
     sort_align = not one and s <= cfg["sorted_max_slots"]
     if one:
         rows = max(_next_pow2(m), 1)
@@ -371,36 +351,6 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
         CHUNK=cfg["CHUNK"] if on_gpu else 64, FILL_TAIL=bool(cfg["FILL_TAIL"]),
         RELOAD=one and do_route and (eap < _RESHAPE_MIN_EXPERTS or bool(cfg["RELOAD"])), SORTED=sort_align,
         TOPK_SORT=bool(cfg["TOPK_SORT"]), **extra)
-    return ids, weights, MoEAlignment(sorted_ids, expert_ids, npad, block_size)
-
-
-def _launch_route_align_exchange(logits, bias, ids, weights, m, e, top_k, softmax, n_group, topk_group,
-                                 renormalize, scale, block_size):
-    """The multi-program router without a ticket (``_FAST_ROUTE_CONFIG["exchange_max_rows"]``, see
-    ``_moe_route_align_exchange_kernel``): one program per row publishes its experts in the per-device exchange
-    buffer, every program polls until all rows are there and places its own slots (exact slot order)."""
-    from specverify.kernels.moe_route import _moe_route_align_exchange_kernel
-
-    cfg = _FAST_ROUTE_CONFIG
-    dev = ids.device
-    on_gpu = dev.type == "cuda"
-    s = m * top_k
-    size, sorted_ids, expert_ids, npad = _alignment_buffers(m, top_k, e, block_size, dev)
-    sp = max(_next_pow2(s), 2)
-    eap = max(_next_pow2(e), 16)
-    xch = _exchange_buffer(dev)
-    warps = cfg["wide_warps"] if s > cfg["wide_slots"] else cfg["num_warps"]
-    extra = {"num_warps": warps} if on_gpu else {}
-    common = dict(E=e, EP=eap, TOP_K=top_k, TOPK_P=max(_next_pow2(top_k), 2), N_GROUP=n_group,
-                  NG_P=max(_next_pow2(n_group), 2), GSIZE=e // n_group, TOPK_GROUP=topk_group, SOFTMAX=softmax,
-                  HAS_BIAS=bias is not None, RENORM=renormalize, EA=e, EAP=eap, B=block_size, SP=sp,
-                  PJ=min(block_size, 16), CHUNK=cfg["CHUNK"] if on_gpu else 64, FILL_TAIL=bool(cfg["FILL_TAIL"]),
-                  TOPK_SORT=bool(cfg["TOPK_SORT"]), **extra)
-    args = (logits, bias if bias is not None else logits, ids, weights, sorted_ids, expert_ids, npad, xch, m, s,
-            size // block_size, logits.stride(0), float(scale))
-    # the interpreter runs programs one after another: publish everything first, then poll and align
-    for phase in ((0,) if on_gpu else (1, 2)):
-        _moe_route_align_exchange_kernel[(m,)](*args, PHASE=phase, **common)
     return ids, weights, MoEAlignment(sorted_ids, expert_ids, npad, block_size)
 
 
@@ -661,7 +611,7 @@ _RESHAPE_MIN_EXPERTS = 256
 _FAST_ROUTE_CONFIG: dict = {"one_max_slots": 16, "align_one_max_slots": 32, "one_num_warps": 8,
                             "one_small_slots": 8, "one_small_warps": 4, "ROWS": 1, "num_warps": 4, "wide_slots": 128,
                             "wide_warps": 8, "CHUNK": 1024, "FILL_TAIL": False, "RELOAD": False,
-                            "sorted_max_slots": 32, "TOPK_SORT": True, "exchange_max_rows": 0}
+                            "sorted_max_slots": 32, "TOPK_SORT": True}
 #: Launch config of the one-program router: rows routed per step, [CI, CJ] rank tiles, fill chunk, warps.
 _SINGLE_ROUTE_CONFIG: dict = {"ROWS": 4, "CI": 64, "CJ": 128, "CHUNK": 1024, "num_warps": 8}
 #: GEMV experts: largest M it takes, gate/up tile ``g1`` ([BLOCK_N gate rows + BLOCK_N up rows, BLOCK_K]) and

@@ -97,6 +97,16 @@ def variants_for(batch: int, k: int, quick: bool):
     return v[:7] if quick else v
 
 
+def variants_long():
+    """Batch 1 at 32k: the default split count against forced ones (the heuristic caps at HEURISTIC_MAX_SPLITS)."""
+    from specverify.kernels import tree_attention as kernels
+
+    lat = {"PARTIAL_DTYPE": "bf16", "PDL": True}
+    bwc = kernels.MLA_BANDWIDTH_CONFIG
+    return [("default", None, None), ("s64", None, 64), ("s128", None, 128), ("s96", None, 96),
+            ("bf16+pdl s128", dict(bwc, **lat), 128)]
+
+
 def write_json(path, bw):
     if not path:
         return
@@ -151,8 +161,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer variants per shape")
     ap.add_argument("--json", metavar="PATH", help="write the rows as JSON (rewritten after every row)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="start no new variant after this many seconds")
-    ap.add_argument("--only", choices=("latency", "bandwidth"), help="only the batch-1 shapes or only the batch 8 / "
-                    "64 shapes")
+    ap.add_argument("--only", choices=("latency", "bandwidth", "long"), help="only the batch-1 4k shapes, only the "
+                    "batch 8 / 64 shapes, or only batch 1 at 32k (split counts)")
     ap.add_argument("--resources", action="store_true", help="offline sm_90a registers/spills of the swapped kernel "
                     "configs (no GPU)")
     args = ap.parse_args(argv)
@@ -178,7 +188,9 @@ def main(argv=None) -> int:
     log(f"# copy bandwidth {bw:.0f} GB/s; {torch.cuda.get_device_name()}")
     shapes = [(1, 4096, 4, True), (1, 4096, 1, False), (8, 32768, 4, True), (64, 4096, 4, True)]
     eps = torch.finfo(torch.bfloat16).eps
-    if args.only:
+    if args.only == "long":
+        shapes = [(1, 32768, 1, False), (1, 32768, 2, False), (1, 32768, 4, True)]
+    elif args.only:
         shapes = [sh for sh in shapes if (sh[0] == 1) == (args.only == "latency")]
     for batch, ctx, k, tree in shapes:
         name = f"b{batch} c{ctx} k{k}{'t' if tree else ''}"
@@ -194,7 +206,8 @@ def main(argv=None) -> int:
         tol = 2.0 * (low.float() - ref32).abs().max().item() + eps * max(1.0, ref32.abs().max().item())
         del low
         torch.cuda.empty_cache()
-        for label, config, splits in variants_for(batch, k, args.quick):
+        for label, config, splits in (variants_long() if ctx > 4096 and batch == 1 else
+                                      variants_for(batch, k, args.quick)):
             if time.time() - t0 > args.budget_s:
                 log(f"# budget of {args.budget_s:.0f} s spent, skipping {name} {label} and the rest")
                 break

@@ -30,8 +30,9 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 #: Upper bound on a forced split count (the merge kernel reads all splits of a row in one tile).
 MAX_SPLITS = 128
-#: Upper bound on the split count the heuristic picks. At batch 1 and 32k context a program per split (k <= 2 on the
-#: Kimi-K2 rank: 16 or 32 query rows) filled 64 of the H200's 132 SMs under a cap of 64 (see bench/RESULTS.md, run 29).
+#: Upper bound on the split count the heuristic picks. At batch 1 and 32k context with one program per split (k <= 4
+#: on the Kimi-K2 rank: 8-32 query rows) a cap of 64 filled 64 of the H200's 132 SMs; 128 splits took 19.99 / 21.51
+#: / 29.60 us at k = 1 / 2 / 4 against 33.47 / 34.39 / 46.32 (bench/sweep_attention.py --only long, run 29).
 HEURISTIC_MAX_SPLITS = 128
 #: Workspace dtypes a config may ask for with ``PARTIAL_DTYPE`` (the lse workspace stays fp32).
 _PARTIAL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

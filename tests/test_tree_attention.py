@@ -264,7 +264,7 @@ def test_split_heuristic():
     # batch 8, ctx 32k: the SM count limits (132 // 8 = 16: one wave; 17 would spill 4 programs into a second)
     assert _choose_num_splits(batch=8, programs_per_split=1, max_prefix=32768, bytes_per_token=mla_token_bytes,
                               block_n=32, num_sms=132) == 16
-    # batch 1 at 32k, one program per split (k <= 2 on the Kimi-K2 rank): 128 splits of 256 tokens, one wave up to
+    # batch 1 at 32k, one program per split (k <= 4 on the Kimi-K2 rank): 128 splits of 256 tokens, one wave up to
     # the heuristic's cap (64 would leave half the SMs idle); two programs per split: 66 -> 64 (whole tiles)
     assert _choose_num_splits(batch=1, programs_per_split=1, max_prefix=32764, bytes_per_token=mla_token_bytes,
                               block_n=64, num_sms=132, small_programs=True) == 128

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from specverify.attention import (
+    HEURISTIC_MAX_SPLITS,
+    MAX_SPLITS,
     _choose_num_splits,
     plan_tree_attention,
     plan_tree_attention_mla,
@@ -394,10 +396,12 @@ def test_latency_configs_plan():
             assert plan.config["PDL"] == bool(config.get("PDL")), name
 
 
-def test_heuristic_still_caps_at_64():
-    """Forced split counts may go to 128, the heuristic stays at <= 64 until a sweep shows more wins."""
+def test_heuristic_caps_at_128():
+    """The heuristic picks at most HEURISTIC_MAX_SPLITS (128: batch 1 at 32k filled half the H200 under 64, run 29),
+    the merge kernel's limit, however many SMs there are."""
+    assert HEURISTIC_MAX_SPLITS == MAX_SPLITS == 128
     assert _choose_num_splits(batch=1, programs_per_split=1, max_prefix=1 << 20, bytes_per_token=1152, block_n=64,
-                              num_sms=1000) == 64
+                              num_sms=1000) == 128
 
 
 @pytest.mark.parametrize("case", MLA_VARIANT_CASES, ids=[c[0] for c in MLA_VARIANT_CASES])

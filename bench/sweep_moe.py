@@ -5,7 +5,7 @@ Shapes: per-rank (tp 8) Kimi-K2 and DeepSeek-V3 from ``specverify.configs.per_ra
 
 Experts: the ``dot`` (three launches), ``gemv`` (M <= 4) and ``fused`` (one streaming launch + a fixed-order partial
 sum, with each tile config of ``FUSED_GRID``) variants of ``specverify.moe._VARIANT["experts"]`` (the stream
-variant, the default at M <= 8, has its own sweep: ``bench/sweep_experts.py``) are each checked
+variant, the default at M <= 6, has its own sweep: ``bench/sweep_experts.py``) are each checked
 against a per-expert fp64 torch reference (tolerance: twice torch's own bf16 error + 1e-6) and timed by CUDA-graph
 replay (``graph_us``). Each graph holds ``SETS`` calls, each with its own routing (different random logits), so
 consecutive calls hit different experts and the weights (GBs per layer) come from HBM, not the 50 MB L2.

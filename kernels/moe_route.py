@@ -209,14 +209,11 @@ def _align_finish(ids_ptr, rank_ptr, sorted_ptr, eids_ptr, npad_ptr, count_ptr, 
     emask = e < EA
     cnt = tl.load(count_ptr + e, mask=emask, other=0, cache_modifier=".cg")
     padded, offs, total = _expert_blocks(cnt, e, emask, npad_ptr, offs_ptr, eids_ptr, B)
-    ob = tl.arange(0, CHUNK)
-    for b0 in range(total // B, max_blocks, CHUNK):
-        tl.store(eids_ptr + b0 + ob, -1, mask=b0 + ob < max_blocks)
-    # sentinels: each expert's padding, then everything past the used part
+    # sentinels: the unused blocks (-1) and everything past the used part, then each expert's padding
+    _fill_tails(sorted_ptr, eids_ptr, total, S, max_blocks, B, CHUNK, True)
     for j in tl.static_range(B - 1):
         tl.store(sorted_ptr + offs + cnt + j, S, mask=emask & (j < padded - cnt))
-    for t0 in range(total, max_blocks * B, CHUNK):
-        tl.store(sorted_ptr + t0 + ob, S, mask=t0 + ob < max_blocks * B)
+    ob = tl.arange(0, CHUNK)
     tl.debug_barrier()  # offsets visible to every thread; counters read before they are reset
     for s0 in range(0, S, CHUNK):
         sl = s0 + ob
@@ -317,15 +314,7 @@ def _moe_route_align_single_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, sorted_
         cnt += tl.histogram(tl.where(ok, ids, 0), EAP) - tl.where(tl.arange(0, EAP) == 0, n_bad, 0)
     e = tl.arange(0, EAP)
     emask = e < EA
-    nblk = (cnt + B - 1) // B
-    padded = nblk * B
-    offs = tl.cumsum(padded, axis=0) - padded
-    total = tl.sum(padded, axis=0)
-    tl.store(npad_ptr, total)
-    tl.store(offs_ptr + e, offs)
-    first = offs // B
-    for j in range(0, tl.max(nblk, axis=0)):
-        tl.store(eids_ptr + first + j, e, mask=emask & (j < nblk))
+    _expert_blocks(cnt, e, emask, npad_ptr, offs_ptr, eids_ptr, B)
     tl.debug_barrier()  # offsets visible to every thread
     oj = tl.arange(0, CJ)
     for s0 in range(0, S, CI):
@@ -387,15 +376,22 @@ def _write_runs(sorted_ptr, eids_ptr, npad_ptr, start, rank, cnt, padded, first,
     expert's padding (``padded - cnt`` sentinels) and its block ids; then the used length and the tails."""
     tl.store(npad_ptr, total)
     tl.store(sorted_ptr + start + rank, slot, mask=ok)
-    oj = tl.arange(0, PJ)
-    for j0 in range(0, B - 1, PJ):  # each expert's padding, written by its first slot
-        jj = j0 + oj
-        tl.store(sorted_ptr + (start + cnt)[:, None] + jj[None, :], S,
-                 mask=first[:, None] & (jj[None, :] < (padded - cnt)[:, None]))
+    _write_pads(sorted_ptr, start, cnt, padded, first, S, B, PJ)  # each expert's padding, by its first slot
     nblk = padded // B
     for j in range(0, tl.max(tl.where(first, nblk, 0), axis=0)):
         tl.store(eids_ptr + start // B + j, expert, mask=first & (j < nblk))
     _fill_tails(sorted_ptr, eids_ptr, total, S, max_blocks, B, CHUNK, FILL_TAIL)
+
+
+@triton.jit
+def _write_pads(sorted_ptr, start, cnt, padded, lead, S, B: tl.constexpr, PJ: tl.constexpr):
+    """The sentinel S over each run's padding, sorted_ids[start + cnt .. start + padded), for the entries of the
+    per-run vectors where ``lead`` is set (one entry per expert), PJ sentinels per store."""
+    oj = tl.arange(0, PJ)
+    for j0 in range(0, B - 1, PJ):
+        jj = j0 + oj
+        tl.store(sorted_ptr + (start + cnt)[:, None] + jj[None, :], S,
+                 mask=lead[:, None] & (jj[None, :] < (padded - cnt)[:, None]))
 
 
 @triton.jit
@@ -508,11 +504,7 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
                 ok = (sl < S) & (ids >= 0) & (ids < EA)
                 rk = tl.load(rank_ptr + sl, mask=ok, other=0, cache_modifier=".cg")
                 padded, offs, total = _expert_blocks(cnt, e, emask, npad_ptr, offs_ptr, eids_ptr, B)
-                oj = tl.arange(0, PJ)
-                for j0 in range(0, B - 1, PJ):
-                    jj = j0 + oj
-                    tl.store(sorted_ptr + (offs + cnt)[:, None] + jj[None, :], S,
-                             mask=emask[:, None] & (jj[None, :] < (padded - cnt)[:, None]))
+                _write_pads(sorted_ptr, offs, cnt, padded, emask, S, B, PJ)
                 _fill_tails(sorted_ptr, eids_ptr, total, S, max_blocks, B, CHUNK, FILL_TAIL)
                 tl.debug_barrier()  # offsets visible to every thread of this program
                 base = tl.load(offs_ptr + tl.where(ok, ids, 0), mask=ok, other=0, cache_modifier=".cg")

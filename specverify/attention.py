@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specverify import envvars
+from specverify.validation import capturing
 
 logger = logging.getLogger("specverify")
 
@@ -57,10 +58,6 @@ def _cdiv(a: int, b: int) -> int:
 
 def _desc(t: torch.Tensor) -> str:
     return f"{str(t.dtype).replace('torch.', '')} {list(t.shape)} on {t.device}"
-
-
-def _is_capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 @functools.lru_cache(maxsize=None)
@@ -139,7 +136,7 @@ class TreeAttentionPlan:
         ``"mla_chunked"`` (adds ``D_CHUNK, NC, CPT``) or ``"mla_swapped"`` (transposed products, one value tile,
         no fused merge); ``MERGE_BLOCK_DV`` None means the launcher's default width; ``PAGE_AHEAD`` (default and
         swapped kernels): each tile loads the next tile's page ids, so with ``num_stages`` >= 3 Triton's pipeliner
-        multi-buffers the KV tile; opt-in until measured).
+        multi-buffers the KV tile; set by ``MLA_BANDWIDTH_CONFIG``).
     workspace_out : torch.Tensor or None
         [max_batch, num_splits, num_draft_tokens, num_q_heads, head_dim_v] (None when ``num_splits == 1``); fp32,
         or bf16/fp16 with ``PARTIAL_DTYPE``.
@@ -179,7 +176,9 @@ class TreeAttentionPlan:
 
 
 def _choose_config(*, mla: bool, rows: int, head_dim: int, head_dim_v: int, interpret: bool,
-                   config: dict | None) -> dict:
+                   config: dict | None, bandwidth: bool = False) -> dict:
+    """The launch config: ``config`` if given, else the default for the kernel family (MLA: ``MLA_BANDWIDTH_CONFIG``
+    when ``bandwidth``, i.e. the splits walk two or more KV tiles, else ``MLA_CONFIGS[0]``)."""
     kernels = _kernels()
     if config is not None:
         base = dict(config)
@@ -187,8 +186,8 @@ def _choose_config(*, mla: bool, rows: int, head_dim: int, head_dim_v: int, inte
         base = dict(kernels.INTERPRETER_CONFIG)
     elif mla:
         # 16 or 32 rows per program (more rows use M tiles): the [BLOCK_M, 512] fp32 accumulator stays in registers
-        base = dict(kernels.MLA_CONFIGS[0])
-        base["BLOCK_M"] = min(32, _next_pow2(max(16, rows)))
+        base = dict(kernels.MLA_BANDWIDTH_CONFIG if bandwidth else kernels.MLA_CONFIGS[0])
+        base["BLOCK_M"] = min(base["BLOCK_M"], _next_pow2(max(16, rows)))
     else:
         base = dict(kernels.GQA_CONFIGS[0] if head_dim <= 128 else
                     {"BLOCK_N": 32, "BLOCK_DV": None, "num_warps": 4, "num_stages": 2})
@@ -365,29 +364,24 @@ def _make_plan(*, max_batch, k, hq, hkv, d, dr, dv, max_context, device, dtype_b
                config, allocate=True) -> TreeAttentionPlan:
     device = torch.device(device)
     interpret = device.type == "cpu"
-    cfg = _choose_config(mla=dr > 0, rows=(hq // hkv) * k, head_dim=d, head_dim_v=dv, interpret=interpret,
-                         config=config)
+    max_prefix = max(0, max_context - k)
+
+    def plan_for(bandwidth: bool):
+        """(config, split count) for the default or the bandwidth tile."""
+        c = _choose_config(mla=dr > 0, rows=(hq // hkv) * k, head_dim=d, head_dim_v=dv, interpret=interpret,
+                           config=config, bandwidth=bandwidth)
+        if num_splits is not None:
+            return c, num_splits
+        return c, _choose_num_splits(batch=max_batch, programs_per_split=_programs_per_split(c, hkv),
+                                     small_programs=c["BLOCK_M"] <= 16, max_prefix=max_prefix,
+                                     bytes_per_token=(d + dr + (0 if v_is_k else dv)) * dtype_bytes,
+                                     block_n=c["BLOCK_N"], num_sms=_num_sms(device.type, device.index))
+
+    cfg, num_splits = plan_for(False)
+    if config is None and dr > 0 and not interpret and _splits_walk_tiles(
+            max_prefix=max_prefix, num_splits=int(num_splits), block_n=cfg["BLOCK_N"]):
+        cfg, num_splits = plan_for(True)
     cfg["BLOCK_K"] = _next_pow2(max(16, k))
-    forced_splits = num_splits
-
-    def splits_for(c):
-        if forced_splits is not None:
-            return forced_splits
-        return _choose_num_splits(batch=max_batch, programs_per_split=_programs_per_split(c, hkv),
-                                  small_programs=c["BLOCK_M"] <= 16, max_prefix=max(0, max_context - k),
-                                  bytes_per_token=(d + dr + (0 if v_is_k else dv)) * dtype_bytes,
-                                  block_n=c["BLOCK_N"], num_sms=_num_sms(device.type, device.index))
-
-    num_splits = splits_for(cfg)
-    if config is None and dr > 0 and not interpret:
-        if _splits_walk_tiles(max_prefix=max(0, max_context - k), num_splits=int(num_splits),
-                              block_n=cfg["BLOCK_N"]):
-            bw = dict(_kernels().MLA_BANDWIDTH_CONFIG)
-            bw["BLOCK_M"] = min(bw["BLOCK_M"], _next_pow2(max(16, (hq // hkv) * k)))
-            cfg = _choose_config(mla=True, rows=(hq // hkv) * k, head_dim=d, head_dim_v=dv, interpret=False,
-                                 config=bw)
-            cfg["BLOCK_K"] = _next_pow2(max(16, k))
-            num_splits = splits_for(cfg)
     num_splits = int(num_splits)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}; pass None for the heuristic")
@@ -794,7 +788,7 @@ def tree_attention(q, k_cache, v_cache, *, page_table, prefix_lens, tree_mask=No
     if plan is not None:
         _check_plan(op, plan, batch=batch, k=k, hq=hq, hkv=hkv, d=d, dr=0, dv=d, device=device)
     which = _resolve_impl(impl, device, op)
-    if validate and not _is_capturing():
+    if validate and not capturing():
         _check_data(op, page_table=page_table, prefix_lens=prefix_lens, k=k, page_size=page_size,
                     num_pages=num_pages)
     if which == "reference":
@@ -907,7 +901,7 @@ def tree_attention_mla(q_latent, q_rope, kv_cache, *, page_table, prefix_lens, t
     if plan is not None:
         _check_plan(op, plan, batch=batch, k=k, hq=h, hkv=1, d=r, dr=dr, dv=r, device=device)
     which = _resolve_impl(impl, device, op)
-    if validate and not _is_capturing():
+    if validate and not capturing():
         _check_data(op, page_table=page_table, prefix_lens=prefix_lens, k=k, page_size=page_size,
                     num_pages=num_pages)
     if which == "reference":

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 import torch
 
 from specverify.accept import _choose_impl
+from specverify.validation import capturing
 
 
 def _pow2(n: int) -> int:
@@ -105,7 +106,7 @@ def compact_kv(caches: Sequence[torch.Tensor] | torch.Tensor, page_table: torch.
     for name, t in (("page_table", page_table), ("prefix_lens", prefix_lens), ("accept_len", accept_len)):
         if t.device != device:
             raise ValueError(f"{name} is on {t.device}, expected {device}")
-    if validate and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+    if validate and not capturing():
         _check_values(min(c.shape[0] for c in caches), page_size, page_table, prefix_lens, accepted_nodes,
                       accept_len)
     which = _choose_impl(impl, device, "compact_kv")

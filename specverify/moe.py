@@ -882,8 +882,8 @@ def _fused_config(m: int, h: int, inter: int, block: int, on_gpu: bool) -> dict:
 
 
 def _fused_moe_fused(hidden, w13, w2, topk_ids, topk_weights, alignment, out):
-    """The fused experts (``_VARIANT["experts"] == "fused"``; never chosen by ``"auto"``, see _VARIANT; above
-    the stream path's max_m, so none by default): one launch
+    """The fused experts (opt-in: ``_VARIANT["experts"] == "fused"``; ``"auto"`` never picks them, see _VARIANT):
+    one launch
     streams each activated expert's w13 and w2 once (program = expert block x chunk of I), a second sums the fp32
     partials over top_k and the chunks in a fixed order (deterministic)."""
     from specverify.kernels.fused_moe import _moe_fused_kernel, _moe_partial_sum_kernel

@@ -363,10 +363,11 @@ MLA_CHUNKED_CONFIGS = [
 # KV buffers and two tiles in flight (178 regs, 146 KiB; BLOCK_N 64 would need 256 KiB for three buffers).
 # H200 (run 25, Kimi-K2 rank, k 4): BLOCK_N 64 / 3 stages took 152 us at batch 8 / 32k and batch 64 / 4k (46.6-46.9%
 # of copy bandwidth) against 191.5 us (37.1%) for the default; the BLOCK_N 32 rows (M 32, mma.sync) took ~247 us.
-# Entries 4-7 (offline, Triton 3.6): 64-row tiles, where both dots are wgmma and one program covers the 64 rows of
-# a k 4 tree (16 heads x 4 tokens), so each KV tile is read into one SM instead of two: BLOCK_N 32 with 3 / 4 stages
-# (3 / 4 KV buffers, 246 regs, no spill, 188 / 224 KiB), BLOCK_N 64 with 2 stages (2 buffers, 255 regs, no spill,
-# 224 KiB); and the swapped kernel at BLOCK_N 64 / 2 stages (2 buffers, 238 regs, 184 KiB).
+# Entries 4-7 (offline, Triton 3.6, at 16 heads): 64-row tiles, where both dots are wgmma and one program covers the
+# 64 rows of a k 4 tree of 16 heads: BLOCK_N 32 with 3 / 4 stages (3 / 4 KV buffers, 246 regs, no spill, 188 / 224
+# KiB), BLOCK_N 64 with 2 stages (2 buffers, 255 regs, no spill, 224 KiB); and the swapped kernel at BLOCK_N 64 /
+# 2 stages (2 buffers, 238 regs, 184 KiB). Run 26 timed them at the Kimi-K2 rank, whose 8 heads give a k 4 tree 32
+# rows: there the 64-row tiles were half empty and took 249-302 us; the swapped one took 171 us.
 MLA_PAGE_AHEAD_CONFIGS = [
     {"BLOCK_N": 64, "BLOCK_DV": 512, "BLOCK_M": 32, "num_warps": 8, "num_stages": 3, "PAGE_AHEAD": True},
     {"BLOCK_N": 32, "BLOCK_DV": 512, "BLOCK_M": 32, "num_warps": 8, "num_stages": 4, "PAGE_AHEAD": True},

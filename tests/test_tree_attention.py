@@ -677,8 +677,8 @@ def test_gpu_mla_every_config(config, poison):
 
 @pytest.mark.gpu
 def test_gpu_mla_plan_picks_bandwidth_config():
-    """Without a config, the Kimi-K2 rank plan takes the page-ahead tile where splits walk several tiles (batch 8 at
-    32k) and keeps the one-tile default at batch 1 / 4k (64 splits of one tile)."""
+    """Without a config, an MLA plan (16 heads, DeepSeek-V3's rank) takes the page-ahead tile where splits walk
+    several tiles (batch 8 at 32k) and keeps the one-tile default at batch 1 / 4k (64 splits of one tile)."""
     long = plan_tree_attention_mla(max_batch=8, num_draft_tokens=4, num_heads=16, max_context=32768, device="cuda")
     assert long.config["PAGE_AHEAD"] and long.config["BLOCK_N"] == _K.MLA_BANDWIDTH_CONFIG["BLOCK_N"]
     short = plan_tree_attention_mla(max_batch=1, num_draft_tokens=4, num_heads=16, max_context=4096, device="cuda")

@@ -15,7 +15,7 @@ tol is marked WRONG. Time: µs per call by CUDA-graph replay (20 calls per graph
 ``specverify.benchmarking.graph_us``). ``bw% = KV bytes / time / copy_bw`` with KV bytes = batch x context x 576 x 2
 and ``copy_bw`` a 1 GiB device-to-device copy (``2 * bytes / time``) measured in the same run.
 
-Usage: ``python bench/sweep_attention.py [--quick] [--json PATH] [--budget-s S] [--only latency|bandwidth]
+Usage: ``python bench/sweep_attention.py [--quick] [--json PATH] [--budget-s S] [--only latency|bandwidth|long|wgmma]
 [--resources]``; prints a table last. ``--quick``: fewer variants per shape. ``--only``: the batch-1 shapes or the
 batch 8 / 64 shapes. ``--resources`` needs no GPU: it compiles the default and the swapped kernel configs for sm_90a
 here and prints registers, spilled bytes, shared memory and whether wgmma is used. ``--budget-s``: start no new
@@ -107,6 +107,18 @@ def variants_long():
             ("bf16+pdl s128", dict(bwc, **lat), 128)]
 
 
+def variants_wgmma(batch: int, ctx: int):
+    """The Gluon wgmma kernel (``KERNEL: "mla_wgmma"``) against the default, at the heuristic's and forced splits."""
+    w, wb = {"KERNEL": "mla_wgmma"}, {"KERNEL": "mla_wgmma", "PARTIAL_DTYPE": "bf16"}
+    v = [("default", None, None), ("wgmma", w, None)]
+    if batch == 1:
+        return v + [("wgmma bf16", wb, None), ("wgmma s32", w, 32), ("wgmma bf16 s32", wb, 32),
+                    ("wgmma bf16 s128", wb, 128)]
+    if batch == 8:
+        return v + [("wgmma s8", w, 8), ("wgmma s32", w, 32), ("wgmma bf16", wb, None)]
+    return v + [("wgmma s1", w, 1), ("wgmma s3", w, 3), ("wgmma s4", w, 4)]
+
+
 def write_json(path, bw):
     if not path:
         return
@@ -161,8 +173,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer variants per shape")
     ap.add_argument("--json", metavar="PATH", help="write the rows as JSON (rewritten after every row)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="start no new variant after this many seconds")
-    ap.add_argument("--only", choices=("latency", "bandwidth", "long"), help="only the batch-1 4k shapes, only the "
-                    "batch 8 / 64 shapes, or only batch 1 at 32k (split counts)")
+    ap.add_argument("--only", choices=("latency", "bandwidth", "long", "wgmma"),
+                    help="only the batch-1 4k shapes, only the batch 8 / 64 shapes, only batch 1 at 32k (split "
+                    "counts), or the Gluon wgmma kernel against the default at every shape")
     ap.add_argument("--resources", action="store_true", help="offline sm_90a registers/spills of the swapped kernel "
                     "configs (no GPU)")
     args = ap.parse_args(argv)
@@ -190,6 +203,9 @@ def main(argv=None) -> int:
     eps = torch.finfo(torch.bfloat16).eps
     if args.only == "long":
         shapes = [(1, 32768, 1, False), (1, 32768, 2, False), (1, 32768, 4, True)]
+    elif args.only == "wgmma":
+        shapes = [(64, 4096, 4, True), (8, 32768, 4, True), (1, 4096, 4, True), (1, 4096, 1, False),
+                  (1, 32768, 4, True), (8, 4096, 8, True)]
     elif args.only:
         shapes = [sh for sh in shapes if (sh[0] == 1) == (args.only == "latency")]
     for batch, ctx, k, tree in shapes:
@@ -206,8 +222,9 @@ def main(argv=None) -> int:
         tol = 2.0 * (low.float() - ref32).abs().max().item() + eps * max(1.0, ref32.abs().max().item())
         del low
         torch.cuda.empty_cache()
-        for label, config, splits in (variants_long() if ctx > 4096 and batch == 1 else
-                                      variants_for(batch, k, args.quick)):
+        variants = (variants_wgmma(batch, ctx) if args.only == "wgmma" else
+                    variants_long() if ctx > 4096 and batch == 1 else variants_for(batch, k, args.quick))
+        for label, config, splits in variants:
             if time.time() - t0 > args.budget_s:
                 log(f"# budget of {args.budget_s:.0f} s spent, skipping {name} {label} and the rest")
                 break

@@ -39,8 +39,9 @@ HEURISTIC_MAX_SPLITS = 128
 _PARTIAL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: Keys every kernel's config may carry besides its tile sizes (see :func:`plan_tree_attention`).
 _COMMON_KEYS = ("FUSED_MERGE", "PARTIAL_DTYPE", "PDL", "MERGE_BLOCK_DV", "MERGE_WARPS")
-#: Kernels a config may name with ``KERNEL`` (the last two are MLA-only opt-ins).
-_KERNELS = ("default", "mla_chunked", "mla_swapped")
+#: Kernels a config may name with ``KERNEL`` (all but the first are MLA-only; ``mla_wgmma`` is the Gluon kernel,
+#: CUDA sm_90+ only).
+_KERNELS = ("default", "mla_chunked", "mla_swapped", "mla_wgmma")
 #: A split should read at least this many KV bytes per program, or the merge costs more than the split saves.
 MIN_SPLIT_BYTES = 64 * 1024
 
@@ -71,6 +72,13 @@ def _num_sms(device_type: str, index: int | None) -> int:
         return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()
                                                 ).multi_processor_count
     return 4  # the CPU interpreter: keep grids tiny
+
+
+@functools.lru_cache(maxsize=1)
+def _wgmma_kernels():
+    from specverify.kernels import tree_attention_wgmma as kernels  # imports triton.experimental.gluon
+
+    return kernels
 
 
 @functools.lru_cache(maxsize=1)
@@ -206,6 +214,9 @@ def _choose_config(*, mla: bool, rows: int, head_dim: int, head_dim_v: int, inte
         cfg = _choose_chunked_config(base, mla=mla, rows=rows, head_dim=head_dim, head_dim_v=head_dim_v)
         cfg.update(_common_config(base))
         return cfg
+    if kernel == "mla_wgmma":
+        return _choose_wgmma_config(base, mla=mla, rows=rows, head_dim=head_dim, head_dim_v=head_dim_v,
+                                    interpret=interpret)
     if kernel == "mla_swapped":
         cfg = _choose_swapped_config(base, mla=mla, rows=rows, head_dim=head_dim, head_dim_v=head_dim_v)
         cfg.update(_common_config(base), PAGE_AHEAD=bool(base.get("PAGE_AHEAD", False)))
@@ -320,6 +331,42 @@ def _choose_swapped_config(base: dict, *, mla: bool, rows: int, head_dim: int, h
     }
 
 
+def _choose_wgmma_config(base: dict, *, mla: bool, rows: int, head_dim: int, head_dim_v: int,
+                         interpret: bool) -> dict:
+    """Geometry of the Gluon wgmma MLA kernel: 64 KV tokens (wgmma M) x BLOCK_M query rows (wgmma N, 16..64),
+    ``num_stages`` KV buffers (2: 188 KiB of shared memory at 32 rows)."""
+    if not mla or head_dim != head_dim_v or head_dim % 64:
+        raise ValueError("config KERNEL='mla_wgmma' is for tree_attention_mla with a kv_lora_rank that is a multiple "
+                         f"of 64 (value = latent), got head_dim {head_dim}, head_dim_v {head_dim_v}; drop KERNEL")
+    if interpret:
+        raise ValueError("config KERNEL='mla_wgmma' is a Gluon kernel for CUDA sm_90+ and has no CPU interpreter; "
+                         "drop KERNEL under TRITON_INTERPRET=1")
+    if not _wgmma_kernels().AVAILABLE:
+        raise ValueError("config KERNEL='mla_wgmma' needs Triton's Gluon Hopper API (triton >= 3.5); drop KERNEL")
+    extra = {key for key in ("FUSED_MERGE", "PDL", "PAGE_AHEAD", "D_CHUNK", "BLOCK_DV") if base.get(key)}
+    if extra:
+        raise ValueError(f"config KERNEL='mla_wgmma' does not take {sorted(extra)} (one value tile, its own "
+                         "double-buffered copies, merge launched after it); drop them")
+    block_m = int(base.get("BLOCK_M") or min(64, _next_pow2(max(16, rows))))
+    block_n = int(base.get("BLOCK_N", 64))
+    stages = int(base.get("num_stages", 2))
+    if block_m not in (16, 32, 64) or block_n != 64 or stages != 2:
+        raise ValueError(f"config KERNEL='mla_wgmma' takes BLOCK_M 16, 32 or 64, BLOCK_N 64 and num_stages 2, got "
+                         f"{block_m}, {block_n}, {stages}")
+    return {
+        "BLOCK_M": block_m,
+        "M_TILES": _cdiv(rows, block_m),
+        "BLOCK_N": block_n,
+        "BLOCK_DV": head_dim,
+        "DV_TILES": 1,
+        "num_warps": int(base.get("num_warps") or (4 if block_m <= 32 else 8)),
+        "num_stages": stages,
+        "KERNEL": "mla_wgmma",
+        "PAGE_AHEAD": False,
+        **_common_config(base),
+    }
+
+
 #: Longest split (tokens) a small program (<= 16 query rows) should walk alone; longer ones get more splits.
 SMALL_PROGRAM_SPLIT_TOKENS = 2048
 
@@ -388,6 +435,9 @@ def _make_plan(*, max_batch, k, hq, hkv, d, dr, dv, max_context, device, dtype_b
     plan = TreeAttentionPlan(max_batch=max_batch, num_draft_tokens=k, num_q_heads=hq, num_kv_heads=hkv,
                              head_dim=d, rope_dim=dr, head_dim_v=dv, max_context=max_context,
                              num_splits=num_splits, config=cfg, device=device)
+    if cfg["KERNEL"] == "mla_wgmma" and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] != 9:
+        raise ValueError(f"config KERNEL='mla_wgmma' uses Hopper's wgmma (sm_90), but {device} is sm_"
+                         f"{''.join(map(str, torch.cuda.get_device_capability(device)))}; drop KERNEL")
     if cfg["PDL"] and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
         raise ValueError(f"config PDL=True needs programmatic dependent launch (sm_90+), but {device} is sm_"
                          f"{''.join(map(str, torch.cuda.get_device_capability(device)))}; drop PDL")
@@ -630,7 +680,14 @@ def _launch(*, q, qr, kc, vc, k_strides, v_strides, page_table, prefix_lens, tre
                   STORE_LSE=store_lse, DOT_FP32=q.device.type == "cpu", PDL=bool(pdl), num_warps=cfg["num_warps"],
                   num_stages=cfg["num_stages"], **pdl)
     block_dr = _next_pow2(max(16, dr))
-    if cfg.get("KERNEL") == "mla_swapped":  # no fused merge (the config refuses it), so ``fused`` is False here
+    if cfg.get("KERNEL") == "mla_wgmma":  # Gluon; no fused merge, no PDL (the config refuses both)
+        _wgmma_kernels()._tree_attention_mla_wgmma_kernel[grid](
+            q, qr_t, kc, page_table, prefix_lens, mask_arg, out, lse_arg, ws_o, ws_lse, scale, *q_strides,
+            k_strides[0], k_strides[1], *tail,
+            NUM_DRAFT=k, NUM_Q_HEADS=hq, PAGE_SIZE=page_size, NUM_SPLITS=splits, D=d, DR=dr, BLOCK_R=cfg["BLOCK_M"],
+            BLOCK_N=cfg["BLOCK_N"], NUM_BUF=cfg["num_stages"], HAS_MASK=tree_mask is not None, STORE_LSE=store_lse,
+            num_warps=cfg["num_warps"])
+    elif cfg.get("KERNEL") == "mla_swapped":  # no fused merge (the config refuses it), so ``fused`` is False here
         kernels._tree_attention_mla_swapped_kernel[grid](
             q, qr_t, kc, page_table, prefix_lens, mask_arg, out, lse_arg, ws_o, ws_lse, scale, *q_strides,
             k_strides[0], k_strides[1], *tail,

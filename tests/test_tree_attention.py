@@ -675,6 +675,32 @@ def test_gpu_mla_every_config(config, poison):
             dtype=torch.bfloat16, num_splits=None, seed=13, config=config)
 
 
+GPU_MLA_WGMMA = [
+    # id, prefix_lens, k, heads, page size, mask, dtype, num_splits
+    # Kimi-K2 rank, k 4 tree: 32 rows, one warpgroup; ragged batch with a prefix of 0 and one ending on a page
+    ("kimi-k4-ps64", [4092, 0, 128, 4000], 4, 8, 64, "random", torch.bfloat16, None),
+    # k 1 (8 rows padded to a 16-row tile), page size 1 (every token its own page), fp16, forced splits with
+    # requests shorter than a split
+    ("kimi-k1-ps1-fp16", [3000, 17, 64], 1, 8, 1, "chain", torch.float16, 7),
+    # k 2 chain, 16 rows; page 16; no split
+    ("kimi-k2-ps16", [2500, 33], 2, 8, 16, "chain", torch.bfloat16, 1),
+    # k 8 top-k tree: 64 rows, two warpgroups; splits walk many tiles
+    ("kimi-k8-topk", [20000, 7000], 8, 8, 64, "topk", torch.bfloat16, None),
+    # DeepSeek-V3 rank (16 heads), k 16: 256 rows in four 64-row tiles; two mask bytes; page 5 is not a power of 2
+    ("dsv3-k16-ps5", [1000, 64, 0], 16, 16, 5, "topk", torch.bfloat16, 3),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_MLA_WGMMA, ids=[c[0] for c in GPU_MLA_WGMMA])
+def test_gpu_mla_wgmma(case, poison):
+    """The Gluon wgmma kernel (KERNEL='mla_wgmma') against the reference: row tiles of 16, 32 and 64 rows, page sizes
+    1, 5, 16 and 64, chains and trees, with and without splits; NaN in every unused cache slot."""
+    _, prefix_lens, k, h, ps, mask, dtype, splits = case
+    run_mla("cuda", poison, prefix_lens=prefix_lens, k=k, h=h, r=512, dr=64, page_size=ps, mask_kind=mask,
+            dtype=dtype, num_splits=splits, seed=16, config={"KERNEL": "mla_wgmma"})
+
+
 @pytest.mark.gpu
 def test_gpu_mla_plan_picks_bandwidth_config():
     """Without a config, an MLA plan (16 heads, DeepSeek-V3's rank) takes the page-ahead tile where splits walk
@@ -704,12 +730,12 @@ def test_gpu_gqa_every_config(config, poison):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["default", "fused", "bf16+pdl", "swapped"])
+@pytest.mark.parametrize("variant", ["default", "fused", "bf16+pdl", "swapped", "wgmma"])
 @pytest.mark.parametrize("mla", [False, True], ids=["gqa", "mla"])
 def test_gpu_cuda_graph(mla, variant):
     """Eager -> capture -> replay -> change every input in place -> replay -> compare with the reference."""
-    if variant == "swapped" and not mla:
-        pytest.skip("KERNEL='mla_swapped' is an MLA kernel")
+    if variant in ("swapped", "wgmma") and not mla:
+        pytest.skip(f"the {variant} kernel is an MLA kernel")
     device = "cuda"
     gen = torch.Generator().manual_seed(21)
     batch, k, page_size = 4, 4, 16
@@ -724,7 +750,8 @@ def test_gpu_cuda_graph(mla, variant):
         qr = torch.randn(batch, k, h, dr, generator=gen).bfloat16().to(device)
         config = {"fused": dict(_K.MLA_CHUNKED_CONFIGS[0], FUSED_MERGE=True),
                   "bf16+pdl": _K.MLA_LATENCY_CONFIGS["bf16+pdl"],
-                  "swapped": dict(_K.MLA_SWAPPED_CONFIGS[0], PDL=True)}.get(variant)
+                  "swapped": dict(_K.MLA_SWAPPED_CONFIGS[0], PDL=True),
+                  "wgmma": {"KERNEL": "mla_wgmma"}}.get(variant)
         plan = plan_tree_attention_mla(max_batch=batch, num_draft_tokens=k, num_heads=h, max_context=4096 + k,
                                        device=device, config=config)
     else:

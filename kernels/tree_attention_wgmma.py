@@ -1,0 +1,227 @@
+r"""Absorbed-MLA tree attention for Hopper written in Gluon (Triton's layout-explicit language): wgmma on both products.
+
+Math: as ``tree_attention.py`` (one latent KV, H query heads, online softmax in the exp2 domain, fp32 accumulation).
+The products are computed transposed so the KV tokens are the MMA's M dimension (wgmma needs M >= 64, and a
+Kimi-K2 rank has only 8 heads x k draft tokens = 8..64 query rows):
+
+    s^T [BLOCK_N, R] = K_lat [BLOCK_N, D] . q_lat^T [D, R]  +  K_rope [BLOCK_N, DR] . q_rope^T [DR, R]
+    o^T [D, R]      += V^T [D, BLOCK_N] . p^T [BLOCK_N, R]         (V = K_lat, read from the same shared tile)
+
+with softmax statistics per column (query row). Both products are ``warpgroup_mma`` with operands in shared memory
+(the tensor cores read them; no per-warp ``ldmatrix`` of q and K as the ``tl.dot`` kernels do). The KV tile is
+gathered through the page table with ``cp.async`` into ``NUM_BUF`` shared buffers: tile i + NUM_BUF - 1 is copied
+while tile i is used; the page ids of the next copy are loaded one tile earlier.
+
+Grid, split ranges, workspace and merge: the same as ``_tree_attention_fwd_kernel`` (axis 0: row tiles of
+``BLOCK_R`` rows, axis 1: split, axis 2: batch; ``_tree_attention_merge_kernel`` merges the splits).
+
+Tensors (B batch, k draft tokens, H heads, D latent dim (512), DR rope dim (64), P page size, S splits):
+
+| name     | shape                              | dtype       | meaning                                           |
+| -------- | ---------------------------------- | ----------- | ------------------------------------------------- |
+| Q        | [B, k, H, D] (last stride 1)       | bf16 / fp16 | absorbed latent query                             |
+| QR       | [B, k, H, DR] (last stride 1)      | as Q        | rope query                                        |
+| KV       | [num_pages, P, D + DR] strided     | as Q        | latent + rope key cache (value = latent)          |
+| PT       | [B, max_pages]                     | int32/int64 | page table                                        |
+| PREFIX   | [B]                                | int32/int64 | prefix length                                     |
+| MASK     | [k, ceil(k/8)] or [B, k, ceil(k/8)]| uint8       | ancestor mask, little-endian bits                 |
+| OUT      | [B, k, H, D] (last stride 1)       | as Q        | output (NUM_SPLITS == 1)                          |
+| LSE      | [B, k, H] contiguous               | fp32        | natural-log lse (STORE_LSE, NUM_SPLITS == 1)      |
+| WS_O     | [>= B, S, k, H, D] contiguous      | fp32 / 16b  | split partial outputs (normalised)                |
+| WS_LSE   | [>= B, S, k, H] contiguous         | fp32        | split partial lse                                 |
+
+Needs sm_90 (wgmma) and a CUDA device: Gluon has no CPU interpreter, so the launcher never picks it under
+TRITON_INTERPRET=1; its tests are GPU tests. Shared memory: NUM_BUF x BLOCK_N x (D + DR) x 2 bytes of KV, R x
+(D + DR) x 2 of q, BLOCK_N x R x 2 of p (NUM_BUF 2, BLOCK_N 64, R 32: 188 KiB).
+"""
+from __future__ import annotations
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    AVAILABLE = True
+except ImportError:  # a Triton without Gluon's Hopper API: the launcher refuses KERNEL="mla_wgmma"
+    AVAILABLE = False
+
+#: Configs of the wgmma MLA kernel (``KERNEL: "mla_wgmma"``). BLOCK_M is the row tile (wgmma N, power of two 16..64);
+#: num_warps 4 (one warpgroup) holds a [512, 32] fp32 accumulator in 128 registers; 64 rows take 8 warps.
+MLA_WGMMA_CONFIGS = [
+    {"KERNEL": "mla_wgmma", "BLOCK_N": 64, "num_stages": 2},
+]
+
+if AVAILABLE:
+
+    @gluon.constexpr_function
+    def _score_warps(num_warps):
+        """warps_per_cta of s^T [BLOCK_N = 64, R]: 4 warps span the 64 tokens; more warps split the rows."""
+        return [4, num_warps // 4]
+
+    @gluon.jit
+    def _issue_kv_tile(KV, row_off, valid, lat_buf, rope_buf, offs_c, D: gl.constexpr, DR: gl.constexpr):
+        """cp.async one KV tile (rows at ``row_off``, zero-filled where not ``valid``) into shared memory, 64 columns
+        at a time (16-byte copies), and commit it as one group."""
+        base = KV + row_off[:, None] + offs_c[None, :]
+        m = valid[:, None]
+        for c in gl.static_range(D // 64):
+            async_copy.async_copy_global_to_shared(lat_buf.slice(c * 64, 64, dim=1), base + c * 64, mask=m)
+        async_copy.async_copy_global_to_shared(rope_buf, base + D, mask=m)
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _tree_attention_mla_wgmma_kernel(
+        Q, QR, KV, PT, PREFIX, MASK, OUT, LSE, WS_O, WS_LSE,
+        qk_scale,
+        stride_qb, stride_qt, stride_qh,
+        stride_qrb, stride_qrt, stride_qrh,
+        stride_kp, stride_ks,
+        stride_ptb,
+        stride_mb, stride_mt,
+        stride_ob, stride_ot, stride_oh,
+        NUM_DRAFT: gl.constexpr, NUM_Q_HEADS: gl.constexpr, PAGE_SIZE: gl.constexpr, NUM_SPLITS: gl.constexpr,
+        D: gl.constexpr, DR: gl.constexpr, BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
+        HAS_MASK: gl.constexpr, STORE_LSE: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        gl.static_assert(D % 64 == 0, "the latent dim is copied 64 columns at a time")
+        gl.static_assert(DR == 64, "the rope part is one 64-column copy")
+        gl.static_assert(BLOCK_N == 64, "one wgmma M tile of KV tokens")
+        dtype: gl.constexpr = Q.dtype.element_ty
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=_score_warps(num_warps), instr_shape=[16, BLOCK_R * 4 // num_warps, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_R, 16])
+        ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                            warps_per_cta=[num_warps, 1], order=[1, 0])
+        kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
+        kr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], dtype)
+        q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_R, D], dtype)
+        qr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_R, DR], dtype)
+        p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_R], dtype)
+        col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+        col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+
+        m_tile = gl.program_id(0)
+        split = gl.program_id(1)
+        b = gl.program_id(2)
+        b64 = b.to(gl.int64)
+
+        # ---- q tile -> shared memory (rows m = token * H + head; padded rows are zero) ------------------------------
+        offs_qm = m_tile * BLOCK_R + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, ld))
+        qm_valid = offs_qm < NUM_DRAFT * NUM_Q_HEADS
+        q_tok = (offs_qm // NUM_Q_HEADS).to(gl.int64)
+        q_head = (offs_qm % NUM_Q_HEADS).to(gl.int64)
+        offs_c = gl.arange(0, 64, layout=gl.SliceLayout(0, ld))
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_R, D], q_sl)
+        qr_smem = gl.allocate_shared_memory(dtype, [BLOCK_R, DR], qr_sl)
+        q_base = Q + (b64 * stride_qb + q_tok * stride_qt + q_head * stride_qh)[:, None] + offs_c[None, :]
+        for c in gl.static_range(D // 64):
+            q_smem.slice(c * 64, 64, dim=1).store(gl.load(q_base + c * 64, mask=qm_valid[:, None], other=0.0))
+        qr_ptr = QR + (b64 * stride_qrb + q_tok * stride_qrt + q_head * stride_qrh)[:, None] + offs_c[None, :]
+        qr_smem.store(gl.load(qr_ptr, mask=qm_valid[:, None], other=0.0))
+
+        kv_lat = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, D], kv_sl)
+        kv_rope = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, DR], kr_sl)
+        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_R], p_sl)
+
+        # ---- this split's KV range -------------------------------------------------------------------------------
+        prefix = gl.load(PREFIX + b).to(gl.int32)
+        chunk = gl.cdiv(gl.cdiv(prefix, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = split * chunk
+        end = gl.minimum(start + chunk, prefix)
+        if split == NUM_SPLITS - 1:
+            start = gl.minimum(start, prefix)
+            end = prefix + NUM_DRAFT
+        n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+        pt_row = PT + b64 * stride_ptb
+        offs_t_ld = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
+
+        # prologue: copies of tiles 0 .. NUM_BUF - 2; page ids of tile NUM_BUF - 1 ahead
+        for j in gl.static_range(NUM_BUF - 1):
+            pos_j = start + j * BLOCK_N + offs_t_ld
+            ok = pos_j < end
+            page = gl.load(pt_row + pos_j // PAGE_SIZE, mask=ok, other=0).to(gl.int64)
+            row_off = page * stride_kp + (pos_j % PAGE_SIZE).to(gl.int64) * stride_ks
+            _issue_kv_tile(KV, row_off, ok, kv_lat.index(j), kv_rope.index(j), offs_c, D, DR)
+        pos_nxt = start + (NUM_BUF - 1) * BLOCK_N + offs_t_ld
+        page_nxt = gl.load(pt_row + pos_nxt // PAGE_SIZE, mask=pos_nxt < end, other=0)
+
+        # ---- query-row (column) indices in the score layout ------------------------------------------------------
+        offs_r = m_tile * BLOCK_R + gl.arange(0, BLOCK_R, layout=col_s)
+        r_valid = offs_r < NUM_DRAFT * NUM_Q_HEADS
+        r_tok = offs_r // NUM_Q_HEADS
+        offs_t = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+
+        acc = gl.zeros([D, BLOCK_R], gl.float32, layout=o_layout)
+        m_i = gl.full([BLOCK_R], float("-inf"), gl.float32, layout=col_s)
+        l_i = gl.zeros([BLOCK_R], gl.float32, layout=col_s)
+        s_zero = gl.zeros([BLOCK_N, BLOCK_R], gl.float32, layout=s_layout)
+
+        for i in range(n_tiles):
+            buf = i % NUM_BUF
+            # copy tile i + NUM_BUF - 1 into the buffer tile i - 1 used (its PV product was waited for)
+            ok_nxt = pos_nxt < end
+            row_off = page_nxt.to(gl.int64) * stride_kp + (pos_nxt % PAGE_SIZE).to(gl.int64) * stride_ks
+            nb = (i + NUM_BUF - 1) % NUM_BUF
+            _issue_kv_tile(KV, row_off, ok_nxt, kv_lat.index(nb), kv_rope.index(nb), offs_c, D, DR)
+            pos_nxt = pos_nxt + BLOCK_N
+            page_nxt = gl.load(pt_row + pos_nxt // PAGE_SIZE, mask=pos_nxt < end, other=0)
+            async_copy.wait_group(NUM_BUF - 1)  # this thread's copies of tile i have landed
+            fence_async_shared()  # ... and are visible to the tensor cores' (async) reads
+            gl.thread_barrier()  # every thread's copies of tile i
+
+            k_lat = kv_lat.index(buf)
+            s = warpgroup_mma(k_lat, q_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma(kv_rope.index(buf), qr_smem.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(0, deps=(s, ))
+
+            start_n = start + i * BLOCK_N
+            pos = start_n + offs_t
+            vis = (pos < end)[:, None] & r_valid[None, :]
+            if start_n + BLOCK_N > prefix:  # the tile holds draft tokens: tree (or chain) visibility
+                jd = pos - prefix
+                is_draft = (pos < end) & (jd >= 0)
+                jd = gl.where(is_draft, jd, 0)
+                if HAS_MASK:
+                    byte = gl.load(MASK + b64 * stride_mb + r_tok[None, :] * stride_mt + (jd // 8)[:, None],
+                                   mask=is_draft[:, None] & r_valid[None, :], other=0)
+                    dvis = ((byte.to(gl.int32) >> (jd % 8)[:, None]) & 1) != 0
+                else:
+                    dvis = jd[:, None] <= r_tok[None, :]
+                vis = vis & ((pos < prefix)[:, None] | dvis)
+            s = gl.where(vis, s * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=0))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(s - m_safe[None, :])
+            l_i = l_i * alpha + gl.sum(p, axis=0)
+            m_i = m_new
+            p_smem.store(p.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            acc = acc * gl.convert_layout(alpha, col_o)[None, :]
+            acc = warpgroup_mma(k_lat.permute((1, 0)), p_smem, acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+        async_copy.wait_group(0)
+
+        # ---- epilogue: normalise; store out / lse, or the split's partial --------------------------------------
+        has_any = l_i > 0.0
+        lse = gl.where(has_any, (m_i + gl.log2(gl.where(has_any, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+        inv = gl.convert_layout(1.0 / gl.where(has_any, l_i, 1.0), col_o)
+        out = acc * inv[None, :]
+        offs_ro = m_tile * BLOCK_R + gl.arange(0, BLOCK_R, layout=col_o)
+        ro_valid = offs_ro < NUM_DRAFT * NUM_Q_HEADS
+        ro_tok = (offs_ro // NUM_Q_HEADS).to(gl.int64)
+        ro_head = (offs_ro % NUM_Q_HEADS).to(gl.int64)
+        offs_d = gl.arange(0, D, layout=gl.SliceLayout(1, o_layout))
+        if NUM_SPLITS == 1:
+            o_rows = b64 * stride_ob + ro_tok * stride_ot + ro_head * stride_oh
+            gl.store(OUT + o_rows[None, :] + offs_d[:, None], out.to(OUT.dtype.element_ty), mask=ro_valid[None, :])
+            if STORE_LSE:
+                gl.store(LSE + (b64 * NUM_DRAFT + r_tok) * NUM_Q_HEADS + offs_r % NUM_Q_HEADS, lse, mask=r_valid)
+        else:
+            ws_rows = ((b64 * NUM_SPLITS + split) * NUM_DRAFT + ro_tok) * NUM_Q_HEADS + ro_head
+            gl.store(WS_O + ws_rows[None, :] * D + offs_d[:, None], out.to(WS_O.dtype.element_ty),
+                     mask=ro_valid[None, :])
+            ws_rows_s = ((b64 * NUM_SPLITS + split) * NUM_DRAFT + r_tok) * NUM_Q_HEADS + offs_r % NUM_Q_HEADS
+            gl.store(WS_LSE + ws_rows_s, lse, mask=r_valid)

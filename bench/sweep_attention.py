@@ -108,15 +108,20 @@ def variants_long():
 
 
 def variants_wgmma(batch: int, ctx: int):
-    """The Gluon wgmma kernel (``KERNEL: "mla_wgmma"``) against the default, at the heuristic's and forced splits."""
-    w, wb = {"KERNEL": "mla_wgmma"}, {"KERNEL": "mla_wgmma", "PARTIAL_DTYPE": "bf16"}
-    v = [("default", None, None), ("wgmma", w, None)]
+    """The Gluon wgmma kernel (the MLA default on sm_90, ``KERNEL: "mla_wgmma"``) against the ``tl.dot`` kernels
+    the plan took before it, at the heuristic's and forced split counts, with PDL and 16-bit partials."""
+    from specverify.kernels import tree_attention as kernels
+
+    w, wp, wbp = ({"KERNEL": "mla_wgmma"}, {"KERNEL": "mla_wgmma", "PDL": True},
+                  {"KERNEL": "mla_wgmma", "PDL": True, "PARTIAL_DTYPE": "bf16"})
+    v = [("default", None, None)]
     if batch == 1:
-        return v + [("wgmma bf16", wb, None), ("wgmma s32", w, 32), ("wgmma bf16 s32", wb, 32),
-                    ("wgmma bf16 s128", wb, 128)]
+        return v + [("tl.dot", kernels.MLA_CONFIGS[0], None), ("wgmma pdl", wp, None), ("wgmma bf16+pdl", wbp, None),
+                    ("wgmma bf16+pdl s128", wbp, 128), ("wgmma bf16+pdl s32", wbp, 32), ("wgmma s32", w, 32)]
+    v.append(("tl.dot page-ahead", kernels.MLA_BANDWIDTH_CONFIG, None))
     if batch == 8:
-        return v + [("wgmma s8", w, 8), ("wgmma s32", w, 32), ("wgmma bf16", wb, None)]
-    return v + [("wgmma s1", w, 1), ("wgmma s3", w, 3), ("wgmma s4", w, 4)]
+        return v + [("wgmma pdl", wp, None), ("wgmma s8", w, 8), ("wgmma s32", w, 32)]
+    return v + [("wgmma pdl", wp, None), ("wgmma s4", w, 4)]
 
 
 def write_json(path, bw):

@@ -36,12 +36,18 @@ TRITON_INTERPRET=1; its tests are GPU tests. Shared memory: NUM_BUF x BLOCK_N x 
 """
 from __future__ import annotations
 
+import triton
+
+#: Triton versions this kernel was compiled and run with (Gluon is experimental and renames its API between
+#: releases: Triton 3.9 replaced ``async_copy_global_to_shared`` by ``async_load``); others may not compile it.
+TESTED_TRITON = ("3.6.",)
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, warpgroup_mma,
                                                                   warpgroup_mma_wait)
-    AVAILABLE = True
+    AVAILABLE = triton.__version__.startswith(TESTED_TRITON)
 except ImportError:  # a Triton without Gluon's Hopper API: the launcher refuses KERNEL="mla_wgmma"
     AVAILABLE = False
 
@@ -49,7 +55,11 @@ except ImportError:  # a Triton without Gluon's Hopper API: the launcher refuses
 #: num_warps 4 (one warpgroup) holds a [512, 32] fp32 accumulator in 128 registers; 64 rows take 8 warps.
 MLA_WGMMA_CONFIGS = [
     {"KERNEL": "mla_wgmma", "BLOCK_N": 64, "num_stages": 2},
+    {"KERNEL": "mla_wgmma", "BLOCK_N": 64, "num_stages": 2, "PDL": True},
+    {"KERNEL": "mla_wgmma", "BLOCK_N": 64, "num_stages": 2, "PDL": True, "PARTIAL_DTYPE": "bf16"},
 ]
+#: The MLA default where this kernel can run (CUDA sm_90, a tested Triton): ``specverify.attention`` plans with it.
+MLA_WGMMA_DEFAULT = MLA_WGMMA_CONFIGS[0]
 
 if AVAILABLE:
 
@@ -57,6 +67,18 @@ if AVAILABLE:
     def _score_warps(num_warps):
         """warps_per_cta of s^T [BLOCK_N = 64, R]: 4 warps span the 64 tokens; more warps split the rows."""
         return [4, num_warps // 4]
+
+    @gluon.jit
+    def _gdc_wait():
+        """griddepcontrol.wait: the previous kernel's writes are visible after it (a no-op without PDL)."""
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+
+    @gluon.jit
+    def _gdc_launch_dependents():
+        """griddepcontrol.launch_dependents: the next kernel (the merge) may launch now (a no-op without PDL)."""
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
 
     @gluon.jit
     def _issue_kv_tile(KV, row_off, valid, lat_buf, rope_buf, offs_c, D: gl.constexpr, DR: gl.constexpr):
@@ -81,7 +103,7 @@ if AVAILABLE:
         stride_ob, stride_ot, stride_oh,
         NUM_DRAFT: gl.constexpr, NUM_Q_HEADS: gl.constexpr, PAGE_SIZE: gl.constexpr, NUM_SPLITS: gl.constexpr,
         D: gl.constexpr, DR: gl.constexpr, BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
-        HAS_MASK: gl.constexpr, STORE_LSE: gl.constexpr, num_warps: gl.constexpr,
+        HAS_MASK: gl.constexpr, STORE_LSE: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr,
     ):
         gl.static_assert(D % 64 == 0, "the latent dim is copied 64 columns at a time")
         gl.static_assert(DR == 64, "the rope part is one 64-column copy")
@@ -106,7 +128,11 @@ if AVAILABLE:
         b = gl.program_id(2)
         b64 = b.to(gl.int64)
 
-        # ---- q tile -> shared memory (rows m = token * H + head; padded rows are zero) ------------------------------
+        if PDL:  # launched as a programmatic dependent: wait for the previous kernel's writes, let the merge launch
+            _gdc_wait()
+            _gdc_launch_dependents()
+        # ---- q tile -> shared memory by cp.async, issued first: it joins tile 0's copy group, so its latency
+        # overlaps the prefix and page-table loads (rows m = token * H + head; padded rows are zero-filled) -------
         offs_qm = m_tile * BLOCK_R + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, ld))
         qm_valid = offs_qm < NUM_DRAFT * NUM_Q_HEADS
         q_tok = (offs_qm // NUM_Q_HEADS).to(gl.int64)
@@ -116,9 +142,10 @@ if AVAILABLE:
         qr_smem = gl.allocate_shared_memory(dtype, [BLOCK_R, DR], qr_sl)
         q_base = Q + (b64 * stride_qb + q_tok * stride_qt + q_head * stride_qh)[:, None] + offs_c[None, :]
         for c in gl.static_range(D // 64):
-            q_smem.slice(c * 64, 64, dim=1).store(gl.load(q_base + c * 64, mask=qm_valid[:, None], other=0.0))
+            async_copy.async_copy_global_to_shared(q_smem.slice(c * 64, 64, dim=1), q_base + c * 64,
+                                                   mask=qm_valid[:, None])
         qr_ptr = QR + (b64 * stride_qrb + q_tok * stride_qrt + q_head * stride_qrh)[:, None] + offs_c[None, :]
-        qr_smem.store(gl.load(qr_ptr, mask=qm_valid[:, None], other=0.0))
+        async_copy.async_copy_global_to_shared(qr_smem, qr_ptr, mask=qm_valid[:, None])
 
         kv_lat = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, D], kv_sl)
         kv_rope = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, DR], kr_sl)

@@ -341,9 +341,13 @@ def _choose_wgmma_config(base: dict, *, mla: bool, rows: int, head_dim: int, hea
     if interpret:
         raise ValueError("config KERNEL='mla_wgmma' is a Gluon kernel for CUDA sm_90+ and has no CPU interpreter; "
                          "drop KERNEL under TRITON_INTERPRET=1")
-    if not _wgmma_kernels().AVAILABLE:
-        raise ValueError("config KERNEL='mla_wgmma' needs Triton's Gluon Hopper API (triton >= 3.5); drop KERNEL")
-    extra = {key for key in ("FUSED_MERGE", "PDL", "PAGE_AHEAD", "D_CHUNK", "BLOCK_DV") if base.get(key)}
+    wg = _wgmma_kernels()
+    if not wg.AVAILABLE:
+        import triton
+
+        raise ValueError(f"config KERNEL='mla_wgmma' is written in Gluon for Triton {'/'.join(wg.TESTED_TRITON)}x "
+                         f"(its API changes between releases), got Triton {triton.__version__}; drop KERNEL")
+    extra = {key for key in ("FUSED_MERGE", "PAGE_AHEAD", "D_CHUNK", "BLOCK_DV") if base.get(key)}
     if extra:
         raise ValueError(f"config KERNEL='mla_wgmma' does not take {sorted(extra)} (one value tile, its own "
                          "double-buffered copies, merge launched after it); drop them")
@@ -413,6 +417,9 @@ def _make_plan(*, max_batch, k, hq, hkv, d, dr, dv, max_context, device, dtype_b
     interpret = device.type == "cpu"
     max_prefix = max(0, max_context - k)
 
+    if config is None and _wgmma_default(device, d=d, dr=dr, dv=dv):
+        config = dict(_wgmma_kernels().MLA_WGMMA_DEFAULT)
+
     def plan_for(bandwidth: bool):
         """(config, split count) for the default or the bandwidth tile."""
         c = _choose_config(mla=dr > 0, rows=(hq // hkv) * k, head_dim=d, head_dim_v=dv, interpret=interpret,
@@ -420,7 +427,8 @@ def _make_plan(*, max_batch, k, hq, hkv, d, dr, dv, max_context, device, dtype_b
         if num_splits is not None:
             return c, num_splits
         return c, _choose_num_splits(batch=max_batch, programs_per_split=_programs_per_split(c, hkv),
-                                     small_programs=c["BLOCK_M"] <= 16, max_prefix=max_prefix,
+                                     small_programs=c["BLOCK_M"] <= 16 and c["KERNEL"] != "mla_wgmma",
+                                     max_prefix=max_prefix,
                                      bytes_per_token=(d + dr + (0 if v_is_k else dv)) * dtype_bytes,
                                      block_n=c["BLOCK_N"], num_sms=_num_sms(device.type, device.index))
 
@@ -452,6 +460,21 @@ def _make_plan(*, max_batch, k, hq, hkv, d, dr, dv, max_context, device, dtype_b
         else:
             plan.workspace_lse = torch.empty(max_batch, num_splits, k, hq, dtype=torch.float32, device=device)
     return plan
+
+
+def _wgmma_default(device: torch.device, *, d: int, dr: int, dv: int) -> bool:
+    """True where an MLA plan without a config takes the Gluon wgmma kernel (``MLA_WGMMA_DEFAULT``): a CUDA sm_90
+    device, a Triton the kernel was tested with, a 64-dim rope part and a latent of whole 64-column blocks. H200
+    (run 31, Kimi-K2 rank, k 4): 84 us (84% of copy bandwidth) at batch 64 / 4k and batch 8 / 32k against 151-152 us
+    for the Triton page-ahead kernel; 11.3 against 13.4 us at batch 1 / 4k."""
+    if device.type != "cuda" or dr != 64 or d != dv or d % 64 or envvars.get("SPECVERIFY_MLA_WGMMA") == "0":
+        return False
+    try:
+        if not _wgmma_kernels().AVAILABLE:
+            return False
+    except Exception:  # noqa: BLE001 - no Gluon in this Triton: the tl.dot kernels serve
+        return False
+    return torch.cuda.get_device_capability(device)[0] == 9
 
 
 def _splits_walk_tiles(*, max_prefix: int, num_splits: int, block_n: int) -> bool:
@@ -680,13 +703,13 @@ def _launch(*, q, qr, kc, vc, k_strides, v_strides, page_table, prefix_lens, tre
                   STORE_LSE=store_lse, DOT_FP32=q.device.type == "cpu", PDL=bool(pdl), num_warps=cfg["num_warps"],
                   num_stages=cfg["num_stages"], **pdl)
     block_dr = _next_pow2(max(16, dr))
-    if cfg.get("KERNEL") == "mla_wgmma":  # Gluon; no fused merge, no PDL (the config refuses both)
+    if cfg.get("KERNEL") == "mla_wgmma":  # Gluon; no fused merge (the config refuses it)
         _wgmma_kernels()._tree_attention_mla_wgmma_kernel[grid](
             q, qr_t, kc, page_table, prefix_lens, mask_arg, out, lse_arg, ws_o, ws_lse, scale, *q_strides,
             k_strides[0], k_strides[1], *tail,
             NUM_DRAFT=k, NUM_Q_HEADS=hq, PAGE_SIZE=page_size, NUM_SPLITS=splits, D=d, DR=dr, BLOCK_R=cfg["BLOCK_M"],
             BLOCK_N=cfg["BLOCK_N"], NUM_BUF=cfg["num_stages"], HAS_MASK=tree_mask is not None, STORE_LSE=store_lse,
-            num_warps=cfg["num_warps"])
+            PDL=bool(pdl), num_warps=cfg["num_warps"], **pdl)
     elif cfg.get("KERNEL") == "mla_swapped":  # no fused merge (the config refuses it), so ``fused`` is False here
         kernels._tree_attention_mla_swapped_kernel[grid](
             q, qr_t, kc, page_table, prefix_lens, mask_arg, out, lse_arg, ws_o, ws_lse, scale, *q_strides,

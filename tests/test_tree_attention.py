@@ -604,6 +604,32 @@ def test_swapped_configs_plan():
             assert plan.config["M_TILES"] == math.ceil(8 * k / config["BLOCK_M"])
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    ({"mla": True, "interpret": True, "config": {"KERNEL": "mla_wgmma"}}, "no CPU interpreter"),
+    ({"mla": False, "interpret": False, "config": {"KERNEL": "mla_wgmma"}}, "is for tree_attention_mla"),
+    ({"mla": True, "interpret": False, "config": {"KERNEL": "mla_wgmma", "FUSED_MERGE": True}}, "FUSED_MERGE"),
+    ({"mla": True, "interpret": False, "config": {"KERNEL": "mla_wgmma", "BLOCK_N": 32}}, "BLOCK_N 64"),
+    ({"mla": True, "interpret": False, "config": {"KERNEL": "mla_wgmma", "BLOCK_M": 128}}, "BLOCK_M 16, 32 or 64"),
+])
+def test_mla_wgmma_config_errors(kwargs, match):
+    """KERNEL='mla_wgmma' is refused where it cannot run or with keys it does not take, naming the fix."""
+    from specverify.attention import _choose_config, _wgmma_kernels
+
+    if not _wgmma_kernels().AVAILABLE and not kwargs["interpret"] and kwargs["mla"]:
+        match = "written in Gluon for Triton"  # this Triton cannot build the kernel: that is said first
+    with pytest.raises(ValueError, match=match):
+        _choose_config(rows=32, head_dim=512, head_dim_v=512 if kwargs["mla"] else 128, **kwargs)
+
+
+def test_mla_wgmma_default_rule():
+    """The wgmma kernel is the MLA default only on a CUDA device with a 64-dim rope and a latent of 64-col blocks."""
+    from specverify.attention import _wgmma_default
+
+    assert not _wgmma_default(torch.device("cpu"), d=512, dr=64, dv=512)
+    plan = plan_tree_attention_mla(max_batch=2, num_draft_tokens=4, num_heads=8, max_context=4096, device="cpu")
+    assert plan.config["KERNEL"] != "mla_wgmma"
+
+
 @pytest.mark.parametrize("max_prefix, splits, block_n, walks", [
     (4096 - 4, 64, 64, False),  # batch 1 at 4k: 64 splits of one 64-token tile each, nothing to prefetch
     (4096 - 4, 32, 64, True),  # the same context in 32 splits: two tiles each
@@ -702,9 +728,17 @@ def test_gpu_mla_wgmma(case, poison):
 
 
 @pytest.mark.gpu
-def test_gpu_mla_plan_picks_bandwidth_config():
-    """Without a config, an MLA plan (16 heads, DeepSeek-V3's rank) takes the page-ahead tile where splits walk
-    several tiles (batch 8 at 32k) and keeps the one-tile default at batch 1 / 4k (64 splits of one tile)."""
+def test_gpu_mla_plan_picks_bandwidth_config(monkeypatch):
+    """Without a config, an MLA plan takes the Gluon wgmma kernel on sm_90 (Triton 3.6); with it switched off
+    (SPECVERIFY_MLA_WGMMA=0, or elsewhere) the plan (16 heads, DeepSeek-V3's rank) takes the page-ahead tile where
+    splits walk several tiles (batch 8 at 32k) and keeps the one-tile default at batch 1 / 4k (64 splits of one
+    tile)."""
+    from specverify.attention import _wgmma_kernels
+
+    plan = plan_tree_attention_mla(max_batch=8, num_draft_tokens=4, num_heads=8, max_context=32768, device="cuda")
+    hopper = torch.cuda.get_device_capability()[0] == 9 and _wgmma_kernels().AVAILABLE
+    assert (plan.config["KERNEL"] == "mla_wgmma") == hopper
+    monkeypatch.setenv("SPECVERIFY_MLA_WGMMA", "0")
     long = plan_tree_attention_mla(max_batch=8, num_draft_tokens=4, num_heads=16, max_context=32768, device="cuda")
     assert long.config["PAGE_AHEAD"] and long.config["BLOCK_N"] == _K.MLA_BANDWIDTH_CONFIG["BLOCK_N"]
     short = plan_tree_attention_mla(max_batch=1, num_draft_tokens=4, num_heads=16, max_context=4096, device="cuda")

@@ -141,8 +141,8 @@ class TreeAttentionPlan:
     config : dict
         ``BLOCK_M, M_TILES, BLOCK_N, BLOCK_DV, DV_TILES, BLOCK_K, num_warps, num_stages, KERNEL, FUSED_MERGE,
         PARTIAL_DTYPE, PDL, MERGE_BLOCK_DV, MERGE_WARPS, PAGE_AHEAD`` (``KERNEL`` ``"default"``,
-        ``"mla_chunked"`` (adds ``D_CHUNK, NC, CPT``) or ``"mla_swapped"`` (transposed products, one value tile,
-        no fused merge); ``MERGE_BLOCK_DV`` None means the launcher's default width; ``PAGE_AHEAD`` (default and
+        ``"mla_chunked"`` (adds ``D_CHUNK, NC, CPT``), ``"mla_swapped"`` (transposed products, one value tile,
+        no fused merge) or ``"mla_wgmma"`` (the Gluon kernel; ``num_stages`` is its KV buffer count); ``MERGE_BLOCK_DV`` None means the launcher's default width; ``PAGE_AHEAD`` (default and
         swapped kernels): each tile loads the next tile's page ids, so with ``num_stages`` >= 3 Triton's pipeliner
         multi-buffers the KV tile; set by ``MLA_BANDWIDTH_CONFIG``).
     workspace_out : torch.Tensor or None
@@ -524,9 +524,14 @@ def plan_tree_attention(*, max_batch: int, num_draft_tokens: int, num_q_heads: i
         ``KERNEL="mla_chunked"`` with ``D_CHUNK``, or ``KERNEL="mla_swapped"`` (scores and output computed
         transposed, KV tokens as the MMA's M dimension so Hopper can use wgmma with 32 query rows; no
         ``FUSED_MERGE``) (see ``MLA_CHUNKED_CONFIGS`` / ``MLA_SWAPPED_CONFIGS`` / ``GQA_BANDWIDTH_CONFIGS`` /
-        ``MLA_LATENCY_CONFIGS`` in ``specverify/kernels/tree_attention.py``). Without a config an MLA plan on a
-        GPU whose splits walk two or more KV tiles takes ``MLA_BANDWIDTH_CONFIG`` (the page ids one tile ahead,
-        the KV tile multi-buffered; 1.26x faster at Kimi-K2 batch 8 / 32k on the H200), else ``MLA_CONFIGS[0]``.
+        ``MLA_LATENCY_CONFIGS`` in ``specverify/kernels/tree_attention.py``), or ``KERNEL="mla_wgmma"`` (the
+        Gluon kernel of ``specverify/kernels/tree_attention_wgmma.py``: both products on wgmma with the KV
+        tokens as M; CUDA sm_90 and Triton 3.6 only; ``BLOCK_M`` 16/32/64, ``PDL``, ``PARTIAL_DTYPE``). Without a
+        config an MLA plan on an sm_90 GPU with Triton 3.6 takes ``MLA_WGMMA_DEFAULT`` (88-90% of copy bandwidth
+        at Kimi-K2 batch 64 / 4k and batch 8 / 32k on the H200, 9.5 us at batch 1 / 4k / k 4; set
+        ``SPECVERIFY_MLA_WGMMA=0`` to keep the ``tl.dot`` kernels); elsewhere one whose splits walk two or more KV
+        tiles takes ``MLA_BANDWIDTH_CONFIG`` (the page ids one tile ahead, the KV tile multi-buffered), else
+        ``MLA_CONFIGS[0]``.
 
     Returns
     -------
@@ -931,7 +936,11 @@ def tree_attention_mla(q_latent, q_rope, kv_cache, *, page_table, prefix_lens, t
 
     Notes
     -----
-    Graph safety as in :func:`tree_attention`.
+    Graph safety as in :func:`tree_attention`. On an sm_90 GPU with Triton 3.6 the kernel is the Gluon wgmma one
+    (``specverify/kernels/tree_attention_wgmma.py``: s^T = K q^T and o^T += V^T p^T, so the 64 KV tokens of a tile
+    are wgmma's M however few the query rows), launched with programmatic dependent launch before its split merge;
+    elsewhere (other GPUs, other Triton versions, the CPU interpreter, ``SPECVERIFY_MLA_WGMMA=0``) the ``tl.dot``
+    kernels of ``specverify/kernels/tree_attention.py``. Both read only the slots below each request's length.
 
     Examples
     --------

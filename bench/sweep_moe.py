@@ -62,6 +62,10 @@ ROUTE_GRID = [
     ("fast w2", "fast", dict(num_warps=2)),
     ("fast rows2", "fast", dict(ROWS=2)),
     ("fast tail", "fast", dict(FILL_TAIL=True)),
+    # one program for every M (routes all rows, aligns in registers: no ticket, no global round trip) with more warps
+    ("fast one all w8", "fast", dict(one_max_slots=1024, one_num_warps=8)),
+    ("fast one all w16", "fast", dict(one_max_slots=1024, one_num_warps=16)),
+    ("fast one all w32", "fast", dict(one_max_slots=1024, one_num_warps=32)),
 ]
 #: skipped with --quick
 ROUTE_SLOW = ("atomic", "single", "fast w2", "fast rows2", "fast tail")

@@ -66,6 +66,11 @@ ROUTE_GRID = [
     ("fast one all w8", "fast", dict(one_max_slots=1024, one_num_warps=8)),
     ("fast one all w16", "fast", dict(one_max_slots=1024, one_num_warps=16)),
     ("fast one all w32", "fast", dict(one_max_slots=1024, one_num_warps=32)),
+    # one program for every M, aligned through atomic ranks and a histogram (linear work, no ticket)
+    ("fast one atomic w4", "fast", dict(one_atomic_max_slots=1024, one_atomic_warps=4)),
+    ("fast one atomic w8", "fast", dict(one_atomic_max_slots=1024, one_atomic_warps=8)),
+    ("fast one atomic w16", "fast", dict(one_atomic_max_slots=1024, one_atomic_warps=16)),
+    ("fast one atomic w32", "fast", dict(one_atomic_max_slots=1024, one_atomic_warps=32)),
 ]
 #: skipped with --quick
 ROUTE_SLOW = ("atomic", "single", "fast w2", "fast rows2", "fast tail")
@@ -85,6 +90,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="kimi-k2,deepseek-v3")
     ap.add_argument("--ops", default="experts,route", help="comma list: experts, route")
     ap.add_argument("--ms", help="comma list of M (default: 1,4,16,64 with --quick, else 1..64)")
+    ap.add_argument("--route-variants", help="comma list of label prefixes: time only those router variants")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("sweep_moe: needs a CUDA GPU", file=sys.stderr)
@@ -223,6 +229,8 @@ def main(argv=None) -> int:
                 route_row("router only rounds", "fast", {}, align=False, router=dict(TOPK_SORT=False))
                 for label, variant, ov in ROUTE_GRID:
                     if args.quick and label in ROUTE_SLOW:
+                        continue
+                    if args.route_variants and not any(label.startswith(p) for p in args.route_variants.split(",")):
                         continue
                     route_row(label, variant, ov)
             restore()

@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="kimi-k2,deepseek-v3")
     ap.add_argument("--ops", default="experts,route", help="comma list: experts, route")
     ap.add_argument("--ms", help="comma list of M (default: 1,4,16,64 with --quick, else 1..64)")
-    ap.add_argument("--route-variants", help="comma list of label prefixes: time only those router variants")
+    ap.add_argument("--route-variants", help="comma list of router variant labels (a trailing * matches a prefix): time only those")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("sweep_moe: needs a CUDA GPU", file=sys.stderr)
@@ -230,7 +230,9 @@ def main(argv=None) -> int:
                 for label, variant, ov in ROUTE_GRID:
                     if args.quick and label in ROUTE_SLOW:
                         continue
-                    if args.route_variants and not any(label.startswith(p) for p in args.route_variants.split(",")):
+                    if args.route_variants and not any(
+                            label.startswith(p[:-1]) if p.endswith("*") else label == p
+                            for p in args.route_variants.split(",")):
                         continue
                     route_row(label, variant, ov)
             restore()

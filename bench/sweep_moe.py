@@ -66,11 +66,6 @@ ROUTE_GRID = [
     ("fast one all w8", "fast", dict(one_max_slots=1024, one_num_warps=8)),
     ("fast one all w16", "fast", dict(one_max_slots=1024, one_num_warps=16)),
     ("fast one all w32", "fast", dict(one_max_slots=1024, one_num_warps=32)),
-    # one program for every M, aligned through atomic ranks and a histogram (linear work, no ticket)
-    ("fast one atomic w4", "fast", dict(one_atomic_max_slots=1024, one_atomic_warps=4)),
-    ("fast one atomic w8", "fast", dict(one_atomic_max_slots=1024, one_atomic_warps=8)),
-    ("fast one atomic w16", "fast", dict(one_atomic_max_slots=1024, one_atomic_warps=16)),
-    ("fast one atomic w32", "fast", dict(one_atomic_max_slots=1024, one_atomic_warps=32)),
 ]
 #: skipped with --quick
 ROUTE_SLOW = ("atomic", "single", "fast w2", "fast rows2", "fast tail")

@@ -369,29 +369,6 @@ def _align_pairwise(ids_v, slot_v, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks
 
 
 @triton.jit
-def _align_atomic_one(ids_v, slot_v, count_ptr, offs_ptr, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks,
-                      EA: tl.constexpr, EAP: tl.constexpr, B: tl.constexpr, PJ: tl.constexpr, CHUNK: tl.constexpr,
-                      FILL_TAIL: tl.constexpr):
-    """Alignment of the flat [SP] slot vector by one program with linear work: each slot's rank inside its expert from
-    one relaxed atomic add on the expert's counter (order inside an expert free, as in the multi-program path), the
-    counts from a histogram of the same ids in registers (no reload), each expert's start from a gather of the
-    padded offsets; the counters are reset once every atomic has returned."""
-    ok = (ids_v >= 0) & (ids_v < EA)
-    safe = tl.where(ok, ids_v, 0)
-    rank = tl.atomic_add(count_ptr + safe, 1, mask=ok, sem="relaxed")
-    e = tl.arange(0, EAP)
-    emask = e < EA
-    cnt = tl.histogram(safe, EAP, mask=ok)
-    padded, offs, total = _expert_blocks(cnt, e, emask, npad_ptr, offs_ptr, eids_ptr, B)
-    _write_pads(sorted_ptr, offs, cnt, padded, emask, S, B, PJ)
-    _fill_tails(sorted_ptr, eids_ptr, total, S, max_blocks, B, CHUNK, FILL_TAIL)
-    start = tl.gather(offs, safe, 0)
-    tl.store(sorted_ptr + start + rank, slot_v, mask=ok)
-    tl.debug_barrier()  # every thread's atomic has returned its rank
-    tl.store(count_ptr + e, tl.zeros([EAP], tl.int32), mask=emask)
-
-
-@triton.jit
 def _write_runs(sorted_ptr, eids_ptr, npad_ptr, start, rank, cnt, padded, first, ok, slot, expert, total, S,
                 max_blocks, B: tl.constexpr, PJ: tl.constexpr, CHUNK: tl.constexpr, FILL_TAIL: tl.constexpr):
     """Write an alignment from per-slot vectors: each slot's place ``start + rank`` (``start``: its expert's first
@@ -478,12 +455,9 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
                                  EA: tl.constexpr, EAP: tl.constexpr, B: tl.constexpr, SP: tl.constexpr,
                                  ONE: tl.constexpr, PJ: tl.constexpr, CHUNK: tl.constexpr,
                                  FILL_TAIL: tl.constexpr, RELOAD: tl.constexpr = False, SORTED: tl.constexpr = False,
-                                 TOPK_SORT: tl.constexpr = False, ONE_ATOMIC: tl.constexpr = False):
+                                 TOPK_SORT: tl.constexpr = False):
     """ONE: grid (1,), ROWS >= M (routing) or SP >= S (alignment only). Not ONE: routing on, grid (ceil(M/ROWS),),
     SP >= S; the ticket (and, without SORTED, the workspace counters) are zero on entry and left at zero.
-
-    ONE_ATOMIC (with ONE): the one program aligns through the workspace counters (zero on entry, left at zero) instead
-    of pairwise comparisons: ranks by one atomic add per slot, counts by a histogram in registers (_align_atomic_one).
 
     SORTED (not ONE): the routing programs only store their ids; the last one (ticket) loads every slot's id once
     and aligns by one sort in registers (_align_sorted: no atomic ranks, exact slot order). Without it: atomic
@@ -509,11 +483,7 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
             slot_v = tl.arange(0, SP)
             ids_v = tl.load(ids_ptr + slot_v, mask=slot_v < S, other=-1)
             ids_v = tl.where((ids_v >= 0) & (ids_v < EA), ids_v, -1)
-        if ONE_ATOMIC:
-            _align_atomic_one(ids_v, slot_v, count_ptr, offs_ptr, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks, EA,
-                              EAP, B, PJ, CHUNK, FILL_TAIL)
-        else:
-            _align_pairwise(ids_v, slot_v, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks, B, PJ, CHUNK, FILL_TAIL)
+        _align_pairwise(ids_v, slot_v, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks, B, PJ, CHUNK, FILL_TAIL)
     else:
         _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, pid * ROWS, M, stride_lm, scale,
                     E, EP, ROWS, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS, RENORM,

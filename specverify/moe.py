@@ -325,18 +325,13 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
     topk_p = max(_next_pow2(top_k), 2)
     eap = max(_next_pow2(e), 16)
     one = s <= (cfg["one_max_slots"] if do_route else cfg["align_one_max_slots"])
-    one_atomic = not one and do_route and s <= cfg["one_atomic_max_slots"]
-    sort_align = not one and not one_atomic and s <= cfg["sorted_max_slots"]
-    if one or one_atomic:
+    sort_align = not one and s <= cfg["sorted_max_slots"]
+    if one:
         rows = max(_next_pow2(m), 1)
         sp = rows * topk_p if do_route else max(_next_pow2(s), 2)
         rank = count = offs = ticket = ids
-        if one_atomic:
-            ws = _workspace(dev)
-            count, offs = ws[:_WS_STRIDE], ws[_WS_STRIDE: 2 * _WS_STRIDE]
         grid = (1,)
-        warps = (cfg["one_atomic_warps"] if one_atomic else
-                 cfg["one_small_warps"] if s <= cfg["one_small_slots"] else cfg["one_num_warps"])
+        warps = cfg["one_small_warps"] if s <= cfg["one_small_slots"] else cfg["one_num_warps"]
     else:  # routing on (the launcher sends alignment-only calls this large elsewhere)
         rows = cfg["ROWS"]
         sp = max(_next_pow2(s), 2)
@@ -352,10 +347,10 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
         m, s, size // block_size, logits.stride(0) if do_route else 0, float(scale),
         E=e, EP=eap, ROWS=rows, TOP_K=top_k, TOPK_P=topk_p, N_GROUP=n_group, NG_P=max(_next_pow2(n_group), 2),
         GSIZE=e // n_group, TOPK_GROUP=topk_group, SOFTMAX=softmax, HAS_BIAS=bias is not None, RENORM=renormalize,
-        DO_ROUTE=do_route, EA=e, EAP=eap, B=block_size, SP=sp, PJ=min(block_size, 16),
+        DO_ROUTE=do_route, EA=e, EAP=eap, B=block_size, SP=sp, ONE=one, PJ=min(block_size, 16),
         CHUNK=cfg["CHUNK"] if on_gpu else 64, FILL_TAIL=bool(cfg["FILL_TAIL"]),
-        RELOAD=(one or one_atomic) and do_route and (eap < _RESHAPE_MIN_EXPERTS or bool(cfg["RELOAD"])),
-        SORTED=sort_align, TOPK_SORT=bool(cfg["TOPK_SORT"]), ONE=one or one_atomic, ONE_ATOMIC=one_atomic, **extra)
+        RELOAD=one and do_route and (eap < _RESHAPE_MIN_EXPERTS or bool(cfg["RELOAD"])), SORTED=sort_align,
+        TOPK_SORT=bool(cfg["TOPK_SORT"]), **extra)
     return ids, weights, MoEAlignment(sorted_ids, expert_ids, npad, block_size)
 
 
@@ -616,8 +611,7 @@ _RESHAPE_MIN_EXPERTS = 256
 _FAST_ROUTE_CONFIG: dict = {"one_max_slots": 16, "align_one_max_slots": 32, "one_num_warps": 8,
                             "one_small_slots": 8, "one_small_warps": 4, "ROWS": 1, "num_warps": 4, "wide_slots": 128,
                             "wide_warps": 8, "CHUNK": 1024, "FILL_TAIL": False, "RELOAD": False,
-                            "sorted_max_slots": 32, "TOPK_SORT": True, "one_atomic_max_slots": 0,
-                            "one_atomic_warps": 16}
+                            "sorted_max_slots": 32, "TOPK_SORT": True}
 #: Launch config of the one-program router: rows routed per step, [CI, CJ] rank tiles, fill chunk, warps.
 _SINGLE_ROUTE_CONFIG: dict = {"ROWS": 4, "CI": 64, "CJ": 128, "CHUNK": 1024, "num_warps": 8}
 #: GEMV experts: largest M it takes, gate/up tile ``g1`` ([BLOCK_N gate rows + BLOCK_N up rows, BLOCK_K]) and

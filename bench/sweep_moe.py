@@ -60,6 +60,7 @@ ROUTE_GRID = [
     ("fast atomic ranks", "fast", dict(sorted_max_slots=0)),
     ("fast w8", "fast", dict(num_warps=8)),
     ("fast w2", "fast", dict(num_warps=2)),
+    ("fast w1", "fast", dict(num_warps=1)),
     ("fast rows2", "fast", dict(ROWS=2)),
     ("fast tail", "fast", dict(FILL_TAIL=True)),
     # one program for every M (routes all rows, aligns in registers: no ticket, no global round trip) with more warps
@@ -68,7 +69,7 @@ ROUTE_GRID = [
     ("fast one all w32", "fast", dict(one_max_slots=1024, one_num_warps=32)),
 ]
 #: skipped with --quick
-ROUTE_SLOW = ("atomic", "single", "fast w2", "fast rows2", "fast tail")
+ROUTE_SLOW = ("atomic", "single", "fast w2", "fast w1", "fast rows2", "fast tail")
 
 
 @triton.jit

@@ -61,10 +61,6 @@ ROUTE_GRID = [
     ("fast w8", "fast", dict(num_warps=8)),
     ("fast w2", "fast", dict(num_warps=2)),
     ("fast w1", "fast", dict(num_warps=1)),
-    # the last program takes the ranks (atomics) and counts (histogram) itself; the routing programs only store ids
-    ("fast last hist", "fast", dict(last_hist=True)),
-    ("fast last hist all", "fast", dict(last_hist=True, sorted_max_slots=0)),
-    ("fast last hist w8", "fast", dict(last_hist=True, sorted_max_slots=0, num_warps=8)),
     ("fast rows2", "fast", dict(ROWS=2)),
     ("fast tail", "fast", dict(FILL_TAIL=True)),
     # one program for every M (routes all rows, aligns in registers: no ticket, no global round trip) with more warps

@@ -369,29 +369,6 @@ def _align_pairwise(ids_v, slot_v, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks
 
 
 @triton.jit
-def _align_atomic_one(ids_v, slot_v, count_ptr, offs_ptr, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks,
-                      EA: tl.constexpr, EAP: tl.constexpr, B: tl.constexpr, PJ: tl.constexpr, CHUNK: tl.constexpr,
-                      FILL_TAIL: tl.constexpr):
-    """Alignment of the flat [SP] slot vector by the last program (LAST_HIST) with linear work: each slot's rank
-    inside its expert from one relaxed atomic add on the expert's counter (order inside an expert free), the counts
-    from a histogram of the same ids in registers (no reload), each expert's start from a gather of the padded
-    offsets (no reload either); the counters are reset once every atomic has returned."""
-    ok = (ids_v >= 0) & (ids_v < EA)
-    safe = tl.where(ok, ids_v, 0)
-    rank = tl.atomic_add(count_ptr + safe, 1, mask=ok, sem="relaxed")
-    e = tl.arange(0, EAP)
-    emask = e < EA
-    cnt = tl.histogram(safe, EAP, mask=ok)
-    padded, offs, total = _expert_blocks(cnt, e, emask, npad_ptr, offs_ptr, eids_ptr, B)
-    _write_pads(sorted_ptr, offs, cnt, padded, emask, S, B, PJ)
-    _fill_tails(sorted_ptr, eids_ptr, total, S, max_blocks, B, CHUNK, FILL_TAIL)
-    start = tl.gather(offs, safe, 0)
-    tl.store(sorted_ptr + start + rank, slot_v, mask=ok)
-    tl.debug_barrier()  # every thread's atomic has returned its rank
-    tl.store(count_ptr + e, tl.zeros([EAP], tl.int32), mask=emask)
-
-
-@triton.jit
 def _write_runs(sorted_ptr, eids_ptr, npad_ptr, start, rank, cnt, padded, first, ok, slot, expert, total, S,
                 max_blocks, B: tl.constexpr, PJ: tl.constexpr, CHUNK: tl.constexpr, FILL_TAIL: tl.constexpr):
     """Write an alignment from per-slot vectors: each slot's place ``start + rank`` (``start``: its expert's first
@@ -478,15 +455,13 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
                                  EA: tl.constexpr, EAP: tl.constexpr, B: tl.constexpr, SP: tl.constexpr,
                                  ONE: tl.constexpr, PJ: tl.constexpr, CHUNK: tl.constexpr,
                                  FILL_TAIL: tl.constexpr, RELOAD: tl.constexpr = False, SORTED: tl.constexpr = False,
-                                 TOPK_SORT: tl.constexpr = False, LAST_HIST: tl.constexpr = False):
+                                 TOPK_SORT: tl.constexpr = False):
     """ONE: grid (1,), ROWS >= M (routing) or SP >= S (alignment only). Not ONE: routing on, grid (ceil(M/ROWS),),
     SP >= S; the ticket (and, without SORTED, the workspace counters) are zero on entry and left at zero.
 
     SORTED (not ONE): the routing programs only store their ids; the last one (ticket) loads every slot's id once
-    and aligns by one sort in registers (_align_sorted: no atomic ranks, exact slot order). LAST_HIST (not ONE, not
-    SORTED): the routing programs only store their ids; the last one loads them once, takes the ranks by atomics
-    and the counts by a histogram (_align_atomic_one). Without either: atomic ranks in the routing programs, and
-    the last program scans the counters and scatters."""
+    and aligns by one sort in registers (_align_sorted: no atomic ranks, exact slot order). Without it: atomic
+    ranks in the routing programs, and the last program scans the counters and scatters."""
     pid = tl.program_id(0)
     if ONE:
         if DO_ROUTE:
@@ -512,7 +487,7 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
     else:
         _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, pid * ROWS, M, stride_lm, scale,
                     E, EP, ROWS, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS, RENORM,
-                    not SORTED and not LAST_HIST, TOPK_SORT)
+                    not SORTED, TOPK_SORT)
         tl.debug_barrier()  # this program's ids (and ranks and counter updates) precede its ticket
         ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
         if ticket == tl.num_programs(0) - 1:
@@ -520,10 +495,6 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
             if SORTED:
                 ids = tl.load(ids_ptr + sl, mask=sl < S, other=-1, cache_modifier=".cg")
                 _align_sorted(ids, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks, EA, B, SP, PJ, CHUNK, FILL_TAIL)
-            elif LAST_HIST:
-                ids = tl.load(ids_ptr + sl, mask=sl < S, other=-1, cache_modifier=".cg")
-                _align_atomic_one(ids, sl, count_ptr, offs_ptr, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks, EA,
-                                  EAP, B, PJ, CHUNK, FILL_TAIL)
             else:
                 e = tl.arange(0, EAP)
                 emask = e < EA

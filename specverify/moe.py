@@ -326,7 +326,6 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
     eap = max(_next_pow2(e), 16)
     one = s <= (cfg["one_max_slots"] if do_route else cfg["align_one_max_slots"])
     sort_align = not one and s <= cfg["sorted_max_slots"]
-    last_hist = False
     if one:
         rows = max(_next_pow2(m), 1)
         sp = rows * topk_p if do_route else max(_next_pow2(s), 2)
@@ -336,8 +335,7 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
     else:  # routing on (the launcher sends alignment-only calls this large elsewhere)
         rows = cfg["ROWS"]
         sp = max(_next_pow2(s), 2)
-        last_hist = not sort_align and bool(cfg["last_hist"])
-        rank = ids if sort_align or last_hist else torch.empty((s,), dtype=torch.int32, device=dev)
+        rank = ids if sort_align else torch.empty((s,), dtype=torch.int32, device=dev)
         ws = _workspace(dev)
         count, offs, ticket = ws[:_WS_STRIDE], ws[_WS_STRIDE: 2 * _WS_STRIDE], ws[2 * _WS_STRIDE:]
         grid = (_cdiv(m, rows),)
@@ -352,7 +350,7 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
         DO_ROUTE=do_route, EA=e, EAP=eap, B=block_size, SP=sp, ONE=one, PJ=min(block_size, 16),
         CHUNK=cfg["CHUNK"] if on_gpu else 64, FILL_TAIL=bool(cfg["FILL_TAIL"]),
         RELOAD=one and do_route and (eap < _RESHAPE_MIN_EXPERTS or bool(cfg["RELOAD"])), SORTED=sort_align,
-        TOPK_SORT=bool(cfg["TOPK_SORT"]), LAST_HIST=not one and last_hist, **extra)
+        TOPK_SORT=bool(cfg["TOPK_SORT"]), **extra)
     return ids, weights, MoEAlignment(sorted_ids, expert_ids, npad, block_size)
 
 
@@ -613,7 +611,7 @@ _RESHAPE_MIN_EXPERTS = 256
 _FAST_ROUTE_CONFIG: dict = {"one_max_slots": 16, "align_one_max_slots": 32, "one_num_warps": 8,
                             "one_small_slots": 8, "one_small_warps": 4, "ROWS": 1, "num_warps": 4, "wide_slots": 128,
                             "wide_warps": 8, "CHUNK": 1024, "FILL_TAIL": False, "RELOAD": False,
-                            "sorted_max_slots": 32, "TOPK_SORT": True, "last_hist": False}
+                            "sorted_max_slots": 32, "TOPK_SORT": True}
 #: Launch config of the one-program router: rows routed per step, [CI, CJ] rank tiles, fill chunk, warps.
 _SINGLE_ROUTE_CONFIG: dict = {"ROWS": 4, "CI": 64, "CJ": 128, "CHUNK": 1024, "num_warps": 8}
 #: GEMV experts: largest M it takes, gate/up tile ``g1`` ([BLOCK_N gate rows + BLOCK_N up rows, BLOCK_K]) and

@@ -672,51 +672,6 @@ def test_fast_route_sorted_kimi(device, fast_route):
     check_alignment_exact(ids, 384, 16, al)
 
 
-@pytest.mark.parametrize("case", [
-    # Kimi-K2: 384 experts, bias, top-8; 6 tokens (48 slots: not a power of two, not a multiple of the block)
-    dict(m=6, e=384, top_k=8, bias=True, block=16),
-    # DeepSeek-V3 groups; top-6 pads to 8 lanes per row (lanes 6, 7 must be ignored)
-    dict(m=3, e=256, top_k=6, bias=True, n_group=8, topk_group=4, block=16),
-    # 9 tokens x top-3 over 11 experts (prime), many slots per expert, block 4
-    dict(m=9, e=11, top_k=3, bias=True, block=4),
-    # a NaN row (no slot aligned), every other token's first choice expert 5 (one expert over several blocks)
-    dict(m=7, e=32, top_k=3, block=8, nan_row=2, hot=5),
-    # Qwen3: softmax over 128 experts, top-8, block 1
-    dict(m=5, e=128, top_k=8, scoring="softmax", block=1),
-])
-def test_fast_route_last_hist(device, fast_route, case):
-    # one program per row stores its ids; the last (ticket) takes ranks by atomics and counts by a histogram
-    # (LAST_HIST); order inside an expert is free, so the alignment is checked as sets; the second call must find
-    # the counters and the ticket reset
-    fast_route._FAST_ROUTE_CONFIG.update(one_max_slots=0, sorted_max_slots=0, last_hist=True)
-    g = torch.Generator().manual_seed(160 + case["m"] + case["e"])
-    x = torch.randn(case["m"], case["e"], generator=g)
-    if "hot" in case:
-        x[:, case["hot"]] = 20.0
-    if "nan_row" in case:
-        x[case["nan_row"]] = math.nan
-    x = x.to(device)
-    bias = (torch.randn(case["e"], generator=g) * 0.05).to(device) if case.get("bias") else None
-    for _ in range(2):
-        ids, _, al = check_route(x, case["top_k"], case.get("scoring", "sigmoid"), bias=bias,
-                                 n_group=case.get("n_group", 1), topk_group=case.get("topk_group", 1),
-                                 block_size=case["block"])
-    if "nan_row" in case:
-        assert (ids[case["nan_row"]].cpu() == -1).all()
-    ws = fast_route._workspace(x.device)
-    assert not ws[:1024].any() and not ws[2048:].any(), "counters and ticket must be zero again after a call"
-
-
-def test_fast_route_last_hist_kimi(device, fast_route):
-    # Kimi-K2 at M = 64 (512 slots, the largest verify batch the router targets) with the last-program histogram
-    fast_route._FAST_ROUTE_CONFIG.update(one_max_slots=0, sorted_max_slots=0, last_hist=True)
-    m = 64 if device == "cuda" else 12
-    g = torch.Generator().manual_seed(170)
-    x = torch.randn(m, 384, generator=g).bfloat16().to(device)
-    bias = (torch.randn(384, generator=g) * 0.05).to(device)
-    check_route(x, 8, bias=bias, scale=2.827, block_size=16)
-
-
 @pytest.mark.parametrize("topk_sort", [False, True])
 def test_router_only_topk(device, monkeypatch, topk_sort):
     # the router without alignment (one program per row), both ways of picking the winners; a NaN score, and a

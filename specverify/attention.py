@@ -412,12 +412,12 @@ def _choose_num_splits(*, batch: int, programs_per_split: int, max_prefix: int, 
 
 
 def _make_plan(*, max_batch, k, hq, hkv, d, dr, dv, max_context, device, dtype_bytes, v_is_k, num_splits,
-               config, allocate=True) -> TreeAttentionPlan:
+               config, allocate=True, allow_wgmma=True) -> TreeAttentionPlan:
     device = torch.device(device)
     interpret = device.type == "cpu"
     max_prefix = max(0, max_context - k)
 
-    if config is None and _wgmma_default(device, d=d, dr=dr, dv=dv):
+    if config is None and allow_wgmma and _wgmma_default(device, d=d, dr=dr, dv=dv):
         config = dict(_wgmma_kernels().MLA_WGMMA_DEFAULT)
 
     def plan_for(bandwidth: bool):
@@ -753,11 +753,19 @@ def _launch_merge(kernels, ws_o, ws_lse, out, lse, *, batch, k, hq, dv, splits, 
 
 
 @functools.lru_cache(maxsize=256)
-def _cached_plan(max_batch, k, hq, hkv, d, dr, dv, max_context, device_type, device_index, dtype_bytes, v_is_k):
+def _cached_plan(max_batch, k, hq, hkv, d, dr, dv, max_context, device_type, device_index, dtype_bytes, v_is_k,
+                 allow_wgmma=True):
     device = torch.device(device_type, device_index) if device_index is not None else torch.device(device_type)
     return _make_plan(max_batch=max_batch, k=k, hq=hq, hkv=hkv, d=d, dr=dr, dv=dv, max_context=max_context,
                       device=device, dtype_bytes=dtype_bytes, v_is_k=v_is_k, num_splits=None, config=None,
-                      allocate=False)
+                      allocate=False, allow_wgmma=allow_wgmma)
+
+
+def _wgmma_copy_aligned(*tensors: torch.Tensor) -> bool:
+    """Whether the Gluon MLA kernel can copy these tensors' rows in 16-byte ``cp.async`` pieces: every base address
+    16-byte aligned and every stride but the last a multiple of 16 elements (the divisibility Triton specialises on;
+    with less it cannot prove the alignment and the copy does not compile)."""
+    return all(t.data_ptr() % 16 == 0 and all(st % 16 == 0 for st in t.stride()[:-1]) for t in tensors)
 
 
 def _finish(out_ref, out, lse_ref, return_lse):
@@ -1003,9 +1011,18 @@ def tree_attention_mla(q_latent, q_rope, kv_cache, *, page_table, prefix_lens, t
         q_latent = q_latent.contiguous()
     if q_rope.stride(-1) != 1:
         q_rope = q_rope.contiguous()
+    # the Gluon kernel copies q, q_rope and KV rows in 16-byte pieces: without that alignment the automatic plan
+    # takes the tl.dot kernels, and a plan built for the Gluon kernel is refused
+    aligned = _wgmma_copy_aligned(q_latent, q_rope, kv_cache)
     if plan is None:
         plan = _cached_plan(batch, k, h, 1, r, dr, r, page_table.shape[1] * page_size, device.type, device.index,
-                            q_latent.element_size(), True)
+                            q_latent.element_size(), True, aligned)
+    elif plan.config["KERNEL"] == "mla_wgmma" and not aligned:
+        raise ValueError(
+            f"{op}: the plan's KERNEL='mla_wgmma' copies rows in 16-byte pieces, so q_latent, q_rope and kv_cache need "
+            "16-byte aligned data and strides (but the last) that are multiples of 16 elements; got strides "
+            f"{tuple(q_latent.stride())}, {tuple(q_rope.stride())}, {tuple(kv_cache.stride())}; pass contiguous "
+            "tensors or build the plan with SPECVERIFY_MLA_WGMMA=0 (or a tl.dot config)")
     if out is None:
         out = torch.empty(batch, k, h, r, dtype=q_latent.dtype, device=device)
     lse = torch.empty(batch, k, h, dtype=torch.float32, device=device) if return_lse else None

@@ -728,6 +728,26 @@ def test_gpu_mla_wgmma(case, poison):
 
 
 @pytest.mark.gpu
+def test_gpu_mla_unaligned_cache(poison):
+    """A KV cache whose rows are 584 elements apart (not a multiple of 16: the Gluon kernel's 16-byte copies cannot be
+    proven aligned) runs without a plan on the tl.dot kernels and matches the reference."""
+    gen = torch.Generator().manual_seed(17)
+    prefix_lens, k, h, r, dr, ps = [3000, 17], 4, 8, 512, 64, 16
+    kv, table = make_paged(prefix_lens, k, ps, (r + dr,), torch.bfloat16, "cuda", gen)
+    pool = torch.full((*kv.shape[:2], r + dr + 8), float("nan"), dtype=kv.dtype, device="cuda")
+    pool[..., : r + dr] = kv
+    kv_u = pool[..., : r + dr]
+    ql = torch.randn(2, k, h, r, generator=gen).bfloat16().cuda()
+    qr = torch.randn(2, k, h, dr, generator=gen).bfloat16().cuda()
+    prefix = torch.tensor(prefix_lens, device="cuda")
+    mask = make_mask("random", k, 2, gen).cuda()
+    out = poison(ql)
+    _, lse = tree_attention_mla(ql, qr, kv_u, page_table=table, prefix_lens=prefix, tree_mask=mask,
+                                sm_scale=192 ** -0.5, out=out, return_lse=True)
+    check_mla(ql, qr, kv, table, prefix, mask, 192 ** -0.5, out, lse)
+
+
+@pytest.mark.gpu
 def test_gpu_mla_plan_picks_bandwidth_config(monkeypatch):
     """Without a config, an MLA plan takes the Gluon wgmma kernel on sm_90 (Triton 3.6); with it switched off
     (SPECVERIFY_MLA_WGMMA=0, or elsewhere) the plan (16 heads, DeepSeek-V3's rank) takes the page-ahead tile where

@@ -185,3 +185,24 @@ def test_plan_mismatch():
                                        kv_lora_rank=64, rope_dim=16)
     with pytest.raises(ValueError, match="plan was built for"):
         call_gqa(plan=mla_plan)
+
+
+def test_wgmma_plan_refuses_unaligned_tensors():
+    """A plan for the Gluon MLA kernel is refused before any launch when its 16-byte copies cannot be aligned (a KV
+    row stride of 84 elements); the automatic plan takes the tl.dot kernels for such tensors instead."""
+    import dataclasses
+
+    from specverify.attention import _wgmma_copy_aligned
+
+    a = mla_inputs()
+    plan = plan_tree_attention_mla(max_batch=B, num_draft_tokens=K, num_heads=8, max_context=48, device="cpu",
+                                   kv_lora_rank=64, rope_dim=16)
+    wgmma_plan = dataclasses.replace(plan, config=dict(plan.config, KERNEL="mla_wgmma"))
+    kv = torch.zeros(PAGES, PS, 84, dtype=torch.bfloat16)[..., :80]  # rows 84 elements apart
+    assert _wgmma_copy_aligned(a["q_latent"], a["q_rope"], a["kv_cache"])
+    assert not _wgmma_copy_aligned(a["q_latent"], a["q_rope"], kv)
+    assert not _wgmma_copy_aligned(a["q_latent"][..., 1:], a["q_rope"], a["kv_cache"])  # base 2 bytes off
+    a["kv_cache"] = kv
+    with pytest.raises(ValueError, match="16-byte pieces.*SPECVERIFY_MLA_WGMMA=0"):
+        tree_attention_mla(a.pop("q_latent"), a.pop("q_rope"), a.pop("kv_cache"), impl="triton", plan=wgmma_plan,
+                           **a)

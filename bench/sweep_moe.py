@@ -61,6 +61,7 @@ ROUTE_GRID = [
     ("fast w8", "fast", dict(num_warps=8)),
     ("fast w2", "fast", dict(num_warps=2)),
     ("fast w1", "fast", dict(num_warps=1)),
+    ("fast gather", "fast", dict(OFFS_GATHER=True)),
     ("fast rows2", "fast", dict(ROWS=2)),
     ("fast tail", "fast", dict(FILL_TAIL=True)),
     # one program for every M (routes all rows, aligns in registers: no ticket, no global round trip) with more warps

@@ -455,7 +455,7 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
                                  EA: tl.constexpr, EAP: tl.constexpr, B: tl.constexpr, SP: tl.constexpr,
                                  ONE: tl.constexpr, PJ: tl.constexpr, CHUNK: tl.constexpr,
                                  FILL_TAIL: tl.constexpr, RELOAD: tl.constexpr = False, SORTED: tl.constexpr = False,
-                                 TOPK_SORT: tl.constexpr = False):
+                                 TOPK_SORT: tl.constexpr = False, OFFS_GATHER: tl.constexpr = False):
     """ONE: grid (1,), ROWS >= M (routing) or SP >= S (alignment only). Not ONE: routing on, grid (ceil(M/ROWS),),
     SP >= S; the ticket (and, without SORTED, the workspace counters) are zero on entry and left at zero.
 
@@ -506,8 +506,11 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
                 padded, offs, total = _expert_blocks(cnt, e, emask, npad_ptr, offs_ptr, eids_ptr, B)
                 _write_pads(sorted_ptr, offs, cnt, padded, emask, S, B, PJ)
                 _fill_tails(sorted_ptr, eids_ptr, total, S, max_blocks, B, CHUNK, FILL_TAIL)
-                tl.debug_barrier()  # offsets visible to every thread of this program
-                base = tl.load(offs_ptr + tl.where(ok, ids, 0), mask=ok, other=0, cache_modifier=".cg")
+                if OFFS_GATHER:  # each slot's expert start from the offsets in registers (no store + reload)
+                    base = tl.gather(offs, tl.where(ok, ids, 0), 0)
+                else:
+                    tl.debug_barrier()  # offsets visible to every thread of this program
+                    base = tl.load(offs_ptr + tl.where(ok, ids, 0), mask=ok, other=0, cache_modifier=".cg")
                 tl.store(sorted_ptr + base + rk, sl, mask=ok)
                 tl.store(count_ptr + e, tl.zeros([EAP], tl.int32), mask=emask)
             tl.atomic_xchg(ticket_ptr, 0)

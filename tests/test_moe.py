@@ -614,12 +614,13 @@ def test_fast_route_nan_rows_and_one_expert(device, fast_route, mode):
     check_alignment_exact(ids, 32, 8, al)
 
 
+@pytest.mark.parametrize("gather", [False, True], ids=["reload", "gather"])
 @pytest.mark.parametrize("rows", [1, 2])
-def test_fast_route_multi_program(device, fast_route, rows):
+def test_fast_route_multi_program(device, fast_route, rows, gather):
     # more slots than one program takes (limit 8): one program per ROWS rows, atomic ranks (sorted alignment off),
-    # the last program aligns; 9 tokens (odd: the last program of ROWS=2 has one row) x top-3 over 11 experts (prime);
-    # repeated calls must find the workspace clean
-    fast_route._FAST_ROUTE_CONFIG.update(one_max_slots=8, ROWS=rows, sorted_max_slots=0)
+    # the last program aligns (expert starts reloaded, or gathered from registers: OFFS_GATHER); 9 tokens (odd: the
+    # last program of ROWS=2 has one row) x top-3 over 11 experts (prime); repeated calls must find the workspace clean
+    fast_route._FAST_ROUTE_CONFIG.update(one_max_slots=8, ROWS=rows, sorted_max_slots=0, OFFS_GATHER=gather)
     g = torch.Generator().manual_seed(96 + rows)
     x = torch.randn(9, 11, generator=g).to(device)
     bias = (torch.randn(11, generator=g) * 0.05).to(device)
@@ -659,6 +660,17 @@ def test_fast_route_sorted_exact(device, fast_route, mode, case):
                                  n_group=case.get("n_group", 1), topk_group=case.get("topk_group", 1),
                                  block_size=case["block"])
         check_alignment_exact(ids, case["e"], case["block"], al)
+
+
+def test_fast_route_gather_kimi(device, fast_route):
+    # Kimi-K2 at M = 64 on the atomic-rank multi-program path with the expert starts gathered in registers
+    fast_route._FAST_ROUTE_CONFIG.update(OFFS_GATHER=True)
+    m = 64 if device == "cuda" else 12
+    g = torch.Generator().manual_seed(142)
+    x = torch.randn(m, 384, generator=g).bfloat16().to(device)
+    bias = (torch.randn(384, generator=g) * 0.05).to(device)
+    for _ in range(2):
+        check_route(x, 8, bias=bias, scale=2.827, block_size=16)
 
 
 def test_fast_route_sorted_kimi(device, fast_route):

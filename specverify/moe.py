@@ -601,6 +601,9 @@ _FAST_MAX_SLOTS = 1024
 #: those defaults, M = 1 / 2 / 4 / 8 / 16 / 32 / 64: 3.08 / 4.25 / 4.49 / 5.38 / 5.66 / 6.43 / 7.57 us; one program at
 #: M = 2 took 4.00, 8 warps per row program 5.79 / 6.38 at M = 32 / 64 (the same at M = 8 and 16, slower at 2 and 4):
 #: hence one_max_slots 16 and wide_warps above 128 slots.
+#: OFFS_GATHER: on the atomic-rank path the last program takes each slot's expert start from the offsets in
+#: registers (tl.gather) instead of storing and reloading them: run 37 (commit 1f2254a) 5.45 / 5.49 / 6.26 ->
+#: 5.31 / 5.39 / 6.03 us at M = 8 / 16 / 64 (M = 4 takes the sorted path: 4.72 / 4.73).
 #: The one-program router hands its [rows, top-k] winners to the in-register alignment by a reshape to one slot
 #: vector. On the H200 (run 18, Triton 3.6) that reshape double-counted slots when the padded expert count was 16
 #: (10 experts: num_tokens_post_padded 2x too large at 1, 4 and 8 warps) and was exact at 256 and 512 (DeepSeek-V3,
@@ -611,7 +614,7 @@ _RESHAPE_MIN_EXPERTS = 256
 _FAST_ROUTE_CONFIG: dict = {"one_max_slots": 16, "align_one_max_slots": 32, "one_num_warps": 8,
                             "one_small_slots": 8, "one_small_warps": 4, "ROWS": 1, "num_warps": 4, "wide_slots": 128,
                             "wide_warps": 8, "CHUNK": 1024, "FILL_TAIL": False, "RELOAD": False,
-                            "sorted_max_slots": 32, "TOPK_SORT": True, "OFFS_GATHER": False}
+                            "sorted_max_slots": 32, "TOPK_SORT": True, "OFFS_GATHER": True}
 #: Launch config of the one-program router: rows routed per step, [CI, CJ] rank tiles, fill chunk, warps.
 _SINGLE_ROUTE_CONFIG: dict = {"ROWS": 4, "CI": 64, "CJ": 128, "CHUNK": 1024, "num_warps": 8}
 #: GEMV experts: largest M it takes, gate/up tile ``g1`` ([BLOCK_N gate rows + BLOCK_N up rows, BLOCK_K]) and

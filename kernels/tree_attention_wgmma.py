@@ -10,7 +10,11 @@ Kimi-K2 rank has only 8 heads x k draft tokens = 8..64 query rows):
 with softmax statistics per column (query row). Both products are ``warpgroup_mma`` with operands in shared memory
 (the tensor cores read them; no per-warp ``ldmatrix`` of q and K as the ``tl.dot`` kernels do). The KV tile is
 gathered through the page table with ``cp.async`` into ``NUM_BUF`` shared buffers: tile i + NUM_BUF - 1 is copied
-while tile i is used; the page ids of the next copy are loaded one tile earlier.
+while tile i is used; the page ids of the next copy are loaded one tile earlier. q is copied by ``cp.async`` before
+the prefix and page-table loads, in tile 0's group, so its latency overlaps theirs. Every copy moves 16 bytes, so
+Q, QR and KV need 16-byte aligned bases and strides (but the last) that are multiples of 16 elements (Triton's
+divisibility specialisation; the launcher checks it). ``PDL``: the kernel waits for the previous kernel's writes
+(``griddepcontrol.wait``) before its first load and lets the merge grid launch at once.
 
 Grid, split ranges, workspace and merge: the same as ``_tree_attention_fwd_kernel`` (axis 0: row tiles of
 ``BLOCK_R`` rows, axis 1: split, axis 2: batch; ``_tree_attention_merge_kernel`` merges the splits).

@@ -940,7 +940,10 @@ def tree_attention_mla(q_latent, q_rope, kv_cache, *, page_table, prefix_lens, t
     Raises
     ------
     TypeError, ValueError
-        As in :func:`tree_attention`.
+        As in :func:`tree_attention`; also ValueError when ``plan`` was built for the Gluon kernel
+        (``KERNEL="mla_wgmma"``) and q_latent, q_rope or kv_cache are not 16-byte aligned with strides (but the last)
+        that are multiples of 16 elements (its copies move 16 bytes); without a plan such tensors take the ``tl.dot``
+        kernels.
 
     Notes
     -----

@@ -1016,11 +1016,10 @@ def tree_attention_mla(q_latent, q_rope, kv_cache, *, page_table, prefix_lens, t
         q_rope = q_rope.contiguous()
     # the Gluon kernel copies q, q_rope and KV rows in 16-byte pieces: without that alignment the automatic plan
     # takes the tl.dot kernels, and a plan built for the Gluon kernel is refused
-    aligned = _wgmma_copy_aligned(q_latent, q_rope, kv_cache)
     if plan is None:
         plan = _cached_plan(batch, k, h, 1, r, dr, r, page_table.shape[1] * page_size, device.type, device.index,
-                            q_latent.element_size(), True, aligned)
-    elif plan.config["KERNEL"] == "mla_wgmma" and not aligned:
+                            q_latent.element_size(), True, _wgmma_copy_aligned(q_latent, q_rope, kv_cache))
+    elif plan.config["KERNEL"] == "mla_wgmma" and not _wgmma_copy_aligned(q_latent, q_rope, kv_cache):
         raise ValueError(
             f"{op}: the plan's KERNEL='mla_wgmma' copies rows in 16-byte pieces, so q_latent, q_rope and kv_cache need "
             "16-byte aligned data and strides (but the last) that are multiples of 16 elements; got strides "

@@ -62,14 +62,13 @@ def collect_env() -> dict:
     backends = {"reference": True,
                 "triton" + ("" if has_gpu else " (CPU: only with TRITON_INTERPRET=1)"): triton_runs,
                 "cuda (NVRTC through CuPy)": cupy is not None and has_gpu}
-    # the Gluon MLA kernel (tree_attention_mla's default where it runs): sm_90 and the Triton its API was written for
-    try:
-        from specverify.kernels import tree_attention_wgmma as wg
+    # the Gluon MLA kernel: the rule an MLA plan applies (Kimi-K2 / DeepSeek-V3 sizes: latent 512, rope 64)
+    gluon_ok = False
+    if has_gpu:
+        from specverify.attention import _wgmma_default
 
-        gluon_ok = wg.AVAILABLE and info.get("compute_capability", "").startswith("9.")
-    except Exception:  # noqa: BLE001 - no Triton / no Gluon: reported as unavailable
-        gluon_ok = False
-    backends["gluon wgmma MLA attention (sm_90, Triton 3.6)"] = gluon_ok and envvars.get("SPECVERIFY_MLA_WGMMA") != "0"
+        gluon_ok = _wgmma_default(torch.device("cuda", 0), d=512, dr=64, dv=512)
+    backends["gluon wgmma MLA attention (sm_90, Triton 3.6)"] = gluon_ok
     try:
         importlib.import_module("sglang")
         backends["sglang peer kernels"] = True

@@ -43,6 +43,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="M = 1, 4, 16, 64 and fewer repeats (< 90 s on H200)")
     ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ",".join(MODELS))
+    ap.add_argument("--ms", help="comma-separated token counts M (default 1, 2, 4, 8, 16, 32, 64; 1, 4, 16, 64 with "
+                                 "--quick)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_moe: needs a CUDA GPU", file=sys.stderr)
@@ -55,6 +57,11 @@ def main(argv=None) -> int:
     if peer is None:
         print(f"# sglang provider skipped: {peer_why}")
     ms_list = [1, 4, 16, 64] if args.quick else [1, 2, 4, 8, 16, 32, 64]
+    if args.ms:
+        try:
+            ms_list = [int(v) for v in args.ms.split(",")]
+        except ValueError:
+            ap.error(f"--ms takes comma-separated integers such as 2,8, got {args.ms!r}")
     t0 = time.time()
     bw = copy_bandwidth_gbps()
     print(f"# measured D2D copy bandwidth: {bw:.0f} GB/s", flush=True)

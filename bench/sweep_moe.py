@@ -47,6 +47,29 @@ FUSED_GRID = [
     dict(q=0, DOT=False, BI=16, BK=256, BH=64, MP=2, num_warps=8, num_stages=3, max_m=4),
     dict(q=0, DOT=False, BI=32, BK=64, BH=64, MP=2, num_warps=4, num_stages=3, max_m=4),
 ]
+#: dot-path tiles swept (merged into ``_CONFIG_OVERRIDE``: g1 = gate/up GEMM, g2 = down GEMM); the first is the
+#: default; skipped with --quick
+DOT_GRID = [
+    ("default", {}, {}),
+    ("g1 N32", dict(BLOCK_N=32), {}),
+    ("g1 N32 K128", dict(BLOCK_N=32, BLOCK_K=128), {}),
+    ("g1 N64 K128", dict(BLOCK_N=64, BLOCK_K=128), {}),
+    ("g1 K512 s3", dict(BLOCK_K=512, num_stages=3), {}),
+    ("g1 s5", dict(num_stages=5), {}),
+    ("g1 w2", dict(num_warps=2), {}),
+    ("g2 N32", {}, dict(BLOCK_N=32)),
+    ("g2 N128", {}, dict(BLOCK_N=128)),
+    ("g2 K256", {}, dict(BLOCK_K=256)),
+    ("g2 s4", {}, dict(num_stages=4)),
+    ("g1 N32 g2 N128", dict(BLOCK_N=32), dict(BLOCK_N=128)),
+    ("g1 N32 w2", dict(BLOCK_N=32, num_warps=2), {}),
+    ("g1 N32 s3", dict(BLOCK_N=32, num_stages=3), {}),
+    ("g1 N32 s5", dict(BLOCK_N=32, num_stages=5), {}),
+    ("g1 N32 w8", dict(BLOCK_N=32, num_warps=8), {}),
+    ("g1 N64", dict(BLOCK_N=64), {}),
+    ("g1 N64 K128 w2", dict(BLOCK_N=64, BLOCK_K=128, num_warps=2), {}),
+    ("g1 N64 K128 s5", dict(BLOCK_N=64, BLOCK_K=128, num_stages=5), {}),
+]
 #: router variants: (name, variant, config dict merged into _FAST_ROUTE_CONFIG); the default "fast" router picks
 #: winners by a bitonic top-k, routes M * top_k <= one_max_slots in one program, and beyond aligns in the last
 #: program by one sort up to sorted_max_slots slots, by atomic ranks above (see _FAST_ROUTE_CONFIG)
@@ -81,6 +104,11 @@ def _null_kernel(x_ptr):
     pass
 
 
+def _matches(label: str, patterns: str) -> bool:
+    """Whether ``label`` is one of the comma-separated ``patterns`` (a trailing * matches a prefix)."""
+    return any(label.startswith(p[:-1]) if p.endswith("*") else label == p for p in patterns.split(","))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="M = 1, 4, 16, 64 and the configs marked q")
@@ -89,6 +117,8 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="kimi-k2,deepseek-v3")
     ap.add_argument("--ops", default="experts,route", help="comma list: experts, route")
     ap.add_argument("--ms", help="comma list of M (default: 1,4,16,64 with --quick, else 1..64)")
+    ap.add_argument("--expert-variants", help="comma list of expert variant labels (a trailing * matches a prefix): "
+                                              "time only those")
     ap.add_argument("--route-variants", help="comma list of router variant labels (a trailing * matches a prefix): time only those")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -114,7 +144,13 @@ def main(argv=None) -> int:
     meta = run_meta(__file__, copy_gbps=bw,
                 sets=SETS, block=BLOCK)
     rows, skipped = [], []
-    restore = dict_restorer(moe._VARIANT, moe._FAST_ROUTE_CONFIG, moe._FUSED_OVERRIDE, moe._ROUTE_CONFIG)
+    restore = dict_restorer(moe._VARIANT, moe._FAST_ROUTE_CONFIG, moe._FUSED_OVERRIDE, moe._ROUTE_CONFIG,
+                            moe._CONFIG_OVERRIDE)
+    from specverify.benchmarking import load_sglang_peer
+
+    peer, peer_why = load_sglang_peer(__file__) if "experts" in ops else (None, "experts not swept")
+    if peer is None:
+        print(f"# sglang experts skipped: {peer_why}")
 
     for name in args.models.split(","):
         rs = per_rank_shapes(name, tp=8)
@@ -146,16 +182,21 @@ def main(argv=None) -> int:
                 it = iter(range(1 << 30))
                 return graph_us(lambda: call(next(it) % SETS), calls=SETS, repeats=3)
 
-            def experts(label, variant, override):
+            def experts(label, variant, override, tiles=None, sglang=False):
+                if args.expert_variants and not _matches(label, args.expert_variants):
+                    return
                 if over():
                     skipped.append(f"{name} M={m} experts {label}")
                     return
                 restore()
                 moe._VARIANT["experts"] = variant
                 moe._FUSED_OVERRIDE.update(override)
+                moe._CONFIG_OVERRIDE.update(tiles or {})
 
                 def call(i):
                     ids, w, al = routed[i]
+                    if sglang:
+                        return peer.fused_experts(hidden[i], w13, w2, w, ids)
                     return moe.fused_moe(hidden[i], w13, w2, ids, w, alignment=al, out=outs[i], impl="triton")
                 try:
                     err = (call(0).double() - want).abs().max().item()
@@ -170,6 +211,11 @@ def main(argv=None) -> int:
 
             if "experts" in ops:
                 experts("dot", "dot", {})
+                if peer is not None:
+                    experts("sglang (peer)", "auto", {}, sglang=True)
+                if not args.quick:
+                    for label, g1, g2 in DOT_GRID[1:]:
+                        experts("dot " + label, "dot", {}, tiles=dict(g1=g1, g2=g2))
                 if m <= moe._GEMV_CONFIG["max_m"]:
                     experts("gemv", "gemv", {})
                 experts("fused default", "fused", {})
@@ -229,9 +275,7 @@ def main(argv=None) -> int:
                 for label, variant, ov in ROUTE_GRID:
                     if args.quick and label in ROUTE_SLOW:
                         continue
-                    if args.route_variants and not any(
-                            label.startswith(p[:-1]) if p.endswith("*") else label == p
-                            for p in args.route_variants.split(",")):
+                    if args.route_variants and not _matches(label, args.route_variants):
                         continue
                     route_row(label, variant, ov)
             restore()

@@ -85,8 +85,6 @@ ROUTE_GRID = [
     ("fast w2", "fast", dict(num_warps=2)),
     ("fast w1", "fast", dict(num_warps=1)),
     ("fast gather", "fast", dict(OFFS_GATHER=True)),
-    # CUDA: one thread-block cluster routes and aligns (csrc/moe_route.cuh; M <= 64, E <= 512, top_k <= 8)
-    ("cluster", "cluster", {}),
     ("fast rows2", "fast", dict(ROWS=2)),
     ("fast tail", "fast", dict(FILL_TAIL=True)),
     # one program for every M (routes all rows, aligns in registers: no ticket, no global round trip) with more warps

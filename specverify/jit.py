@@ -30,7 +30,6 @@ logger = logging.getLogger("specverify")
 #: Modules under csrc/: name -> (entry source, headers it includes). The hash of all of them keys the cache.
 MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "allreduce": ("allreduce.cu", ("allreduce.cuh",)),
-    "moe_route": ("moe_route.cu", ("moe_route.cuh",)),
 }
 
 #: The architecture compiled for when no GPU is visible (``specverify build`` on a CPU machine): the H200's.

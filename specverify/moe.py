@@ -236,15 +236,6 @@ def _launch_route_align(logits, bias, top_k, softmax, n_group, topk_group, renor
             do_route or s <= _FAST_ROUTE_CONFIG["align_one_max_slots"]):
         return _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n_group, topk_group,
                                         renormalize, scale, block_size, do_route)
-    if do_align and do_route and _VARIANT["route"] == "cluster":
-        why = _cluster_why_not(logits, m, e, top_k, n_group)
-        if why is None:
-            return _launch_route_align_cluster(logits, bias, ids, weights, m, e, top_k, softmax, n_group,
-                                               topk_group, renormalize, scale, block_size)
-        _log_once("cluster" + why, f"specverify.moe_route: the cluster router does not take this call ({why}); "
-                  "the Triton router does")
-        return _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n_group, topk_group,
-                                        renormalize, scale, block_size, do_route)
     if do_align and _VARIANT["route"] == "single" and 0 < s <= _SINGLE_MAX_SLOTS:
         return _launch_route_align_single(logits, bias, ids, weights, m, e, top_k, softmax, n_group, topk_group,
                                           renormalize, scale, block_size, do_route)
@@ -363,60 +354,6 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
     return ids, weights, MoEAlignment(sorted_ids, expert_ids, npad, block_size)
 
 
-#: Sizes the cluster router (csrc/moe_route.cuh) takes: one cluster of 8 CTAs x 8 warps, a warp per token row.
-_CLUSTER_LIMITS = {"max_m": 64, "max_e": 512, "max_top_k": 8, "max_groups": 32}
-_CLUSTER_SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
-
-
-def _cluster_why_not(logits, m: int, e: int, top_k: int, n_group: int) -> str | None:
-    """None when the cluster router can take this call, else why not (the Triton router takes it then)."""
-    lim = _CLUSTER_LIMITS
-    if logits.device.type != "cuda":
-        return f"it runs on CUDA devices, got {logits.device}"
-    if torch.cuda.get_device_capability(logits.device)[0] < 9:
-        return "thread-block clusters need sm_90 or newer"
-    if not (1 <= m <= lim["max_m"] and e <= lim["max_e"] and top_k <= lim["max_top_k"]
-            and n_group <= lim["max_groups"]):
-        return (f"it takes M <= {lim['max_m']}, E <= {lim['max_e']}, top_k <= {lim['max_top_k']}, n_group <= "
-                f"{lim['max_groups']}, got M {m}, E {e}, top_k {top_k}, n_group {n_group}")
-    if logits.dtype not in _CLUSTER_SUFFIX:
-        return f"logits must be bf16, fp16 or fp32, got {logits.dtype}"
-    from specverify import jit
-
-    try:
-        jit._cupy()
-    except jit.JitUnavailableError as exc:
-        return str(exc)
-    return None
-
-
-def _launch_route_align_cluster(logits, bias, ids, weights, m, e, top_k, softmax, n_group, topk_group, renormalize,
-                                scale, block_size):
-    """The opt-in cluster router + alignment (``_VARIANT["route"] == "cluster"``): one launch of one cluster of 8
-    CTAs (csrc/moe_route.cuh), a warp per token row, the slots gathered into CTA 0 through distributed shared memory
-    and aligned there (no global atomic, no ticket). Order inside an expert free; sorted_token_ids past
-    num_tokens_post_padded unwritten. Compiled by NVRTC through CuPy on first use; CUDA-graph safe (one fixed-shape
-    launch on torch's current stream)."""
-    import numpy as np
-
-    from specverify import jit
-
-    dev = logits.device
-    size, sorted_ids, expert_ids, npad = _alignment_buffers(m, top_k, e, block_size, dev)
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    fn = jit.get_function("moe_route", f"specverify_route_align_cluster_{_CLUSTER_SUFFIX[logits.dtype]}", index)
-
-    def ptr(t):
-        return np.uint64(t.data_ptr() if t is not None else 0)
-
-    fn((8,), (256,), (ptr(logits), np.int64(logits.stride(0)), ptr(bias), ptr(ids), ptr(weights), ptr(sorted_ids),
-                      ptr(expert_ids), ptr(npad), np.int32(m), np.int32(e), np.int32(top_k), np.int32(n_group),
-                      np.int32(topk_group), np.int32(bool(softmax)), np.int32(bool(renormalize)), np.float32(scale),
-                      np.int32(block_size), np.int32(size // block_size)),
-       stream=jit.torch_stream(dev))
-    return ids, weights, MoEAlignment(sorted_ids, expert_ids, npad, block_size)
-
-
 def moe_route(router_logits, *, top_k, scoring="sigmoid", correction_bias=None, n_group=1, topk_group=1,
               renormalize=True, routed_scaling_factor=1.0, block_size=None, impl="auto"):
     """Choose each token's experts and weights, and (with ``block_size``) align the slots for the expert GEMM.
@@ -484,11 +421,9 @@ def moe_route(router_logits, *, top_k, scoring="sigmoid", correction_bias=None, 
     therefore run outside capture. Calls on different streams must not overlap in time (they share that
     workspace). ``impl="reference"`` synchronises with the host when aligning and is not capturable.
     Variants (benchmarks): ``specverify.moe._VARIANT["route"]`` is ``"fast"`` (default), ``"atomic"`` (the
-    previous default: always one program per token, sentinel-filled tail), ``"single"``, which aligns in one
-    program without atomics or workspace when 0 < M * top_k <= 1024 (the slots inside an expert then come in
-    increasing slot id, exactly as the reference orders them), or ``"cluster"`` (CUDA, csrc/moe_route.cuh: one
-    thread-block cluster routes and aligns M <= 64 rows of E <= 512 experts, top_k <= 8, on sm_90+ with CuPy; other
-    calls fall back to ``"fast"``, logging why once; written in the sixth session and not yet timed on a GPU).
+    previous default: always one program per token, sentinel-filled tail) or ``"single"``, which aligns in one
+    program without atomics or workspace when 0 < M * top_k <= 1024; the slots inside an expert then come in
+    increasing slot id, exactly as the reference orders them.
 
     Examples
     --------
@@ -740,8 +675,13 @@ def _gemm_configs(m: int, h: int, inter: int, block_m: int, on_gpu: bool, *, top
         g1 = dict(BLOCK_N=fit(16, inter), BLOCK_K=fit(64, h), UPCAST=True, SPLIT_K=1)
         g2 = dict(BLOCK_N=fit(32, h), BLOCK_K=fit(32, inter), UPCAST=True, SPLIT_K=1)
     else:
-        g1 = dict(BLOCK_N=fit(16 if m <= 64 else 64, inter), BLOCK_K=fit(256 if block_m <= 16 else 128, h),
-                  num_warps=4, num_stages=4, UPCAST=False, SPLIT_K=1)
+        # gate/up: 32 columns of I per program and 3 stages up to M = 64 (H200, Kimi-K2 per rank, sweep_moe.py
+        # DOT_GRID, run 45: 153 / 208 / 250 / 389 / 546 us at M = 8 / 12 / 16 / 32 / 64, 1.05-1.00x the bytes floor,
+        # against 175 / 228 / 277 / 429 / 597 us with 16 columns and 4 stages; SGLang's fused experts in the same
+        # graphs: 155 / 224 / 284 / 731 / 1643 us)
+        small = m <= 64
+        g1 = dict(BLOCK_N=fit(32 if small else 64, inter), BLOCK_K=fit(256 if block_m <= 16 else 128, h),
+                  num_warps=4, num_stages=3 if small else 4, UPCAST=False, SPLIT_K=1)
         g2 = dict(BLOCK_N=fit(64 if m <= 64 else 128, h), BLOCK_K=fit(128, inter), num_warps=4, num_stages=3,
                   UPCAST=False, SPLIT_K=1)
         # SPLIT_K stays 1: on the H200 (Kimi-K2 per rank) split 2 / 4 made M = 1 slower (63 / 71 us against 37 us):

@@ -82,11 +82,11 @@ def check_route(x, top_k, scoring="sigmoid", bias=None, n_group=1, topk_group=1,
 
 def _tail_written():
     """Whether the current router variant writes the sentinel past num_tokens_post_padded (the "fast" one only with
-    FILL_TAIL, the "cluster" one never; consumers never read there)."""
+    FILL_TAIL; consumers never read there)."""
     import specverify.moe as moe_mod
 
     variant = moe_mod._VARIANT["route"]
-    return variant not in ("fast", "cluster") or bool(moe_mod._FAST_ROUTE_CONFIG["FILL_TAIL"])
+    return variant != "fast" or bool(moe_mod._FAST_ROUTE_CONFIG["FILL_TAIL"])
 
 
 def _poison_torch_empty(monkeypatch, moe_mod):
@@ -682,80 +682,6 @@ def test_fast_route_sorted_kimi(device, fast_route):
     bias = (torch.randn(384, generator=g) * 0.05).to(device)
     ids, _, al = check_route(x, 8, bias=bias, scale=2.827, block_size=16)
     check_alignment_exact(ids, 384, 16, al)
-
-
-# --------------------------------------------------------------------------------------------- "cluster" router
-@pytest.fixture
-def cluster_route(monkeypatch):
-    """The opt-in CUDA cluster router (csrc/moe_route.cuh) with every torch.empty poisoned."""
-    import specverify.moe as moe_mod
-
-    monkeypatch.setitem(moe_mod._VARIANT, "route", "cluster")
-    _poison_torch_empty(monkeypatch, moe_mod)
-    return moe_mod
-
-
-def test_cluster_route_falls_back(device, cluster_route):
-    # where the cluster router cannot run (no GPU / CuPy, or M > 64) the call goes to the Triton router: same result
-    x = torch.randn(3 if device == "cpu" else 65, 24, generator=torch.Generator().manual_seed(180)).to(device)
-    ids, _, al = check_route(x, 4, block_size=8)
-    if device == "cpu":
-        check_alignment_exact(ids, 24, 8, al)
-    assert cluster_route._cluster_why_not(x, x.shape[0], 24, 4, 1) is not None
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", [
-    # Kimi-K2: 384 experts (not a power of two), bias, top-8, bf16 logits; M = 1, 7 (odd), 64 (the largest)
-    dict(m=1, e=384, top_k=8, bias=True, block=16, dtype=torch.bfloat16),
-    dict(m=7, e=384, top_k=8, bias=True, block=16, dtype=torch.bfloat16, scale=2.827),
-    dict(m=64, e=384, top_k=8, bias=True, block=16, dtype=torch.bfloat16, scale=2.827),
-    # DeepSeek-V3 groups (8 of 32, top-4 groups), top-6 (not a power of two), fp16 logits
-    dict(m=13, e=256, top_k=6, bias=True, n_group=8, topk_group=4, block=16, dtype=torch.float16),
-    # Qwen3: softmax over 128 experts, top-8, fp32, block 1
-    dict(m=33, e=128, top_k=8, scoring="softmax", block=1, dtype=torch.float32),
-    # 257 experts (prime, one past a power of two), a NaN row and a hot expert over several blocks, block 4
-    dict(m=20, e=257, top_k=3, block=4, dtype=torch.float32, nan_row=5, hot=9),
-])
-def test_gpu_cluster_route(cluster_route, case):
-    """The cluster router against route_reference / align_reference (slots as sets per expert), twice in a row
-    (nothing may depend on state left by the previous call)."""
-    assert cluster_route._cluster_why_not(torch.empty(1, device="cuda"), case["m"], case["e"], case["top_k"],
-                                          case.get("n_group", 1)) is None
-    g = torch.Generator().manual_seed(190 + case["m"] + case["e"])
-    x = torch.randn(case["m"], case["e"], generator=g)
-    if "hot" in case:
-        x[:, case["hot"]] = 20.0
-    if "nan_row" in case:
-        x[case["nan_row"]] = math.nan
-    x = x.to(case["dtype"]).cuda()
-    bias = (torch.randn(case["e"], generator=g) * 0.05).cuda() if case.get("bias") else None
-    for _ in range(2):
-        ids, _, al = check_route(x, case["top_k"], case.get("scoring", "sigmoid"), bias=bias,
-                                 n_group=case.get("n_group", 1), topk_group=case.get("topk_group", 1),
-                                 scale=case.get("scale", 1.0), block_size=case["block"])
-    if "nan_row" in case:
-        assert (ids[case["nan_row"]].cpu() == -1).all()
-
-
-@pytest.mark.gpu
-def test_gpu_cluster_route_graph(cluster_route):
-    """Capture -> replay -> new logits in place -> replay: the cluster router follows its inputs."""
-    g = torch.Generator().manual_seed(200)
-    x = torch.randn(16, 384, generator=g).bfloat16().cuda()
-    bias = (torch.randn(384, generator=g) * 0.05).cuda()
-    moe_route(x, top_k=8, correction_bias=bias, block_size=16, impl="triton")  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ids, w, al = moe_route(x, top_k=8, correction_bias=bias, block_size=16, impl="triton")
-    for _ in range(2):
-        x.copy_(torch.randn(16, 384, generator=g).bfloat16())
-        graph.replay()
-        torch.cuda.synchronize()
-        rid, rw = route_reference(x, 8, "sigmoid", bias, 1, 1, True, 1.0)
-        assert torch.equal(ids.cpu(), rid.cpu())
-        torch.testing.assert_close(w, rw, rtol=0, atol=1e-5)
-        check_alignment(ids, 384, 16, al)
 
 
 @pytest.mark.parametrize("topk_sort", [False, True])

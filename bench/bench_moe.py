@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from specverify.benchmarking import run_meta, load_sglang_peer, bench_us, copy_bandwidth_gbps, graph_us
+from specverify.benchmarking import run_meta, load_sglang_peer, bench_us, copy_bandwidth_gbps, graph_us, token_counts
 
 # per-rank shapes at tp 8: hidden H, expert intermediate I (2048/8 etc.), experts, top-k, routing
 MODELS = {
@@ -43,8 +43,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="M = 1, 4, 16, 64 and fewer repeats (< 90 s on H200)")
     ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ",".join(MODELS))
-    ap.add_argument("--ms", help="comma-separated token counts M (default 1, 2, 4, 8, 16, 32, 64; 1, 4, 16, 64 with "
-                                 "--quick)")
+    ap.add_argument("--ms", type=token_counts, help="comma-separated token counts M (default 1, 2, 4, 8, 16, 32, 64; "
+                                                    "1, 4, 16, 64 with --quick)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_moe: needs a CUDA GPU", file=sys.stderr)
@@ -56,12 +56,7 @@ def main(argv=None) -> int:
     peer, peer_why = _peer()
     if peer is None:
         print(f"# sglang provider skipped: {peer_why}")
-    ms_list = [1, 4, 16, 64] if args.quick else [1, 2, 4, 8, 16, 32, 64]
-    if args.ms:
-        try:
-            ms_list = [int(v) for v in args.ms.split(",")]
-        except ValueError:
-            ap.error(f"--ms takes comma-separated integers such as 2,8, got {args.ms!r}")
+    ms_list = args.ms or ([1, 4, 16, 64] if args.quick else [1, 2, 4, 8, 16, 32, 64])
     t0 = time.time()
     bw = copy_bandwidth_gbps()
     print(f"# measured D2D copy bandwidth: {bw:.0f} GB/s", flush=True)

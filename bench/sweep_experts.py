@@ -28,6 +28,8 @@ import time
 
 import torch
 
+from specverify.benchmarking import token_counts
+
 SETS = 20  # calls per graph, each with its own routing
 BLOCK = 16
 #: stream tile configs swept (merged into ``_STREAM_OVERRIDE``); "q" marks the ones --quick keeps
@@ -63,9 +65,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="only the configs marked q")
     ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     ap.add_argument("--budget-s", type=float, default=480.0, help="stop starting measurements after this long")
-    ap.add_argument("--ms", default="1,2,4,8", help="comma list of token counts")
+    ap.add_argument("--ms", type=token_counts, default=[1, 2, 4, 8], help="comma list of token counts")
     args = ap.parse_args(argv)
-    ms_list = [int(x) for x in args.ms.split(",")]
+    ms_list = args.ms
     if not torch.cuda.is_available():
         print("sweep_experts: needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -31,6 +31,8 @@ import time
 import torch
 import triton
 
+from specverify.benchmarking import token_counts
+
 SETS = 20  # calls per graph, each with its own routing
 BLOCK = 16
 #: fused tile configs swept (merged into ``_FUSED_OVERRIDE``); "q" marks the ones --quick keeps
@@ -47,10 +49,9 @@ FUSED_GRID = [
     dict(q=0, DOT=False, BI=16, BK=256, BH=64, MP=2, num_warps=8, num_stages=3, max_m=4),
     dict(q=0, DOT=False, BI=32, BK=64, BH=64, MP=2, num_warps=4, num_stages=3, max_m=4),
 ]
-#: dot-path tiles swept (merged into ``_CONFIG_OVERRIDE``: g1 = gate/up GEMM, g2 = down GEMM); the first is the
-#: default; skipped with --quick
+#: dot-path tiles swept besides the default (the "dot" row), merged into ``_CONFIG_OVERRIDE`` (g1 = gate/up GEMM,
+#: g2 = down GEMM); skipped with --quick
 DOT_GRID = [
-    ("default", {}, {}),
     ("g1 N32", dict(BLOCK_N=32), {}),
     ("g1 N32 K128", dict(BLOCK_N=32, BLOCK_K=128), {}),
     ("g1 N64 K128", dict(BLOCK_N=64, BLOCK_K=128), {}),
@@ -114,7 +115,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=480.0, help="stop starting measurements after this long")
     ap.add_argument("--models", default="kimi-k2,deepseek-v3")
     ap.add_argument("--ops", default="experts,route", help="comma list: experts, route")
-    ap.add_argument("--ms", help="comma list of M (default: 1,4,16,64 with --quick, else 1..64)")
+    ap.add_argument("--ms", type=token_counts, help="comma list of M (default: 1,4,16,64 with --quick, else 1..64)")
     ap.add_argument("--expert-variants", help="comma list of expert variant labels (a trailing * matches a prefix): "
                                               "time only those")
     ap.add_argument("--route-variants", help="comma list of router variant labels (a trailing * matches a prefix): time only those")
@@ -124,7 +125,7 @@ def main(argv=None) -> int:
         return 2
 
     import specverify.moe as moe
-    from specverify.benchmarking import run_meta, copy_bandwidth_gbps, dict_restorer, graph_us
+    from specverify.benchmarking import run_meta, copy_bandwidth_gbps, dict_restorer, graph_us, load_sglang_peer
     from specverify.configs import per_rank_shapes
     from specverify.reference.moe import fused_moe_by_expert_reference as by_expert
     from specverify.reference.moe import random_expert_weights
@@ -133,9 +134,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     def over():
         return time.time() - t0 > args.budget_s
-    ms_list = [1, 4, 16, 64] if args.quick else [1, 2, 4, 8, 16, 32, 64]
-    if args.ms:
-        ms_list = [int(v) for v in args.ms.split(",")]
+    ms_list = args.ms or ([1, 4, 16, 64] if args.quick else [1, 2, 4, 8, 16, 32, 64])
     ops = set(args.ops.split(","))
     bw = copy_bandwidth_gbps()
     print(f"# measured D2D copy bandwidth: {bw:.0f} GB/s", flush=True)
@@ -144,8 +143,6 @@ def main(argv=None) -> int:
     rows, skipped = [], []
     restore = dict_restorer(moe._VARIANT, moe._FAST_ROUTE_CONFIG, moe._FUSED_OVERRIDE, moe._ROUTE_CONFIG,
                             moe._CONFIG_OVERRIDE)
-    from specverify.benchmarking import load_sglang_peer
-
     peer, peer_why = load_sglang_peer(__file__) if "experts" in ops else (None, "experts not swept")
     if peer is None:
         print(f"# sglang experts skipped: {peer_why}")
@@ -212,7 +209,7 @@ def main(argv=None) -> int:
                 if peer is not None:
                     experts("sglang (peer)", "auto", {}, sglang=True)
                 if not args.quick:
-                    for label, g1, g2 in DOT_GRID[1:]:
+                    for label, g1, g2 in DOT_GRID:
                         experts("dot " + label, "dot", {}, tiles=dict(g1=g1, g2=g2))
                 if m <= moe._GEMV_CONFIG["max_m"]:
                     experts("gemv", "gemv", {})

@@ -7,13 +7,26 @@
   ceiling the bandwidth fractions are quoted against.
 * :func:`git_commit`: the short commit of the checkout a script runs from (``"?"`` outside a git checkout).
 * :func:`dict_restorer`: put module-level config dicts that a sweep edits in place back as they were.
+* :func:`token_counts`: the argparse type of the scripts' ``--ms`` (comma-separated token counts M >= 1).
 """
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 
 import torch
+
+
+def token_counts(text: str) -> list[int]:
+    """``"1,4,16"`` -> ``[1, 4, 16]``: the argparse type of ``--ms`` (token counts M, each >= 1)."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 2,8, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"token counts must be >= 1, got {text!r}")
+    return values
 
 
 def bench_us(fn, quick: bool) -> float:

@@ -1,11 +1,13 @@
-"""Helpers the benchmarks share: config restore and the random expert pool."""
+"""Helpers the benchmarks share: config restore, the --ms parser and the random expert pool."""
 from __future__ import annotations
 
+import argparse
 import math
 
+import pytest
 import torch
 
-from specverify.benchmarking import dict_restorer
+from specverify.benchmarking import dict_restorer, token_counts
 from specverify.reference.moe import random_expert_weights
 
 
@@ -20,6 +22,13 @@ def test_dict_restorer_restores_in_place():
     a["x"] = 7
     restore()  # reusable: back to the contents at creation again
     assert a == {"x": 1}
+
+
+def test_token_counts_parses_and_rejects():
+    assert token_counts("1,4, 16,") == [1, 4, 16]
+    for bad, why in (("2,x", "comma-separated integers"), ("0,2", ">= 1"), ("", ">= 1")):
+        with pytest.raises(argparse.ArgumentTypeError, match=why):
+            token_counts(bad)
 
 
 def test_random_expert_weights_shapes_scale_and_seed():

@@ -8,7 +8,7 @@ venv=${1:?usage: sglang_env.sh VENV_DIR WHEEL}
 wheel=${2:?usage: sglang_env.sh VENV_DIR WHEEL}
 py=${PYTHON:-python3}
 repo=$(cd "$(dirname "$0")/.." && pwd)
-export PIP_DISABLE_PIP_VERSION_CHECK=1
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 
 rm -rf "$venv"
 "$py" -m venv "$venv"

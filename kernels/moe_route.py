@@ -34,6 +34,7 @@ Tensors (S = M * TOP_K; B = BLOCK_SIZE; MAXB = number of blocks the buffers hold
 | expert_ids      | [MAXB]         | int32        | out: expert of each block, -1 for blocks past the used part  |
 | num_post_pad    | [1]            | int32        | out: used length of sorted_ids (a multiple of B)             |
 | ws_count        | [>= EA]        | int32        | workspace: per-expert counters, zero between calls           |
+| ws_mask         | [>= EA]        | int64        | workspace (fast MASK path): per-expert row masks, zero between calls |
 | ws_offs         | [>= EA]        | int32        | workspace: padded start offset of each expert                |
 | ws_ticket       | [1]            | int32        | workspace: programs finished, zero between calls             |
 | offs_scratch    | [EAP]          | int32        | one-program variant only: padded start offset of each expert |
@@ -94,7 +95,7 @@ def _store_winners(logits_ptr, row_off, ids, kmask, mx, den, scale, out_off, ids
                    RENORM: tl.constexpr):
     """Store the chosen ids [ROWS, TOPK_P] and their weights: the unbiased scores of the winners, recomputed from
     their logits (``row_off`` [ROWS, 1] into the logits) with the same formula, renormalised where the sum is > 0,
-    times the routed scaling factor. Returns (valid slots, ids with 0 in the invalid ones)."""
+    times the routed scaling factor."""
     valid = (ids >= 0) & kmask
     safe = tl.where(valid, ids, 0)
     xv = tl.load(logits_ptr + row_off + safe, mask=valid, other=0.0).to(tl.float32)
@@ -109,7 +110,6 @@ def _store_winners(logits_ptr, row_off, ids, kmask, mx, den, scale, out_off, ids
     w = w * scale
     tl.store(ids_ptr + out_off, ids, mask=kmask)
     tl.store(w_ptr + out_off, w, mask=kmask)
-    return valid, safe
 
 
 @triton.jit
@@ -117,10 +117,12 @@ def _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, row0,
                 E: tl.constexpr, EP: tl.constexpr, ROWS: tl.constexpr, TOP_K: tl.constexpr,
                 TOPK_P: tl.constexpr, N_GROUP: tl.constexpr, NG_P: tl.constexpr, GSIZE: tl.constexpr,
                 TOPK_GROUP: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
-                DO_ALIGN: tl.constexpr, TOPK_SORT: tl.constexpr = False):
+                DO_ALIGN: tl.constexpr, TOPK_SORT: tl.constexpr = False, MASK: tl.constexpr = False):
     """Route rows ``row0 .. row0 + ROWS - 1``; returns their ids [ROWS, TOPK_P] (-1 for no expert, padding lanes and
     rows past M). TOPK_SORT: the winners by one bitonic top-k of the keys (tl.topk) instead of TOP_K rounds of
-    argmax (same keys, so the same winners in the same order)."""
+    argmax (same keys, so the same winners in the same order). DO_ALIGN: each slot's rank by an atomic add on
+    ``count_ptr`` (int32 per expert), stored at ``rank_ptr``; with MASK instead bit ``row`` of ``count_ptr``'s int64
+    row mask of each chosen expert is set (rows < 64)."""
     rows = row0 + tl.arange(0, ROWS)
     rmask = rows < M
     e = tl.arange(0, EP)
@@ -174,13 +176,19 @@ def _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, row0,
             ids = tl.where(kk[None, :] == k, sel[:, None], ids)
             key = tl.where(e[None, :] == sel[:, None], _REMOVED, key)
 
-    # weights: the unbiased scores of the winners, recomputed from their logits with the same formula
     kmask = (kk < TOP_K)[None, :] & rmask[:, None]
     out_off = rows[:, None] * TOP_K + kk[None, :]
-    valid, safe = _store_winners(logits_ptr, row_off[:, None], ids, kmask, mx, den, scale, out_off, ids_ptr, w_ptr,
-                                 SOFTMAX, RENORM)
+    valid = (ids >= 0) & kmask
+    # the alignment's atomics go out before the weights' logit reload, so the two round trips overlap
     if DO_ALIGN:
-        rank = tl.atomic_add(count_ptr + safe, 1, mask=valid, sem="relaxed")
+        if MASK:  # this row's bit in each chosen expert's row mask (no value returned: a fire-and-forget reduction)
+            bit = tl.full([ROWS, TOPK_P], 1, tl.int64) << rows[:, None].to(tl.int64)
+            tl.atomic_or(count_ptr + tl.where(valid, ids, 0), bit, mask=valid, sem="relaxed")
+        else:
+            rank = tl.atomic_add(count_ptr + tl.where(valid, ids, 0), 1, mask=valid, sem="relaxed")
+    # weights: the unbiased scores of the winners, recomputed from their logits with the same formula
+    _store_winners(logits_ptr, row_off[:, None], ids, kmask, mx, den, scale, out_off, ids_ptr, w_ptr, SOFTMAX, RENORM)
+    if DO_ALIGN and not MASK:
         tl.store(rank_ptr + out_off, rank, mask=valid)
     return tl.where(valid, ids, -1)  # [ROWS, TOPK_P]: -1 for no expert, padding lanes and rows past M
 
@@ -348,6 +356,10 @@ def _moe_route_align_single_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, sorted_
 #     (expert, slot) keys, run ranks and lengths by a segmented count from both ends, pad offsets by a cumsum), so
 #     the order inside an expert is exact here too.
 #
+#     MASK (M <= 64): no atomic ranks either; each routing program ORs its row's bit into the int64 row mask of each
+#     chosen expert (a reduction with no value returned), and the last program aligns from the masks and the ids
+#     (_align_masks: counts and ranks by bit counts, exact order), one round trip after the ticket.
+#
 #   FILL_TAIL: also write the sentinel S over sorted_ids[num_post_pad:] (~M * TOP_K * B entries at most); off by
 #   default: consumers read only the used part. expert_ids past the used blocks are always set to -1 (short).
 # ------------------------------------------------------------------------------------------------------------------
@@ -445,6 +457,46 @@ def _align_sorted(ids_v, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks, EA: tl.c
                 B, PJ, CHUNK, FILL_TAIL)
 
 
+@triton.jit
+def _popc64(x):
+    """Set bits of each int64 in ``x`` (int32), by the SWAR bit count on its uint64 image."""
+    u = x.to(tl.uint64, bitcast=True)
+    u = u - ((u >> 1) & 0x5555555555555555)
+    u = (u & 0x3333333333333333) + ((u >> 2) & 0x3333333333333333)
+    u = (u + (u >> 4)) & 0x0F0F0F0F0F0F0F0F
+    return ((u * 0x0101010101010101) >> 56).to(tl.int32)
+
+
+@triton.jit
+def _align_masks(ids_ptr, mask_ptr, sorted_ptr, eids_ptr, npad_ptr, offs_ptr, S, max_blocks, TOP_K: tl.constexpr,
+                 EA: tl.constexpr, EAP: tl.constexpr, B: tl.constexpr, SP: tl.constexpr, PJ: tl.constexpr,
+                 CHUNK: tl.constexpr, FILL_TAIL: tl.constexpr):
+    """Alignment from the per-expert row masks (bit r of ``mask[e]``: row r chose expert e; M <= 64) and the slots'
+    ids, both loaded once (independent loads, one round trip):
+
+        cnt[e] = popc(mask[e]);  offs = exclusive cumsum of ceil(cnt / B) * B
+        slot s = r * TOP_K + k with expert e:  rank = popc(mask[e] & (2^r - 1)),  sorted_ids[offs[e] + rank] = s
+
+    A row chooses an expert at most once, so the slots inside an expert come in increasing slot id (exact order).
+    The masks are zeroed again for the next call."""
+    e = tl.arange(0, EAP)
+    emask = e < EA
+    mk = tl.load(mask_ptr + e, mask=emask, other=0, cache_modifier=".cg")
+    sl = tl.arange(0, SP)
+    ids = tl.load(ids_ptr + sl, mask=sl < S, other=-1, cache_modifier=".cg")
+    ok = (sl < S) & (ids >= 0) & (ids < EA)
+    cnt = _popc64(mk)
+    padded, offs, total = _expert_blocks(cnt, e, emask, npad_ptr, offs_ptr, eids_ptr, B)
+    _write_pads(sorted_ptr, offs, cnt, padded, emask, S, B, PJ)
+    _fill_tails(sorted_ptr, eids_ptr, total, S, max_blocks, B, CHUNK, FILL_TAIL)
+    safe = tl.where(ok, ids, 0)
+    row = tl.where(ok, sl // TOP_K, 0).to(tl.int64)
+    below = (tl.full([SP], 1, tl.int64) << row) - 1
+    rank = _popc64(tl.gather(mk, safe, 0) & below)
+    tl.store(sorted_ptr + tl.gather(offs, safe, 0) + rank, sl, mask=ok)
+    tl.store(mask_ptr + e, tl.zeros([EAP], tl.int64), mask=emask)
+
+
 @triton.jit(do_not_specialize=["M", "S", "max_blocks"])
 def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr, sorted_ptr, eids_ptr, npad_ptr,
                                  count_ptr, offs_ptr, ticket_ptr, M, S, max_blocks, stride_lm, scale,
@@ -455,13 +507,16 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
                                  EA: tl.constexpr, EAP: tl.constexpr, B: tl.constexpr, SP: tl.constexpr,
                                  ONE: tl.constexpr, PJ: tl.constexpr, CHUNK: tl.constexpr,
                                  FILL_TAIL: tl.constexpr, RELOAD: tl.constexpr = False, SORTED: tl.constexpr = False,
-                                 TOPK_SORT: tl.constexpr = False, OFFS_GATHER: tl.constexpr = False):
+                                 TOPK_SORT: tl.constexpr = False, OFFS_GATHER: tl.constexpr = False,
+                                 MASK: tl.constexpr = False):
     """ONE: grid (1,), ROWS >= M (routing) or SP >= S (alignment only). Not ONE: routing on, grid (ceil(M/ROWS),),
     SP >= S; the ticket (and, without SORTED, the workspace counters) are zero on entry and left at zero.
 
     SORTED (not ONE): the routing programs only store their ids; the last one (ticket) loads every slot's id once
-    and aligns by one sort in registers (_align_sorted: no atomic ranks, exact slot order). Without it: atomic
-    ranks in the routing programs, and the last program scans the counters and scatters."""
+    and aligns by one sort in registers (_align_sorted: no atomic ranks, exact slot order). MASK (not ONE, M <= 64):
+    the routing programs set their row's bit in each chosen expert's int64 row mask (``count_ptr``, zero between
+    calls); the last one loads masks and ids once and aligns from them (_align_masks: exact slot order). Otherwise:
+    atomic ranks in the routing programs, and the last program scans the counters and scatters."""
     pid = tl.program_id(0)
     if ONE:
         if DO_ROUTE:
@@ -487,12 +542,15 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
     else:
         _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, pid * ROWS, M, stride_lm, scale,
                     E, EP, ROWS, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS, RENORM,
-                    not SORTED, TOPK_SORT)
+                    not SORTED, TOPK_SORT, MASK)
         tl.debug_barrier()  # this program's ids (and ranks and counter updates) precede its ticket
         ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
         if ticket == tl.num_programs(0) - 1:
             sl = tl.arange(0, SP)
-            if SORTED:
+            if MASK:
+                _align_masks(ids_ptr, count_ptr, sorted_ptr, eids_ptr, npad_ptr, offs_ptr, S, max_blocks, TOP_K, EA,
+                             EAP, B, SP, PJ, CHUNK, FILL_TAIL)
+            elif SORTED:
                 ids = tl.load(ids_ptr + sl, mask=sl < S, other=-1, cache_modifier=".cg")
                 _align_sorted(ids, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks, EA, B, SP, PJ, CHUNK, FILL_TAIL)
             else:

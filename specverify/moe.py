@@ -21,7 +21,8 @@ logger = logging.getLogger("specverify")
 
 _IMPLS = ("auto", "triton", "reference")
 _MAX_EXPERTS = 1024
-_WS_STRIDE = 1024  # workspace layout: counters [0, 1024), offsets [1024, 2048), ticket at 2048
+_WS_STRIDE = 1024  # workspace layout (int32): counters [0, 1024), offsets [1024, 2048), ticket at 2048,
+_WS_MASKS = 2 * _WS_STRIDE + 32  # then 1024 int64 row masks (the MASK alignment) from int32 offset 2080
 _LOGGED: set[str] = set()
 _WS: dict[tuple[str, int | None], torch.Tensor] = {}
 _WS_LOCK = threading.Lock()
@@ -139,7 +140,7 @@ def _workspace(device: torch.device) -> torch.Tensor:
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("moe_route: the first call on a device must run outside CUDA-graph capture (it "
                                    "allocates the zeroed per-device workspace); run one eager warm-up call first")
-            ws = torch.zeros(2 * _WS_STRIDE + 32, dtype=torch.int32, device=device)
+            ws = torch.zeros(_WS_MASKS + 2 * _WS_STRIDE, dtype=torch.int32, device=device)
             _WS[key] = ws
     return ws
 
@@ -243,7 +244,7 @@ def _launch_route_align(logits, bias, top_k, softmax, n_group, topk_group, renor
         size, sorted_ids, expert_ids, npad = _alignment_buffers(m, top_k, e, block_size, dev)
         rank = torch.empty((max(s, 1),), dtype=torch.int32, device=dev)
         ws = _workspace(dev)
-        count, offs, ticket = ws[:_WS_STRIDE], ws[_WS_STRIDE: 2 * _WS_STRIDE], ws[2 * _WS_STRIDE:]
+        count, offs, ticket = ws[:_WS_STRIDE], ws[_WS_STRIDE: 2 * _WS_STRIDE], ws[2 * _WS_STRIDE: _WS_MASKS]
         max_blocks = size // block_size
     else:
         sorted_ids = expert_ids = npad = rank = count = offs = ticket = ids
@@ -309,9 +310,11 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
     Up to ``_FAST_ROUTE_CONFIG["one_max_slots"]`` slots (M <= 2 at top-8; ``align_one_max_slots`` for alignment-only
     calls): one program routes every row at once and aligns in registers (no atomics, no workspace, no global round
     trip; slots in increasing slot id inside an expert, exactly as ``align_reference``). Beyond: one program per
-    ``ROWS`` rows, and the last program (ticket) aligns: up to ``sorted_max_slots`` slots by one sort of every
-    slot's id (exact order again), above with atomic ranks taken by the routing programs, after one load of ids,
-    ranks and counters (order inside an expert then free). Either way ``sorted_token_ids`` past
+    ``ROWS`` rows, and the last program (ticket) aligns: up to ``mask_max_rows`` rows (at most 64) from per-expert
+    int64 row masks that the routing programs set by atomic OR (counts and ranks by bit counts: exact order, no
+    returned atomic); else up to ``sorted_max_slots`` slots by one sort of every slot's id (exact order again); above
+    with atomic ranks taken by the routing programs, after one load of ids, ranks and counters (order inside an
+    expert then free). Either way ``sorted_token_ids`` past
     ``num_tokens_post_padded`` is left unwritten unless ``FILL_TAIL`` (consumers read only the used part);
     ``expert_ids`` past the used blocks is always -1.
     """
@@ -325,7 +328,8 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
     topk_p = max(_next_pow2(top_k), 2)
     eap = max(_next_pow2(e), 16)
     one = s <= (cfg["one_max_slots"] if do_route else cfg["align_one_max_slots"])
-    sort_align = not one and s <= cfg["sorted_max_slots"]
+    mask_align = not one and m <= min(cfg["mask_max_rows"], 64)
+    sort_align = not one and not mask_align and s <= cfg["sorted_max_slots"]
     if one:
         rows = max(_next_pow2(m), 1)
         sp = rows * topk_p if do_route else max(_next_pow2(s), 2)
@@ -335,9 +339,11 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
     else:  # routing on (the launcher sends alignment-only calls this large elsewhere)
         rows = cfg["ROWS"]
         sp = max(_next_pow2(s), 2)
-        rank = ids if sort_align else torch.empty((s,), dtype=torch.int32, device=dev)
+        rank = ids if sort_align or mask_align else torch.empty((s,), dtype=torch.int32, device=dev)
         ws = _workspace(dev)
-        count, offs, ticket = ws[:_WS_STRIDE], ws[_WS_STRIDE: 2 * _WS_STRIDE], ws[2 * _WS_STRIDE:]
+        count, offs, ticket = ws[:_WS_STRIDE], ws[_WS_STRIDE: 2 * _WS_STRIDE], ws[2 * _WS_STRIDE: _WS_MASKS]
+        if mask_align:  # the int64 row masks take the counters' place
+            count = ws[_WS_MASKS:].view(torch.int64)
         grid = (_cdiv(m, rows),)
         warps = cfg["wide_warps"] if s > cfg["wide_slots"] else cfg["num_warps"]
     extra = {"num_warps": warps} if on_gpu else {}
@@ -350,7 +356,7 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
         DO_ROUTE=do_route, EA=e, EAP=eap, B=block_size, SP=sp, ONE=one, PJ=min(block_size, 16),
         CHUNK=cfg["CHUNK"] if on_gpu else 64, FILL_TAIL=bool(cfg["FILL_TAIL"]),
         RELOAD=one and do_route and (eap < _RESHAPE_MIN_EXPERTS or bool(cfg["RELOAD"])), SORTED=sort_align,
-        TOPK_SORT=bool(cfg["TOPK_SORT"]), OFFS_GATHER=bool(cfg["OFFS_GATHER"]), **extra)
+        TOPK_SORT=bool(cfg["TOPK_SORT"]), OFFS_GATHER=bool(cfg["OFFS_GATHER"]), MASK=mask_align, **extra)
     return ids, weights, MoEAlignment(sorted_ids, expert_ids, npad, block_size)
 
 
@@ -611,10 +617,12 @@ _FAST_MAX_SLOTS = 1024
 #: stores the winners and reads them back as a flat vector instead (one barrier and one L2 round trip); RELOAD
 #: forces that read-back at any expert count (tests).
 _RESHAPE_MIN_EXPERTS = 256
+#: mask_max_rows: the multi-program path aligns from per-expert row masks up to this many rows (64 at most: one int64
+#: per expert); ranks and counts are bit counts, so no atomic returns a value before the ticket.
 _FAST_ROUTE_CONFIG: dict = {"one_max_slots": 16, "align_one_max_slots": 32, "one_num_warps": 8,
                             "one_small_slots": 8, "one_small_warps": 4, "ROWS": 1, "num_warps": 4, "wide_slots": 128,
                             "wide_warps": 8, "CHUNK": 1024, "FILL_TAIL": False, "RELOAD": False,
-                            "sorted_max_slots": 32, "TOPK_SORT": True, "OFFS_GATHER": True}
+                            "sorted_max_slots": 32, "TOPK_SORT": True, "OFFS_GATHER": True, "mask_max_rows": 64}
 #: Launch config of the one-program router: rows routed per step, [CI, CJ] rank tiles, fill chunk, warps.
 _SINGLE_ROUTE_CONFIG: dict = {"ROWS": 4, "CI": 64, "CJ": 128, "CHUNK": 1024, "num_warps": 8}
 #: GEMV experts: largest M it takes, gate/up tile ``g1`` ([BLOCK_N gate rows + BLOCK_N up rows, BLOCK_K]) and

@@ -600,7 +600,8 @@ def test_fast_route_one_program_exact(device, fast_route, case):
 
 @pytest.mark.parametrize("mode", [
     dict(one_max_slots=32),  # one program, pairwise alignment in registers
-    dict(one_max_slots=0, sorted_max_slots=1024),  # a program per row, the last aligns by one sort
+    dict(one_max_slots=0, sorted_max_slots=1024, mask_max_rows=0),  # a program per row, the last aligns by one sort
+    dict(one_max_slots=0),  # a program per row, the last aligns from the row masks
 ])
 def test_fast_route_nan_rows_and_one_expert(device, fast_route, mode):
     # a NaN row (all -1: no slot aligned; its ids sort last), every other token's first choice expert 5 (one expert
@@ -620,7 +621,8 @@ def test_fast_route_multi_program(device, fast_route, rows, gather):
     # more slots than one program takes (limit 8): one program per ROWS rows, atomic ranks (sorted alignment off),
     # the last program aligns (expert starts reloaded, or gathered from registers: OFFS_GATHER); 9 tokens (odd: the
     # last program of ROWS=2 has one row) x top-3 over 11 experts (prime); repeated calls must find the workspace clean
-    fast_route._FAST_ROUTE_CONFIG.update(one_max_slots=8, ROWS=rows, sorted_max_slots=0, OFFS_GATHER=gather)
+    fast_route._FAST_ROUTE_CONFIG.update(one_max_slots=8, ROWS=rows, sorted_max_slots=0, OFFS_GATHER=gather,
+                                         mask_max_rows=0)
     g = torch.Generator().manual_seed(96 + rows)
     x = torch.randn(9, 11, generator=g).to(device)
     bias = (torch.randn(11, generator=g) * 0.05).to(device)
@@ -630,9 +632,13 @@ def test_fast_route_multi_program(device, fast_route, rows, gather):
 
 @pytest.mark.parametrize("mode", [
     # one program per row, the last program aligns by one sort of the slots (no atomic ranks)
-    dict(sorted_max_slots=1024, one_max_slots=0),
+    dict(sorted_max_slots=1024, one_max_slots=0, mask_max_rows=0),
     # as above with the winners by one bitonic top-k (tl.topk) instead of top_k rounds of argmax
-    dict(sorted_max_slots=1024, TOPK_SORT=True, one_max_slots=0),
+    dict(sorted_max_slots=1024, TOPK_SORT=True, one_max_slots=0, mask_max_rows=0),
+    # one program per row, the last program aligns from the per-expert row masks (bit counts, no atomic ranks)
+    dict(one_max_slots=0),
+    # the row masks with ROWS = 2 (9 tokens: the last program has one row) and top_k rounds of argmax
+    dict(one_max_slots=0, ROWS=2, TOPK_SORT=False),
     # bitonic top-k on the one-program path
     dict(TOPK_SORT=True),
 ])
@@ -650,7 +656,7 @@ def test_fast_route_sorted_exact(device, fast_route, mode, case):
     # the sorted alignment orders the slots inside an expert by slot id on every program layout (no atomics): exact
     # against align_reference, on a GPU too; the second call must find the ticket reset
     fast_route._FAST_ROUTE_CONFIG.update(mode)
-    if not mode.get("sorted_max_slots"):  # the one-program path must hold the case
+    if mode.get("one_max_slots") != 0:  # the one-program path must hold the case
         fast_route._FAST_ROUTE_CONFIG.update(one_max_slots=max(32, case["m"] * case["top_k"]))
     g = torch.Generator().manual_seed(120 + case["m"] + case["e"])
     x = torch.randn(case["m"], case["e"], generator=g).to(device)
@@ -664,7 +670,7 @@ def test_fast_route_sorted_exact(device, fast_route, mode, case):
 
 def test_fast_route_gather_kimi(device, fast_route):
     # Kimi-K2 at M = 64 on the atomic-rank multi-program path with the expert starts gathered in registers
-    fast_route._FAST_ROUTE_CONFIG.update(OFFS_GATHER=True)
+    fast_route._FAST_ROUTE_CONFIG.update(OFFS_GATHER=True, mask_max_rows=0)
     m = 64 if device == "cuda" else 12
     g = torch.Generator().manual_seed(142)
     x = torch.randn(m, 384, generator=g).bfloat16().to(device)
@@ -675,13 +681,40 @@ def test_fast_route_gather_kimi(device, fast_route):
 
 def test_fast_route_sorted_kimi(device, fast_route):
     # Kimi-K2 at M = 64 (512 slots: the largest verify batch the router targets) on the sorted multi-program path
-    fast_route._FAST_ROUTE_CONFIG.update(sorted_max_slots=1024, TOPK_SORT=True)
+    fast_route._FAST_ROUTE_CONFIG.update(sorted_max_slots=1024, TOPK_SORT=True, mask_max_rows=0)
     m = 64 if device == "cuda" else 12
     g = torch.Generator().manual_seed(141)
     x = torch.randn(m, 384, generator=g).bfloat16().to(device)
     bias = (torch.randn(384, generator=g) * 0.05).to(device)
     ids, _, al = check_route(x, 8, bias=bias, scale=2.827, block_size=16)
     check_alignment_exact(ids, 384, 16, al)
+
+
+@pytest.mark.parametrize("m", [3, 64])
+def test_fast_route_mask_kimi(device, fast_route, m):
+    # Kimi-K2 (384 experts, bias, top-8, bf16 logits) on the row-mask path: 3 tokens (the smallest M past the one
+    # program) and 64 (the mask's last bit: row 63 sets bit 63, the int64 sign bit); exact slot order; the second and
+    # third calls must find the masks and the ticket zero again
+    g = torch.Generator().manual_seed(143 + m)
+    x = torch.randn(m, 384, generator=g).bfloat16().to(device)
+    x[m - 1, 11] = 30.0  # the last row chooses expert 11: its bit is the highest one set in expert 11's mask
+    bias = (torch.randn(384, generator=g) * 0.05).to(device)
+    for _ in range(3):
+        ids, _, al = check_route(x, 8, bias=bias, scale=2.827, block_size=16)
+        check_alignment_exact(ids, 384, 16, al)
+    assert 11 in ids[m - 1].tolist()
+
+
+def test_fast_route_mask_hot_expert_block_1(device, fast_route):
+    # every token's first choice is expert 0 (a mask with every row's bit) and block 1 (no padding); a -inf row
+    # (sigmoid 0 everywhere: the bias alone ranks its experts); 13 tokens x top-4 over 37 experts (prime)
+    g = torch.Generator().manual_seed(148)
+    x = torch.randn(13, 37, generator=g)
+    x[:, 0] = 25.0
+    x[6] = -math.inf
+    bias = (torch.randn(37, generator=g) * 0.05)
+    ids, _, al = check_route(x.to(device), 4, bias=bias.to(device), block_size=1)
+    check_alignment_exact(ids, 37, 1, al)
 
 
 @pytest.mark.parametrize("topk_sort", [False, True])

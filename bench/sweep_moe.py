@@ -86,6 +86,11 @@ ROUTE_GRID = [
     ("fast w2", "fast", dict(num_warps=2)),
     ("fast w1", "fast", dict(num_warps=1)),
     ("fast gather", "fast", dict(OFFS_GATHER=True)),
+    # without the row masks: the sorted alignment up to 32 slots, atomic ranks above (the default before them)
+    ("fast no mask", "fast", dict(mask_max_rows=0)),
+    ("fast mask rows2", "fast", dict(ROWS=2)),
+    ("fast mask w4", "fast", dict(wide_slots=1024)),
+    ("fast mask w8", "fast", dict(num_warps=8)),
     ("fast rows2", "fast", dict(ROWS=2)),
     ("fast tail", "fast", dict(FILL_TAIL=True)),
     # one program for every M (routes all rows, aligns in registers: no ticket, no global round trip) with more warps
@@ -143,9 +148,9 @@ def main(argv=None) -> int:
     rows, skipped = [], []
     restore = dict_restorer(moe._VARIANT, moe._FAST_ROUTE_CONFIG, moe._FUSED_OVERRIDE, moe._ROUTE_CONFIG,
                             moe._CONFIG_OVERRIDE)
-    peer, peer_why = load_sglang_peer(__file__) if "experts" in ops else (None, "experts not swept")
+    peer, peer_why = load_sglang_peer(__file__) if {"experts", "route"} & set(ops) else (None, "nothing swept")
     if peer is None:
-        print(f"# sglang experts skipped: {peer_why}")
+        print(f"# sglang experts and router skipped: {peer_why}")
 
     for name in args.models.split(","):
         rs = per_rank_shapes(name, tp=8)
@@ -228,7 +233,7 @@ def main(argv=None) -> int:
                                      cfg.routed_scaling_factor)
             rs_, re_, rn_ = align_reference(rid, e, BLOCK)
 
-            def route_row(label, variant, ov, align=True, router=None):
+            def route_row(label, variant, ov, align=True, router=None, sglang=False):
                 if over():
                     skipped.append(f"{name} M={m} route {label}")
                     return
@@ -239,12 +244,20 @@ def main(argv=None) -> int:
                 bs = BLOCK if align else None
 
                 def call(i):
+                    if sglang:  # SGLang's router, then its alignment
+                        return peer.route_and_align(logits[i], bias, bs, **{
+                            k: v for k, v in rkw.items() if k != "correction_bias"})
                     return moe.moe_route(logits[i], block_size=bs, impl="triton", **rkw)
                 try:
                     res = call(0)
                     agree = (res[0] == rid).float().mean().item()
                     ok = agree == 1.0
-                    if align:
+                    if align and sglang:
+                        n = int(res[4].item())
+                        ok = ok and n == int(rn_.item()) and torch.equal(res[3][: n // BLOCK].cpu(), re_.cpu())
+                        got = res[2][:n].cpu()
+                        ok = ok and sorted(got.tolist()) == sorted(rs_.cpu().tolist())
+                    elif align:
                         al = res[2]
                         n = int(al.num_tokens_post_padded.item())
                         ok = ok and n == int(rn_.item()) and torch.equal(al.expert_ids[: n // BLOCK].cpu(),
@@ -273,6 +286,8 @@ def main(argv=None) -> int:
                     if args.route_variants and not _matches(label, args.route_variants):
                         continue
                     route_row(label, variant, ov)
+                if peer is not None and (not args.route_variants or _matches("sglang (peer)", args.route_variants)):
+                    route_row("sglang (peer)", "fast", {}, sglang=True)
             restore()
             del logits, hidden, routed, outs
         del w13, w2

@@ -303,6 +303,21 @@ def _launch_route_align_single(logits, bias, ids, weights, m, e, top_k, softmax,
     return ids, weights, MoEAlignment(sorted_ids, expert_ids, npad, block_size)
 
 
+def _fast_align_path(m: int, s: int, do_route: bool) -> str:
+    """How the "fast" router aligns ``m`` tokens of ``s`` slots under ``_FAST_ROUTE_CONFIG``: ``"one"`` (one program,
+    in registers), ``"sorted"`` (the last program sorts the slots), ``"mask"`` (the last program reads the
+    per-expert row masks) or ``"atomic"`` (atomic ranks). Alignment-only calls (``do_route`` False) reach the fast
+    kernel only on the one-program path."""
+    cfg = _FAST_ROUTE_CONFIG
+    if s <= (cfg["one_max_slots"] if do_route else cfg["align_one_max_slots"]):
+        return "one"
+    if s <= cfg["sorted_max_slots"]:
+        return "sorted"
+    if m <= min(cfg["mask_max_rows"], 64):
+        return "mask"
+    return "atomic"
+
+
 def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n_group, topk_group, renormalize,
                              scale, block_size, do_route):
     """The default router + alignment (``_VARIANT["route"] == "fast"``, 0 < M * top_k <= 1024).
@@ -310,11 +325,11 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
     Up to ``_FAST_ROUTE_CONFIG["one_max_slots"]`` slots (M <= 2 at top-8; ``align_one_max_slots`` for alignment-only
     calls): one program routes every row at once and aligns in registers (no atomics, no workspace, no global round
     trip; slots in increasing slot id inside an expert, exactly as ``align_reference``). Beyond: one program per
-    ``ROWS`` rows, and the last program (ticket) aligns: up to ``mask_max_rows`` rows (at most 64) from per-expert
-    int64 row masks that the routing programs set by atomic OR (counts and ranks by bit counts: exact order, no
-    returned atomic); else up to ``sorted_max_slots`` slots by one sort of every slot's id (exact order again); above
-    with atomic ranks taken by the routing programs, after one load of ids, ranks and counters (order inside an
-    expert then free). Either way ``sorted_token_ids`` past
+    ``ROWS`` rows, and the last program (ticket) aligns: up to ``sorted_max_slots`` slots by one sort of every
+    slot's id (exact order); above, up to ``mask_max_rows`` rows (at most 64), from per-expert int64 row masks that
+    the routing programs set by atomic OR (counts and ranks by bit counts: exact order again, no atomic that returns
+    a value); above that with atomic ranks taken by the routing programs, after one load of ids, ranks and counters
+    (order inside an expert then free). Either way ``sorted_token_ids`` past
     ``num_tokens_post_padded`` is left unwritten unless ``FILL_TAIL`` (consumers read only the used part);
     ``expert_ids`` past the used blocks is always -1.
     """
@@ -327,9 +342,8 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
     size, sorted_ids, expert_ids, npad = _alignment_buffers(m, top_k, e, block_size, dev)
     topk_p = max(_next_pow2(top_k), 2)
     eap = max(_next_pow2(e), 16)
-    one = s <= (cfg["one_max_slots"] if do_route else cfg["align_one_max_slots"])
-    mask_align = not one and m <= min(cfg["mask_max_rows"], 64)
-    sort_align = not one and not mask_align and s <= cfg["sorted_max_slots"]
+    path = _fast_align_path(m, s, do_route)
+    one, sort_align, mask_align = path == "one", path == "sorted", path == "mask"
     if one:
         rows = max(_next_pow2(m), 1)
         sp = rows * topk_p if do_route else max(_next_pow2(s), 2)
@@ -345,7 +359,7 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
         if mask_align:  # the int64 row masks take the counters' place
             count = ws[_WS_MASKS:].view(torch.int64)
         grid = (_cdiv(m, rows),)
-        warps = cfg["wide_warps"] if s > cfg["wide_slots"] else cfg["num_warps"]
+        warps = cfg["wide_warps"] if s > cfg["wide_slots"] and not mask_align else cfg["num_warps"]
     extra = {"num_warps": warps} if on_gpu else {}
     bias_arg = bias if bias is not None else (logits if do_route else ids)
     _moe_route_align_fast_kernel[grid](
@@ -403,8 +417,8 @@ def moe_route(router_logits, *, top_k, scoring="sigmoid", correction_bias=None, 
     alignment : MoEAlignment
         Only when ``block_size`` is given. ``sorted_token_ids`` has length
         :func:`max_num_tokens_padded` ``(M, top_k, E, block_size)``; its used part holds each expert's slots
-        (increasing slot id, as the reference, when one program aligns: M * top_k <= 32 by default; otherwise
-        the order of atomic updates) padded with the sentinel ``M * top_k``; unused ``expert_ids`` are -1;
+        (increasing slot id, as the reference, for M <= 64 with M * top_k <= 1024; above, the order of atomic
+        updates) padded with the sentinel ``M * top_k``; unused ``expert_ids`` are -1;
         ``sorted_token_ids`` past ``num_tokens_post_padded`` is unspecified (not written).
 
     Raises
@@ -421,7 +435,7 @@ def moe_route(router_logits, *, top_k, scoring="sigmoid", correction_bias=None, 
     -----
     ``impl="triton"`` is one kernel launch for any M (up to M * top_k = 16 slots one program routes every row
     and aligns in registers; beyond, one program per token and the last program to finish aligns: by one sort up
-    to 32 slots, by atomic ranks above) and is
+    to 32 slots, from per-expert row masks up to 64 tokens, by atomic ranks above) and is
     CUDA-graph capturable: output sizes depend only on the shapes, there is no host sync, and
     the per-device workspace (zeroed counters the kernel resets itself) is allocated on the first call, which must
     therefore run outside capture. Calls on different streams must not overlap in time (they share that
@@ -617,8 +631,11 @@ _FAST_MAX_SLOTS = 1024
 #: stores the winners and reads them back as a flat vector instead (one barrier and one L2 round trip); RELOAD
 #: forces that read-back at any expert count (tests).
 _RESHAPE_MIN_EXPERTS = 256
-#: mask_max_rows: the multi-program path aligns from per-expert row masks up to this many rows (64 at most: one int64
-#: per expert); ranks and counts are bit counts, so no atomic returns a value before the ticket.
+#: mask_max_rows: past sorted_max_slots, the multi-program path aligns from per-expert row masks up to this many rows
+#: (64 at most: one int64 per expert), with num_warps (not wide_warps); ranks and counts are bit counts, so no atomic
+#: returns a value before the ticket and the slot order is exact. Run 48 (H200, sweep_moe.py, Kimi-K2): 5.23 / 5.29 /
+#: 5.59 / 5.80 us at M = 8 / 16 / 32 / 64 against 5.42 / 5.46 / 5.51 / 5.96 with atomic ranks (wide_warps above
+#: 128 slots); at M = 3 / 4 the masks took 5.15 / 5.22 and the sorted path 4.76 / 4.83, so the sorted path stays first.
 _FAST_ROUTE_CONFIG: dict = {"one_max_slots": 16, "align_one_max_slots": 32, "one_num_warps": 8,
                             "one_small_slots": 8, "one_small_warps": 4, "ROWS": 1, "num_warps": 4, "wide_slots": 128,
                             "wide_warps": 8, "CHUNK": 1024, "FILL_TAIL": False, "RELOAD": False,

@@ -601,7 +601,7 @@ def test_fast_route_one_program_exact(device, fast_route, case):
 @pytest.mark.parametrize("mode", [
     dict(one_max_slots=32),  # one program, pairwise alignment in registers
     dict(one_max_slots=0, sorted_max_slots=1024, mask_max_rows=0),  # a program per row, the last aligns by one sort
-    dict(one_max_slots=0),  # a program per row, the last aligns from the row masks
+    dict(one_max_slots=0, sorted_max_slots=0),  # a program per row, the last aligns from the row masks
 ])
 def test_fast_route_nan_rows_and_one_expert(device, fast_route, mode):
     # a NaN row (all -1: no slot aligned; its ids sort last), every other token's first choice expert 5 (one expert
@@ -636,9 +636,9 @@ def test_fast_route_multi_program(device, fast_route, rows, gather):
     # as above with the winners by one bitonic top-k (tl.topk) instead of top_k rounds of argmax
     dict(sorted_max_slots=1024, TOPK_SORT=True, one_max_slots=0, mask_max_rows=0),
     # one program per row, the last program aligns from the per-expert row masks (bit counts, no atomic ranks)
-    dict(one_max_slots=0),
+    dict(one_max_slots=0, sorted_max_slots=0),
     # the row masks with ROWS = 2 (9 tokens: the last program has one row) and top_k rounds of argmax
-    dict(one_max_slots=0, ROWS=2, TOPK_SORT=False),
+    dict(one_max_slots=0, sorted_max_slots=0, ROWS=2, TOPK_SORT=False),
     # bitonic top-k on the one-program path
     dict(TOPK_SORT=True),
 ])
@@ -695,6 +695,7 @@ def test_fast_route_mask_kimi(device, fast_route, m):
     # Kimi-K2 (384 experts, bias, top-8, bf16 logits) on the row-mask path: 3 tokens (the smallest M past the one
     # program) and 64 (the mask's last bit: row 63 sets bit 63, the int64 sign bit); exact slot order; the second and
     # third calls must find the masks and the ticket zero again
+    fast_route._FAST_ROUTE_CONFIG.update(sorted_max_slots=0)  # M = 3 (24 slots) would take the sorted path
     g = torch.Generator().manual_seed(143 + m)
     x = torch.randn(m, 384, generator=g).bfloat16().to(device)
     x[m - 1, 11] = 30.0  # the last row chooses expert 11: its bit is the highest one set in expert 11's mask
@@ -705,9 +706,21 @@ def test_fast_route_mask_kimi(device, fast_route, m):
     assert 11 in ids[m - 1].tolist()
 
 
+def test_fast_align_path_defaults(fast_route):
+    # Kimi-K2 (top-8) under the default thresholds: one program for 1-2 tokens, the sorted last program for 3-4,
+    # the row masks for 5-64 (the mask holds 64 rows: one bit each), atomic ranks above
+    want = {1: "one", 2: "one", 3: "sorted", 4: "sorted", 5: "mask", 8: "mask", 64: "mask", 65: "atomic",
+            128: "atomic"}
+    got = {m: fast_route._fast_align_path(m, m * 8, True) for m in want}
+    assert got == want
+    fast_route._FAST_ROUTE_CONFIG.update(mask_max_rows=1000)  # never more rows than one int64 holds
+    assert fast_route._fast_align_path(65, 65 * 8, True) == "atomic"
+
+
 def test_fast_route_mask_hot_expert_block_1(device, fast_route):
     # every token's first choice is expert 0 (a mask with every row's bit) and block 1 (no padding); a -inf row
     # (sigmoid 0 everywhere: the bias alone ranks its experts); 13 tokens x top-4 over 37 experts (prime)
+    fast_route._FAST_ROUTE_CONFIG.update(sorted_max_slots=0)
     g = torch.Generator().manual_seed(148)
     x = torch.randn(13, 37, generator=g)
     x[:, 0] = 25.0

@@ -91,6 +91,7 @@ ROUTE_GRID = [
     ("fast mask rows2", "fast", dict(ROWS=2)),
     ("fast mask w4", "fast", dict(wide_slots=1024)),
     ("fast mask w8", "fast", dict(num_warps=8)),
+    ("fast mask slot writes", "fast", dict(MASK_SLOT_WRITES=True)),
     ("fast rows2", "fast", dict(ROWS=2)),
     ("fast tail", "fast", dict(FILL_TAIL=True)),
     # one program for every M (routes all rows, aligns in registers: no ticket, no global round trip) with more warps

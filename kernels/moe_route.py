@@ -470,7 +470,7 @@ def _popc64(x):
 @triton.jit
 def _align_masks(ids_ptr, mask_ptr, sorted_ptr, eids_ptr, npad_ptr, offs_ptr, S, max_blocks, TOP_K: tl.constexpr,
                  EA: tl.constexpr, EAP: tl.constexpr, B: tl.constexpr, SP: tl.constexpr, PJ: tl.constexpr,
-                 CHUNK: tl.constexpr, FILL_TAIL: tl.constexpr):
+                 CHUNK: tl.constexpr, FILL_TAIL: tl.constexpr, SLOT_WRITES: tl.constexpr = False):
     """Alignment from the per-expert row masks (bit r of ``mask[e]``: row r chose expert e; M <= 64) and the slots'
     ids, both loaded once (independent loads, one round trip):
 
@@ -478,7 +478,9 @@ def _align_masks(ids_ptr, mask_ptr, sorted_ptr, eids_ptr, npad_ptr, offs_ptr, S,
         slot s = r * TOP_K + k with expert e:  rank = popc(mask[e] & (2^r - 1)),  sorted_ids[offs[e] + rank] = s
 
     A row chooses an expert at most once, so the slots inside an expert come in increasing slot id (exact order).
-    The masks are zeroed again for the next call."""
+    SLOT_WRITES (opt-in): each expert's padding and block ids are written from the vectors of its first slot
+    ([SP] lanes, as _write_runs) instead of from the [EAP] per-expert vectors. The masks are zeroed again for the
+    next call."""
     e = tl.arange(0, EAP)
     emask = e < EA
     mk = tl.load(mask_ptr + e, mask=emask, other=0, cache_modifier=".cg")
@@ -486,14 +488,22 @@ def _align_masks(ids_ptr, mask_ptr, sorted_ptr, eids_ptr, npad_ptr, offs_ptr, S,
     ids = tl.load(ids_ptr + sl, mask=sl < S, other=-1, cache_modifier=".cg")
     ok = (sl < S) & (ids >= 0) & (ids < EA)
     cnt = _popc64(mk)
-    padded, offs, total = _expert_blocks(cnt, e, emask, npad_ptr, offs_ptr, eids_ptr, B)
-    _write_pads(sorted_ptr, offs, cnt, padded, emask, S, B, PJ)
-    _fill_tails(sorted_ptr, eids_ptr, total, S, max_blocks, B, CHUNK, FILL_TAIL)
     safe = tl.where(ok, ids, 0)
     row = tl.where(ok, sl // TOP_K, 0).to(tl.int64)
     below = (tl.full([SP], 1, tl.int64) << row) - 1
     rank = _popc64(tl.gather(mk, safe, 0) & below)
-    tl.store(sorted_ptr + tl.gather(offs, safe, 0) + rank, sl, mask=ok)
+    if SLOT_WRITES:
+        padded = (cnt + B - 1) // B * B
+        offs = tl.cumsum(padded, axis=0) - padded
+        total = tl.sum(padded, axis=0)
+        cnt_s = tl.gather(cnt, safe, 0)
+        _write_runs(sorted_ptr, eids_ptr, npad_ptr, tl.gather(offs, safe, 0), rank, cnt_s, (cnt_s + B - 1) // B * B,
+                    ok & (rank == 0), ok, sl, ids, total, S, max_blocks, B, PJ, CHUNK, FILL_TAIL)
+    else:
+        padded, offs, total = _expert_blocks(cnt, e, emask, npad_ptr, offs_ptr, eids_ptr, B)
+        _write_pads(sorted_ptr, offs, cnt, padded, emask, S, B, PJ)
+        _fill_tails(sorted_ptr, eids_ptr, total, S, max_blocks, B, CHUNK, FILL_TAIL)
+        tl.store(sorted_ptr + tl.gather(offs, safe, 0) + rank, sl, mask=ok)
     tl.store(mask_ptr + e, tl.zeros([EAP], tl.int64), mask=emask)
 
 
@@ -508,7 +518,7 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
                                  ONE: tl.constexpr, PJ: tl.constexpr, CHUNK: tl.constexpr,
                                  FILL_TAIL: tl.constexpr, RELOAD: tl.constexpr = False, SORTED: tl.constexpr = False,
                                  TOPK_SORT: tl.constexpr = False, OFFS_GATHER: tl.constexpr = False,
-                                 MASK: tl.constexpr = False):
+                                 MASK: tl.constexpr = False, SLOT_WRITES: tl.constexpr = False):
     """ONE: grid (1,), ROWS >= M (routing) or SP >= S (alignment only). Not ONE: routing on, grid (ceil(M/ROWS),),
     SP >= S; the ticket (and, without SORTED, the workspace counters) are zero on entry and left at zero.
 
@@ -549,7 +559,7 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
             sl = tl.arange(0, SP)
             if MASK:
                 _align_masks(ids_ptr, count_ptr, sorted_ptr, eids_ptr, npad_ptr, offs_ptr, S, max_blocks, TOP_K, EA,
-                             EAP, B, SP, PJ, CHUNK, FILL_TAIL)
+                             EAP, B, SP, PJ, CHUNK, FILL_TAIL, SLOT_WRITES)
             elif SORTED:
                 ids = tl.load(ids_ptr + sl, mask=sl < S, other=-1, cache_modifier=".cg")
                 _align_sorted(ids, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks, EA, B, SP, PJ, CHUNK, FILL_TAIL)

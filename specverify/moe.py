@@ -370,7 +370,8 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
         DO_ROUTE=do_route, EA=e, EAP=eap, B=block_size, SP=sp, ONE=one, PJ=min(block_size, 16),
         CHUNK=cfg["CHUNK"] if on_gpu else 64, FILL_TAIL=bool(cfg["FILL_TAIL"]),
         RELOAD=one and do_route and (eap < _RESHAPE_MIN_EXPERTS or bool(cfg["RELOAD"])), SORTED=sort_align,
-        TOPK_SORT=bool(cfg["TOPK_SORT"]), OFFS_GATHER=bool(cfg["OFFS_GATHER"]), MASK=mask_align, **extra)
+        TOPK_SORT=bool(cfg["TOPK_SORT"]), OFFS_GATHER=bool(cfg["OFFS_GATHER"]), MASK=mask_align,
+        SLOT_WRITES=bool(cfg["MASK_SLOT_WRITES"]), **extra)
     return ids, weights, MoEAlignment(sorted_ids, expert_ids, npad, block_size)
 
 
@@ -636,10 +637,13 @@ _RESHAPE_MIN_EXPERTS = 256
 #: returns a value before the ticket and the slot order is exact. Run 48 (H200, sweep_moe.py, Kimi-K2): 5.23 / 5.29 /
 #: 5.59 / 5.80 us at M = 8 / 16 / 32 / 64 against 5.42 / 5.46 / 5.51 / 5.96 with atomic ranks (wide_warps above
 #: 128 slots); at M = 3 / 4 the masks took 5.15 / 5.22 and the sorted path 4.76 / 4.83, so the sorted path stays first.
+#: MASK_SLOT_WRITES (opt-in, not yet timed): the mask path writes each expert's padding and block ids from its first
+#: slot's lanes instead of from all EAP expert lanes.
 _FAST_ROUTE_CONFIG: dict = {"one_max_slots": 16, "align_one_max_slots": 32, "one_num_warps": 8,
                             "one_small_slots": 8, "one_small_warps": 4, "ROWS": 1, "num_warps": 4, "wide_slots": 128,
                             "wide_warps": 8, "CHUNK": 1024, "FILL_TAIL": False, "RELOAD": False,
-                            "sorted_max_slots": 32, "TOPK_SORT": True, "OFFS_GATHER": True, "mask_max_rows": 64}
+                            "sorted_max_slots": 32, "TOPK_SORT": True, "OFFS_GATHER": True, "mask_max_rows": 64,
+                            "MASK_SLOT_WRITES": False}
 #: Launch config of the one-program router: rows routed per step, [CI, CJ] rank tiles, fill chunk, warps.
 _SINGLE_ROUTE_CONFIG: dict = {"ROWS": 4, "CI": 64, "CJ": 128, "CHUNK": 1024, "num_warps": 8}
 #: GEMV experts: largest M it takes, gate/up tile ``g1`` ([BLOCK_N gate rows + BLOCK_N up rows, BLOCK_K]) and

@@ -639,6 +639,8 @@ def test_fast_route_multi_program(device, fast_route, rows, gather):
     dict(one_max_slots=0, sorted_max_slots=0),
     # the row masks with ROWS = 2 (9 tokens: the last program has one row) and top_k rounds of argmax
     dict(one_max_slots=0, sorted_max_slots=0, ROWS=2, TOPK_SORT=False),
+    # the row masks, padding and block ids written from each expert's first slot
+    dict(one_max_slots=0, sorted_max_slots=0, MASK_SLOT_WRITES=True),
     # bitonic top-k on the one-program path
     dict(TOPK_SORT=True),
 ])
@@ -690,12 +692,14 @@ def test_fast_route_sorted_kimi(device, fast_route):
     check_alignment_exact(ids, 384, 16, al)
 
 
+@pytest.mark.parametrize("slot_writes", [False, True])
 @pytest.mark.parametrize("m", [3, 64])
-def test_fast_route_mask_kimi(device, fast_route, m):
+def test_fast_route_mask_kimi(device, fast_route, m, slot_writes):
     # Kimi-K2 (384 experts, bias, top-8, bf16 logits) on the row-mask path: 3 tokens (the smallest M past the one
     # program) and 64 (the mask's last bit: row 63 sets bit 63, the int64 sign bit); exact slot order; the second and
     # third calls must find the masks and the ticket zero again
-    fast_route._FAST_ROUTE_CONFIG.update(sorted_max_slots=0)  # M = 3 (24 slots) would take the sorted path
+    # M = 3 (24 slots) would take the sorted path
+    fast_route._FAST_ROUTE_CONFIG.update(sorted_max_slots=0, MASK_SLOT_WRITES=slot_writes)
     g = torch.Generator().manual_seed(143 + m)
     x = torch.randn(m, 384, generator=g).bfloat16().to(device)
     x[m - 1, 11] = 30.0  # the last row chooses expert 11: its bit is the highest one set in expert 11's mask
@@ -717,10 +721,11 @@ def test_fast_align_path_defaults(fast_route):
     assert fast_route._fast_align_path(65, 65 * 8, True) == "atomic"
 
 
-def test_fast_route_mask_hot_expert_block_1(device, fast_route):
+@pytest.mark.parametrize("slot_writes", [False, True])
+def test_fast_route_mask_hot_expert_block_1(device, fast_route, slot_writes):
     # every token's first choice is expert 0 (a mask with every row's bit) and block 1 (no padding); a -inf row
     # (sigmoid 0 everywhere: the bias alone ranks its experts); 13 tokens x top-4 over 37 experts (prime)
-    fast_route._FAST_ROUTE_CONFIG.update(sorted_max_slots=0)
+    fast_route._FAST_ROUTE_CONFIG.update(sorted_max_slots=0, MASK_SLOT_WRITES=slot_writes)
     g = torch.Generator().manual_seed(148)
     x = torch.randn(13, 37, generator=g)
     x[:, 0] = 25.0

@@ -134,7 +134,7 @@ def _cmd_clear_cache(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specverify", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="specverify", description=__doc__.splitlines()[0].replace("``", ""))
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version('specverify-kernels')}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     text = "versions, GPU, backends and the JIT cache directory"

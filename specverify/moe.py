@@ -81,10 +81,10 @@ def max_num_tokens_padded(num_tokens: int, top_k: int, num_experts: int, block_s
 
 
 # --------------------------------------------------------------------------------------------- helpers
-def _log_once(key: str, msg: str) -> None:
+def _log_once(key: str, msg: str, level: int = logging.INFO) -> None:
     if key not in _LOGGED:
         _LOGGED.add(key)
-        logger.info(msg)
+        logger.log(level, msg)
 
 
 def _check_impl(impl: str, name: str) -> None:
@@ -154,11 +154,15 @@ def _check_route_args(router_logits, top_k, scoring, correction_bias, n_group, t
         raise ValueError(f"router_logits must have shape [M, E], got {router_logits.dim()}-d shape "
                          f"{list(router_logits.shape)}; flatten the token dimensions first")
     if router_logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"router_logits must be float32, bfloat16 or float16, got {router_logits.dtype}")
+        raise TypeError(f"router_logits must be float32, bfloat16 or float16, got {router_logits.dtype}; cast it "
+                        "with .float()")
     m, e = router_logits.shape
     if e < 1 or e > _MAX_EXPERTS:
         raise ValueError(f"router_logits must have 1..{_MAX_EXPERTS} experts (columns), got {e}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= e:
+    if isinstance(top_k, bool) or not isinstance(top_k, int):
+        raise TypeError(f"top_k must be an int in [1, num_experts={e}], got {type(top_k).__name__} {top_k!r}; "
+                        "pass a Python int")
+    if not 1 <= top_k <= e:
         raise ValueError(f"top_k must be an int in [1, num_experts={e}], got {top_k!r}")
     if scoring not in ("sigmoid", "softmax"):
         raise ValueError(f"scoring must be 'sigmoid' or 'softmax', got {scoring!r}")
@@ -425,7 +429,7 @@ def moe_route(router_logits, *, top_k, scoring="sigmoid", correction_bias=None, 
     Raises
     ------
     TypeError
-        Non-tensor or non-float logits or bias, non-bool ``renormalize``, non-float scale.
+        Non-tensor or non-float logits or bias, non-int ``top_k``, non-bool ``renormalize``, non-float scale.
     ValueError
         Wrong shapes, ``top_k`` out of range, ``n_group`` not dividing ``E``, ``topk_group`` out of range, bad
         ``block_size``, unknown ``scoring`` or ``impl``.
@@ -546,21 +550,27 @@ def _check_moe_args(hidden, w13, w2, topk_ids, topk_weights, alignment, activati
         raise ValueError(f"w13 must hold gate rows then up rows, [E, 2I, H] with an even second dimension, got "
                          f"{list(w13.shape)}")
     inter = two_i // 2
-    if h13 != h or tuple(w2.shape) != (e, h, inter):
-        raise ValueError(f"with hidden [M={m}, H={h}] and w13 {list(w13.shape)}, w2 must be [E={e}, H={h}, "
-                         f"I={inter}] and w13's last dimension {h}; got w13 {list(w13.shape)}, w2 "
-                         f"{list(w2.shape)}")
+    if h13 != h:
+        raise ValueError(f"hidden [M={m}, H={h}] and w13 {list(w13.shape)} disagree on H: w13 must be [E, 2I, H={h}] "
+                         f"(or hidden [M, H={h13}]); pass the hidden states and gate/up weights of one layer")
+    if tuple(w2.shape) != (e, h, inter):
+        raise ValueError(f"with hidden [M={m}, H={h}] and w13 {list(w13.shape)} (E={e}, I={inter}), w2 must be "
+                         f"[E={e}, H={h}, I={inter}], got w2 {list(w2.shape)}; pass the down weights of the same "
+                         "experts")
     if hidden.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise TypeError(f"hidden must be bfloat16, float16 or float32, got {hidden.dtype}")
+        raise TypeError(f"hidden must be bfloat16, float16 or float32, got {hidden.dtype}; cast it with "
+                        ".bfloat16()")
     if quant is None and (w13.dtype != hidden.dtype or w2.dtype != hidden.dtype):
-        raise TypeError(f"w13 and w2 must have hidden's dtype {hidden.dtype}, got {w13.dtype} and {w2.dtype}")
+        raise TypeError(f"w13 and w2 must have hidden's dtype {hidden.dtype}, got {w13.dtype} and {w2.dtype}; cast "
+                        f"them with .to({hidden.dtype})")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != m or tuple(topk_weights.shape) != tuple(topk_ids.shape):
         raise ValueError(f"topk_ids and topk_weights must both have shape [M={m}, top_k], got "
-                         f"{list(topk_ids.shape)} and {list(topk_weights.shape)}")
+                         f"{list(topk_ids.shape)} and {list(topk_weights.shape)}; reshape them with "
+                         f".view({m}, -1) as moe_route returns them")
     if topk_ids.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+        raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}; cast it with .int()")
     if not topk_weights.is_floating_point():
-        raise TypeError(f"topk_weights must be floating point, got {topk_weights.dtype}")
+        raise TypeError(f"topk_weights must be floating point, got {topk_weights.dtype}; cast it with .float()")
     for name, t in (("w13", w13), ("w2", w2), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
         if t.device != hidden.device:
             raise ValueError(f"{name} is on {t.device} but hidden on {hidden.device}; move them to one device")
@@ -1031,7 +1041,9 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
         if impl == "triton":
             raise TypeError("fused_moe(impl='triton') needs bfloat16 or float16 hidden/weights, got float32; use "
                             "impl='reference' or cast the inputs")
-        _log_once("fused_moe-fp32", "specverify.fused_moe: impl='auto' uses the torch reference for float32 inputs")
+        # a warning: on a GPU this is the slow path, and the caller can fix it by casting
+        _log_once("fused_moe-fp32", "specverify.fused_moe: impl='auto' uses the torch reference for float32 inputs "
+                  "(the Triton experts take bfloat16/float16; cast hidden, w13 and w2 to run them)", logging.WARNING)
         which = "reference"
     if which == "reference":
         from specverify.reference.moe import fused_moe_reference

@@ -13,6 +13,7 @@ from specverify.moe import MoEQuant, fused_moe, moe_route
     (dict(router_logits=torch.zeros(2, 1025)), ValueError, "1..1024 experts"),
     (dict(top_k=0), ValueError, "top_k must be an int in [1, num_experts=8]"),
     (dict(top_k=9), ValueError, "top_k must be an int in [1, num_experts=8]"),
+    (dict(top_k=2.0), TypeError, "pass a Python int"),
     (dict(scoring="relu"), ValueError, "'sigmoid' or 'softmax'"),
     (dict(correction_bias=torch.zeros(7)), ValueError, "correction_bias must have shape [8]"),
     (dict(correction_bias=torch.zeros(8, dtype=torch.int64)), TypeError, "floating-point"),
@@ -43,7 +44,9 @@ def _moe_args():
 @pytest.mark.parametrize("change, exc, words", [
     (dict(hidden=torch.zeros(2, 3, 16, dtype=torch.bfloat16)), ValueError, "hidden must have shape [M, H]"),
     (dict(w13=torch.zeros(4, 15, 16, dtype=torch.bfloat16)), ValueError, "even second dimension"),
-    (dict(w2=torch.zeros(4, 16, 4, dtype=torch.bfloat16)), ValueError, "w2 must be [E=4, H=16, I=8]"),
+    (dict(w2=torch.zeros(4, 16, 4, dtype=torch.bfloat16)), ValueError, "w2 must be [E=4, H=16, I=8], got w2"),
+    # hidden's width disagrees with w13's: the message names H, not w2
+    (dict(hidden=torch.zeros(2, 32, dtype=torch.bfloat16)), ValueError, "disagree on H"),
     (dict(w2=torch.zeros(4, 16, 8)), TypeError, "must have hidden's dtype"),
     (dict(topk_ids=torch.zeros(3, 2, dtype=torch.int32)), ValueError, "topk_ids and topk_weights must both"),
     (dict(topk_ids=torch.zeros(2, 2)), TypeError, "topk_ids must be int32 or int64"),

@@ -386,7 +386,7 @@ def run_verify_wall(s: WallSettings, progress=None) -> dict:
     context, layers = s.context, s.layers
     if device.type == "cpu":
         notes.append("no CUDA device: CPU figures are not performance figures (no bandwidth, floor or efficiency "
-                     "either)")
+                     "either; break-even ratios of CPU times, even below 1, mean nothing)")
         if not cfg.name.startswith("tiny-"):
             kind = "mla" if cfg.attention == "mla" else ("gqa-moe" if cfg.is_moe else "gqa")
             notes.append(f"running the tiny stand-in {CPU_STAND_INS[kind]!r} for {cfg.name!r} on the CPU")

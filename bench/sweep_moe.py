@@ -88,8 +88,6 @@ ROUTE_GRID = [
     ("fast gather", "fast", dict(OFFS_GATHER=True)),
     # without the row masks: the sorted alignment up to 32 slots, atomic ranks above (the default before them)
     ("fast no mask", "fast", dict(mask_max_rows=0)),
-    ("fast mask rows2", "fast", dict(ROWS=2)),
-    ("fast mask w4", "fast", dict(wide_slots=1024)),
     ("fast mask w8", "fast", dict(num_warps=8)),
     ("fast mask slot writes", "fast", dict(MASK_SLOT_WRITES=True)),
     ("fast rows2", "fast", dict(ROWS=2)),

@@ -182,7 +182,7 @@ def _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, row0,
     # the alignment's atomics go out before the weights' logit reload, so the two round trips overlap
     if DO_ALIGN:
         if MASK:  # this row's bit in each chosen expert's row mask (no value returned: a fire-and-forget reduction)
-            bit = tl.full([ROWS, TOPK_P], 1, tl.int64) << rows[:, None].to(tl.int64)
+            bit = tl.full([ROWS, TOPK_P], 1, tl.int64) << tl.where(rmask, rows, 0)[:, None].to(tl.int64)
             tl.atomic_or(count_ptr + tl.where(valid, ids, 0), bit, mask=valid, sem="relaxed")
         else:
             rank = tl.atomic_add(count_ptr + tl.where(valid, ids, 0), 1, mask=valid, sem="relaxed")
@@ -504,6 +504,7 @@ def _align_masks(ids_ptr, mask_ptr, sorted_ptr, eids_ptr, npad_ptr, offs_ptr, S,
         _write_pads(sorted_ptr, offs, cnt, padded, emask, S, B, PJ)
         _fill_tails(sorted_ptr, eids_ptr, total, S, max_blocks, B, CHUNK, FILL_TAIL)
         tl.store(sorted_ptr + tl.gather(offs, safe, 0) + rank, sl, mask=ok)
+    tl.debug_barrier()  # every thread's reads of the masks precede their reset
     tl.store(mask_ptr + e, tl.zeros([EAP], tl.int64), mask=emask)
 
 

@@ -129,7 +129,8 @@ def _next_pow2(n: int) -> int:
 
 
 def _workspace(device: torch.device) -> torch.Tensor:
-    """Per-device int32 counters that the routing kernel leaves at zero after every call."""
+    """Per-device workspace that the routing kernel leaves at zero after every call: int32 counters, offsets and
+    ticket, then int64 per-expert row masks (layout at ``_WS_STRIDE``)."""
     key = (device.type, device.index)
     ws = _WS.get(key)
     if ws is not None:
@@ -440,7 +441,7 @@ def moe_route(router_logits, *, top_k, scoring="sigmoid", correction_bias=None, 
     -----
     ``impl="triton"`` is one kernel launch for any M (up to M * top_k = 16 slots one program routes every row
     and aligns in registers; beyond, one program per token and the last program to finish aligns: by one sort up
-    to 32 slots, from per-expert row masks up to 64 tokens, by atomic ranks above) and is
+    to 32 slots, from per-expert row masks up to 64 tokens (with M * top_k <= 1024), by atomic ranks above) and is
     CUDA-graph capturable: output sizes depend only on the shapes, there is no host sync, and
     the per-device workspace (zeroed counters the kernel resets itself) is allocated on the first call, which must
     therefore run outside capture. Calls on different streams must not overlap in time (they share that
@@ -564,9 +565,11 @@ def _check_moe_args(hidden, w13, w2, topk_ids, topk_weights, alignment, activati
         raise TypeError(f"w13 and w2 must have hidden's dtype {hidden.dtype}, got {w13.dtype} and {w2.dtype}; cast "
                         f"them with .to({hidden.dtype})")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != m or tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        fix = (f"reshape them with .view({m}, -1), as moe_route returns them" if topk_ids.numel() % max(m, 1) == 0
+               and topk_ids.dim() == 1 and topk_ids.numel() == topk_weights.numel()
+               else "route the same tokens as hidden holds")
         raise ValueError(f"topk_ids and topk_weights must both have shape [M={m}, top_k], got "
-                         f"{list(topk_ids.shape)} and {list(topk_weights.shape)}; reshape them with "
-                         f".view({m}, -1) as moe_route returns them")
+                         f"{list(topk_ids.shape)} and {list(topk_weights.shape)}; {fix}")
     if topk_ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}; cast it with .int()")
     if not topk_weights.is_floating_point():
@@ -621,7 +624,7 @@ _FAST_MAX_SLOTS = 1024
 #: Launch config of the "fast" router: largest M * top_k routed and aligned by one program in registers, that
 #: program's warps; rows per program and warps beyond it (``wide_warps`` above ``wide_slots`` slots); up to
 #: ``sorted_max_slots`` slots the multi-program path's last program aligns by one sort (SORTED in the kernel), above
-#: it by atomic ranks; TOPK_SORT picks the winners by one bitonic top-k; fill chunk; FILL_TAIL writes the sentinel
+#: it from row masks up to ``mask_max_rows`` tokens (see below), then by atomic ranks; TOPK_SORT picks the winners by one bitonic top-k; fill chunk; FILL_TAIL writes the sentinel
 #: over sorted_token_ids past the used part too (off: consumers read only the used part).
 #: H200 sweeps (Kimi-K2, bench/sweep_moe.py --ops route, graph replay; an empty kernel takes 0.58-0.76 us there):
 #: run 23 (commit ebf4c0c), route + align at M = 1 / 4 / 8 / 16 / 64: one program with top-k rounds (the previous

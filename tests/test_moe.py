@@ -242,13 +242,22 @@ def test_many_tokens_one_launch(device):
     check_route(x, 2, block_size=16)
 
 
-def test_repeat_calls_reuse_clean_workspace(device):
-    # the per-device counters must be back at zero after each call: a second call gives the same alignment
-    x = torch.randn(6, 48, generator=torch.Generator().manual_seed(14)).to(device)
-    a = moe_route(x, top_k=4, block_size=4, impl="triton")[2]
-    b = moe_route(x, top_k=4, block_size=4, impl="triton")[2]
-    assert torch.equal(a.num_tokens_post_padded, b.num_tokens_post_padded)
-    assert torch.equal(a.expert_ids, b.expert_ids)
+@pytest.mark.parametrize("m", [6, 9, 70])  # 6 x 4 = 24 slots: the sorted path; 9: the row masks; 70: atomic ranks
+def test_repeat_calls_reuse_clean_workspace(device, m):
+    # the per-device workspace (counters, ticket, row masks) must be back at zero after each call: calls on
+    # different logits each match the reference, and the workspace reads zero after every one of them
+    import specverify.moe as moe_mod
+
+    g = torch.Generator().manual_seed(14 + m)
+    for _ in range(3):
+        x = torch.randn(m, 48, generator=g).to(device)
+        ids, _, al = check_route(x, 4, block_size=4)
+        if m <= 64:
+            check_alignment_exact(ids, 48, 4, al)
+        ws, stride = moe_mod._workspace(x.device), moe_mod._WS_STRIDE
+        # counters, ticket and row masks (the offsets between them are scratch, rewritten by every call)
+        for part in (ws[:stride], ws[2 * stride: moe_mod._WS_MASKS], ws[moe_mod._WS_MASKS:]):
+            assert int(part.count_nonzero()) == 0, "the workspace was not reset"
 
 
 def test_reference_impl_same_buffers(device):
@@ -362,9 +371,10 @@ def test_fused_moe_kimi_k2_per_rank_gpu(m):
 
 
 @pytest.mark.gpu
-def test_cuda_graph_capture_gpu(graph_replay):
+@pytest.mark.parametrize("m", [8, 12])  # 32 slots at top-4: the sorted alignment; 48: the row masks
+def test_cuda_graph_capture_gpu(graph_replay, m):
     # eager -> capture -> replay -> change the inputs in place -> replay -> compare with eager
-    e, h, inter, m = 64, 256, 64, 8
+    e, h, inter = 64, 256, 64
     w13, w2 = random_expert_weights(e, h, inter, dtype=torch.bfloat16, device="cuda", seed=40)
     logits = torch.randn(m, e, device="cuda")
     hidden = torch.randn(m, h, device="cuda").bfloat16()
@@ -655,8 +665,8 @@ def test_fast_route_multi_program(device, fast_route, rows, gather):
     dict(m=5, e=128, top_k=8, scoring="softmax", block=16),
 ])
 def test_fast_route_sorted_exact(device, fast_route, mode, case):
-    # the sorted alignment orders the slots inside an expert by slot id on every program layout (no atomics): exact
-    # against align_reference, on a GPU too; the second call must find the ticket reset
+    # the sorted and the row-mask alignments order the slots inside an expert by slot id on every program layout
+    # (no atomic ranks): exact against align_reference, on a GPU too; the second call must find the ticket reset
     fast_route._FAST_ROUTE_CONFIG.update(mode)
     if mode.get("one_max_slots") != 0:  # the one-program path must hold the case
         fast_route._FAST_ROUTE_CONFIG.update(one_max_slots=max(32, case["m"] * case["top_k"]))
@@ -704,10 +714,13 @@ def test_fast_route_mask_kimi(device, fast_route, m, slot_writes):
     x = torch.randn(m, 384, generator=g).bfloat16().to(device)
     x[m - 1, 11] = 30.0  # the last row chooses expert 11: its bit is the highest one set in expert 11's mask
     bias = (torch.randn(384, generator=g) * 0.05).to(device)
-    for _ in range(3):
+    for i in range(3):
+        if i:  # new logits each call: stale bits from the call before would show
+            x = torch.randn(m, 384, generator=g).bfloat16().to(device)
+            x[m - 1, 11] = 30.0
         ids, _, al = check_route(x, 8, bias=bias, scale=2.827, block_size=16)
         check_alignment_exact(ids, 384, 16, al)
-    assert 11 in ids[m - 1].tolist()
+        assert 11 in ids[m - 1].tolist()
 
 
 def test_fast_align_path_defaults(fast_route):
@@ -760,6 +773,11 @@ def test_fast_route_fill_tail(device, fast_route):
     ids, _, al = check_route(x, 4, block_size=8)
     n = int(al.num_tokens_post_padded.item())
     assert (al.sorted_token_ids.cpu()[n:] == 12).all()
+    fast_route._FAST_ROUTE_CONFIG.update(sorted_max_slots=0)  # the row masks, per-expert and per-slot writes
+    for slot_writes in (False, True):
+        fast_route._FAST_ROUTE_CONFIG.update(MASK_SLOT_WRITES=slot_writes)
+        ids, _, al = check_route(x, 4, block_size=8)
+        check_alignment_exact(ids, 24, 8, al)
 
 
 def test_fast_align_only(device, fast_route):

@@ -251,18 +251,11 @@ def main(argv=None) -> int:
                     res = call(0)
                     agree = (res[0] == rid).float().mean().item()
                     ok = agree == 1.0
-                    if align and sglang:
-                        n = int(res[4].item())
-                        ok = ok and n == int(rn_.item()) and torch.equal(res[3][: n // BLOCK].cpu(), re_.cpu())
-                        got = res[2][:n].cpu()
-                        ok = ok and sorted(got.tolist()) == sorted(rs_.cpu().tolist())
-                    elif align:
-                        al = res[2]
-                        n = int(al.num_tokens_post_padded.item())
-                        ok = ok and n == int(rn_.item()) and torch.equal(al.expert_ids[: n // BLOCK].cpu(),
-                                                                         re_.cpu())
-                        got = al.sorted_token_ids[:n].cpu()
-                        ok = ok and sorted(got.tolist()) == sorted(rs_.cpu().tolist())
+                    if align:  # SGLang returns (ids, w, sorted, expert ids, used length), ours an MoEAlignment
+                        sorted_ids, eids, npad = res[2:5] if sglang else res[2][:3]
+                        n = int(npad.item())
+                        ok = ok and n == int(rn_.item()) and torch.equal(eids[: n // BLOCK].cpu(), re_.cpu())
+                        ok = ok and sorted(sorted_ids[:n].cpu().tolist()) == sorted(rs_.cpu().tolist())
                     us = time_sets(call)
                 except Exception as exc:
                     print(f"# {name} M={m} route {label} failed: {exc.__class__.__name__}: {exc}", flush=True)

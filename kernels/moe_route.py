@@ -181,11 +181,12 @@ def _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, row0,
     valid = (ids >= 0) & kmask
     # the alignment's atomics go out before the weights' logit reload, so the two round trips overlap
     if DO_ALIGN:
+        safe = tl.where(valid, ids, 0)
         if MASK:  # this row's bit in each chosen expert's row mask (no value returned: a fire-and-forget reduction)
             bit = tl.full([ROWS, TOPK_P], 1, tl.int64) << tl.where(rmask, rows, 0)[:, None].to(tl.int64)
-            tl.atomic_or(count_ptr + tl.where(valid, ids, 0), bit, mask=valid, sem="relaxed")
+            tl.atomic_or(count_ptr + safe, bit, mask=valid, sem="relaxed")
         else:
-            rank = tl.atomic_add(count_ptr + tl.where(valid, ids, 0), 1, mask=valid, sem="relaxed")
+            rank = tl.atomic_add(count_ptr + safe, 1, mask=valid, sem="relaxed")
     # weights: the unbiased scores of the winners, recomputed from their logits with the same formula
     _store_winners(logits_ptr, row_off[:, None], ids, kmask, mx, den, scale, out_off, ids_ptr, w_ptr, SOFTMAX, RENORM)
     if DO_ALIGN and not MASK:
@@ -194,13 +195,19 @@ def _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, row0,
 
 
 @triton.jit
+def _pad_offsets(cnt, B: tl.constexpr):
+    """From per-expert counts ``cnt`` [EAP]: (padded, offs, total) = each count rounded up to a multiple of B, the
+    exclusive cumsum of those (each expert's start) and their sum (the used length)."""
+    padded = (cnt + B - 1) // B * B
+    return padded, tl.cumsum(padded, axis=0) - padded, tl.sum(padded, axis=0)
+
+
+@triton.jit
 def _expert_blocks(cnt, e, emask, npad_ptr, offs_ptr, eids_ptr, B: tl.constexpr):
     """From per-expert counts ``cnt`` [EAP] (experts ``e``, ``emask`` the real ones): each expert's padded length and
     start offset, stored with the used length ``num_post_pad``, and the expert id of each used block (a block of
     expert e starts at offs[e] / B). Returns (padded, offs, total)."""
-    padded = (cnt + B - 1) // B * B
-    offs = tl.cumsum(padded, axis=0) - padded
-    total = tl.sum(padded, axis=0)
+    padded, offs, total = _pad_offsets(cnt, B)
     tl.store(npad_ptr, total)
     tl.store(offs_ptr + e, offs, mask=emask)
     nblk = padded // B
@@ -493,12 +500,10 @@ def _align_masks(ids_ptr, mask_ptr, sorted_ptr, eids_ptr, npad_ptr, offs_ptr, S,
     below = (tl.full([SP], 1, tl.int64) << row) - 1
     rank = _popc64(tl.gather(mk, safe, 0) & below)
     if SLOT_WRITES:
-        padded = (cnt + B - 1) // B * B
-        offs = tl.cumsum(padded, axis=0) - padded
-        total = tl.sum(padded, axis=0)
-        cnt_s = tl.gather(cnt, safe, 0)
-        _write_runs(sorted_ptr, eids_ptr, npad_ptr, tl.gather(offs, safe, 0), rank, cnt_s, (cnt_s + B - 1) // B * B,
-                    ok & (rank == 0), ok, sl, ids, total, S, max_blocks, B, PJ, CHUNK, FILL_TAIL)
+        padded, offs, total = _pad_offsets(cnt, B)
+        _write_runs(sorted_ptr, eids_ptr, npad_ptr, tl.gather(offs, safe, 0), rank, tl.gather(cnt, safe, 0),
+                    tl.gather(padded, safe, 0), ok & (rank == 0), ok, sl, ids, total, S, max_blocks, B, PJ, CHUNK,
+                    FILL_TAIL)
     else:
         padded, offs, total = _expert_blocks(cnt, e, emask, npad_ptr, offs_ptr, eids_ptr, B)
         _write_pads(sorted_ptr, offs, cnt, padded, emask, S, B, PJ)

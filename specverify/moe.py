@@ -624,8 +624,9 @@ _FAST_MAX_SLOTS = 1024
 #: Launch config of the "fast" router: largest M * top_k routed and aligned by one program in registers, that
 #: program's warps; rows per program and warps beyond it (``wide_warps`` above ``wide_slots`` slots); up to
 #: ``sorted_max_slots`` slots the multi-program path's last program aligns by one sort (SORTED in the kernel), above
-#: it from row masks up to ``mask_max_rows`` tokens (see below), then by atomic ranks; TOPK_SORT picks the winners by one bitonic top-k; fill chunk; FILL_TAIL writes the sentinel
-#: over sorted_token_ids past the used part too (off: consumers read only the used part).
+#: it from row masks up to ``mask_max_rows`` tokens (see below), then by atomic ranks; TOPK_SORT picks the winners by
+#: one bitonic top-k; fill chunk; FILL_TAIL writes the sentinel over sorted_token_ids past the used part too (off:
+#: consumers read only the used part).
 #: H200 sweeps (Kimi-K2, bench/sweep_moe.py --ops route, graph replay; an empty kernel takes 0.58-0.76 us there):
 #: run 23 (commit ebf4c0c), route + align at M = 1 / 4 / 8 / 16 / 64: one program with top-k rounds (the previous
 #: default) 3.81 / 5.78 / - / - / -, one program per row with atomic ranks 6.38 / 6.43 / 6.40 / 6.50 / 8.49 (run 21);

@@ -16,7 +16,8 @@ consecutive calls hit different experts (~20 x 9 x 11 MB = ~2 GB of weights) and
 ``floor_us = mean over the sets of distinct experts * (w13 + w2 bytes per expert) / copy_bw``, ``copy_bw`` from
 ``copy_bandwidth_gbps`` (read + write bytes / time) in the same run; ``x_floor = us / floor_us`` (target <= 1.25).
 
-Usage: ``python bench/sweep_experts.py [--quick] [--json PATH] [--budget-s S]``. Stops starting new measurements
+Usage: ``python bench/sweep_experts.py [--quick] [--json PATH] [--budget-s S] [--ms 1,2] [--variants LABELS]
+[--routed-only]``. Stops starting new measurements
 once ``--budget-s`` seconds have passed (the table still prints). Needs a CUDA GPU (exit code 2 otherwise).
 """
 from __future__ import annotations
@@ -37,6 +38,7 @@ STREAM_GRID = [
     dict(q=1),  # the defaults of _STREAM_CONFIG (per-slot units: ALIGNED False)
     dict(q=1, ALIGNED=True),  # alignment blocks as units (the run-16 default)
     dict(q=1, PDL=False),
+    dict(q=1, PDL_GATE=True),  # the gate/up kernel too as a programmatic dependent of the kernel before it
     dict(q=1, PREFETCH=False),
     dict(q=1, PREFETCH=False, num_stages=3),
     dict(q=0, PREFETCH=False, num_stages=4, R=1),
@@ -66,6 +68,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     ap.add_argument("--budget-s", type=float, default=480.0, help="stop starting measurements after this long")
     ap.add_argument("--ms", type=token_counts, default=[1, 2, 4, 8], help="comma list of token counts")
+    ap.add_argument("--variants", help="comma list of provider labels (a trailing * matches a prefix), e.g. "
+                                       "'default (auto),stream PDL_GATETrue': time only those")
+    ap.add_argument("--routed-only", action="store_true", help="skip the cases with the shared expert")
     args = ap.parse_args(argv)
     ms_list = args.ms
     if not torch.cuda.is_available():
@@ -99,7 +104,7 @@ def main(argv=None) -> int:
     expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
     rkw = dict(top_k=top_k, scoring=cfg.scoring_func, correction_bias=bias, n_group=cfg.n_group,
                topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor)
-    for shared in (True, False):
+    for shared in ((False,) if args.routed_only else (True, False)):
         for m in ms_list:
             case = f"M={m} {'+shared' if shared else 'routed'}"
             if over():
@@ -126,6 +131,9 @@ def main(argv=None) -> int:
             print(f"# {case}: {distinct:.2f} distinct experts per call, floor {floor_us:.2f} us", flush=True)
 
             def measure(label, variant, override, use_alignment=True):
+                if args.variants and not any(label.startswith(p[:-1]) if p.endswith("*") else label == p
+                                             for p in args.variants.split(",")):
+                    return
                 if over():
                     skipped.append(f"{case} {label}")
                     return

@@ -421,7 +421,9 @@ def _moe_partial_sum_kernel(part_ptr, ids_ptr, out_ptr, stride_ps, stride_pc, st
 #       ALIGNED: unit u is an alignment block (expert_ids[u]; its slots MP at a time, so an expert chosen by both
 #       tokens is read once). Not ALIGNED: unit u is slot u with expert topk_ids[u] (no alignment needed; an expert
 #       shared by two tokens is read twice, the second time mostly from L2 since all programs run in one wave).
-#       With PDL it lets the down kernel launch at once (gdc_launch_dependents).
+#       With PDL it lets the down kernel launch at once (gdc_launch_dependents). With PDL_WAIT it is itself launched
+#       as a programmatic dependent of the kernel before it (the router) and waits (gdc_wait) before anything else,
+#       so the down kernel, whose w2 gather reads the ids before its own wait, cannot launch before the ids exist.
 #   _moe_stream_down_kernel     grid (ceil(H / BH),). Program p owns output rows h in [p*BH, (p+1)*BH) and every
 #       slot of every token at once (SP >= M * TOP_K lanes): one gathered [SP, BH, BI] load of w2[e_s][h, i] (each
 #       activated expert's w2 rows read once), then
@@ -445,7 +447,10 @@ def _load_w_gather(w_ptr, e, rows, cols, e_mask, row_mask, col_mask, stride_e, s
 def _moe_stream_gate_up_kernel(hidden_ptr, w13_ptr, act_ptr, sorted_ptr, eids_ptr, npad_ptr, ids_ptr, S, stride_hm,
                                stride_we, stride_wn, stride_am, E: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                                TOP_K: tl.constexpr, B: tl.constexpr, MP: tl.constexpr, R: tl.constexpr,
-                               BK: tl.constexpr, ALIGNED: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                               BK: tl.constexpr, ALIGNED: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+                               PDL_WAIT: tl.constexpr = False):
+    if PDL_WAIT:  # launched as a programmatic dependent itself: the router's ids (and the previous act) come first
+        gdc_wait()
     if PDL:  # the down kernel may launch now: it gathers w2 first and waits (gdc_wait) before reading act
         gdc_launch_dependents()
     pid = tl.program_id(0)

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # order-preserving int32 image of -inf: bits 0xFF800000 with the magnitude bits flipped (see _order_key)
 _NEG_INF_ORDERED = tl.constexpr(-2139095041)
@@ -117,23 +118,31 @@ def _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, row0,
                 E: tl.constexpr, EP: tl.constexpr, ROWS: tl.constexpr, TOP_K: tl.constexpr,
                 TOPK_P: tl.constexpr, N_GROUP: tl.constexpr, NG_P: tl.constexpr, GSIZE: tl.constexpr,
                 TOPK_GROUP: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
-                DO_ALIGN: tl.constexpr, TOPK_SORT: tl.constexpr = False, MASK: tl.constexpr = False):
+                DO_ALIGN: tl.constexpr, TOPK_SORT: tl.constexpr = False, MASK: tl.constexpr = False,
+                PDL: tl.constexpr = False):
     """Route rows ``row0 .. row0 + ROWS - 1``; returns their ids [ROWS, TOPK_P] (-1 for no expert, padding lanes and
     rows past M). TOPK_SORT: the winners by one bitonic top-k of the keys (tl.topk) instead of TOP_K rounds of
     argmax (same keys, so the same winners in the same order). DO_ALIGN: each slot's rank by an atomic add on
     ``count_ptr`` (int32 per expert), stored at ``rank_ptr``; with MASK instead bit ``row`` of ``count_ptr``'s int64
-    row mask of each chosen expert is set (rows < 64)."""
+    row mask of each chosen expert is set (rows < 64). PDL (launched as a programmatic dependent): every memory
+    access comes after ``gdc_wait``, the bias too (the kernel before may be the cast that made it), and the next
+    kernel may launch from there (``gdc_launch_dependents``); only the index arithmetic overlaps the kernel before.
+    """
     rows = row0 + tl.arange(0, ROWS)
     rmask = rows < M
     e = tl.arange(0, EP)
     emask = e < E
     row_off = rows.to(tl.int64) * stride_lm
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    if HAS_BIAS:  # issued with the logits load: one round trip for both
+        b = tl.load(bias_ptr + e, mask=emask, other=0.0).to(tl.float32)
     x = tl.load(logits_ptr + row_off[:, None] + e[None, :], mask=rmask[:, None] & emask[None, :],
                 other=float("-inf")).to(tl.float32)
     s, mx, den = _scores(x, emask, SOFTMAX)
     c = s
     if HAS_BIAS:
-        b = tl.load(bias_ptr + e, mask=emask, other=0.0).to(tl.float32)
         c = s + b[None, :]
     finite = (c == c) & (tl.abs(c) != float("inf")) & emask[None, :]
     c = tl.where(finite, c, float("-inf"))
@@ -248,16 +257,21 @@ def _moe_route_align_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr, sort
                             GSIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, SOFTMAX: tl.constexpr,
                             HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, DO_ROUTE: tl.constexpr,
                             DO_ALIGN: tl.constexpr, EA: tl.constexpr, EAP: tl.constexpr, B: tl.constexpr,
-                            CHUNK: tl.constexpr, SINGLE: tl.constexpr = False, TOPK_SORT: tl.constexpr = False):
+                            CHUNK: tl.constexpr, SINGLE: tl.constexpr = False, TOPK_SORT: tl.constexpr = False,
+                            PDL: tl.constexpr = False):
     """Routing of ROWS rows per program (DO_ROUTE) and/or the alignment (DO_ALIGN; the last program finishes it).
 
-    Without DO_ROUTE the grid must be (1,): the one program ranks every slot itself.
+    Without DO_ROUTE the grid must be (1,): the one program ranks every slot itself. PDL: launched as a
+    programmatic dependent, waiting (gdc_wait) before it reads the logits or ids (see _route_rows).
     """
     pid = tl.program_id(0)
     if DO_ROUTE:
         _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, pid * ROWS, M, stride_lm, scale,
                     E, EP, ROWS, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS, RENORM,
-                    DO_ALIGN, TOPK_SORT)
+                    DO_ALIGN, TOPK_SORT, False, PDL)
+    elif PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     if DO_ALIGN:
         if DO_ROUTE and SINGLE:
             tl.debug_barrier()  # the grid is one program: it finishes the alignment itself, no ticket
@@ -477,7 +491,8 @@ def _popc64(x):
 @triton.jit
 def _align_masks(ids_ptr, mask_ptr, sorted_ptr, eids_ptr, npad_ptr, offs_ptr, S, max_blocks, TOP_K: tl.constexpr,
                  EA: tl.constexpr, EAP: tl.constexpr, B: tl.constexpr, SP: tl.constexpr, PJ: tl.constexpr,
-                 CHUNK: tl.constexpr, FILL_TAIL: tl.constexpr, SLOT_WRITES: tl.constexpr = False):
+                 CHUNK: tl.constexpr, FILL_TAIL: tl.constexpr, SLOT_WRITES: tl.constexpr = False,
+                 FLAT_PADS: tl.constexpr = False):
     """Alignment from the per-expert row masks (bit r of ``mask[e]``: row r chose expert e; M <= 64) and the slots'
     ids, both loaded once (independent loads, one round trip):
 
@@ -486,8 +501,10 @@ def _align_masks(ids_ptr, mask_ptr, sorted_ptr, eids_ptr, npad_ptr, offs_ptr, S,
 
     A row chooses an expert at most once, so the slots inside an expert come in increasing slot id (exact order).
     SLOT_WRITES (opt-in): each expert's padding and block ids are written from the vectors of its first slot
-    ([SP] lanes, as _write_runs) instead of from the [EAP] per-expert vectors. The masks are zeroed again for the
-    next call."""
+    ([SP] lanes, as _write_runs) instead of from the [EAP] per-expert vectors. FLAT_PADS (opt-in): the sentinel
+    over the whole used part first, a [blocks, B] tile per step whose mask is constant along B (so the stores can
+    be B-wide vectors), then, after a barrier, the slots over it; that is ~total / (threads * 4) vector stores
+    instead of one masked store per (expert lane, padding entry). The masks are zeroed again for the next call."""
     e = tl.arange(0, EAP)
     emask = e < EA
     mk = tl.load(mask_ptr + e, mask=emask, other=0, cache_modifier=".cg")
@@ -499,7 +516,20 @@ def _align_masks(ids_ptr, mask_ptr, sorted_ptr, eids_ptr, npad_ptr, offs_ptr, S,
     row = tl.where(ok, sl // TOP_K, 0).to(tl.int64)
     below = (tl.full([SP], 1, tl.int64) << row) - 1
     rank = _popc64(tl.gather(mk, safe, 0) & below)
-    if SLOT_WRITES:
+    if FLAT_PADS:
+        padded, offs, total = _expert_blocks(cnt, e, emask, npad_ptr, offs_ptr, eids_ptr, B)
+        _fill_tails(sorted_ptr, eids_ptr, total, S, max_blocks, B, CHUNK, FILL_TAIL)
+        FB: tl.constexpr = (CHUNK + B - 1) // B
+        ob = tl.arange(0, FB)
+        oj = tl.arange(0, B)
+        nb = total // B
+        for b0 in range(0, nb, FB):
+            blk = b0 + ob
+            tl.store(sorted_ptr + blk[:, None] * B + oj[None, :], tl.full([FB, B], S, tl.int32),
+                     mask=(blk < nb)[:, None])
+        tl.debug_barrier()  # every sentinel precedes the slot written over it (same program: CTA-scope order)
+        tl.store(sorted_ptr + tl.gather(offs, safe, 0) + rank, sl, mask=ok)
+    elif SLOT_WRITES:
         padded, offs, total = _pad_offsets(cnt, B)
         _write_runs(sorted_ptr, eids_ptr, npad_ptr, tl.gather(offs, safe, 0), rank, tl.gather(cnt, safe, 0),
                     tl.gather(padded, safe, 0), ok & (rank == 0), ok, sl, ids, total, S, max_blocks, B, PJ, CHUNK,
@@ -524,7 +554,9 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
                                  ONE: tl.constexpr, PJ: tl.constexpr, CHUNK: tl.constexpr,
                                  FILL_TAIL: tl.constexpr, RELOAD: tl.constexpr = False, SORTED: tl.constexpr = False,
                                  TOPK_SORT: tl.constexpr = False, OFFS_GATHER: tl.constexpr = False,
-                                 MASK: tl.constexpr = False, SLOT_WRITES: tl.constexpr = False):
+                                 MASK: tl.constexpr = False, SLOT_WRITES: tl.constexpr = False,
+                                 PDL: tl.constexpr = False, CUT: tl.constexpr = 0,
+                                 FLAT_PADS: tl.constexpr = False):
     """ONE: grid (1,), ROWS >= M (routing) or SP >= S (alignment only). Not ONE: routing on, grid (ceil(M/ROWS),),
     SP >= S; the ticket (and, without SORTED, the workspace counters) are zero on entry and left at zero.
 
@@ -532,13 +564,22 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
     and aligns by one sort in registers (_align_sorted: no atomic ranks, exact slot order). MASK (not ONE, M <= 64):
     the routing programs set their row's bit in each chosen expert's int64 row mask (``count_ptr``, zero between
     calls); the last one loads masks and ids once and aligns from them (_align_masks: exact slot order). Otherwise:
-    atomic ranks in the routing programs, and the last program scans the counters and scatters."""
+    atomic ranks in the routing programs, and the last program scans the counters and scatters.
+
+    PDL: launched as a programmatic dependent; no memory (inputs, outputs, workspace) is touched before
+    ``gdc_wait`` (see _route_rows).
+
+    CUT (timing only, wrong outputs; bench/sweep_moe.py's stage prices, never set by the package): 1 = the routing
+    programs stop after routing (ids, weights and the alignment's atomics issued; no ticket, so the workspace is
+    left dirty: the caller zeroes it), 2 = also the ticket, then the last program only resets the workspace, 3 =
+    also the last program's loads of the masks (or counters) and ids, reduced to one number stored as
+    num_post_pad."""
     pid = tl.program_id(0)
     if ONE:
         if DO_ROUTE:
             ids2 = _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, 0, M, stride_lm, scale,
                                E, EP, ROWS, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS,
-                               RENORM, False, TOPK_SORT)
+                               RENORM, False, TOPK_SORT, False, PDL)
             if RELOAD:
                 # read the stored winners back as one flat vector (see RELOAD in the launcher)
                 tl.debug_barrier()
@@ -551,6 +592,9 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
                 ids_v = tl.reshape(ids2, [SP])
                 slot_v = tl.reshape(slot2, [SP])
         else:
+            if PDL:
+                gdc_wait()
+                gdc_launch_dependents()
             slot_v = tl.arange(0, SP)
             ids_v = tl.load(ids_ptr + slot_v, mask=slot_v < S, other=-1)
             ids_v = tl.where((ids_v >= 0) & (ids_v < EA), ids_v, -1)
@@ -558,14 +602,31 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
     else:
         _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, pid * ROWS, M, stride_lm, scale,
                     E, EP, ROWS, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS, RENORM,
-                    not SORTED, TOPK_SORT, MASK)
+                    not SORTED, TOPK_SORT, MASK, PDL)
+        if CUT == 1:
+            return
         tl.debug_barrier()  # this program's ids (and ranks and counter updates) precede its ticket
         ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
         if ticket == tl.num_programs(0) - 1:
             sl = tl.arange(0, SP)
-            if MASK:
+            if CUT != 0:
+                e = tl.arange(0, EAP)
+                emask = e < EA
+                if CUT == 3:  # price the loads: masks (or counters) and ids, reduced so that they are not dropped
+                    if MASK:
+                        w = tl.load(count_ptr + e, mask=emask, other=0, cache_modifier=".cg").to(tl.int32)
+                    else:
+                        w = tl.load(count_ptr + e, mask=emask, other=0, cache_modifier=".cg")
+                    ids = tl.load(ids_ptr + sl, mask=sl < S, other=-1, cache_modifier=".cg")
+                    tl.store(npad_ptr, tl.sum(w, axis=0) + tl.sum(ids, axis=0))
+                    tl.debug_barrier()
+                if MASK:
+                    tl.store(count_ptr + e, tl.zeros([EAP], tl.int64), mask=emask)
+                elif not SORTED:
+                    tl.store(count_ptr + e, tl.zeros([EAP], tl.int32), mask=emask)
+            elif MASK:
                 _align_masks(ids_ptr, count_ptr, sorted_ptr, eids_ptr, npad_ptr, offs_ptr, S, max_blocks, TOP_K, EA,
-                             EAP, B, SP, PJ, CHUNK, FILL_TAIL, SLOT_WRITES)
+                             EAP, B, SP, PJ, CHUNK, FILL_TAIL, SLOT_WRITES, FLAT_PADS)
             elif SORTED:
                 ids = tl.load(ids_ptr + sl, mask=sl < S, other=-1, cache_modifier=".cg")
                 _align_sorted(ids, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks, EA, B, SP, PJ, CHUNK, FILL_TAIL)

@@ -131,6 +131,8 @@ def _next_pow2(n: int) -> int:
 def _workspace(device: torch.device) -> torch.Tensor:
     """Per-device workspace that the routing kernel leaves at zero after every call: int32 counters, offsets and
     ticket, then int64 per-expert row masks (layout at ``_WS_STRIDE``)."""
+    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:<current>" are one workspace
+        device = torch.device("cuda", torch.cuda.current_device())
     key = (device.type, device.index)
     ws = _WS.get(key)
     if ws is not None:
@@ -259,6 +261,9 @@ def _launch_route_align(logits, bias, top_k, softmax, n_group, topk_group, renor
     bias_arg = bias if bias is not None else (logits if do_route else ids)
     rows = 1  # one token row per program: the top-k reductions stay inside one row
     grid = (_cdiv(m, rows),) if do_route else (1,)
+    on_gpu = dev.type == "cuda"
+    pdl = bool(_ROUTE_CONFIG["PDL"]) and on_gpu and torch.cuda.get_device_capability(dev)[0] >= 9
+    launch = {"num_warps": _ROUTE_CONFIG["num_warps"], **({"launch_pdl": True} if pdl else {})} if on_gpu else {}
     if m == 0 or (not do_route and not do_align):
         pass
     else:
@@ -269,8 +274,7 @@ def _launch_route_align(logits, bias, top_k, softmax, n_group, topk_group, renor
             NG_P=max(_next_pow2(n_group), 2), GSIZE=gsize, TOPK_GROUP=topk_group, SOFTMAX=softmax,
             HAS_BIAS=bias is not None, RENORM=renormalize, DO_ROUTE=do_route, DO_ALIGN=do_align, EA=e,
             EAP=max(_next_pow2(e), 16), B=block_size or 1, CHUNK=512 if dev.type == "cuda" else 64,
-            SINGLE=grid[0] == 1, TOPK_SORT=bool(_ROUTE_CONFIG["TOPK_SORT"]) and do_route,
-            num_warps=_ROUTE_CONFIG["num_warps"])
+            SINGLE=grid[0] == 1, TOPK_SORT=bool(_ROUTE_CONFIG["TOPK_SORT"]) and do_route, PDL=pdl, **launch)
     if m == 0 and do_align:
         sorted_ids.fill_(s)
         expert_ids.fill_(-1)
@@ -366,6 +370,9 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
         grid = (_cdiv(m, rows),)
         warps = cfg["wide_warps"] if s > cfg["wide_slots"] and not mask_align else cfg["num_warps"]
     extra = {"num_warps": warps} if on_gpu else {}
+    pdl = bool(cfg["PDL"]) and on_gpu and torch.cuda.get_device_capability(dev)[0] >= 9
+    if pdl:
+        extra["launch_pdl"] = True
     bias_arg = bias if bias is not None else (logits if do_route else ids)
     _moe_route_align_fast_kernel[grid](
         logits if do_route else ids, bias_arg, ids, weights, rank, sorted_ids, expert_ids, npad, count, offs, ticket,
@@ -376,7 +383,8 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
         CHUNK=cfg["CHUNK"] if on_gpu else 64, FILL_TAIL=bool(cfg["FILL_TAIL"]),
         RELOAD=one and do_route and (eap < _RESHAPE_MIN_EXPERTS or bool(cfg["RELOAD"])), SORTED=sort_align,
         TOPK_SORT=bool(cfg["TOPK_SORT"]), OFFS_GATHER=bool(cfg["OFFS_GATHER"]), MASK=mask_align,
-        SLOT_WRITES=bool(cfg["MASK_SLOT_WRITES"]), **extra)
+        SLOT_WRITES=bool(cfg["MASK_SLOT_WRITES"]), PDL=pdl, CUT=0 if one else int(cfg["CUT"]),
+        FLAT_PADS=bool(cfg["MASK_FLAT_PADS"]), **extra)
     return ids, weights, MoEAlignment(sorted_ids, expert_ids, npad, block_size)
 
 
@@ -604,8 +612,9 @@ def _check_moe_args(hidden, w13, w2, topk_ids, topk_weights, alignment, activati
 
 
 #: The routing kernel of the router alone (no alignment; one token row per program) and of the "atomic" variant:
-#: its warps, and TOPK_SORT (the winners by one bitonic top-k, tl.topk, instead of top_k rounds of argmax).
-_ROUTE_CONFIG: dict = {"num_warps": 4, "TOPK_SORT": True}
+#: its warps, TOPK_SORT (the winners by one bitonic top-k, tl.topk, instead of top_k rounds of argmax) and PDL
+#: (opt-in, not yet timed: a programmatic dependent launch, as _FAST_ROUTE_CONFIG's PDL).
+_ROUTE_CONFIG: dict = {"num_warps": 4, "TOPK_SORT": True, "PDL": False}
 #: Opt-in kernel variants (benchmarks and sweeps; the defaults are the measured paths):
 #: ``route``: ``"fast"`` (default: see _launch_route_align_fast; 0 < M * top_k <= 1024), ``"atomic"`` (one
 #: program per token, atomics + last-program alignment, sentinel-filled tail) or ``"single"`` (one program routes
@@ -652,12 +661,18 @@ _RESHAPE_MIN_EXPERTS = 256
 #: 5.59 / 5.80 us at M = 8 / 16 / 32 / 64 against 5.42 / 5.46 / 5.51 / 5.96 with atomic ranks (wide_warps above
 #: 128 slots); at M = 3 / 4 the masks took 5.15 / 5.22 and the sorted path 4.76 / 4.83, so the sorted path stays first.
 #: MASK_SLOT_WRITES (opt-in, not yet timed): the mask path writes each expert's padding and block ids from its first
-#: slot's lanes instead of from all EAP expert lanes.
+#: slot's lanes instead of from all EAP expert lanes. MASK_FLAT_PADS (opt-in, not yet timed; before SLOT_WRITES):
+#: the sentinel over the whole used part in B-wide vector stores, then the slots over it, instead of the per-expert
+#: padding stores (at M = 64 about 4,500 entries: ~9 vector stores a thread against 64 masked scalar ones).
+#: PDL (opt-in, not yet timed; CUDA sm_90+ only): the router is launched as a programmatic dependent of the kernel
+#: before it (the gate GEMM in a layer, the previous call in a benchmark chain) and waits (gdc_wait) before its
+#: first memory access, so its launch overlaps that kernel's tail.
+#: CUT (timing only: wrong outputs, see the kernel; bench/sweep_moe.py prices the stages with it): 0 in normal use.
 _FAST_ROUTE_CONFIG: dict = {"one_max_slots": 16, "align_one_max_slots": 32, "one_num_warps": 8,
                             "one_small_slots": 8, "one_small_warps": 4, "ROWS": 1, "num_warps": 4, "wide_slots": 128,
                             "wide_warps": 8, "CHUNK": 1024, "FILL_TAIL": False, "RELOAD": False,
                             "sorted_max_slots": 32, "TOPK_SORT": True, "OFFS_GATHER": True, "mask_max_rows": 64,
-                            "MASK_SLOT_WRITES": False}
+                            "MASK_SLOT_WRITES": False, "MASK_FLAT_PADS": False, "PDL": False, "CUT": 0}
 #: Launch config of the one-program router: rows routed per step, [CI, CJ] rank tiles, fill chunk, warps.
 _SINGLE_ROUTE_CONFIG: dict = {"ROWS": 4, "CI": 64, "CJ": 128, "CHUNK": 1024, "num_warps": 8}
 #: GEMV experts: largest M it takes, gate/up tile ``g1`` ([BLOCK_N gate rows + BLOCK_N up rows, BLOCK_K]) and
@@ -686,10 +701,12 @@ _FUSED_CONFIGS: list = [
 #: ``small_R`` rows instead (twice the programs, each with half the rows in flight): routed experts at M = 1 / 2,
 #: R 2 against R 4: 1.25 / 1.18 against 1.35 / 1.25 (run 17), 1.263 / - against 1.27 (run 18), 1.245 / 1.19
 #: against 1.25 / 1.23 (run 22); from M = 4 R 4 wins (1.15 against 1.20 at M = 4, run 21). From M = 7 the dot
-#: path is faster (``max_m`` 6, see _VARIANT).
+#: path is faster (``max_m`` 6, see _VARIANT). ``PDL_GATE`` (opt-in, not yet timed; needs ``PDL``): the gate/up
+#: kernel too is a programmatic dependent of the kernel before it (the router), waiting before it reads the ids, so
+#: its launch overlaps that kernel's tail.
 _STREAM_CONFIG: dict = {"max_m": 6, "small_m": 2, "small_R": 2, "R": 4, "BK": 512, "PREFETCH": False,
                         "ALIGNED": False, "num_warps": 4, "num_stages": 1, "BH": 2, "BI": 256, "TILE": 8192,
-                        "down_warps": 4, "PDL": True}
+                        "down_warps": 4, "PDL": True, "PDL_GATE": False}
 #: Overrides merged into the stream config (benchmarks and sweeps only; empty in normal use).
 _STREAM_OVERRIDE: dict = {}
 #: Overrides merged into the chosen fused config (benchmarks and sweeps only; empty in normal use).
@@ -895,15 +912,18 @@ def _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, alignment, out):
     pdl = bool(cfg["PDL"]) and on_gpu and torch.cuda.get_device_capability(dev)[0] >= 9
     launch1 = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]} if on_gpu else {}
     launch2 = {"num_warps": cfg["down_warps"], "num_stages": 1} if on_gpu else {}
+    pdl_gate = pdl and bool(cfg["PDL_GATE"])
     if pdl:
         launch2["launch_pdl"] = True
+    if pdl_gate:
+        launch1["launch_pdl"] = True
     act = torch.empty((s, inter), dtype=hidden.dtype, device=dev)
     nt = _cdiv(inter, cfg["R"])
     units, unit_ptrs, unit_kw = _gate_up_units(alignment, s, m, ids32, alignment is not None and cfg["ALIGNED"])
     _moe_stream_gate_up_kernel[(units * nt,)](
         hidden, w13, act, *unit_ptrs, ids32, s, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), E=e,
         H=h, I=inter, TOP_K=top_k, **unit_kw, R=cfg["R"], BK=cfg["BK"], PREFETCH=bool(cfg["PREFETCH"]), PDL=pdl,
-        **launch1)
+        PDL_WAIT=pdl_gate, **launch1)
     _moe_stream_down_kernel[(_cdiv(h, cfg["BH"]),)](
         act, w2, ids32, tw, out, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), E=e, H=h, I=inter,
         TOP_K=top_k, MT=m, SP=cfg["SP"], BH=cfg["BH"], BI=cfg["BI"], PDL=pdl, **launch2)

@@ -9,6 +9,9 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from specverify.moe import MoEAlignment, fused_moe, max_num_tokens_padded, moe_route
 from specverify.reference.moe import (align_reference, fused_moe_loop_reference, fused_moe_reference,
@@ -393,6 +396,119 @@ def test_cuda_graph_capture_gpu(graph_replay, m):
     graph_replay(step, (logits, hidden))
 
 
+@triton.jit
+def _late_copy_kernel(src_ptr, dst_ptr, n, spins, BLOCK: tl.constexpr):
+    gdc_launch_dependents()
+    acc = tl.program_id(0).to(tl.float32)
+    for _ in range(spins):  # a dependent chain the compiler cannot drop: acc tends to 1000, never <= -1
+        acc = acc * 0.999 + 1.0
+    offs = tl.arange(0, BLOCK)
+    for o in range(0, n, BLOCK):
+        v = tl.load(src_ptr + o + offs, mask=o + offs < n)
+        tl.store(dst_ptr + o + offs, tl.where(acc > -1.0, v, v * 0), mask=o + offs < n)
+
+
+def _late_copy(src, dst, spins=20000):
+    """``dst.copy_(src)`` by one Triton program that lets the next kernel launch at once (gdc_launch_dependents) and
+    writes only after ``spins`` dependent steps (~45 us): a programmatic dependent that reads ``dst`` before its
+    gdc_wait sees the old values."""
+    assert src.is_contiguous() and dst.is_contiguous() and src.shape == dst.shape and src.dtype == dst.dtype
+    _late_copy_kernel[(1,)](src, dst, src.numel(), spins, BLOCK=1024)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 3, 9, 64])  # one program, the sorted last program, the row masks (M = 9, 64)
+def test_pdl_router_chain_gpu(m, monkeypatch):
+    # PDL (opt-in): a dozen steps, each a late copy of its own logits into one buffer (the copy lets the router
+    # launch at once and writes ~45 us later) and two router calls on that buffer (router + alignment, router alone),
+    # each a programmatic dependent of the kernel before; eager and in one CUDA graph. A router that read the
+    # logits before its gdc_wait would route the previous step's logits, and a race on the workspace handed from
+    # call to call would misalign: every output must equal the same chain's without PDL, bit for bit
+    import specverify.moe as moe_mod
+
+    monkeypatch.setattr(moe_mod, "_FAST_ROUTE_CONFIG", dict(moe_mod._FAST_ROUTE_CONFIG))
+    monkeypatch.setattr(moe_mod, "_ROUTE_CONFIG", dict(moe_mod._ROUTE_CONFIG))
+    g = torch.Generator().manual_seed(170 + m)
+    logits = [torch.randn(m, 384, generator=g).bfloat16().cuda() for _ in range(12)]
+    buf = torch.empty_like(logits[0])
+    bias = (torch.randn(384, generator=g) * 0.05).cuda()
+    kw = dict(top_k=8, correction_bias=bias, routed_scaling_factor=2.827)
+
+    def chain():
+        out = []
+        for src in logits:
+            _late_copy(src, buf)
+            x = buf
+            ids, w, al = moe_route(x, block_size=16, **kw)
+            n = al.num_tokens_post_padded
+            out += [ids, w, al.sorted_token_ids, al.expert_ids, n] + list(moe_route(x, **kw))
+        return out
+
+    def same(got, want):
+        for i in range(0, len(want), 7):
+            n = int(want[i + 4].item())
+            assert torch.equal(got[i + 4], want[i + 4]), f"call {i // 7}: num_tokens_post_padded"
+            assert torch.equal(got[i + 2][:n], want[i + 2][:n]), f"call {i // 7}: sorted_token_ids (used part)"
+            for j in (0, 1, 3, 5, 6):
+                assert torch.equal(got[i + j], want[i + j]), f"call {i // 7}: output {j}"
+
+    want = chain()
+    check_alignment_exact(want[0].cpu(), 384, 16, MoEAlignment(*[t.cpu() for t in want[2:5]], 16))
+    moe_mod._FAST_ROUTE_CONFIG["PDL"] = moe_mod._ROUTE_CONFIG["PDL"] = True
+    same(chain(), want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = chain()
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        same(captured, want)
+    assert not _workspace_dirty(moe_mod, buf.device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4])
+def test_pdl_route_experts_chain_gpu(m, monkeypatch):
+    # the verify pass's MoE at M <= 6 with every launch a programmatic dependent: the router alone (PDL), then the
+    # stream experts (PDL_GATE: the gate/up kernel waits for the ids; its down kernel as always), layer after
+    # layer with no other kernel between: each router reads the previous layer's output (its logits are a strided
+    # view of it) right after that layer's down kernel, and each gate/up kernel the ids of the router just before
+    # it (the hidden stays x0, so the values neither blow up nor vanish). Must equal the chain without PDL bit for
+    # bit.
+    import specverify.moe as moe_mod
+
+    monkeypatch.setattr(moe_mod, "_ROUTE_CONFIG", dict(moe_mod._ROUTE_CONFIG))
+    monkeypatch.setattr(moe_mod, "_STREAM_CONFIG", dict(moe_mod._STREAM_CONFIG))
+    e, h, inter = 384, 7168, 256
+    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.bfloat16, device="cuda", seed=180)
+    g = torch.Generator().manual_seed(181 + m)
+    x0 = torch.randn(m, h, generator=g).bfloat16().cuda()
+    bias = (torch.randn(e, generator=g) * 0.05).cuda()
+
+    def chain():
+        x, outs = x0, []
+        for _ in range(8):
+            ids, w = moe_route(x[:, :e], top_k=8, correction_bias=bias, routed_scaling_factor=2.827)
+            x = fused_moe(x0, w13, w2, ids, w)
+            outs += [ids, x]
+        return outs
+
+    want = chain()
+    assert all(t.isfinite().all() for t in want[1::2])
+    assert moe_mod._STREAM_CONFIG["PDL"], "PDL_GATE needs the down kernel's PDL"
+    moe_mod._ROUTE_CONFIG["PDL"] = moe_mod._STREAM_CONFIG["PDL_GATE"] = True
+    for got, ref in zip(chain(), want):
+        assert torch.equal(got, ref)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = chain()
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (got, ref) in enumerate(zip(captured, want)):
+            assert torch.equal(got, ref), f"graph replay: layer {i // 2} {'output' if i % 2 else 'ids'}"
+
+
 # --------------------------------------------------------------------------------------------- opt-in variants
 @pytest.fixture
 def single_route(monkeypatch):
@@ -651,6 +767,8 @@ def test_fast_route_multi_program(device, fast_route, rows, gather):
     dict(one_max_slots=0, sorted_max_slots=0, ROWS=2, TOPK_SORT=False),
     # the row masks, padding and block ids written from each expert's first slot
     dict(one_max_slots=0, sorted_max_slots=0, MASK_SLOT_WRITES=True),
+    # the row masks, the sentinel over the whole used part first, then the slots over it
+    dict(one_max_slots=0, sorted_max_slots=0, MASK_FLAT_PADS=True),
     # bitonic top-k on the one-program path
     dict(TOPK_SORT=True),
 ])
@@ -702,14 +820,17 @@ def test_fast_route_sorted_kimi(device, fast_route):
     check_alignment_exact(ids, 384, 16, al)
 
 
-@pytest.mark.parametrize("slot_writes", [False, True])
+_MASK_WRITES = {"expert": {}, "slot": dict(MASK_SLOT_WRITES=True), "flat": dict(MASK_FLAT_PADS=True)}
+
+
+@pytest.mark.parametrize("writes", list(_MASK_WRITES))
 @pytest.mark.parametrize("m", [3, 64])
-def test_fast_route_mask_kimi(device, fast_route, m, slot_writes):
+def test_fast_route_mask_kimi(device, fast_route, m, writes):
     # Kimi-K2 (384 experts, bias, top-8, bf16 logits) on the row-mask path: 3 tokens (the smallest M past the one
     # program) and 64 (the mask's last bit: row 63 sets bit 63, the int64 sign bit); exact slot order; the second and
     # third calls must find the masks and the ticket zero again
     # M = 3 (24 slots) would take the sorted path
-    fast_route._FAST_ROUTE_CONFIG.update(sorted_max_slots=0, MASK_SLOT_WRITES=slot_writes)
+    fast_route._FAST_ROUTE_CONFIG.update(sorted_max_slots=0, **_MASK_WRITES[writes])
     g = torch.Generator().manual_seed(143 + m)
     x = torch.randn(m, 384, generator=g).bfloat16().to(device)
     x[m - 1, 11] = 30.0  # the last row chooses expert 11: its bit is the highest one set in expert 11's mask
@@ -723,6 +844,40 @@ def test_fast_route_mask_kimi(device, fast_route, m, slot_writes):
         assert 11 in ids[m - 1].tolist()
 
 
+def _workspace_dirty(moe_mod, dev):
+    """Whether the counters, ticket or row masks of the workspace of ``dev`` (a tensor's device) hold anything (they
+    must read zero between calls; the offsets between them are scratch)."""
+    ws, stride = moe_mod._workspace(dev), moe_mod._WS_STRIDE
+    return any(int(p.count_nonzero()) for p in (ws[:stride], ws[2 * stride: moe_mod._WS_MASKS],
+                                                 ws[moe_mod._WS_MASKS:]))
+
+
+@pytest.mark.parametrize("cut", [1, 2, 3])
+@pytest.mark.parametrize("m", [6, 9, 70])  # top-4: 24 slots (the sorted path), the row masks, atomic ranks
+def test_fast_route_cut_stages(device, fast_route, cut, m):
+    # bench/sweep_moe.py prices the stages with CUT (timing only): the routing is still whole (ids and weights as
+    # the plain router's, itself checked against the reference), CUT 2 and 3 leave the workspace at zero, CUT 1
+    # leaves it set wherever it has atomics (the sweep zeroes it), and after that a full call is exact again
+    g = torch.Generator().manual_seed(160 + 3 * m + cut)
+    x = torch.randn(m, 48, generator=g).to(device)
+    want_ids, want_w = check_route(x, 4)
+    fast_route._FAST_ROUTE_CONFIG.update(CUT=cut)
+    ids, w, _ = fast_route.moe_route(x, top_k=4, block_size=4, impl="triton")
+    assert torch.equal(ids, want_ids)
+    assert torch.allclose(w, want_w, rtol=0, atol=1e-6)
+    dirty = _workspace_dirty(fast_route, x.device)
+    if cut == 1:
+        assert dirty == (m > 6), "the cut after the routing skips the reset of what its atomics set"
+        fast_route._workspace(x.device).zero_()
+    else:
+        assert not dirty, "the cut after the ticket must still reset the workspace"
+    fast_route._FAST_ROUTE_CONFIG.update(CUT=0)
+    x = torch.randn(m, 48, generator=g).to(device)
+    ids, _, al = check_route(x, 4, block_size=4)
+    if m <= 64:
+        check_alignment_exact(ids, 48, 4, al)
+
+
 def test_fast_align_path_defaults(fast_route):
     # Kimi-K2 (top-8) under the default thresholds: one program for 1-2 tokens, the sorted last program for 3-4,
     # the row masks for 5-64 (the mask holds 64 rows: one bit each), atomic ranks above
@@ -734,11 +889,11 @@ def test_fast_align_path_defaults(fast_route):
     assert fast_route._fast_align_path(65, 65 * 8, True) == "atomic"
 
 
-@pytest.mark.parametrize("slot_writes", [False, True])
-def test_fast_route_mask_hot_expert_block_1(device, fast_route, slot_writes):
+@pytest.mark.parametrize("writes", list(_MASK_WRITES))
+def test_fast_route_mask_hot_expert_block_1(device, fast_route, writes):
     # every token's first choice is expert 0 (a mask with every row's bit) and block 1 (no padding); a -inf row
     # (sigmoid 0 everywhere: the bias alone ranks its experts); 13 tokens x top-4 over 37 experts (prime)
-    fast_route._FAST_ROUTE_CONFIG.update(sorted_max_slots=0, MASK_SLOT_WRITES=slot_writes)
+    fast_route._FAST_ROUTE_CONFIG.update(sorted_max_slots=0, **_MASK_WRITES[writes])
     g = torch.Generator().manual_seed(148)
     x = torch.randn(13, 37, generator=g)
     x[:, 0] = 25.0
@@ -773,9 +928,9 @@ def test_fast_route_fill_tail(device, fast_route):
     ids, _, al = check_route(x, 4, block_size=8)
     n = int(al.num_tokens_post_padded.item())
     assert (al.sorted_token_ids.cpu()[n:] == 12).all()
-    fast_route._FAST_ROUTE_CONFIG.update(sorted_max_slots=0)  # the row masks, per-expert and per-slot writes
-    for slot_writes in (False, True):
-        fast_route._FAST_ROUTE_CONFIG.update(MASK_SLOT_WRITES=slot_writes)
+    fast_route._FAST_ROUTE_CONFIG.update(sorted_max_slots=0)  # the row masks, each way of writing the padding
+    for writes in _MASK_WRITES.values():
+        fast_route._FAST_ROUTE_CONFIG.update({"MASK_SLOT_WRITES": False, "MASK_FLAT_PADS": False, **writes})
         ids, _, al = check_route(x, 4, block_size=8)
         check_alignment_exact(ids, 24, 8, al)
 

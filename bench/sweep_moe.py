@@ -307,9 +307,10 @@ def main(argv=None) -> int:
                 rows.append(dict(base, op="route", variant="empty kernel pdl (launch floor)", us=us,
                                  x_floor=float("nan"), err=0.0, tol=0.0, ok=True))
                 print(f"# {name} M={m} empty kernel pdl: {us:.2f} us", flush=True)
-                route_row("router only", "fast", {}, align=False)
-                route_row("router only pdl", "fast", {}, align=False, router=dict(PDL=True))
-                route_row("router only rounds", "fast", {}, align=False, router=dict(TOPK_SORT=False))
+                route_row("router only", "fast", {}, align=False)  # the baselines above and this one: always
+                for label, router in (("router only pdl", dict(PDL=True)), ("router only rounds", dict(TOPK_SORT=False))):
+                    if not args.route_variants or _matches(label, args.route_variants):
+                        route_row(label, "fast", {}, align=False, router=router)
                 for label, variant, ov in ROUTE_GRID:
                     if args.quick and label in ROUTE_SLOW:
                         continue

@@ -42,3 +42,48 @@ def test_random_expert_weights_shapes_scale_and_seed():
     g = torch.Generator().manual_seed(4)
     assert torch.equal(random_expert_weights(3, 64, 16, generator=g, dtype=torch.float32)[0], w13)
     assert random_expert_weights(1, 8, 4)[0].dtype == torch.bfloat16
+
+
+def _bench_script(name):
+    """A script of the checkout's bench/ folder as a module (bench/ is not a package)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_route_stages_increments(tmp_path, capsys):
+    # the stage prices are differences of the sweep's rows, per model and M, for the chosen variant's cuts; random
+    # figures, so a wrong pairing of rows cannot pass; a missing row leaves NaN, not a wrong number
+    import json
+
+    rs = _bench_script("route_stages")
+    g = torch.Generator().manual_seed(7)
+    rows, want = [], {}
+    for m in (3, 16):
+        us = (torch.rand(6, generator=g) * 5 + 0.5).tolist()
+        labels = ["empty kernel (launch floor)", "router only", "fast no mask cut route", "fast no mask cut ticket",
+                  "fast no mask cut loads", "fast no mask"]
+        for lab, u in zip(labels, us):
+            rows.append(dict(model="kimi-k2", m=m, op="route" if lab in labels[:2] else "route+align", variant=lab,
+                             us=u))
+        rows.append(dict(model="kimi-k2", m=m, op="route+align", variant="fast cut route", us=99.0))  # another prefix
+        want[m] = dict(atomics=us[2] - us[1], ticket=us[3] - us[2], loads=us[4] - us[3], finish=us[5] - us[4])
+    rows = [r for r in rows if not (r["m"] == 16 and r["variant"] == "fast no mask cut ticket")]
+    table = rs.stage_table(rows, "fast no mask")
+    assert [t["m"] for t in table] == [3, 16]
+    for name, v in want[3].items():
+        assert table[0]["steps"][name] == pytest.approx(v, abs=1e-12)
+    s16 = table[1]["steps"]
+    assert math.isnan(s16["ticket"]) and math.isnan(s16["loads"])
+    assert s16["atomics"] == pytest.approx(want[16]["atomics"]) and s16["finish"] == pytest.approx(want[16]["finish"])
+    path = tmp_path / "route.json"
+    path.write_text(json.dumps(dict(meta={}, rows=rows)))
+    assert rs.main([str(path), "--prefix", "fast no mask", "--markdown"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("| model | M |") and len(out) == 4
+    assert rs.main([str(path), "--prefix", "nothing"]) == 1

@@ -11,22 +11,24 @@ OUT=${OUT:-/tmp/out}
 export OUT DEADLINE=${DEADLINE:-560} TAILN=${TAILN:-45}
 # every router configuration the sweep times is first checked against the references (the CUT rows: ids only)
 variants="router only pdl,fast,fast no mask,fast pdl,fast mask slot writes,fast pdl mask slot writes,fast mask flat pads,fast pdl mask flat pads,fast cut*,fast no mask cut*"
+
+route_sweep() {  # NAME MS VARIANTS BUDGET_S: the router sweep as step cmd-NAME, its stage prices as cmd-stages
+  export CMD_$1="python3 bench/sweep_moe.py --ops route --models kimi-k2 --ms $2 --route-variants '$3' --budget-s $4 --json $OUT/$1.json"
+  export LIMIT_$1=$(( $4 + 30 ))
+  export CMD_stages="python3 bench/route_stages.py $OUT/$1.json --markdown; python3 bench/route_stages.py $OUT/$1.json --prefix 'fast no mask' --markdown"
+}
+
 case $part in
   1)
     export CMD_tests='python3 -P -m pytest -q -p no:cacheprovider --rootdir=. tests/test_moe.py -k "pdl or cut_stages or mask or sorted_exact or cuda_graph or repeat or fast_route or route_real"'
     export LIMIT_tests=220
-    export CMD_route_small="python3 bench/sweep_moe.py --ops route --models kimi-k2 --ms 1,2,3,4 --route-variants '$variants,sglang (peer)' --budget-s 260 --json $OUT/route_small.json"
-    export LIMIT_route_small=300
-    export CMD_stages="python3 bench/route_stages.py $OUT/route_small.json --markdown; python3 bench/route_stages.py $OUT/route_small.json --prefix 'fast no mask' --markdown"
+    route_sweep route_small 1,2,3,4 "$variants,sglang (peer)" 260
     exec bash bench/device_run.sh cmd-tests cmd-route_small cmd-stages ;;
   2)
-    # SGLang's router + alignment takes 7-240 us from M = 8 (runs 47-48) and compiles slowly: left out here (runs 47-48
-    # have it at M = 8-32)
-    export CMD_route_large="python3 bench/sweep_moe.py --ops route --models kimi-k2 --ms 8,16,32,64 --route-variants '$variants' --budget-s 250 --json $OUT/route_large.json"
-    export LIMIT_route_large=280
+    # SGLang's router + alignment takes 7-240 us from M = 8 and compiles slowly: left out here (runs 47-48 have it)
+    route_sweep route_large 8,16,32,64 "$variants" 250
     export CMD_experts="python3 bench/sweep_experts.py --ms 1,2 --routed-only --variants 'default (auto),stream default,stream PDL_GATETrue' --budget-s 200 --json $OUT/experts.json"
     export LIMIT_experts=240
-    export CMD_stages="python3 bench/route_stages.py $OUT/route_large.json --markdown; python3 bench/route_stages.py $OUT/route_large.json --prefix 'fast no mask' --markdown"
     exec bash bench/device_run.sh cmd-route_large cmd-stages cmd-experts ;;
   *) echo "unknown part $part (1 or 2)" >&2; exit 2 ;;
 esac

@@ -408,6 +408,18 @@ def _late_copy_kernel(src_ptr, dst_ptr, n, spins, BLOCK: tl.constexpr):
         tl.store(dst_ptr + o + offs, tl.where(acc > -1.0, v, v * 0), mask=o + offs < n)
 
 
+def _check_captured(chain, check, replays=3):
+    """Capture ``chain()`` (already run eagerly: compiled, workspace allocated) in one CUDA graph, then ``replays``
+    times: replay and ``check`` the captured outputs."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = chain()
+    for _ in range(replays):
+        graph.replay()
+        torch.cuda.synchronize()
+        check(captured)
+
+
 def _late_copy(src, dst, spins=20000):
     """``dst.copy_(src)`` by one Triton program that lets the next kernel launch at once (gdc_launch_dependents) and
     writes only after ``spins`` dependent steps (~45 us): a programmatic dependent that reads ``dst`` before its
@@ -456,13 +468,7 @@ def test_pdl_router_chain_gpu(m, monkeypatch):
     check_alignment_exact(want[0].cpu(), 384, 16, MoEAlignment(*[t.cpu() for t in want[2:5]], 16))
     moe_mod._FAST_ROUTE_CONFIG["PDL"] = moe_mod._ROUTE_CONFIG["PDL"] = True
     same(chain(), want)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = chain()
-    for _ in range(3):
-        graph.replay()
-        torch.cuda.synchronize()
-        same(captured, want)
+    _check_captured(chain, lambda got: same(got, want))
     assert not _workspace_dirty(moe_mod, buf.device)
 
 
@@ -497,16 +503,13 @@ def test_pdl_route_experts_chain_gpu(m, monkeypatch):
     assert all(t.isfinite().all() for t in want[1::2])
     assert moe_mod._STREAM_CONFIG["PDL"], "PDL_GATE needs the down kernel's PDL"
     moe_mod._ROUTE_CONFIG["PDL"] = moe_mod._STREAM_CONFIG["PDL_GATE"] = True
-    for got, ref in zip(chain(), want):
-        assert torch.equal(got, ref)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = chain()
-    for _ in range(3):
-        graph.replay()
-        torch.cuda.synchronize()
-        for i, (got, ref) in enumerate(zip(captured, want)):
-            assert torch.equal(got, ref), f"graph replay: layer {i // 2} {'output' if i % 2 else 'ids'}"
+
+    def same(outs):
+        for i, (got, ref) in enumerate(zip(outs, want, strict=True)):
+            assert torch.equal(got, ref), f"layer {i // 2}: {'output' if i % 2 else 'ids'}"
+
+    same(chain())
+    _check_captured(chain, same)
 
 
 # --------------------------------------------------------------------------------------------- opt-in variants

@@ -10,7 +10,7 @@ part=${1:?usage: bash bench/moe_device_plan.sh 1|2}
 OUT=${OUT:-/tmp/out}
 export OUT DEADLINE=${DEADLINE:-560} TAILN=${TAILN:-45}
 # every router configuration the sweep times is first checked against the references (the CUT rows: ids only)
-variants="router only pdl,fast,fast no mask,fast pdl,fast mask slot writes,fast pdl mask slot writes,fast mask flat pads,fast pdl mask flat pads,fast cut*,fast no mask cut*"
+variants="router only pdl,fast,fast no mask,fast pdl,fast mask slot writes,fast pdl mask slot writes,fast mask flat pads,fast pdl mask flat pads,fast mask barrier,fast pdl mask barrier,fast cut*,fast no mask cut*"
 
 route_sweep() {  # NAME MS VARIANTS BUDGET_S: the router sweep as step cmd-NAME, its stage prices as cmd-stages
   export CMD_$1="python3 bench/sweep_moe.py --ops route --models kimi-k2 --ms $2 --route-variants '$3' --budget-s $4 --json $OUT/$1.json"

@@ -102,6 +102,10 @@ ROUTE_GRID = [
     ("fast pdl mask slot writes", "fast", dict(PDL=True, MASK_SLOT_WRITES=True)),
     ("fast mask flat pads", "fast", dict(MASK_FLAT_PADS=True)),
     ("fast pdl mask flat pads", "fast", dict(PDL=True, MASK_FLAT_PADS=True)),
+    # no last program: a grid barrier, then every program writes its own row's part of the alignment
+    ("fast mask barrier", "fast", dict(MASK_BARRIER=1)),
+    ("fast pdl mask barrier", "fast", dict(PDL=True, MASK_BARRIER=1)),
+    ("fast mask barrier split", "fast", dict(MASK_BARRIER=2)),  # the same work as two launches
     # stage prices on the multi-program paths (timing only, wrong outputs: see CUT in the kernel): the routing
     # programs alone with their atomics, + the ticket, + the last program's loads; the one-program path (M <= 2)
     # has no stages and ignores CUT
@@ -308,7 +312,8 @@ def main(argv=None) -> int:
                                  x_floor=float("nan"), err=0.0, tol=0.0, ok=True))
                 print(f"# {name} M={m} empty kernel pdl: {us:.2f} us", flush=True)
                 route_row("router only", "fast", {}, align=False)  # the baselines above and this one: always
-                for label, router in (("router only pdl", dict(PDL=True)), ("router only rounds", dict(TOPK_SORT=False))):
+                extra = (("router only pdl", dict(PDL=True)), ("router only rounds", dict(TOPK_SORT=False)))
+                for label, router in extra:
                     if not args.route_variants or _matches(label, args.route_variants):
                         route_row(label, "fast", {}, align=False, router=router)
                 for label, variant, ov in ROUTE_GRID:

@@ -37,6 +37,8 @@ Tensors (S = M * TOP_K; B = BLOCK_SIZE; MAXB = number of blocks the buffers hold
 | ws_mask         | [>= EA]        | int64        | workspace (fast MASK path): per-expert row masks, zero between calls |
 | ws_offs         | [>= EA]        | int32        | workspace: padded start offset of each expert                |
 | ws_ticket       | [1]            | int32        | workspace: programs finished, zero between calls             |
+| bar             | [2]            | int32        | workspace (fast BARRIER path): generation (counts those calls) and arrivals (zero between calls) |
+| bmask           | [2, 1024]      | int64        | workspace (fast BARRIER path): row masks, one buffer per generation parity |
 | offs_scratch    | [EAP]          | int32        | one-program variant only: padded start offset of each expert |
 
 The opt-in one-program variant (``_moe_route_align_single_kernel``) aligns without atomics and orders the slots
@@ -381,6 +383,14 @@ def _moe_route_align_single_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, sorted_
 #     chosen expert (a reduction with no value returned), and the last program aligns from the masks and the ids
 #     (_align_masks: counts and ranks by bit counts, exact order), one round trip after the ticket.
 #
+#     Barrier path (BARRIER, opt-in, M <= 64, one row per program): no last program. Each program reads the
+#     generation g (a workspace word that counts these calls), ORs its row's bits into mask buffer g & 1, zeroes its
+#     share of buffer (g + 1) & 1 (the previous call's, read by no one now) and arrives at a grid barrier; the last
+#     arriver opens generation g + 1, the others wait for it. Then every program loads the complete masks and writes
+#     its own row's part (_align_row_masks): its slots, and the padding and block ids of the experts whose lowest
+#     row it is; program 0 the used length and the tails. The serial writing of the whole alignment by one program
+#     is spread over all of them, and nothing is reset at the end (the buffers alternate).
+#
 #   FILL_TAIL: also write the sentinel S over sorted_ids[num_post_pad:] (~M * TOP_K * B entries at most); off by
 #   default: consumers read only the used part. expert_ids past the used blocks are always set to -1 (short).
 # ------------------------------------------------------------------------------------------------------------------
@@ -403,17 +413,20 @@ def _align_pairwise(ids_v, slot_v, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks
 
 @triton.jit
 def _write_runs(sorted_ptr, eids_ptr, npad_ptr, start, rank, cnt, padded, first, ok, slot, expert, total, S,
-                max_blocks, B: tl.constexpr, PJ: tl.constexpr, CHUNK: tl.constexpr, FILL_TAIL: tl.constexpr):
+                max_blocks, B: tl.constexpr, PJ: tl.constexpr, CHUNK: tl.constexpr, FILL_TAIL: tl.constexpr,
+                lead=True):
     """Write an alignment from per-slot vectors: each slot's place ``start + rank`` (``start``: its expert's first
     padded entry; ``ok``: the slot has an expert), and, from the first slot of each expert (``first``), the
-    expert's padding (``padded - cnt`` sentinels) and its block ids; then the used length and the tails."""
-    tl.store(npad_ptr, total)
+    expert's padding (``padded - cnt`` sentinels) and its block ids; then, where ``lead`` (one program of several
+    writing parts of one alignment), the used length and the tails."""
     tl.store(sorted_ptr + start + rank, slot, mask=ok)
     _write_pads(sorted_ptr, start, cnt, padded, first, S, B, PJ)  # each expert's padding, by its first slot
     nblk = padded // B
     for j in range(0, tl.max(tl.where(first, nblk, 0), axis=0)):
         tl.store(eids_ptr + start // B + j, expert, mask=first & (j < nblk))
-    _fill_tails(sorted_ptr, eids_ptr, total, S, max_blocks, B, CHUNK, FILL_TAIL)
+    if lead:
+        tl.store(npad_ptr, total)
+        _fill_tails(sorted_ptr, eids_ptr, total, S, max_blocks, B, CHUNK, FILL_TAIL)
 
 
 @triton.jit
@@ -543,6 +556,51 @@ def _align_masks(ids_ptr, mask_ptr, sorted_ptr, eids_ptr, npad_ptr, offs_ptr, S,
     tl.store(mask_ptr + e, tl.zeros([EAP], tl.int64), mask=emask)
 
 
+@triton.jit
+def _align_row_masks(mk, ids_r, row, lead, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks, TOP_K: tl.constexpr,
+                     EA: tl.constexpr, B: tl.constexpr, TOPK_P: tl.constexpr, PJ: tl.constexpr, CHUNK: tl.constexpr,
+                     FILL_TAIL: tl.constexpr):
+    """One row's part of the alignment from every expert's row mask ``mk`` [EAP] (complete: every row's bits set)
+    and the row's experts ``ids_r`` [TOPK_P] (row ``row`` < 64): its slots' places, and the padding and block ids of
+    each expert whose lowest row it is; ``lead`` (one program) also writes the used length and the tails. Every
+    program derives the same offsets from the same masks, so the parts fit together (exact slot order)."""
+    kk = tl.arange(0, TOPK_P)
+    ok = (kk < TOP_K) & (ids_r >= 0) & (ids_r < EA)
+    safe = tl.where(ok, ids_r, 0)
+    cnt = _popc64(mk)
+    padded, offs, total = _pad_offsets(cnt, B)
+    below = (tl.full([TOPK_P], 1, tl.int64) << row.to(tl.int64)) - 1
+    rank = _popc64(tl.gather(mk, safe, 0) & below)
+    _write_runs(sorted_ptr, eids_ptr, npad_ptr, tl.gather(offs, safe, 0), rank, tl.gather(cnt, safe, 0),
+                tl.gather(padded, safe, 0), ok & (rank == 0), ok, row * TOP_K + kk, ids_r, total, S, max_blocks, B,
+                PJ, CHUNK, FILL_TAIL, lead)
+
+
+_BAR_MASKS = tl.constexpr(1024)  # int64 row masks per buffer of the barrier path: every expert count (<= 1024)
+
+
+@triton.jit
+def _bar_masks(bar_ptr, bmask_ptr):
+    """The generation ``g`` of the barrier path (read once the kernel before has finished) and its two int64 row-mask
+    buffers of 1024 entries each: the one this call fills (parity g & 1) and the previous call's, which this call
+    clears whole (that call may have had more experts than this one)."""
+    g = tl.load(bar_ptr, cache_modifier=".cg")
+    par = g & 1
+    return g, bmask_ptr + par * _BAR_MASKS, bmask_ptr + (1 - par) * _BAR_MASKS
+
+
+@triton.jit
+def _bar_arrive(bar_ptr, g):
+    """Arrive at the barrier (acq_rel: this program's row bits precede it, and the last arriver sees everyone's); the
+    last arriver resets the arrival count and opens generation g + 1 (release). Returns whether it was last."""
+    a = tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel")
+    last = a == tl.num_programs(0) - 1
+    if last:
+        tl.atomic_xchg(bar_ptr + 1, 0, sem="relaxed")
+        tl.atomic_xchg(bar_ptr, g + 1, sem="release")
+    return last
+
+
 @triton.jit(do_not_specialize=["M", "S", "max_blocks"])
 def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr, sorted_ptr, eids_ptr, npad_ptr,
                                  count_ptr, offs_ptr, ticket_ptr, M, S, max_blocks, stride_lm, scale,
@@ -556,7 +614,8 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
                                  TOPK_SORT: tl.constexpr = False, OFFS_GATHER: tl.constexpr = False,
                                  MASK: tl.constexpr = False, SLOT_WRITES: tl.constexpr = False,
                                  PDL: tl.constexpr = False, CUT: tl.constexpr = 0,
-                                 FLAT_PADS: tl.constexpr = False):
+                                 FLAT_PADS: tl.constexpr = False, bar_ptr=None, bmask_ptr=None,
+                                 BARRIER: tl.constexpr = 0):
     """ONE: grid (1,), ROWS >= M (routing) or SP >= S (alignment only). Not ONE: routing on, grid (ceil(M/ROWS),),
     SP >= S; the ticket (and, without SORTED, the workspace counters) are zero on entry and left at zero.
 
@@ -573,9 +632,43 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
     programs stop after routing (ids, weights and the alignment's atomics issued; no ticket, so the workspace is
     left dirty: the caller zeroes it), 2 = also the ticket, then the last program only resets the workspace, 3 =
     also the last program's loads of the masks (or counters) and ids, reduced to one number stored as
-    num_post_pad."""
+    num_post_pad.
+
+    BARRIER (not ONE, ROWS = 1, M <= 64; see "Barrier path" above): 1 = one launch, every program waits at a grid
+    barrier and writes its own row's part of the alignment; 2 and 3 = the same work as two launches (2: route and
+    set the masks, 3: each program's part, then the arrival), for Triton's interpreter, which runs programs one
+    after another and so cannot wait at a barrier."""
     pid = tl.program_id(0)
-    if ONE:
+    if BARRIER != 0:
+        if PDL:
+            gdc_wait()  # before the generation word too: the call before may still be about to bump it
+            gdc_launch_dependents()
+        g, cur, old = _bar_masks(bar_ptr, bmask_ptr)
+        e = tl.arange(0, EAP)
+        kk = tl.arange(0, TOPK_P)
+        if BARRIER != 3:
+            ids2 = _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, cur, rank_ptr, pid, M, stride_lm, scale,
+                               E, EP, 1, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS, RENORM,
+                               True, TOPK_SORT, True)
+            ids_r = tl.sum(ids2, axis=0)  # [1, TOPK_P] -> [TOPK_P]
+            # the previous call's masks, zeroed a share per program (no one reads them any more)
+            ec = tl.arange(0, _BAR_MASKS)
+            tl.store(old + ec, tl.zeros([_BAR_MASKS], tl.int64), mask=ec % tl.num_programs(0) == pid)
+        if BARRIER == 1:
+            tl.debug_barrier()  # this program's bits and its share of the clearing precede its arrival
+            seen = g + _bar_arrive(bar_ptr, g).to(tl.int32)  # the last arriver has seen everyone: no wait
+            while seen == g:  # every program is resident (grid <= 64 programs), so this ends
+                seen = tl.atomic_add(bar_ptr, 0, sem="acquire")
+        if BARRIER != 2:
+            if BARRIER == 3:
+                ids_r = tl.load(ids_ptr + pid * TOP_K + kk, mask=kk < TOP_K, other=-1, cache_modifier=".cg")
+            mk = tl.load(cur + e, mask=e < EA, other=0, cache_modifier=".cg")
+            _align_row_masks(mk, ids_r, pid, pid == 0, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks, TOP_K, EA, B,
+                             TOPK_P, PJ, CHUNK, FILL_TAIL)
+        if BARRIER == 3:
+            tl.debug_barrier()  # this program's reads of the generation precede the arrival that may bump it
+            _bar_arrive(bar_ptr, g)
+    elif ONE:
         if DO_ROUTE:
             ids2 = _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, 0, M, stride_lm, scale,
                                E, EP, ROWS, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS,

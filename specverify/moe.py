@@ -23,6 +23,10 @@ _IMPLS = ("auto", "triton", "reference")
 _MAX_EXPERTS = 1024
 _WS_STRIDE = 1024  # workspace layout (int32): counters [0, 1024), offsets [1024, 2048), ticket at 2048,
 _WS_MASKS = 2 * _WS_STRIDE + 32  # then 1024 int64 row masks (the MASK alignment) from int32 offset 2080
+# then the barrier path's generation and arrival count (int32 at 4128 and 4129; the generation counts calls, so it is
+# not zero between them) and its two buffers of 1024 int64 row masks (one per generation parity, from 4160)
+_WS_BAR = _WS_MASKS + 2 * _WS_STRIDE
+_WS_BAR_MASKS = _WS_BAR + 32
 _LOGGED: set[str] = set()
 _WS: dict[tuple[str, int | None], torch.Tensor] = {}
 _WS_LOCK = threading.Lock()
@@ -130,7 +134,9 @@ def _next_pow2(n: int) -> int:
 
 def _workspace(device: torch.device) -> torch.Tensor:
     """Per-device workspace that the routing kernel leaves at zero after every call: int32 counters, offsets and
-    ticket, then int64 per-expert row masks (layout at ``_WS_STRIDE``)."""
+    ticket, then int64 per-expert row masks; then the barrier path's generation, arrival count and two mask buffers
+    (of which the one of the last generation is left set: the next barrier call clears it; layout at
+    ``_WS_STRIDE``)."""
     if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:<current>" are one workspace
         device = torch.device("cuda", torch.cuda.current_device())
     key = (device.type, device.index)
@@ -143,7 +149,7 @@ def _workspace(device: torch.device) -> torch.Tensor:
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("moe_route: the first call on a device must run outside CUDA-graph capture (it "
                                    "allocates the zeroed per-device workspace); run one eager warm-up call first")
-            ws = torch.zeros(_WS_MASKS + 2 * _WS_STRIDE, dtype=torch.int32, device=device)
+            ws = torch.zeros(_WS_BAR_MASKS + 4 * _WS_STRIDE, dtype=torch.int32, device=device)
             _WS[key] = ws
     return ws
 
@@ -353,6 +359,9 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
     eap = max(_next_pow2(e), 16)
     path = _fast_align_path(m, s, do_route)
     one, sort_align, mask_align = path == "one", path == "sorted", path == "mask"
+    barrier = int(cfg["MASK_BARRIER"]) if mask_align and cfg["ROWS"] == 1 else 0
+    if barrier and not on_gpu:
+        barrier = 2  # the interpreter runs programs one after another: the two-launch form
     if one:
         rows = max(_next_pow2(m), 1)
         sp = rows * topk_p if do_route else max(_next_pow2(s), 2)
@@ -366,7 +375,7 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
         ws = _workspace(dev)
         count, offs, ticket = ws[:_WS_STRIDE], ws[_WS_STRIDE: 2 * _WS_STRIDE], ws[2 * _WS_STRIDE: _WS_MASKS]
         if mask_align:  # the int64 row masks take the counters' place
-            count = ws[_WS_MASKS:].view(torch.int64)
+            count = ws[_WS_MASKS: _WS_BAR].view(torch.int64)
         grid = (_cdiv(m, rows),)
         warps = cfg["wide_warps"] if s > cfg["wide_slots"] and not mask_align else cfg["num_warps"]
     extra = {"num_warps": warps} if on_gpu else {}
@@ -374,17 +383,21 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
     if pdl:
         extra["launch_pdl"] = True
     bias_arg = bias if bias is not None else (logits if do_route else ids)
-    _moe_route_align_fast_kernel[grid](
-        logits if do_route else ids, bias_arg, ids, weights, rank, sorted_ids, expert_ids, npad, count, offs, ticket,
-        m, s, size // block_size, logits.stride(0) if do_route else 0, float(scale),
-        E=e, EP=eap, ROWS=rows, TOP_K=top_k, TOPK_P=topk_p, N_GROUP=n_group, NG_P=max(_next_pow2(n_group), 2),
-        GSIZE=e // n_group, TOPK_GROUP=topk_group, SOFTMAX=softmax, HAS_BIAS=bias is not None, RENORM=renormalize,
-        DO_ROUTE=do_route, EA=e, EAP=eap, B=block_size, SP=sp, ONE=one, PJ=min(block_size, 16),
-        CHUNK=cfg["CHUNK"] if on_gpu else 64, FILL_TAIL=bool(cfg["FILL_TAIL"]),
-        RELOAD=one and do_route and (eap < _RESHAPE_MIN_EXPERTS or bool(cfg["RELOAD"])), SORTED=sort_align,
-        TOPK_SORT=bool(cfg["TOPK_SORT"]), OFFS_GATHER=bool(cfg["OFFS_GATHER"]), MASK=mask_align,
-        SLOT_WRITES=bool(cfg["MASK_SLOT_WRITES"]), PDL=pdl, CUT=0 if one else int(cfg["CUT"]),
-        FLAT_PADS=bool(cfg["MASK_FLAT_PADS"]), **extra)
+    ws = _workspace(dev) if barrier else None
+    bar = ws[_WS_BAR: _WS_BAR_MASKS] if barrier else ids
+    bmask = ws[_WS_BAR_MASKS:].view(torch.int64) if barrier else ids
+    for stage in ((2, 3) if barrier == 2 else (barrier,)):
+        _moe_route_align_fast_kernel[grid](
+            logits if do_route else ids, bias_arg, ids, weights, rank, sorted_ids, expert_ids, npad, count, offs,
+            ticket, m, s, size // block_size, logits.stride(0) if do_route else 0, float(scale),
+            E=e, EP=eap, ROWS=rows, TOP_K=top_k, TOPK_P=topk_p, N_GROUP=n_group, NG_P=max(_next_pow2(n_group), 2),
+            GSIZE=e // n_group, TOPK_GROUP=topk_group, SOFTMAX=softmax, HAS_BIAS=bias is not None,
+            RENORM=renormalize, DO_ROUTE=do_route, EA=e, EAP=eap, B=block_size, SP=sp, ONE=one,
+            PJ=min(block_size, 16), CHUNK=cfg["CHUNK"] if on_gpu else 64, FILL_TAIL=bool(cfg["FILL_TAIL"]),
+            RELOAD=one and do_route and (eap < _RESHAPE_MIN_EXPERTS or bool(cfg["RELOAD"])), SORTED=sort_align,
+            TOPK_SORT=bool(cfg["TOPK_SORT"]), OFFS_GATHER=bool(cfg["OFFS_GATHER"]), MASK=mask_align,
+            SLOT_WRITES=bool(cfg["MASK_SLOT_WRITES"]), PDL=pdl, CUT=0 if one or barrier else int(cfg["CUT"]),
+            FLAT_PADS=bool(cfg["MASK_FLAT_PADS"]), bar_ptr=bar, bmask_ptr=bmask, BARRIER=stage, **extra)
     return ids, weights, MoEAlignment(sorted_ids, expert_ids, npad, block_size)
 
 
@@ -668,11 +681,17 @@ _RESHAPE_MIN_EXPERTS = 256
 #: before it (the gate GEMM in a layer, the previous call in a benchmark chain) and waits (gdc_wait) before its
 #: first memory access, so its launch overlaps that kernel's tail.
 #: CUT (timing only: wrong outputs, see the kernel; bench/sweep_moe.py prices the stages with it): 0 in normal use.
+#: MASK_BARRIER (opt-in, not yet timed; the row-mask path with ROWS 1): instead of a last program that writes the
+#: whole alignment, every program waits at a grid barrier (a generation word: the last arriver bumps it) and writes
+#: its own row's slots and the padding and block ids of the experts whose lowest row it is; the masks alternate
+#: between two buffers by generation parity, each call clearing the previous call's, so nothing is reset at the end.
+#: 1 = one launch (CUDA), 2 = the same work in two launches (what the interpreter always runs).
 _FAST_ROUTE_CONFIG: dict = {"one_max_slots": 16, "align_one_max_slots": 32, "one_num_warps": 8,
                             "one_small_slots": 8, "one_small_warps": 4, "ROWS": 1, "num_warps": 4, "wide_slots": 128,
                             "wide_warps": 8, "CHUNK": 1024, "FILL_TAIL": False, "RELOAD": False,
                             "sorted_max_slots": 32, "TOPK_SORT": True, "OFFS_GATHER": True, "mask_max_rows": 64,
-                            "MASK_SLOT_WRITES": False, "MASK_FLAT_PADS": False, "PDL": False, "CUT": 0}
+                            "MASK_SLOT_WRITES": False, "MASK_FLAT_PADS": False, "MASK_BARRIER": 0, "PDL": False,
+                            "CUT": 0}
 #: Launch config of the one-program router: rows routed per step, [CI, CJ] rank tiles, fill chunk, warps.
 _SINGLE_ROUTE_CONFIG: dict = {"ROWS": 4, "CI": 64, "CJ": 128, "CHUNK": 1024, "num_warps": 8}
 #: GEMV experts: largest M it takes, gate/up tile ``g1`` ([BLOCK_N gate rows + BLOCK_N up rows, BLOCK_K]) and

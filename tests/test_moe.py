@@ -259,7 +259,7 @@ def test_repeat_calls_reuse_clean_workspace(device, m):
             check_alignment_exact(ids, 48, 4, al)
         ws, stride = moe_mod._workspace(x.device), moe_mod._WS_STRIDE
         # counters, ticket and row masks (the offsets between them are scratch, rewritten by every call)
-        for part in (ws[:stride], ws[2 * stride: moe_mod._WS_MASKS], ws[moe_mod._WS_MASKS:]):
+        for part in (ws[:stride], ws[2 * stride: moe_mod._WS_MASKS], ws[moe_mod._WS_MASKS: moe_mod._WS_BAR]):
             assert int(part.count_nonzero()) == 0, "the workspace was not reset"
 
 
@@ -429,13 +429,15 @@ def _late_copy(src, dst, spins=20000):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 3, 9, 64])  # one program, the sorted last program, the row masks (M = 9, 64)
-def test_pdl_router_chain_gpu(m, monkeypatch):
+# one program, the sorted last program, the row masks (M = 9, 64) with a last program and with the grid barrier
+@pytest.mark.parametrize("m, barrier", [(1, 0), (3, 0), (9, 0), (64, 0), (9, 1), (64, 1)])
+def test_pdl_router_chain_gpu(m, barrier, monkeypatch):
     # PDL (opt-in): a dozen steps, each a late copy of its own logits into one buffer (the copy lets the router
     # launch at once and writes ~45 us later) and two router calls on that buffer (router + alignment, router alone),
     # each a programmatic dependent of the kernel before; eager and in one CUDA graph. A router that read the
     # logits before its gdc_wait would route the previous step's logits, and a race on the workspace handed from
-    # call to call would misalign: every output must equal the same chain's without PDL, bit for bit
+    # call to call would misalign: every output must equal the same chain's without PDL, bit for bit (with
+    # ``barrier``, the chain on the barrier path against the last-program path: both give the exact slot order)
     import specverify.moe as moe_mod
 
     monkeypatch.setattr(moe_mod, "_FAST_ROUTE_CONFIG", dict(moe_mod._FAST_ROUTE_CONFIG))
@@ -467,6 +469,7 @@ def test_pdl_router_chain_gpu(m, monkeypatch):
     want = chain()
     check_alignment_exact(want[0].cpu(), 384, 16, MoEAlignment(*[t.cpu() for t in want[2:5]], 16))
     moe_mod._FAST_ROUTE_CONFIG["PDL"] = moe_mod._ROUTE_CONFIG["PDL"] = True
+    moe_mod._FAST_ROUTE_CONFIG["MASK_BARRIER"] = barrier
     same(chain(), want)
     _check_captured(chain, lambda got: same(got, want))
     assert not _workspace_dirty(moe_mod, buf.device)
@@ -772,6 +775,8 @@ def test_fast_route_multi_program(device, fast_route, rows, gather):
     dict(one_max_slots=0, sorted_max_slots=0, MASK_SLOT_WRITES=True),
     # the row masks, the sentinel over the whole used part first, then the slots over it
     dict(one_max_slots=0, sorted_max_slots=0, MASK_FLAT_PADS=True),
+    # the row masks, a grid barrier and every program writing its own row's part
+    dict(one_max_slots=0, sorted_max_slots=0, MASK_BARRIER=1),
     # bitonic top-k on the one-program path
     dict(TOPK_SORT=True),
 ])
@@ -823,7 +828,8 @@ def test_fast_route_sorted_kimi(device, fast_route):
     check_alignment_exact(ids, 384, 16, al)
 
 
-_MASK_WRITES = {"expert": {}, "slot": dict(MASK_SLOT_WRITES=True), "flat": dict(MASK_FLAT_PADS=True)}
+_MASK_WRITES = {"expert": {}, "slot": dict(MASK_SLOT_WRITES=True), "flat": dict(MASK_FLAT_PADS=True),
+                "barrier": dict(MASK_BARRIER=1)}
 
 
 @pytest.mark.parametrize("writes", list(_MASK_WRITES))
@@ -852,7 +858,7 @@ def _workspace_dirty(moe_mod, dev):
     must read zero between calls; the offsets between them are scratch)."""
     ws, stride = moe_mod._workspace(dev), moe_mod._WS_STRIDE
     return any(int(p.count_nonzero()) for p in (ws[:stride], ws[2 * stride: moe_mod._WS_MASKS],
-                                                 ws[moe_mod._WS_MASKS:]))
+                                                 ws[moe_mod._WS_MASKS: moe_mod._WS_BAR]))
 
 
 @pytest.mark.parametrize("cut", [1, 2, 3])
@@ -879,6 +885,35 @@ def test_fast_route_cut_stages(device, fast_route, cut, m):
     ids, _, al = check_route(x, 4, block_size=4)
     if m <= 64:
         check_alignment_exact(ids, 48, 4, al)
+
+
+def test_fast_route_mask_barrier_generations(device, fast_route):
+    # the barrier path's two mask buffers alternate by generation, each call clearing the other: calls of different
+    # models (expert counts 384, 256 with groups, 37 with block 1, a hot expert and a -inf row) and token counts, one
+    # call of the last-program mask path between them, must each be exact; the generation counts the barrier calls,
+    # the arrival count is back at zero and the last-program path's workspace reads zero after every call
+    g = torch.Generator().manual_seed(190)
+    ws = fast_route._workspace(torch.empty(0).to(device).device)
+    gen0 = int(ws[fast_route._WS_BAR])
+    fast_route._FAST_ROUTE_CONFIG.update(sorted_max_slots=0, one_max_slots=0)
+    calls = [(64, 384, 1), (3, 256, 1), (13, 37, 1), (9, 384, 0), (5, 384, 1), (64, 256, 1), (13, 37, 1)]
+    for i, (m, e, barrier) in enumerate(calls):
+        fast_route._FAST_ROUTE_CONFIG.update(MASK_BARRIER=barrier)
+        if e == 37:
+            x = torch.randn(m, e, generator=g)
+            x[:, 0] = 25.0
+            x[6] = -math.inf
+            kw, top_k, block = {}, 4, 1
+        else:
+            x = torch.randn(m, e, generator=g).bfloat16()
+            kw = dict(n_group=8, topk_group=4) if e == 256 else {}
+            top_k, block = 8, 16
+        bias = (torch.randn(e, generator=g) * 0.05).to(device)
+        ids, _, al = check_route(x.to(device), top_k, bias=bias, block_size=block, **kw)
+        check_alignment_exact(ids, e, block, al)
+        done = sum(b for _, _, b in calls[: i + 1])
+        assert int(ws[fast_route._WS_BAR]) == gen0 + done and int(ws[fast_route._WS_BAR + 1]) == 0
+        assert not _workspace_dirty(fast_route, x.to(device).device)
 
 
 def test_fast_align_path_defaults(fast_route):
@@ -933,7 +968,8 @@ def test_fast_route_fill_tail(device, fast_route):
     assert (al.sorted_token_ids.cpu()[n:] == 12).all()
     fast_route._FAST_ROUTE_CONFIG.update(sorted_max_slots=0)  # the row masks, each way of writing the padding
     for writes in _MASK_WRITES.values():
-        fast_route._FAST_ROUTE_CONFIG.update({"MASK_SLOT_WRITES": False, "MASK_FLAT_PADS": False, **writes})
+        fast_route._FAST_ROUTE_CONFIG.update({"MASK_SLOT_WRITES": False, "MASK_FLAT_PADS": False, "MASK_BARRIER": 0,
+                                              **writes})
         ids, _, al = check_route(x, 4, block_size=8)
         check_alignment_exact(ids, 24, 8, al)
 

@@ -106,6 +106,7 @@ ROUTE_GRID = [
     ("fast mask barrier", "fast", dict(MASK_BARRIER=1)),
     ("fast pdl mask barrier", "fast", dict(PDL=True, MASK_BARRIER=1)),
     ("fast mask barrier split", "fast", dict(MASK_BARRIER=2)),  # the same work as two launches
+    ("fast mask barrier nocoop", "fast", dict(MASK_BARRIER=1, MASK_BARRIER_COOP=False)),  # a plain launch
     # stage prices on the multi-program paths (timing only, wrong outputs: see CUT in the kernel): the routing
     # programs alone with their atomics, + the ticket, + the last program's loads; the one-program path (M <= 2)
     # has no stages and ignores CUT

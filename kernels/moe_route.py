@@ -37,8 +37,8 @@ Tensors (S = M * TOP_K; B = BLOCK_SIZE; MAXB = number of blocks the buffers hold
 | ws_mask         | [>= EA]        | int64        | workspace (fast MASK path): per-expert row masks, zero between calls |
 | ws_offs         | [>= EA]        | int32        | workspace: padded start offset of each expert                |
 | ws_ticket       | [1]            | int32        | workspace: programs finished, zero between calls             |
-| bar             | [2]            | int32        | workspace (fast BARRIER path): generation (counts those calls) and arrivals (zero between calls) |
-| bmask           | [2, 1024]      | int64        | workspace (fast BARRIER path): row masks, one buffer per generation parity |
+| bar             | [2]            | int32        | workspace (BARRIER path): generation (counts calls), arrivals |
+| bmask           | [2, 1024]      | int64        | workspace (BARRIER path): row masks, a buffer per parity     |
 | offs_scratch    | [EAP]          | int32        | one-program variant only: padded start offset of each expert |
 
 The opt-in one-program variant (``_moe_route_align_single_kernel``) aligns without atomics and orders the slots
@@ -384,12 +384,13 @@ def _moe_route_align_single_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, sorted_
 #     (_align_masks: counts and ranks by bit counts, exact order), one round trip after the ticket.
 #
 #     Barrier path (BARRIER, opt-in, M <= 64, one row per program): no last program. Each program reads the
-#     generation g (a workspace word that counts these calls), ORs its row's bits into mask buffer g & 1, zeroes its
-#     share of buffer (g + 1) & 1 (the previous call's, read by no one now) and arrives at a grid barrier; the last
-#     arriver opens generation g + 1, the others wait for it. Then every program loads the complete masks and writes
-#     its own row's part (_align_row_masks): its slots, and the padding and block ids of the experts whose lowest
-#     row it is; program 0 the used length and the tails. The serial writing of the whole alignment by one program
-#     is spread over all of them, and nothing is reset at the end (the buffers alternate).
+#     generation g (a workspace word that counts these calls), ORs its row's bits into mask buffer g & 1 and arrives
+#     at a grid barrier; the last arriver opens generation g + 1, the others wait for it. Then every program loads
+#     the complete masks and writes its own row's part (_align_row_masks): its slots, and the padding and block ids
+#     of the experts whose lowest row it is; program 0 the used length and the tails. Last, each program zeroes its
+#     share of buffer (g + 1) & 1 (the previous call's, read by no one now; the next call fills it). The serial
+#     writing of the whole alignment by one program is spread over all of them, and nothing is reset at the end.
+#     The grid must be resident at once (<= 64 programs of 4 warps; launched as a cooperative grid by default).
 #
 #   FILL_TAIL: also write the sentinel S over sorted_ids[num_post_pad:] (~M * TOP_K * B entries at most); off by
 #   default: consumers read only the used part. expert_ids past the used blocks are always set to -1 (short).
@@ -590,14 +591,23 @@ def _bar_masks(bar_ptr, bmask_ptr):
 
 
 @triton.jit
+def _bar_clear(old):
+    """Zero this program's share (every num_programs-th entry) of the previous call's mask buffer ``old``, which no one
+    reads any more; the next call fills it."""
+    pid = tl.program_id(0)
+    ec = tl.arange(0, _BAR_MASKS)
+    tl.store(old + ec, tl.zeros([_BAR_MASKS], tl.int64), mask=ec % tl.num_programs(0) == pid)
+
+
+@triton.jit
 def _bar_arrive(bar_ptr, g):
     """Arrive at the barrier (acq_rel: this program's row bits precede it, and the last arriver sees everyone's); the
     last arriver resets the arrival count and opens generation g + 1 (release). Returns whether it was last."""
     a = tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel")
     last = a == tl.num_programs(0) - 1
-    if last:
-        tl.atomic_xchg(bar_ptr + 1, 0, sem="relaxed")
+    if last:  # the bump first (the waiting programs need it), then the reset (no one reads arrivals in this call)
         tl.atomic_xchg(bar_ptr, g + 1, sem="release")
+        tl.atomic_xchg(bar_ptr + 1, 0, sem="relaxed")
     return last
 
 
@@ -651,11 +661,10 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
                                E, EP, 1, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS, RENORM,
                                True, TOPK_SORT, True)
             ids_r = tl.sum(ids2, axis=0)  # [1, TOPK_P] -> [TOPK_P]
-            # the previous call's masks, zeroed a share per program (no one reads them any more)
-            ec = tl.arange(0, _BAR_MASKS)
-            tl.store(old + ec, tl.zeros([_BAR_MASKS], tl.int64), mask=ec % tl.num_programs(0) == pid)
+        if BARRIER == 2:
+            _bar_clear(old)
         if BARRIER == 1:
-            tl.debug_barrier()  # this program's bits and its share of the clearing precede its arrival
+            tl.debug_barrier()  # this program's bits precede its arrival
             seen = g + _bar_arrive(bar_ptr, g).to(tl.int32)  # the last arriver has seen everyone: no wait
             while seen == g:  # every program is resident (grid <= 64 programs), so this ends
                 seen = tl.atomic_add(bar_ptr, 0, sem="acquire")
@@ -665,6 +674,8 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
             mk = tl.load(cur + e, mask=e < EA, other=0, cache_modifier=".cg")
             _align_row_masks(mk, ids_r, pid, pid == 0, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks, TOP_K, EA, B,
                              TOPK_P, PJ, CHUNK, FILL_TAIL)
+        if BARRIER == 1:
+            _bar_clear(old)  # after the barrier, off its critical path (the kernel end orders it before the next call)
         if BARRIER == 3:
             tl.debug_barrier()  # this program's reads of the generation precede the arrival that may bump it
             _bar_arrive(bar_ptr, g)

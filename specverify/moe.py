@@ -359,8 +359,11 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
     eap = max(_next_pow2(e), 16)
     path = _fast_align_path(m, s, do_route)
     one, sort_align, mask_align = path == "one", path == "sorted", path == "mask"
+    if cfg["MASK_BARRIER"] not in (0, 1, 2):
+        raise ValueError(f"_FAST_ROUTE_CONFIG['MASK_BARRIER'] must be 0 (off), 1 (one launch) or 2 (two launches), "
+                         f"got {cfg['MASK_BARRIER']!r}")
     barrier = int(cfg["MASK_BARRIER"]) if mask_align and cfg["ROWS"] == 1 else 0
-    if barrier and not on_gpu:
+    if barrier and (not on_gpu or envvars.triton_interpret()):
         barrier = 2  # the interpreter runs programs one after another: the two-launch form
     if one:
         rows = max(_next_pow2(m), 1)
@@ -386,6 +389,10 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
     ws = _workspace(dev) if barrier else None
     bar = ws[_WS_BAR: _WS_BAR_MASKS] if barrier else ids
     bmask = ws[_WS_BAR_MASKS:].view(torch.int64) if barrier else ids
+    if barrier == 1 and bool(cfg["MASK_BARRIER_COOP"]):
+        # a cooperative launch: the driver refuses a grid that cannot be resident at once instead of letting the
+        # programs that did start wait at the barrier for ever
+        extra["launch_cooperative_grid"] = True
     for stage in ((2, 3) if barrier == 2 else (barrier,)):
         _moe_route_align_fast_kernel[grid](
             logits if do_route else ids, bias_arg, ids, weights, rank, sorted_ids, expert_ids, npad, count, offs,
@@ -685,13 +692,15 @@ _RESHAPE_MIN_EXPERTS = 256
 #: whole alignment, every program waits at a grid barrier (a generation word: the last arriver bumps it) and writes
 #: its own row's slots and the padding and block ids of the experts whose lowest row it is; the masks alternate
 #: between two buffers by generation parity, each call clearing the previous call's, so nothing is reset at the end.
-#: 1 = one launch (CUDA), 2 = the same work in two launches (what the interpreter always runs).
+#: 1 = one launch (CUDA), 2 = the same work in two launches (what the interpreter always runs). MASK_BARRIER_COOP:
+#: launch the one-launch form as a cooperative grid (the driver then refuses a grid that cannot be resident at once,
+#: under MPS or SM partitioning, say, where the programs that started would otherwise wait for ever).
 _FAST_ROUTE_CONFIG: dict = {"one_max_slots": 16, "align_one_max_slots": 32, "one_num_warps": 8,
                             "one_small_slots": 8, "one_small_warps": 4, "ROWS": 1, "num_warps": 4, "wide_slots": 128,
                             "wide_warps": 8, "CHUNK": 1024, "FILL_TAIL": False, "RELOAD": False,
                             "sorted_max_slots": 32, "TOPK_SORT": True, "OFFS_GATHER": True, "mask_max_rows": 64,
-                            "MASK_SLOT_WRITES": False, "MASK_FLAT_PADS": False, "MASK_BARRIER": 0, "PDL": False,
-                            "CUT": 0}
+                            "MASK_SLOT_WRITES": False, "MASK_FLAT_PADS": False, "MASK_BARRIER": 0,
+                            "MASK_BARRIER_COOP": True, "PDL": False, "CUT": 0}
 #: Launch config of the one-program router: rows routed per step, [CI, CJ] rank tiles, fill chunk, warps.
 _SINGLE_ROUTE_CONFIG: dict = {"ROWS": 4, "CI": 64, "CJ": 128, "CHUNK": 1024, "num_warps": 8}
 #: GEMV experts: largest M it takes, gate/up tile ``g1`` ([BLOCK_N gate rows + BLOCK_N up rows, BLOCK_K]) and

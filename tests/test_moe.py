@@ -430,14 +430,15 @@ def _late_copy(src, dst, spins=20000):
 
 @pytest.mark.gpu
 # one program, the sorted last program, the row masks (M = 9, 64) with a last program and with the grid barrier
-@pytest.mark.parametrize("m, barrier", [(1, 0), (3, 0), (9, 0), (64, 0), (9, 1), (64, 1)])
+@pytest.mark.parametrize("m, barrier", [(1, 0), (3, 0), (9, 0), (64, 0), (9, 1), (64, 1), (64, 2)])
 def test_pdl_router_chain_gpu(m, barrier, monkeypatch):
     # PDL (opt-in): a dozen steps, each a late copy of its own logits into one buffer (the copy lets the router
-    # launch at once and writes ~45 us later) and two router calls on that buffer (router + alignment, router alone),
-    # each a programmatic dependent of the kernel before; eager and in one CUDA graph. A router that read the
-    # logits before its gdc_wait would route the previous step's logits, and a race on the workspace handed from
-    # call to call would misalign: every output must equal the same chain's without PDL, bit for bit (with
-    # ``barrier``, the chain on the barrier path against the last-program path: both give the exact slot order)
+    # launch at once and writes ~45 us later) and three router calls on that buffer (router + alignment twice in a
+    # row, then the router alone), each a programmatic dependent of the kernel before; eager and in one CUDA graph.
+    # A router that read the logits before its gdc_wait would route the previous step's logits, and a race on the
+    # workspace handed from call to call (the ticket, the row masks, the barrier's generation) would misalign: every
+    # output must equal the same chain's without PDL, bit for bit (with ``barrier``, the chain on the barrier path
+    # against the last-program path: both give the exact slot order)
     import specverify.moe as moe_mod
 
     monkeypatch.setattr(moe_mod, "_FAST_ROUTE_CONFIG", dict(moe_mod._FAST_ROUTE_CONFIG))
@@ -452,19 +453,22 @@ def test_pdl_router_chain_gpu(m, barrier, monkeypatch):
         out = []
         for src in logits:
             _late_copy(src, buf)
-            x = buf
-            ids, w, al = moe_route(x, block_size=16, **kw)
-            n = al.num_tokens_post_padded
-            out += [ids, w, al.sorted_token_ids, al.expert_ids, n] + list(moe_route(x, **kw))
+            for _ in range(2):
+                ids, w, al = moe_route(buf, block_size=16, **kw)
+                out += [ids, w, al.sorted_token_ids, al.expert_ids, al.num_tokens_post_padded]
+            out += list(moe_route(buf, **kw))
         return out
 
-    def same(got, want):
-        for i in range(0, len(want), 7):
-            n = int(want[i + 4].item())
-            assert torch.equal(got[i + 4], want[i + 4]), f"call {i // 7}: num_tokens_post_padded"
-            assert torch.equal(got[i + 2][:n], want[i + 2][:n]), f"call {i // 7}: sorted_token_ids (used part)"
-            for j in (0, 1, 3, 5, 6):
-                assert torch.equal(got[i + j], want[i + j]), f"call {i // 7}: output {j}"
+    def same(got, want):  # per step: two aligned calls (5 outputs each), then the router alone (2)
+        for i in range(0, len(want), 12):
+            for a in (i, i + 5):
+                n = int(want[a + 4].item())
+                assert torch.equal(got[a + 4], want[a + 4]), f"step {i // 12}: num_tokens_post_padded"
+                assert torch.equal(got[a + 2][:n], want[a + 2][:n]), f"step {i // 12}: sorted_token_ids (used part)"
+                for j in (0, 1, 3):
+                    assert torch.equal(got[a + j], want[a + j]), f"step {i // 12}: output {j}"
+            for j in (10, 11):
+                assert torch.equal(got[i + j], want[i + j]), f"step {i // 12}: router alone, output {j - 10}"
 
     want = chain()
     check_alignment_exact(want[0].cpu(), 384, 16, MoEAlignment(*[t.cpu() for t in want[2:5]], 16))
@@ -473,6 +477,7 @@ def test_pdl_router_chain_gpu(m, barrier, monkeypatch):
     same(chain(), want)
     _check_captured(chain, lambda got: same(got, want))
     assert not _workspace_dirty(moe_mod, buf.device)
+    _check_barrier_state(moe_mod, buf.device)
 
 
 @pytest.mark.gpu
@@ -853,6 +858,16 @@ def test_fast_route_mask_kimi(device, fast_route, m, writes):
         assert 11 in ids[m - 1].tolist()
 
 
+def _check_barrier_state(moe_mod, dev):
+    """Between calls the barrier path's arrival count is zero and the mask buffer the next call fills (parity of the
+    generation) is clear."""
+    ws = moe_mod._workspace(dev)
+    gen, arrivals = int(ws[moe_mod._WS_BAR]), int(ws[moe_mod._WS_BAR + 1])
+    assert arrivals == 0, "the barrier's arrival count was not reset"
+    masks = ws[moe_mod._WS_BAR_MASKS:].view(torch.int64).view(2, -1)
+    assert int(masks[gen & 1].count_nonzero()) == 0, "the next call's mask buffer was not cleared"
+
+
 def _workspace_dirty(moe_mod, dev):
     """Whether the counters, ticket or row masks of the workspace of ``dev`` (a tensor's device) hold anything (they
     must read zero between calls; the offsets between them are scratch)."""
@@ -912,8 +927,68 @@ def test_fast_route_mask_barrier_generations(device, fast_route):
         ids, _, al = check_route(x.to(device), top_k, bias=bias, block_size=block, **kw)
         check_alignment_exact(ids, e, block, al)
         done = sum(b for _, _, b in calls[: i + 1])
-        assert int(ws[fast_route._WS_BAR]) == gen0 + done and int(ws[fast_route._WS_BAR + 1]) == 0
+        assert int(ws[fast_route._WS_BAR]) == gen0 + done
+        _check_barrier_state(fast_route, x.to(device).device)
+        if barrier:  # the buffer this call filled holds its rows' bits until the next barrier call clears it
+            last = ws[fast_route._WS_BAR_MASKS:].view(torch.int64).view(2, -1)[(gen0 + done - 1) & 1]
+            assert int(last.count_nonzero()) > 0
         assert not _workspace_dirty(fast_route, x.to(device).device)
+
+
+_SM90_PTX_SCRIPT = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from specverify.kernels.moe_route import _moe_route_align_fast_kernel as K
+ptr = dict(logits_ptr="*bf16", bias_ptr="*fp32", ids_ptr="*i32", w_ptr="*fp32", rank_ptr="*i32", sorted_ptr="*i32",
+           eids_ptr="*i32", npad_ptr="*i32", count_ptr="*i64", offs_ptr="*i32", ticket_ptr="*i32", bar_ptr="*i32",
+           bmask_ptr="*i64")
+const = dict(E=384, EP=512, ROWS=1, TOP_K=8, TOPK_P=8, N_GROUP=1, NG_P=2, GSIZE=384, TOPK_GROUP=1, SOFTMAX=False,
+             HAS_BIAS=True, RENORM=True, DO_ROUTE=True, EA=384, EAP=512, B=16, SP=512, ONE=False, PJ=16, CHUNK=1024,
+             FILL_TAIL=False, RELOAD=False, SORTED=False, TOPK_SORT=True, OFFS_GATHER=True, MASK=True,
+             SLOT_WRITES=False, PDL=True, CUT=0, FLAT_PADS=False, BARRIER=int(sys.argv[1]))
+sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "scale" else "i32") for n in K.arg_names}
+k = triton.compile(ASTSource(fn=K, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                   options=dict(num_warps=4))
+print(json.dumps(k.asm["ptx"]))
+"""
+
+
+@pytest.mark.parametrize("barrier", [0, 1])
+def test_router_pdl_and_barrier_ptx_sm90(barrier):
+    # what the interpreter cannot run, read in the sm_90 PTX (compiled on the CPU, in a process without the
+    # interpreter): with PDL no global memory access precedes griddepcontrol.wait; the row masks are set by an OR
+    # reduction; the barrier path arrives with an acq_rel add, the last arriver bumps the generation with a release
+    # exchange, and the others poll it with acquire loads in a loop
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _SM90_PTX_SCRIPT, str(barrier)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    if run.returncode != 0 and "ptxas" in run.stderr:
+        pytest.skip(f"no ptxas for sm_90 in this Triton: {run.stderr.strip().splitlines()[-1]}")
+    assert run.returncode == 0, run.stderr[-2000:]
+    ptx = [ln.strip() for ln in json.loads(run.stdout.strip().splitlines()[-1]).splitlines()]
+    wait = next(i for i, ln in enumerate(ptx) if ln.startswith("griddepcontrol.wait"))
+    memory = [i for i, ln in enumerate(ptx) if any(op in ln for op in ("ld.global", "st.global", "atom.", "red."))]
+    assert memory and min(memory) > wait, "a global memory access before griddepcontrol.wait"
+    assert any("red.global.gpu.relaxed.or.b64" in ln for ln in ptx), "the row-mask bits"
+    polls = [i for i, ln in enumerate(ptx) if "ld.global.gpu.acquire.b32" in ln]
+    if barrier:
+        assert any("atom.global.gpu.acq_rel.add.u32" in ln for ln in ptx), "the arrival"
+        assert any("atom.global.gpu.release.exch.b32" in ln for ln in ptx), "the generation bump"
+        assert polls, "the wait for the generation"
+        # a loop: a branch after the poll back to the block that holds it
+        head = next(ln.split()[0][:-1] for ln in reversed(ptx[: polls[0]]) if ln.startswith("$L__BB"))
+        jumps = [ln.split() for ln in ptx[polls[0]:]]
+        assert any("bra" in t[:2] and t[-1].rstrip(";") == head for t in jumps), "the acquire poll must be a loop"
+    else:
+        assert any("atom.global.gpu.acq_rel.add.u32" in ln for ln in ptx), "the ticket"
+        assert not polls
 
 
 def test_fast_align_path_defaults(fast_route):

@@ -408,18 +408,6 @@ def _late_copy_kernel(src_ptr, dst_ptr, n, spins, BLOCK: tl.constexpr):
         tl.store(dst_ptr + o + offs, tl.where(acc > -1.0, v, v * 0), mask=o + offs < n)
 
 
-def _check_captured(chain, check, replays=3):
-    """Capture ``chain()`` (already run eagerly: compiled, workspace allocated) in one CUDA graph, then ``replays``
-    times: replay and ``check`` the captured outputs."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = chain()
-    for _ in range(replays):
-        graph.replay()
-        torch.cuda.synchronize()
-        check(captured)
-
-
 def _late_copy(src, dst, spins=20000):
     """``dst.copy_(src)`` by one Triton program that lets the next kernel launch at once (gdc_launch_dependents) and
     writes only after ``spins`` dependent steps (~45 us): a programmatic dependent that reads ``dst`` before its
@@ -431,7 +419,7 @@ def _late_copy(src, dst, spins=20000):
 @pytest.mark.gpu
 # one program, the sorted last program, the row masks (M = 9, 64) with a last program and with the grid barrier
 @pytest.mark.parametrize("m, barrier", [(1, 0), (3, 0), (9, 0), (64, 0), (9, 1), (64, 1), (64, 2)])
-def test_pdl_router_chain_gpu(m, barrier, monkeypatch):
+def test_pdl_router_chain_gpu(m, barrier, monkeypatch, graph_replay):
     # PDL (opt-in): a dozen steps, each a late copy of its own logits into one buffer (the copy lets the router
     # launch at once and writes ~45 us later) and three router calls on that buffer (router + alignment twice in a
     # row, then the router alone), each a programmatic dependent of the kernel before; eager and in one CUDA graph.
@@ -475,14 +463,14 @@ def test_pdl_router_chain_gpu(m, barrier, monkeypatch):
     moe_mod._FAST_ROUTE_CONFIG["PDL"] = moe_mod._ROUTE_CONFIG["PDL"] = True
     moe_mod._FAST_ROUTE_CONFIG["MASK_BARRIER"] = barrier
     same(chain(), want)
-    _check_captured(chain, lambda got: same(got, want))
+    graph_replay(chain, (), replays=3, check=lambda got: same(got, want))
     assert not _workspace_dirty(moe_mod, buf.device)
     _check_barrier_state(moe_mod, buf.device)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 4])
-def test_pdl_route_experts_chain_gpu(m, monkeypatch):
+def test_pdl_route_experts_chain_gpu(m, monkeypatch, graph_replay):
     # the verify pass's MoE at M <= 6 with every launch a programmatic dependent: the router alone (PDL), then the
     # stream experts (PDL_GATE: the gate/up kernel waits for the ids; its down kernel as always), layer after
     # layer with no other kernel between: each router reads the previous layer's output (its logits are a strided
@@ -517,7 +505,7 @@ def test_pdl_route_experts_chain_gpu(m, monkeypatch):
             assert torch.equal(got, ref), f"layer {i // 2}: {'output' if i % 2 else 'ids'}"
 
     same(chain())
-    _check_captured(chain, same)
+    graph_replay(chain, (), replays=3, check=same)
 
 
 # --------------------------------------------------------------------------------------------- opt-in variants

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from specverify.benchmarking import token_counts
+from specverify.benchmarking import label_matches, token_counts
 
 SETS = 20  # calls per graph, each with its own routing
 BLOCK = 16
@@ -131,8 +131,7 @@ def main(argv=None) -> int:
             print(f"# {case}: {distinct:.2f} distinct experts per call, floor {floor_us:.2f} us", flush=True)
 
             def measure(label, variant, override, use_alignment=True):
-                if args.variants and not any(label.startswith(p[:-1]) if p.endswith("*") else label == p
-                                             for p in args.variants.split(",")):
+                if args.variants and not label_matches(label, args.variants):
                     return
                 if over():
                     skipped.append(f"{case} {label}")

@@ -32,7 +32,7 @@ import torch
 import triton
 from triton.language.extra.cuda import gdc_wait
 
-from specverify.benchmarking import token_counts
+from specverify.benchmarking import label_matches, token_counts
 
 SETS = 20  # calls per graph, each with its own routing
 BLOCK = 16
@@ -134,11 +134,6 @@ def _null_pdl_kernel(x_ptr):
     gdc_wait()
 
 
-def _matches(label: str, patterns: str) -> bool:
-    """Whether ``label`` is one of the comma-separated ``patterns`` (a trailing * matches a prefix)."""
-    return any(label.startswith(p[:-1]) if p.endswith("*") else label == p for p in patterns.split(","))
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="M = 1, 4, 16, 64 and the configs marked q")
@@ -209,7 +204,7 @@ def main(argv=None) -> int:
                 return graph_us(lambda: call(next(it) % SETS), calls=SETS, repeats=3)
 
             def experts(label, variant, override, tiles=None, sglang=False):
-                if args.expert_variants and not _matches(label, args.expert_variants):
+                if args.expert_variants and not label_matches(label, args.expert_variants):
                     return
                 if over():
                     skipped.append(f"{name} M={m} experts {label}")
@@ -315,15 +310,16 @@ def main(argv=None) -> int:
                 route_row("router only", "fast", {}, align=False)  # the baselines above and this one: always
                 extra = (("router only pdl", dict(PDL=True)), ("router only rounds", dict(TOPK_SORT=False)))
                 for label, router in extra:
-                    if not args.route_variants or _matches(label, args.route_variants):
+                    if not args.route_variants or label_matches(label, args.route_variants):
                         route_row(label, "fast", {}, align=False, router=router)
                 for label, variant, ov in ROUTE_GRID:
                     if args.quick and label in ROUTE_SLOW:
                         continue
-                    if args.route_variants and not _matches(label, args.route_variants):
+                    if args.route_variants and not label_matches(label, args.route_variants):
                         continue
                     route_row(label, variant, ov)
-                if peer is not None and (not args.route_variants or _matches("sglang (peer)", args.route_variants)):
+                if peer is not None and (not args.route_variants
+                                         or label_matches("sglang (peer)", args.route_variants)):
                     route_row("sglang (peer)", "fast", {}, sglang=True)
             restore()
             del logits, hidden, routed, outs

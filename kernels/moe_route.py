@@ -503,6 +503,26 @@ def _popc64(x):
 
 
 @triton.jit
+def _mask_rank(mk, safe, row):
+    """Each slot's rank inside its expert from the row masks ``mk`` [EAP]: the rows below ``row`` (int, < 64) in the
+    mask of its expert ``safe``."""
+    below = (tl.full(safe.shape, 1, tl.int64) << row.to(tl.int64)) - 1
+    return _popc64(tl.gather(mk, safe, 0) & below)
+
+
+@triton.jit
+def _write_mask_runs(cnt, rank, safe, ok, slot, ids, lead, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks,
+                     B: tl.constexpr, PJ: tl.constexpr, CHUNK: tl.constexpr, FILL_TAIL: tl.constexpr):
+    """_write_runs for slots (``slot``, experts ``ids``, ``safe`` with 0 where not ``ok``) ranked from the row masks:
+    the per-expert counts ``cnt`` [EAP] give the padded starts, and the slot of rank 0 writes its expert's padding
+    and block ids."""
+    padded, offs, total = _pad_offsets(cnt, B)
+    _write_runs(sorted_ptr, eids_ptr, npad_ptr, tl.gather(offs, safe, 0), rank, tl.gather(cnt, safe, 0),
+                tl.gather(padded, safe, 0), ok & (rank == 0), ok, slot, ids, total, S, max_blocks, B, PJ, CHUNK,
+                FILL_TAIL, lead)
+
+
+@triton.jit
 def _align_masks(ids_ptr, mask_ptr, sorted_ptr, eids_ptr, npad_ptr, offs_ptr, S, max_blocks, TOP_K: tl.constexpr,
                  EA: tl.constexpr, EAP: tl.constexpr, B: tl.constexpr, SP: tl.constexpr, PJ: tl.constexpr,
                  CHUNK: tl.constexpr, FILL_TAIL: tl.constexpr, SLOT_WRITES: tl.constexpr = False,
@@ -527,9 +547,7 @@ def _align_masks(ids_ptr, mask_ptr, sorted_ptr, eids_ptr, npad_ptr, offs_ptr, S,
     ok = (sl < S) & (ids >= 0) & (ids < EA)
     cnt = _popc64(mk)
     safe = tl.where(ok, ids, 0)
-    row = tl.where(ok, sl // TOP_K, 0).to(tl.int64)
-    below = (tl.full([SP], 1, tl.int64) << row) - 1
-    rank = _popc64(tl.gather(mk, safe, 0) & below)
+    rank = _mask_rank(mk, safe, tl.where(ok, sl // TOP_K, 0))
     if FLAT_PADS:
         padded, offs, total = _expert_blocks(cnt, e, emask, npad_ptr, offs_ptr, eids_ptr, B)
         _fill_tails(sorted_ptr, eids_ptr, total, S, max_blocks, B, CHUNK, FILL_TAIL)
@@ -544,10 +562,8 @@ def _align_masks(ids_ptr, mask_ptr, sorted_ptr, eids_ptr, npad_ptr, offs_ptr, S,
         tl.debug_barrier()  # every sentinel precedes the slot written over it (same program: CTA-scope order)
         tl.store(sorted_ptr + tl.gather(offs, safe, 0) + rank, sl, mask=ok)
     elif SLOT_WRITES:
-        padded, offs, total = _pad_offsets(cnt, B)
-        _write_runs(sorted_ptr, eids_ptr, npad_ptr, tl.gather(offs, safe, 0), rank, tl.gather(cnt, safe, 0),
-                    tl.gather(padded, safe, 0), ok & (rank == 0), ok, sl, ids, total, S, max_blocks, B, PJ, CHUNK,
-                    FILL_TAIL)
+        _write_mask_runs(cnt, rank, safe, ok, sl, ids, True, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks, B, PJ,
+                         CHUNK, FILL_TAIL)
     else:
         padded, offs, total = _expert_blocks(cnt, e, emask, npad_ptr, offs_ptr, eids_ptr, B)
         _write_pads(sorted_ptr, offs, cnt, padded, emask, S, B, PJ)
@@ -568,13 +584,8 @@ def _align_row_masks(mk, ids_r, row, lead, sorted_ptr, eids_ptr, npad_ptr, S, ma
     kk = tl.arange(0, TOPK_P)
     ok = (kk < TOP_K) & (ids_r >= 0) & (ids_r < EA)
     safe = tl.where(ok, ids_r, 0)
-    cnt = _popc64(mk)
-    padded, offs, total = _pad_offsets(cnt, B)
-    below = (tl.full([TOPK_P], 1, tl.int64) << row.to(tl.int64)) - 1
-    rank = _popc64(tl.gather(mk, safe, 0) & below)
-    _write_runs(sorted_ptr, eids_ptr, npad_ptr, tl.gather(offs, safe, 0), rank, tl.gather(cnt, safe, 0),
-                tl.gather(padded, safe, 0), ok & (rank == 0), ok, row * TOP_K + kk, ids_r, total, S, max_blocks, B,
-                PJ, CHUNK, FILL_TAIL, lead)
+    _write_mask_runs(_popc64(mk), _mask_rank(mk, safe, row), safe, ok, row * TOP_K + kk, ids_r, lead, sorted_ptr,
+                     eids_ptr, npad_ptr, S, max_blocks, B, PJ, CHUNK, FILL_TAIL)
 
 
 _BAR_MASKS = tl.constexpr(1024)  # int64 row masks per buffer of the barrier path: every expert count (<= 1024)
@@ -655,7 +666,6 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
             gdc_launch_dependents()
         g, cur, old = _bar_masks(bar_ptr, bmask_ptr)
         e = tl.arange(0, EAP)
-        kk = tl.arange(0, TOPK_P)
         if BARRIER != 3:
             ids2 = _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, cur, rank_ptr, pid, M, stride_lm, scale,
                                E, EP, 1, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS, RENORM,
@@ -670,6 +680,7 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
                 seen = tl.atomic_add(bar_ptr, 0, sem="acquire")
         if BARRIER != 2:
             if BARRIER == 3:
+                kk = tl.arange(0, TOPK_P)
                 ids_r = tl.load(ids_ptr + pid * TOP_K + kk, mask=kk < TOP_K, other=-1, cache_modifier=".cg")
             mk = tl.load(cur + e, mask=e < EA, other=0, cache_modifier=".cg")
             _align_row_masks(mk, ids_r, pid, pid == 0, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks, TOP_K, EA, B,
@@ -717,17 +728,12 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
                 e = tl.arange(0, EAP)
                 emask = e < EA
                 if CUT == 3:  # price the loads: masks (or counters) and ids, reduced so that they are not dropped
-                    if MASK:
-                        w = tl.load(count_ptr + e, mask=emask, other=0, cache_modifier=".cg").to(tl.int32)
-                    else:
-                        w = tl.load(count_ptr + e, mask=emask, other=0, cache_modifier=".cg")
+                    w = tl.load(count_ptr + e, mask=emask, other=0, cache_modifier=".cg").to(tl.int32)
                     ids = tl.load(ids_ptr + sl, mask=sl < S, other=-1, cache_modifier=".cg")
                     tl.store(npad_ptr, tl.sum(w, axis=0) + tl.sum(ids, axis=0))
                     tl.debug_barrier()
-                if MASK:
-                    tl.store(count_ptr + e, tl.zeros([EAP], tl.int64), mask=emask)
-                elif not SORTED:
-                    tl.store(count_ptr + e, tl.zeros([EAP], tl.int32), mask=emask)
+                if not SORTED:  # the masks (int64) or the counters (int32) back to zero
+                    tl.store(count_ptr + e, tl.zeros([EAP], count_ptr.dtype.element_ty), mask=emask)
             elif MASK:
                 _align_masks(ids_ptr, count_ptr, sorted_ptr, eids_ptr, npad_ptr, offs_ptr, S, max_blocks, TOP_K, EA,
                              EAP, B, SP, PJ, CHUNK, FILL_TAIL, SLOT_WRITES, FLAT_PADS)

@@ -29,6 +29,12 @@ def token_counts(text: str) -> list[int]:
     return values
 
 
+def label_matches(label: str, patterns: str) -> bool:
+    """Whether ``label`` is one of the comma-separated ``patterns`` (a trailing * matches a prefix): the sweeps'
+    ``--*-variants`` filters."""
+    return any(label.startswith(p[:-1]) if p.endswith("*") else label == p for p in patterns.split(","))
+
+
 def bench_us(fn, quick: bool) -> float:
     from triton.testing import do_bench
 

@@ -132,6 +132,12 @@ def _next_pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
+def _pdl(flag, dev: torch.device) -> bool:
+    """Whether a kernel configured with PDL ``flag`` is launched as a programmatic dependent on ``dev``: CUDA sm_90+
+    only (elsewhere the flag is ignored)."""
+    return bool(flag) and dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
+
+
 def _workspace(device: torch.device) -> torch.Tensor:
     """Per-device workspace that the routing kernel leaves at zero after every call: int32 counters, offsets and
     ticket, then int64 per-expert row masks; then the barrier path's generation, arrival count and two mask buffers
@@ -268,7 +274,7 @@ def _launch_route_align(logits, bias, top_k, softmax, n_group, topk_group, renor
     rows = 1  # one token row per program: the top-k reductions stay inside one row
     grid = (_cdiv(m, rows),) if do_route else (1,)
     on_gpu = dev.type == "cuda"
-    pdl = bool(_ROUTE_CONFIG["PDL"]) and on_gpu and torch.cuda.get_device_capability(dev)[0] >= 9
+    pdl = _pdl(_ROUTE_CONFIG["PDL"], dev)
     launch = {"num_warps": _ROUTE_CONFIG["num_warps"], **({"launch_pdl": True} if pdl else {})} if on_gpu else {}
     if m == 0 or (not do_route and not do_align):
         pass
@@ -365,6 +371,7 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
     barrier = int(cfg["MASK_BARRIER"]) if mask_align and cfg["ROWS"] == 1 else 0
     if barrier and (not on_gpu or envvars.triton_interpret()):
         barrier = 2  # the interpreter runs programs one after another: the two-launch form
+    bar = bmask = ids  # unused unless barrier
     if one:
         rows = max(_next_pow2(m), 1)
         sp = rows * topk_p if do_route else max(_next_pow2(s), 2)
@@ -379,16 +386,15 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
         count, offs, ticket = ws[:_WS_STRIDE], ws[_WS_STRIDE: 2 * _WS_STRIDE], ws[2 * _WS_STRIDE: _WS_MASKS]
         if mask_align:  # the int64 row masks take the counters' place
             count = ws[_WS_MASKS: _WS_BAR].view(torch.int64)
+        if barrier:  # the generation and arrival words, and the two mask buffers
+            bar, bmask = ws[_WS_BAR: _WS_BAR_MASKS], ws[_WS_BAR_MASKS:].view(torch.int64)
         grid = (_cdiv(m, rows),)
         warps = cfg["wide_warps"] if s > cfg["wide_slots"] and not mask_align else cfg["num_warps"]
     extra = {"num_warps": warps} if on_gpu else {}
-    pdl = bool(cfg["PDL"]) and on_gpu and torch.cuda.get_device_capability(dev)[0] >= 9
+    pdl = _pdl(cfg["PDL"], dev)
     if pdl:
         extra["launch_pdl"] = True
     bias_arg = bias if bias is not None else (logits if do_route else ids)
-    ws = _workspace(dev) if barrier else None
-    bar = ws[_WS_BAR: _WS_BAR_MASKS] if barrier else ids
-    bmask = ws[_WS_BAR_MASKS:].view(torch.int64) if barrier else ids
     if barrier == 1 and bool(cfg["MASK_BARRIER_COOP"]):
         # a cooperative launch: the driver refuses a grid that cannot be resident at once instead of letting the
         # programs that did start wait at the barrier for ever
@@ -937,7 +943,7 @@ def _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, alignment, out):
         return out
     on_gpu = dev.type == "cuda"
     cfg = _stream_config(m, h, inter, top_k, on_gpu)
-    pdl = bool(cfg["PDL"]) and on_gpu and torch.cuda.get_device_capability(dev)[0] >= 9
+    pdl = _pdl(cfg["PDL"], dev)
     launch1 = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]} if on_gpu else {}
     launch2 = {"num_warps": cfg["down_warps"], "num_stages": 1} if on_gpu else {}
     pdl_gate = pdl and bool(cfg["PDL_GATE"])

@@ -15,6 +15,7 @@ import torch
 
 from specverify import envvars
 from specverify.tree import BatchedDraftTree
+from specverify.validation import check_parents
 
 log = logging.getLogger("specverify")
 _WARNED: set[str] = set()
@@ -63,7 +64,7 @@ def _parents_on(tree: BatchedDraftTree, device) -> torch.Tensor:
     return cache[key]
 
 
-def _tree_parents(tree, batch: int, k: int, device) -> tuple[torch.Tensor, int]:
+def _tree_parents(tree, batch: int, k: int, device, op: str, validate: bool) -> tuple[torch.Tensor, int]:
     if isinstance(tree, BatchedDraftTree):
         if tree.batch != batch or tree.num_nodes != k:
             raise ValueError(f"tree must describe [batch, k] = [{batch}, {k}] nodes, got a BatchedDraftTree of "
@@ -78,6 +79,8 @@ def _tree_parents(tree, batch: int, k: int, device) -> tuple[torch.Tensor, int]:
         raise ValueError(f"parents must have shape [batch, k] = [{batch}, {k}], got {list(tree.shape)}")
     if tree.device != device:
         raise ValueError(f"parents must be on {device} with the other inputs, got {tree.device}")
+    if validate:  # a BatchedDraftTree was checked when it was built; a tensor is checked here (skipped in capture)
+        check_parents(f"specverify.{op}", tree)
     return tree, k - 1
 
 
@@ -140,7 +143,8 @@ def _split(vocab: int, chunk: int | None) -> tuple[int, int]:
 
 
 def verify_greedy(draft_tokens: torch.Tensor, tree, *, logits: torch.Tensor | None = None,
-                  target_ids: torch.Tensor | None = None, out=None, impl: str = "auto", _chunk: int | None = None):
+                  target_ids: torch.Tensor | None = None, out=None, impl: str = "auto", validate: bool = True,
+                  _chunk: int | None = None):
     """Greedy tree acceptance, with the target's argmax fused in when given logits.
 
     Walking down from node 0, the first child (in node order) whose draft token equals the target's argmax at
@@ -162,6 +166,10 @@ def verify_greedy(draft_tokens: torch.Tensor, tree, *, logits: torch.Tensor | No
         (accepted_tokens [batch, L], accept_len [batch], accepted_nodes [batch, L]) int64, mutated.
     impl : {"auto", "triton", "reference"}
         ``auto`` uses Triton on CUDA (or under ``TRITON_INTERPRET=1``), otherwise the torch reference.
+    validate : bool
+        Check the values of a parents tensor (one host sync): node 0 the root (-1), every other parent a node
+        before its child. Skipped automatically under CUDA-graph capture; a ``BatchedDraftTree`` was checked when
+        it was built.
 
     Returns
     -------
@@ -171,15 +179,18 @@ def verify_greedy(draft_tokens: torch.Tensor, tree, *, logits: torch.Tensor | No
     Raises
     ------
     ValueError
-        Shapes that disagree, both or neither of ``logits`` / ``target_ids``, an unknown ``impl``.
+        Shapes that disagree, both or neither of ``logits`` / ``target_ids``, an unknown ``impl``; with
+        validation, a parents tensor that is not a tree (wrong root, a parent out of range or not before its
+        child); the message names the request and the node.
     TypeError
         Wrong dtypes.
 
     Notes
     -----
     Two launches with logits (split argmax over chunks of the vocabulary, then one program per request walks the
-    tree), one with ``target_ids``. No host sync, no data-dependent host branching: CUDA-graph capturable (pass
-    ``out`` so the output addresses are fixed). Rows containing NaN give an unspecified argmax.
+    tree), one with ``target_ids``. No host sync (but the eager check of a parents tensor, see ``validate``), no
+    data-dependent host branching: CUDA-graph capturable (pass ``out`` so the output addresses are fixed). Rows
+    containing NaN give an unspecified argmax.
 
     Examples
     --------
@@ -194,7 +205,7 @@ def verify_greedy(draft_tokens: torch.Tensor, tree, *, logits: torch.Tensor | No
     _check_tokens("draft_tokens", draft_tokens)
     batch, k = draft_tokens.shape
     device = draft_tokens.device
-    parents, max_depth = _tree_parents(tree, batch, k, device)
+    parents, max_depth = _tree_parents(tree, batch, k, device, "verify_greedy", validate)
     if (logits is None) == (target_ids is None):
         raise ValueError("verify_greedy needs exactly one of logits [batch, k, vocab] and target_ids [batch, k], got "
                          f"{'both' if logits is not None else 'neither'}")
@@ -263,7 +274,7 @@ def _param(name: str, value, batch: int, device, kind: str):
 
 def verify_sampling(logits: torch.Tensor, tree, draft_tokens: torch.Tensor, *, temperature=1.0, top_k=0,
                     top_p=1.0, min_p=0.0, uniform_samples: torch.Tensor | None = None,
-                    generator: torch.Generator | None = None, out=None, impl: str = "auto",
+                    generator: torch.Generator | None = None, out=None, impl: str = "auto", validate: bool = True,
                     _chunk: int | None = None, _cap: int | None = None):
     """Tree speculative sampling (target-only rule) with temperature / top-k / top-p / min-p fused in.
 
@@ -295,6 +306,9 @@ def verify_sampling(logits: torch.Tensor, tree, draft_tokens: torch.Tensor, *, t
     out : tuple of torch.Tensor, optional
         (accepted_tokens [batch, L], accept_len [batch], accepted_nodes [batch, L]) int64, mutated.
     impl : {"auto", "triton", "reference"}
+    validate : bool
+        Check the values of a parents tensor (one host sync), as in :func:`verify_greedy`. Skipped automatically
+        under CUDA-graph capture.
 
     Returns
     -------
@@ -304,7 +318,8 @@ def verify_sampling(logits: torch.Tensor, tree, draft_tokens: torch.Tensor, *, t
     Raises
     ------
     ValueError, TypeError
-        Shapes, devices or dtypes that disagree; parameters of the wrong shape.
+        Shapes, devices or dtypes that disagree; parameters of the wrong shape; with validation, a parents tensor
+        that is not a tree (as in :func:`verify_greedy`).
 
     Notes
     -----
@@ -333,7 +348,7 @@ def verify_sampling(logits: torch.Tensor, tree, draft_tokens: torch.Tensor, *, t
     device = logits.device
     if draft_tokens.device != device:
         raise ValueError(f"draft_tokens must be on {device} with the logits, got {draft_tokens.device}")
-    parents, max_depth = _tree_parents(tree, batch, k, device)
+    parents, max_depth = _tree_parents(tree, batch, k, device, "verify_sampling", validate)
     length = max_depth + 1
     temp = _param("temperature", temperature, batch, device, "f")
     topk = _param("top_k", top_k, batch, device, "i")

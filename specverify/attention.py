@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specverify import envvars
-from specverify.validation import capturing
+from specverify.validation import capturing, check_tree_mask
 
 logger = logging.getLogger("specverify")
 
@@ -816,8 +816,9 @@ def tree_attention(q, k_cache, v_cache, *, page_table, prefix_lens, tree_mask=No
         From :func:`plan_tree_attention`: fixes split count and workspace from maxima. Without one, both are
         derived from the shapes (batch and ``page_table.shape[1] * page_size``), never from values.
     validate : bool
-        Check page ids in range and lengths against the page table (a host sync). Skipped automatically under
-        CUDA-graph capture; shape/dtype/device checks always run.
+        Check page ids in range, lengths against the page table and that ``tree_mask`` is the ancestor mask of a
+        tree (every row sees its own node, no later node, and its parent's nodes plus itself; a host sync).
+        Skipped automatically under CUDA-graph capture; shape/dtype/device checks always run.
 
     Returns
     -------
@@ -830,14 +831,16 @@ def tree_attention(q, k_cache, v_cache, *, page_table, prefix_lens, tree_mask=No
         A dtype is wrong (q/caches not bf16/fp16 or different, page_table/prefix_lens not int32/int64).
     ValueError
         Shapes disagree, tree_mask has the wrong shape, devices differ, ``out`` or ``plan`` do not fit, an unknown
-        ``impl``; with validation: a negative prefix, a request longer than its page table, a page id out of range.
+        ``impl``; with validation: a negative prefix, a request longer than its page table, a page id out of range,
+        a tree-mask row that does not see its own node, sees a later node or is not its parent's row plus itself.
 
     Notes
     -----
     Graph safety: the Triton path does no host sync when validation is skipped (``validate=False`` or under
     capture) and its launch geometry depends only on shapes and the plan, so it can be captured; pass a ``plan``
     so the workspace address is fixed outside the graph's pool. The reference path is not capturable.
-    A tree-mask row without any set bit and ``prefix_lens[b] == 0`` sees nothing: its output is 0, lse -inf.
+    Validation refuses a tree-mask row that does not see its own node; with ``validate=False`` such a row with
+    ``prefix_lens[b] == 0`` sees nothing: the kernel gives output 0 and lse -inf (the reference NaN).
 
     Examples
     --------
@@ -884,6 +887,8 @@ def tree_attention(q, k_cache, v_cache, *, page_table, prefix_lens, tree_mask=No
     if validate and not capturing():
         _check_data(op, page_table=page_table, prefix_lens=prefix_lens, k=k, page_size=page_size,
                     num_pages=num_pages)
+        if tree_mask is not None:
+            check_tree_mask(op, tree_mask, k)
     if which == "reference":
         from specverify.reference.attention import tree_attention_reference
 
@@ -1004,6 +1009,8 @@ def tree_attention_mla(q_latent, q_rope, kv_cache, *, page_table, prefix_lens, t
     if validate and not capturing():
         _check_data(op, page_table=page_table, prefix_lens=prefix_lens, k=k, page_size=page_size,
                     num_pages=num_pages)
+        if tree_mask is not None:
+            check_tree_mask(op, tree_mask, k)
     if which == "reference":
         from specverify.reference.attention import tree_attention_mla_reference
 

@@ -14,6 +14,7 @@ import math
 import torch
 
 from specverify import envvars
+from specverify.fit import first_fitting
 
 log = logging.getLogger("specverify")
 _FLOAT = (torch.bfloat16, torch.float16, torch.float32)
@@ -209,10 +210,17 @@ def _head_matmul(op, a, w, out, t, heads):
     while block_n > 16 and heads * (ndim // block_n) < 64 and ndim % (block_n // 2) == 0:
         block_n //= 2
     block_t = 16 if t <= 16 else 32 if t <= 32 else 64
-    _head_matmul_kernel[(heads, ndim // block_n)](
-        a, w, out, t, a.stride(0), a.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
-        KDIM=kdim, NDIM=ndim, BLOCK_T=block_t, BLOCK_N=block_n,
-        UPCAST=envvars.triton_interpret() or a.dtype == torch.float32, num_warps=4)
+    upcast = envvars.triton_interpret() or a.dtype == torch.float32
+    args = (a, w, out, t, a.stride(0), a.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1))
+    grid = (heads, ndim // block_n)
+    # the weight tile stays in shared memory and the row tiles are pipelined: at kv_lora_rank 512 and 64 rows
+    # (DeepSeek-V3 batch 4 x k 16) Triton's default 3 stages need 228 KiB, over the H200's 227; fewer stages, then
+    # fewer rows per tile, until it fits the device
+    cands = [{"BLOCK_T": bt, "num_stages": st} for bt in (block_t, 32, 16) if bt <= block_t for st in (3, 2, 1)]
+    cfg = first_fitting(_head_matmul_kernel, grid, args, [dict(c, KDIM=kdim, NDIM=ndim, BLOCK_N=block_n,
+                                                              UPCAST=upcast, num_warps=4) for c in cands],
+                        device=a.device, key=(kdim, ndim, block_n, block_t, a.dtype, upcast), what=op)
+    _head_matmul_kernel[grid](*args, **cfg)
     return out
 
 

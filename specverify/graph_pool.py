@@ -101,7 +101,7 @@ class VerifyGraphPool:
         (accepted tokens, accept lengths), not full logits, or the outputs of all graphs add up.
     make_inputs : callable ``make_inputs(batch_bucket, k) -> dict[str, Tensor]``
         Factory of the static input buffers of one graph: CUDA tensors, leading dimension ``batch_bucket``,
-        filled with valid values (padding rows keep them: :meth:`run` never writes rows past the real batch).
+        filled with valid values.
     batch_buckets : sequence of int
         Batch sizes to capture; a batch runs in the smallest bucket that holds it.
     draft_lengths : sequence of int
@@ -117,12 +117,20 @@ class VerifyGraphPool:
         Eager runs on the capture stream before each capture (lazy initialisation, autotuning, workspaces).
     device : torch.device or str, optional
         Default: the current CUDA device (``cpu`` when ``use_graphs=False`` and there is no CUDA).
+    padding : dict of str -> int or float, optional
+        The value every element of rows ``[batch:bucket]`` of the named static inputs gets on each :meth:`run`
+        of a batch smaller than its bucket, before the replay. A padded row still runs the whole forward, so
+        the inputs that decide what it reads and writes must make it harmless: for a verify pass over a paged KV
+        cache, prefix length 0 and a page table that points only at a reserved scratch page (the draft KV of
+        the padded rows then lands in that page, never in a live or a finished request's slots). Inputs not
+        named keep what the previous run left there. Default: none (only for forwards without side effects).
 
     Raises
     ------
     ValueError
         Empty or non-positive buckets or draft lengths, an unknown ``capture`` mode, ``use_graphs`` on a device
-        that is not CUDA.
+        that is not CUDA, a ``padding`` value that is not a number (a name that is not an input is refused at the
+        first capture).
     TypeError
         ``forward`` or ``make_inputs`` not callable.
 
@@ -147,7 +155,8 @@ class VerifyGraphPool:
     def __init__(self, forward: Callable[[dict[str, torch.Tensor], int], Outputs],
                  make_inputs: Callable[[int, int], dict[str, torch.Tensor]], *, batch_buckets: Sequence[int],
                  draft_lengths: Sequence[int], capture: str = "lazy", use_graphs: bool = True,
-                 warmup_iters: int = 2, device: torch.device | str | None = None):
+                 warmup_iters: int = 2, device: torch.device | str | None = None,
+                 padding: Mapping[str, int | float] | None = None):
         if not callable(forward):
             raise TypeError(f"forward must be callable as forward(inputs, k), got {type(forward).__name__}")
         if not callable(make_inputs):
@@ -169,6 +178,7 @@ class VerifyGraphPool:
             raise ValueError(f"CUDA graphs need a CUDA device, got device {self.device}; pass use_graphs=False "
                              "to run the forward eagerly through the same buffers")
         self.forward, self.make_inputs = forward, make_inputs
+        self.padding = self._check_padding(padding)
         self.capture_mode, self.use_graphs, self.warmup_iters = capture, bool(use_graphs), warmup_iters
         self._stream = torch.cuda.Stream(self.device) if self.use_graphs else None
         self._reset()
@@ -184,6 +194,18 @@ class VerifyGraphPool:
         if not out or out[0] < 1 or any(isinstance(v, bool) or float(v) != int(v) for v in values):
             raise ValueError(f"{name} must be a non-empty sequence of ints >= 1, got {list(values)!r}")
         return out
+
+    @staticmethod
+    def _check_padding(padding) -> dict[str, int | float]:
+        if padding is None:
+            return {}
+        if not isinstance(padding, Mapping):
+            raise ValueError(f"padding must be a dict of input name -> int or float, got {type(padding).__name__}")
+        for name, value in padding.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"padding[{name!r}] must be an int or float (the value of every element of a "
+                                 f"padded row), got {value!r}")
+        return dict(padding)
 
     def _reset(self) -> None:
         self._mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
@@ -292,6 +314,10 @@ class VerifyGraphPool:
                                  f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
             if t.device != self.device:
                 raise ValueError(f"make_inputs{key}[{name!r}] is on {t.device}, the pool runs on {self.device}")
+        unknown = sorted(set(self.padding) - set(inputs))
+        if unknown:
+            raise ValueError(f"padding names {unknown}, which are not inputs of the forward; its inputs are "
+                             f"{sorted(inputs)}")
 
     def invalidate(self) -> None:
         """Drop every graph, static buffer and output and start a fresh memory pool (call when weights or
@@ -338,7 +364,8 @@ class VerifyGraphPool:
         inputs : dict of str -> Tensor
             The same names as the static buffers; each ``Shape: (batch, *static.shape[1:])`` and the static
             buffer's dtype, batch <= the largest bucket. Copied into rows ``[:batch]`` of the static buffers (on
-            the current stream, non-blocking); rows ``[batch:bucket]`` keep what they held.
+            the current stream, non-blocking); rows ``[batch:bucket]`` of the inputs named in ``padding`` are
+            set to their padding values, the others keep what they held.
         k : int
             Draft length (``num_draft_tokens``, root included); must be in ``draft_lengths``.
         slice_outputs : bool, default True
@@ -387,6 +414,9 @@ class VerifyGraphPool:
                 raise TypeError(f"inputs[{name!r}] must be {s.dtype}, got {t.dtype}; convert with .to({s.dtype})")
         for name, t in inputs.items():
             static[name][:batch].copy_(t, non_blocking=True)
+        if batch < key[0]:
+            for name, value in self.padding.items():
+                static[name][batch:].fill_(value)
         out = self.replay(batch, k)
         if slice_outputs and batch != key[0]:
             out = _map_tensors(out, lambda x: x[:batch] if x.dim() and x.shape[0] == key[0] else x)

@@ -396,15 +396,28 @@ def load_verify_wall_json(path: str, provider: str | None = None, batch: int | N
         No usable rows, an unknown provider, rows for several batch sizes without ``batch``, a k twice, or rows
         that disagree on ``decode_ms``.
     """
+    not_wall = f"{path} is not a verify-wall JSON"
     with open(path) as f:
-        data = json.load(f)
+        try:
+            data = json.load(f)
+        except ValueError as exc:  # JSONDecodeError, or UnicodeDecodeError for a binary file
+            raise ValueError(f"{not_wall}: {exc}") from None
     rows = data.get("rows", data) if isinstance(data, dict) else data
     if not isinstance(rows, list):
-        raise ValueError(f"{path}: expected a list of verify-wall rows or a dict with 'rows', got "
+        raise ValueError(f"{not_wall}: expected a list of verify-wall rows or a dict with 'rows', got "
                          f"{type(rows).__name__}")
     rows = [r for r in rows if isinstance(r, dict) and "k" in r and "verify_ms_median" in r]
     if not rows:
-        raise ValueError(f"{path}: no rows with keys 'k' and 'verify_ms_median'; is this a verify-wall JSON?")
+        raise ValueError(f"{not_wall}: no rows with keys 'k' and 'verify_ms_median' (write one with "
+                         "specverify bench verify-wall --json PATH)")
+    for r in rows:
+        try:
+            int(r["k"])
+            if r.get("decode_ms") is not None:
+                float(r["decode_ms"])
+        except (TypeError, ValueError):
+            raise ValueError(f"{not_wall}: a row has k = {r['k']!r}, decode_ms = {r.get('decode_ms')!r}; expected "
+                             "an integer k and a number of ms") from None
     providers = list(dict.fromkeys(str(r.get("provider")) for r in rows))
     if provider is None:
         provider = "specverify" if "specverify" in providers else providers[0]
@@ -426,7 +439,12 @@ def load_verify_wall_json(path: str, provider: str | None = None, batch: int | N
         if k in verify:
             raise ValueError(f"{path}: provider {provider!r} has two rows for k = {k}; filter the file to one "
                              "configuration")
-        verify[k] = float(r["verify_ms_median"])
+        try:
+            verify[k] = float(r["verify_ms_median"])
+        except (TypeError, ValueError):  # null: verify-wall writes a failed measurement's NaN as null
+            raise ValueError(f"{path}: provider {provider!r} has no verify time at k = {k} (verify_ms_median = "
+                             f"{r['verify_ms_median']!r}: that measurement failed, see the file's notes); pick "
+                             "another --provider or re-run verify-wall") from None
         if r.get("decode_ms") is not None:
             decodes.add(round(float(r["decode_ms"]), 9))
     if len(decodes) > 1:
@@ -511,10 +529,17 @@ def _measured_on_cpu(path: str) -> bool:
 def run_plan_cli(args: argparse.Namespace) -> int:
     """Handler of ``specverify plan``; returns the exit status (2 on a bad input, with the reason on stderr)."""
     try:
+        from specverify.cli import check_output_paths
+
+        check_output_paths({"--json": None if args.json in (None, "-") else args.json})  # before any work
         provider = None
         decode_ms = args.decode_ms
         if args.from_json:
-            verify, json_decode, provider = load_verify_wall_json(args.from_json, args.provider, args.batch)
+            try:
+                loaded = load_verify_wall_json(args.from_json, args.provider, args.batch)
+            except OSError as exc:
+                raise ValueError(f"cannot read --from-json {args.from_json!r}: {exc.strerror or exc}") from None
+            verify, json_decode, provider = loaded
             if decode_ms is None:
                 decode_ms = json_decode
         else:
@@ -535,8 +560,12 @@ def run_plan_cli(args: argparse.Namespace) -> int:
         if args.json == "-":
             print(text)
         else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
+            try:  # checked up front, but the folder can still have gone away
+                with open(args.json, "w") as f:
+                    f.write(text + "\n")
+            except OSError as exc:
+                print(f"specverify plan: error: could not write --json {args.json!r}: {exc}", file=sys.stderr)
+                return 1
             print(f"wrote {args.json}")
         return 0
     src = f" ({provider} from {args.from_json})" if provider else ""

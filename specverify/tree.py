@@ -24,6 +24,31 @@ from dataclasses import dataclass, field
 import torch
 
 
+def parent_error(node: int, parent: int, num_nodes: int) -> str | None:
+    """Why ``parent`` cannot be the parent of ``node`` in a tree of ``num_nodes`` nodes, or None when it can.
+
+    The rule of :class:`DraftTree`, shared by the checks of trees given as tensors
+    (:func:`specverify.validation.check_parents`): node 0 is the root with parent -1, every other node's parent is a
+    node index before it (which also rules out cycles).
+    """
+    if node == 0:
+        if parent != -1:
+            return (f"node 0 must be the root with parent -1, got parent {parent}; reorder the nodes so the last "
+                    "verified token comes first")
+        return None
+    if parent == -1:
+        return f"node {node} has parent -1 but only node 0 may be a root; a tree has exactly one root"
+    if not 0 <= parent < num_nodes:
+        return (f"node {node} has parent {parent}, out of range [0, {num_nodes}); every parent must be a node "
+                "index")
+    if parent == node:
+        return f"node {node} is its own parent (a cycle); parents must come before children"
+    if parent > node:
+        return (f"node {node} has parent {parent}, which comes after it; order the nodes so parents come before "
+                "children (a cycle also fails this check)")
+    return None
+
+
 def _check_parents(parents: Sequence[int]) -> list[int]:
     if isinstance(parents, (str, bytes)) or not hasattr(parents, "__iter__"):
         raise TypeError(f"parents must be a sequence of ints (parents[i] = parent of node i, -1 for the root), "
@@ -41,16 +66,9 @@ def _check_parents(parents: Sequence[int]) -> list[int]:
         raise ValueError(f"node 0 must be the root with parent -1, got parents[0] = {parents[0]}; reorder the "
                          "nodes so the last verified token comes first")
     for i in range(1, n):
-        p = parents[i]
-        if p == -1:
-            raise ValueError(f"node {i} has parent -1 but only node 0 may be a root; a tree has exactly one root")
-        if not 0 <= p < n:
-            raise ValueError(f"node {i} has parent {p}, out of range [0, {n}); every parent must be a node index")
-        if p == i:
-            raise ValueError(f"node {i} is its own parent (a cycle); parents must come before children")
-        if p > i:
-            raise ValueError(f"node {i} has parent {p}, which comes after it; order the nodes so parents come "
-                             "before children (a cycle also fails this check)")
+        why = parent_error(i, parents[i], n)
+        if why is not None:
+            raise ValueError(why)
     return parents
 
 

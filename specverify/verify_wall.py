@@ -88,6 +88,48 @@ def make_tree(spec: str, k: int) -> DraftTree:
     raise ValueError(f"--tree must be 'chain' or 'topk:K', got {spec!r}")
 
 
+def tp_problem(cfg, tp: int) -> str | None:
+    """Why ``tp`` cannot shard ``cfg`` the way :class:`specverify.reference.model.VerifyModel` shards it, or None.
+
+    The rules of :func:`specverify.configs.per_rank_shapes`: ``tp`` divides the attention heads, the dense and MoE
+    intermediate sizes and the shared experts' (routed experts are not split: every rank holds a slice of each);
+    GQA KV heads are split when there are at least ``tp`` of them (``tp`` divides them) and replicated otherwise,
+    which needs ``tp`` to be a multiple of them so that each rank's query heads share one KV head.
+    """
+    from specverify.configs import per_rank_shapes
+
+    try:
+        per_rank_shapes(cfg, tp)
+    except ValueError as exc:
+        return str(exc).split(";")[0]
+    kvh = cfg.num_key_value_heads
+    if cfg.attention == "gqa" and 0 < kvh < tp and tp % kvh:
+        return f"num_key_value_heads = {kvh} is fewer than tp {tp} (replicated) but does not divide it"
+    return None
+
+
+def valid_tp_values(cfg) -> list[int]:
+    """The tensor-parallel degrees that shard ``cfg`` (:func:`tp_problem`), 1 .. the number of attention heads."""
+    return [t for t in range(1, cfg.num_attention_heads + 1) if tp_problem(cfg, t) is None]
+
+
+def _check_tp(cfg, tp: int) -> None:
+    """``ValueError`` naming the model, its sharded sizes and the valid ``--tp`` values when ``tp`` cannot shard it."""
+    problem = tp_problem(cfg, tp)
+    if problem is None:
+        return
+    sizes = [f"{cfg.num_attention_heads} attention heads"]
+    if cfg.attention == "gqa":
+        sizes.append(f"{cfg.num_key_value_heads} KV heads")
+    if cfg.intermediate_size:
+        sizes.append(f"intermediate_size {cfg.intermediate_size}")
+    if cfg.is_moe:
+        sizes.append(f"moe_intermediate_size {cfg.moe_intermediate_size}")
+    valid = ", ".join(str(t) for t in valid_tp_values(cfg))
+    raise ValueError(f"--tp {tp} cannot shard {cfg.name} ({', '.join(sizes)}): {problem}; valid --tp values for "
+                     f"{cfg.name}: {valid}")
+
+
 def _parse_ints(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
@@ -375,6 +417,36 @@ def _auto_distinct_layers(cfg, s, device, layers) -> int:
     return max(1, min(layers, n))
 
 
+def _cpu_changes(s: WallSettings) -> dict:
+    """The settings a CPU run changes, and to what (a short, eager, one-rank run of the tiny stand-in)."""
+    return {"tp": 1, "graph": False, "page_size": min(s.page_size, 16), "warmup": min(s.warmup, 1),
+            "iters": min(s.iters, 3)}
+
+
+def _flag_value(v) -> str:
+    return ("on" if v else "off") if isinstance(v, bool) else str(v)
+
+
+def cpu_notes(s: WallSettings) -> list[str]:
+    """One note per flag a CPU run changes or ignores (the model, context and layers are noted with the stand-in)."""
+    why = {"tp": "one rank of the stand-in; no allreduce modelled, so --link is unused",
+           "graph": "CUDA graphs need a GPU; timing eager passes",
+           "page_size": "small KV pages on the CPU",
+           "warmup": "CPU figures are not performance figures",
+           "iters": "CPU figures are not performance figures"}
+    notes = []
+    for name, new in _cpu_changes(s).items():
+        old = getattr(s, name)
+        if old != new:
+            flag = "--" + name.replace("_", "-")
+            notes.append(f"no GPU: {flag} {_flag_value(old)} -> {_flag_value(new)} ({why[name]})")
+    if s.breakdown:
+        notes.append("no GPU: --breakdown needs CUDA events; ignored")
+    if s.switch:
+        notes.append("no GPU: --switch needs CUDA-graph replay; ignored")
+    return notes
+
+
 def run_verify_wall(s: WallSettings, progress=None) -> dict:
     """Run the whole measurement; returns {"rows": [...], "meta": {...}, "breakdown": {...}}."""
     from specverify.cli import collect_env
@@ -397,15 +469,15 @@ def run_verify_wall(s: WallSettings, progress=None) -> dict:
             if layers is not None:
                 notes.append(f"--layers {layers} ignored: the stand-in has {cfg.num_hidden_layers}")
             layers = None
-        if s.tp != 1:
-            notes.append(f"--tp {s.tp} ignored on the CPU: running tp=1")
-        if s.graph:
-            notes.append("--graph on ignored on the CPU: CUDA graphs need a GPU, running eagerly")
-        s = dataclasses.replace(s, tp=1, graph=False, page_size=min(s.page_size, 16), warmup=min(s.warmup, 1),
-                                iters=min(s.iters, 3))
+        notes += cpu_notes(s)
+        s = dataclasses.replace(s, **_cpu_changes(s), breakdown=False, switch=False)
+    elif s.switch and not s.graph:
+        notes.append("--switch times CUDA-graph replays and needs --graph on; ignored")
     tp = s.tp
     layers = cfg.num_hidden_layers if layers is None else layers
-    distinct = s.distinct_layers or _auto_distinct_layers(cfg, s, device, layers)
+    if s.distinct_layers is not None and s.distinct_layers > layers:
+        notes.append(f"--distinct-layers {s.distinct_layers} -> {layers}: the run has {layers} layers")
+    distinct = min(s.distinct_layers or _auto_distinct_layers(cfg, s, device, layers), layers)
     dtype = torch.bfloat16  # the kernels' dtype, on the CPU too
     torch.manual_seed(s.seed)
     model = VerifyModel(cfg, tp=tp, rank=0, num_layers=layers, distinct_layers=distinct, dtype=dtype,
@@ -547,9 +619,10 @@ def run_verify_wall(s: WallSettings, progress=None) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         if s.json_path:  # after every provider, so a run stopped part-way still leaves its figures
-            with open(s.json_path, "w") as f:
-                json.dump(_json_safe({"rows": rows, "meta": meta, "breakdown": breakdowns, "partial": True}), f,
-                          indent=1, default=str, allow_nan=False)
+            try:
+                _write_json({"rows": rows, "meta": meta, "breakdown": breakdowns, "partial": True}, s.json_path)
+            except OSError as exc:  # the path was checked up front; keep measuring, the final write reports it
+                log.warning("verify-wall: partial --json write to %s failed: %s", s.json_path, exc)
     for r in rows:
         r.update({k2: meta[k2] for k2 in ("model", "tp", "batch", "context", "layers", "distinct_layers", "graph",
                                           "gpu", "commit", "date")})
@@ -658,15 +731,17 @@ def _cmd(args) -> int:
     if not torch.cuda.is_available() and "triton" not in sys.modules:
         # no GPU: Triton kernels can only run in the interpreter, which must be chosen before triton is imported
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    s = WallSettings(model=args.model, tp=args.tp, batch=args.batch, context=args.context,
+    tp = args.tp if args.tp is not None else (1 if args.model.startswith("tiny-") else 8)
+    s = WallSettings(model=args.model, tp=tp, batch=args.batch, context=args.context,
                      draft_tokens=args.draft_tokens, tree=args.tree, layers=args.layers,
                      distinct_layers=args.distinct_layers, impl=[p for p in args.impl.split(",") if p],
                      graph=args.graph == "on", warmup=args.warmup, iters=args.iters, page_size=args.page_size,
                      breakdown=args.breakdown, switch=args.switch, seed=args.seed, json_path=args.json,
                      plot_path=args.plot, link=args.link)
+    # every check before any work: a run of many minutes must not end in a traceback at its last step
     try:
         make_tree(s.tree, 2)
-        get_config(s.model)
+        cfg = get_config(s.model)
         unknown = [p for p in s.impl if p not in PROVIDERS]
         if unknown or not s.impl:
             raise ValueError(f"--impl takes a comma-separated list of {', '.join(PROVIDERS)}, got {args.impl!r}")
@@ -676,37 +751,68 @@ def _cmd(args) -> int:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         if args.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+        _check_tp(cfg, s.tp)  # against the model asked for, also on a CPU where a stand-in runs
+        from specverify.cli import check_output_paths
+
+        check_output_paths({"--json": s.json_path, "--plot": s.plot_path})
+        if s.plot_path:
+            _check_plot(s.plot_path)
     except ValueError as exc:
-        print(f"specverify bench verify-wall: {exc}", file=sys.stderr)
+        print(f"specverify bench verify-wall: error: {exc}", file=sys.stderr)
         return 2
     result = run_verify_wall(s, progress=_progress_printer())
     print(format_table(result))
-    if s.json_path:
-        with open(s.json_path, "w") as f:
-            json.dump(_json_safe(result), f, indent=1, default=str, allow_nan=False)
-        print(f"wrote {s.json_path}")
-    if s.plot_path:
-        try:
-            write_plot(result, s.plot_path)
-            print(f"wrote {s.plot_path}")
-        except ImportError:
-            print("plot skipped: matplotlib is not installed (pip install 'specverify-kernels[bench]')")
+    status = 0
+    for flag, path, write in (("--json", s.json_path, _write_json), ("--plot", s.plot_path, write_plot)):
+        if not path:
+            continue
+        try:  # checked up front, but the folder can still go away or fill up during the run
+            write(result, path)
+            print(f"wrote {path}")
+        except OSError as exc:
+            print(f"specverify bench verify-wall: error: could not write {flag} {path!r}: {exc}", file=sys.stderr)
+            status = 1
     if not any(r["iters"] for r in result["rows"]):
         print("specverify bench verify-wall: no provider produced a measurement (see the notes above)",
               file=sys.stderr)
         return 1
-    return 0
+    return status
+
+
+def _write_json(result: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(_json_safe(result), f, indent=1, default=str, allow_nan=False)
+
+
+def _check_plot(path: str) -> None:
+    """``ValueError`` when ``--plot`` cannot be honoured: matplotlib missing, or a file type it cannot write."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise ValueError(f"--plot {path!r} needs matplotlib, which is not installed ({exc}); pip install "
+                         "'specverify-kernels[bench]' (or matplotlib), or drop --plot") from None
+    suffix = os.path.splitext(path)[1].lstrip(".").lower()
+    formats = FigureCanvasAgg(Figure()).get_supported_filetypes()
+    if suffix and suffix not in formats:
+        raise ValueError(f"--plot {path!r}: matplotlib cannot write .{suffix} files; end the path in one of "
+                         f"{', '.join('.' + f for f in sorted(formats))} (e.g. .png)")
 
 
 def register_cli(bench_sub) -> None:
     p = bench_sub.add_parser("verify-wall", help="the verify pass cost per draft length, against the bytes floor",
                              description=__doc__.split("\n\n")[0].replace("``", ""),
-                             epilog="Without a CUDA GPU the model, context, tp and graph settings give way to a "
+                             epilog="Every argument, output paths included, is checked before any work. "
+                                    "Without a CUDA GPU the model, context, tp and graph settings give way to a "
                                     "tiny stand-in (tiny-mla-moe for kimi-k2, for example), context 64, tp 1, "
-                                    "eager, through the Triton interpreter; the table then says that CPU figures "
-                                    "are not performance figures.")
+                                    "eager, through the Triton interpreter, with at most 1 warm-up and 3 timed "
+                                    "passes and pages of at most 16 tokens (--breakdown and --switch need a GPU); "
+                                    "the table notes each such change and says that CPU figures are not "
+                                    "performance figures.")
     p.add_argument("--model", default="kimi-k2", help=f"one of {', '.join(list_configs())} (default: kimi-k2)")
-    p.add_argument("--tp", type=int, default=8, help="tensor-parallel degree; one rank's shapes are run (default: 8)")
+    p.add_argument("--tp", type=int, default=None,
+                   help="tensor-parallel degree; one rank's shapes are run; it must shard the model (divide its "
+                        "attention heads and intermediate sizes) (default: 8; 1 for the tiny-* stand-ins)")
     p.add_argument("--batch", type=int, default=1, help="requests per pass (default: 1)")
     p.add_argument("--context", type=int, default=4096, help="prefix tokens per request (default: 4096)")
     p.add_argument("--draft-tokens", type=_parse_ints, default=[1, 2, 3, 4, 6, 8],
@@ -730,5 +836,6 @@ def register_cli(bench_sub) -> None:
                    help="link of the modelled tp allreduce (default: nvlink)")
     p.add_argument("--seed", type=int, default=0, help="seed of the dummy weights and inputs (default: 0)")
     p.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON (after each provider)")
-    p.add_argument("--plot", default=None, metavar="PATH.png", help="plot ms per pass against k, with the floor")
+    p.add_argument("--plot", default=None, metavar="PATH.png",
+                   help="plot ms per pass against k, with the floor (needs matplotlib: the [bench] extra)")
     p.set_defaults(func=_cmd)

@@ -248,3 +248,91 @@ def test_reference_model_replay_equals_eager():
                 assert torch.equal(got[n], want[n]), f"{n} differs at (batch {b}, k {k})"
         else:
             assert torch.equal(got, want)
+
+
+# ------------------------------------------------------------------------------------------- padded graph rows
+def _padded_replay(device, use_graphs, padding):
+    """Capture at bucket 8, run 8 requests with ~4000-token prefixes, then 3 requests with ~10-token prefixes
+    whose page-table rows are other requests' (5, 6, 7). Returns (KV caches before the second run, after it, the
+    three live rows' page table and prefixes, the pool's outputs, an eager run's outputs, the adapter)."""
+    from specverify.configs import get_config
+    from specverify.reference.model import build_reference_model
+
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    ad = build_reference_model(get_config("tiny-mla-moe"), tp=1, num_layers=2, device=device, dtype=dtype,
+                               provider="reference" if device == "cpu" else "specverify", max_batch=8, max_k=4,
+                               context=4000, page_size=16, seed=3)
+    pool = VerifyGraphPool(ad.verify, ad.make_inputs, batch_buckets=[8], draft_lengths=[4], use_graphs=use_graphs,
+                           device=device, padding=ad.padding if padding else None)
+    gen = torch.Generator().manual_seed(11)
+    vocab = ad.model.config.vocab_size
+    full = {"draft": torch.randint(0, vocab, (8, 4), generator=gen).to(device),
+            "prefix": torch.randint(3990, 4001, (8,), generator=gen).int().to(device),
+            "page_table": ad.page_table.clone()}
+    pool.run(full, 4)
+    before = [c.clone() for layer in ad.caches for c in layer]
+    live = {"draft": torch.randint(0, vocab, (3, 4), generator=gen).to(device),
+            "prefix": torch.randint(8, 13, (3,), generator=gen).int().to(device),
+            "page_table": ad.page_table[5:8].clone()}
+    got = {n: t.clone() for n, t in pool.run(live, 4).items()}
+    after = [c.clone() for layer in ad.caches for c in layer]
+    want = ad.verify({n: t.clone() for n, t in live.items()}, 4)
+    return before, after, live, got, want, ad
+
+
+def _changed_outside_live(before, after, live, scratch_page, k=4):
+    """Number of KV elements that changed outside the live requests' draft slots and the scratch page."""
+    allowed = torch.zeros(before[0].shape[:2], dtype=torch.bool)
+    ps = before[0].shape[1]
+    for b in range(live["prefix"].shape[0]):
+        for pos in range(int(live["prefix"][b]), int(live["prefix"][b]) + k):
+            allowed[int(live["page_table"][b, pos // ps]), pos % ps] = True
+    allowed[scratch_page] = True
+    changed = 0
+    for x, y in zip(before, after):
+        diff = (x != y).reshape(x.shape[0], x.shape[1], -1).any(-1).cpu()
+        changed += int((diff & ~allowed).sum())
+    return changed
+
+
+@pytest.mark.parametrize("padding", [True, False])
+def test_padded_rows_write_only_the_scratch_page_cpu(padding):
+    before, after, live, got, want, ad = _padded_replay("cpu", False, padding)
+    changed = _changed_outside_live(before, after, live, ad.scratch_page)
+    if padding:
+        assert changed == 0, f"{changed} KV slots outside the live requests and the scratch page changed"
+        for name in want:
+            assert torch.equal(got[name], want[name]), f"{name} of the live rows differs from the eager run"
+    else:  # the hazard the padding removes: stale rows write into other requests' slots
+        assert changed > 0
+
+
+def test_padding_refuses_unknown_names_and_values():
+    fake = FakeForward()
+    with pytest.raises(ValueError, match="padding.*must be an int or float"):
+        VerifyGraphPool(fake.forward, fake.make_inputs, batch_buckets=[2], draft_lengths=[1], use_graphs=False,
+                        device="cpu", padding={"x": "zero"})
+    pool = VerifyGraphPool(fake.forward, fake.make_inputs, batch_buckets=[2], draft_lengths=[1], use_graphs=False,
+                           device="cpu", padding={"nope": 0})
+    with pytest.raises(ValueError, match=r"padding names \['nope'\]"):
+        pool.run({"x": torch.zeros(1, 1, 3), "ids": torch.zeros(1, 1, dtype=torch.int64)}, 1)
+
+
+def test_padding_fills_only_padded_rows():
+    fake = FakeForward()
+    pool = VerifyGraphPool(fake.forward, fake.make_inputs, batch_buckets=[4], draft_lengths=[2], use_graphs=False,
+                           device="cpu", padding={"ids": 5})
+    x = torch.randn(4, 2, 3)
+    pool.run({"x": x, "ids": torch.ones(4, 2, dtype=torch.int64)}, 2)
+    pool.run({"x": x[:1], "ids": torch.full((1, 2), 2, dtype=torch.int64)}, 2)
+    static = pool.static_inputs(4, 2)
+    assert torch.equal(static["ids"][0], torch.full((2,), 2)) and bool((static["ids"][1:] == 5).all())
+    assert torch.equal(static["x"][1:], x[1:]), "inputs without a padding value keep what they held"
+
+
+@pytest.mark.gpu
+def test_padded_rows_write_only_the_scratch_page_gpu():
+    before, after, live, got, want, ad = _padded_replay("cuda", True, True)
+    assert _changed_outside_live(before, after, live, ad.scratch_page) == 0
+    for name in want:
+        assert torch.equal(got[name], want[name]), f"{name} of the live rows differs from the eager run"

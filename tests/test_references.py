@@ -2,6 +2,7 @@
 import math
 import random
 
+import pytest
 import torch
 
 from specverify.reference.accept import greedy_accept_reference
@@ -61,6 +62,59 @@ def test_mla_reference_equals_gqa_with_one_kv_head():
     vpad = torch.cat([cache[..., :r], torch.zeros(P, ps, dr, dtype=torch.float64)], -1).unsqueeze(2)
     gqa = tree_attention_reference(torch.cat([ql, qr], -1), kcache, vpad, pt, prefix, None, 0.3)
     torch.testing.assert_close(mla, gqa[..., :r])
+
+
+def _pool_of(seqs, page_size, g):
+    """A NaN-filled paged pool holding one sequence [n_b, ...] per request on scattered pages, and its page table."""
+    per = max(-(-s.shape[0] // page_size) for s in seqs)
+    num_pages = len(seqs) * per + 2  # two spare pages stay NaN
+    pool = torch.full((num_pages, page_size, *seqs[0].shape[1:]), float("nan"), dtype=seqs[0].dtype)
+    table = torch.randperm(num_pages, generator=g)[: len(seqs) * per].view(len(seqs), per).to(torch.int32)
+    for b, seq in enumerate(seqs):
+        write_draft_kv(pool, table[b:b + 1], torch.tensor([0]), seq.unsqueeze(0))
+    return pool, table
+
+
+@pytest.mark.parametrize("kind", ["mla", "gqa"])
+@pytest.mark.parametrize("prefix_lens", [[37], [37, 0, 70]], ids=["batch1", "batch3"])
+def test_verify_rows_equal_decode_rows_bitwise(kind, prefix_lens):
+    """The reference is batch-invariant: verify row i of a tree equals, bit for bit (out and lse), a k = 1 decode
+    call whose query is that row and whose prefix is the request's prefix followed by the ancestors row i sees (its
+    own KV last), whatever the tree, k and batch. Kimi-K2 rank sizes for MLA (8 heads, 512 + 64): fp32 products
+    there sum in an order that follows the row count and missed by a bf16 ulp. Prefix 37 ends inside a page,
+    prefix 0 leaves only the tree, 70 spans five pages of 16; bf16."""
+    g = torch.Generator().manual_seed(11)
+    trees = [DraftTree([-1, 0, 0, 1, 1, 2, 4, 0]), DraftTree.chain(8), DraftTree.topk_of_size(2, 8)]
+    trees = trees[: len(prefix_lens)]
+    batch, k, ps = len(prefix_lens), 8, 16
+    mask = BatchedDraftTree(trees).packed_mask
+    if kind == "mla":
+        h, tail, qdims, scale = 8, (512 + 64,), ((512,), (64,)), 192 ** -0.5
+    else:
+        h, tail, qdims, scale = 8, (2, 128), ((128,),), 128 ** -0.5
+    seqs = [torch.randn(n + k, *tail, generator=g).bfloat16() for n in prefix_lens]
+    vseqs = [torch.randn(n + k, *tail, generator=g).bfloat16() for n in prefix_lens]
+    qs = [torch.randn(batch, k, h, *d, generator=g).bfloat16() for d in qdims]
+
+    def attend(queries, keys, values, prefix, tree_mask):
+        kc, table = _pool_of(keys, ps, g)
+        pre = torch.tensor(prefix, dtype=torch.int32)
+        if kind == "mla":
+            return tree_attention_mla_reference(*queries, kc, table, pre, tree_mask, scale, return_lse=True)
+        vc = torch.full_like(kc, float("nan"))
+        for b, v in enumerate(values):
+            write_draft_kv(vc, table[b:b + 1], torch.tensor([0]), v.unsqueeze(0))
+        return tree_attention_reference(*queries, kc, vc, table, pre, tree_mask, scale, return_lse=True)
+
+    out, lse = attend(qs, seqs, vseqs, prefix_lens, mask)
+    assert torch.isfinite(out.float()).all()
+    for b, (tree, n) in enumerate(zip(trees, prefix_lens)):
+        for i in range(k):
+            seen = list(range(n)) + [n + j for j in tree.path_to(i)]  # prefix, ancestors, node i itself last
+            one, one_lse = attend([q[b:b + 1, i:i + 1] for q in qs], [seqs[b][seen]], [vseqs[b][seen]],
+                                  [len(seen) - 1], None)
+            assert torch.equal(one[0, 0], out[b, i]), f"request {b} node {i}: out differs from its decode row"
+            assert torch.equal(one_lse[0, 0], lse[b, i]), f"request {b} node {i}: lse differs from its decode row"
 
 
 def test_route_reference_by_loop():

@@ -13,7 +13,7 @@ from specverify.attention import (
     tree_attention,
     tree_attention_mla,
 )
-from specverify.tree import DraftTree
+from specverify.tree import BatchedDraftTree, DraftTree, pack_mask
 
 B, K, HQ, HKV, D, PS, PAGES = 2, 3, 4, 2, 64, 16, 6
 
@@ -116,6 +116,9 @@ def test_validate_false_skips_value_checks(monkeypatch):
 
 def test_triton_impl_without_backend(monkeypatch):
     """impl='triton' never falls back: CPU tensors without the interpreter raise; 'auto' falls back instead."""
+    from specverify.attention import _kernels
+
+    _kernels()  # imported under the interpreter first: imported with it off, later launches would want a GPU driver
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     a = gqa_inputs()
     with pytest.raises(ValueError, match="impl='triton' cannot run"):
@@ -206,3 +209,86 @@ def test_wgmma_plan_refuses_unaligned_tensors():
     with pytest.raises(ValueError, match="16-byte pieces.*SPECVERIFY_MLA_WGMMA=0"):
         tree_attention_mla(a.pop("q_latent"), a.pop("q_rope"), a.pop("kv_cache"), impl="triton", plan=wgmma_plan,
                            **a)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# tree_mask values: the ancestor mask of a tree (DraftTree's rule), checked with validate=True outside capture
+# ----------------------------------------------------------------------------------------------------------------
+def _run(op, impl="reference", **over):
+    """One call of ``op`` on the valid fixture inputs with ``over`` replacing some of them."""
+    if op == "tree_attention":
+        a = gqa_inputs(**over)
+        return tree_attention(a.pop("q"), a.pop("k_cache"), a.pop("v_cache"), impl=impl, **a)
+    a = mla_inputs(**over)
+    return tree_attention_mla(a.pop("q_latent"), a.pop("q_rope"), a.pop("kv_cache"), impl=impl, **a)
+
+
+def _mask_with(rows, batched):
+    """Bit-packed mask of K = 3 nodes from bool rows; batched: request 0 a valid [-1, 0, 0] tree, request 1 these."""
+    m = torch.tensor(rows, dtype=torch.bool)
+    if batched:
+        m = torch.stack([DraftTree([-1, 0, 0]).ancestor_mask(), m])
+    return pack_mask(m)
+
+
+BAD_TREE_MASKS = [
+    # id, rows (chain [-1, 0, 1] with one defect), words after "tree_mask[1] " / "tree_mask "
+    ("no-diagonal", [[1, 0, 0], [1, 0, 0], [1, 1, 1]],
+     "row 1 does not see its own node (bit 1 of row 1 is 0); every node must attend to itself: set the diagonal"),
+    ("later-node", [[1, 0, 0], [1, 1, 1], [1, 1, 1]], "row 1 sees node 2, which comes after it"),
+    ("second-root", [[1, 0, 0], [1, 1, 0], [0, 0, 1]], "row 2 sees no earlier node (only itself), so node 2 would be "
+     "a second root"),
+    ("not-parent-row", [[1, 0, 0], [1, 1, 0], [0, 1, 1]], "row 2 sees nodes [1, 2], but a node sees exactly its "
+     "parent's nodes plus itself: its parent (the last earlier node it sees) is node 1, whose row sees [0, 1], so "
+     "row 2 must see [0, 1, 2]"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_TREE_MASKS, ids=[c[0] for c in BAD_TREE_MASKS])
+@pytest.mark.parametrize("batched", [False, True], ids=["shared", "per-request"])
+@pytest.mark.parametrize("op", ["tree_attention", "tree_attention_mla"])
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_tree_mask_that_is_not_an_ancestor_mask(case, batched, op, impl):
+    _, rows, words = case
+    with pytest.raises(ValueError) as info:
+        _run(op, impl, tree_mask=_mask_with(rows, batched))
+    row = "tree_mask[1] " if batched else "tree_mask "
+    msg = str(info.value)
+    assert msg.startswith(f"{op}: {row}") and words in msg and "DraftTree.packed_mask()" in msg, msg
+
+
+@pytest.mark.parametrize("op", ["tree_attention", "tree_attention_mla"])
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_valid_tree_masks_pass(op, impl):
+    """Per-request masks of two different trees (a fork and a chain), a shared one and a chain's explicit mask pass,
+    and the explicit chain mask gives what no mask (causal) gives."""
+    gen = torch.Generator().manual_seed(5)
+    if op == "tree_attention":
+        kc = torch.randn(PAGES, PS, HKV, D, generator=gen).bfloat16()
+        data = dict(q=torch.randn(B, K, HQ, D, generator=gen).bfloat16(), k_cache=kc, v_cache=kc)
+    else:
+        data = dict(q_latent=torch.randn(B, K, 8, 64, generator=gen).bfloat16(),
+                    q_rope=torch.randn(B, K, 8, 16, generator=gen).bfloat16(),
+                    kv_cache=torch.randn(PAGES, PS, 80, generator=gen).bfloat16())
+    masks = {"per-request": BatchedDraftTree([DraftTree([-1, 0, 0]), DraftTree.chain(K)]).packed_mask,
+             "shared": DraftTree([-1, 0, 0]).packed_mask(), "chain": DraftTree.chain(K).packed_mask(), "none": None}
+    outs = {name: _run(op, impl, tree_mask=mask, **data) for name, mask in masks.items()}
+    assert all(torch.isfinite(o.float()).all() for o in outs.values())
+    assert torch.equal(outs["chain"], outs["none"])
+
+
+def test_tree_mask_check_skipped_when_asked_or_capturing(monkeypatch):
+    """validate=False and CUDA-graph capture skip the (host-syncing) mask check; validate=True runs it."""
+    import specverify.attention as attention
+    import specverify.validation as validation
+
+    bad = _mask_with(BAD_TREE_MASKS[0][1], batched=True)
+    call_gqa(tree_mask=bad, validate=False)
+    call_mla(tree_mask=bad, validate=False)
+    with monkeypatch.context() as mp:
+        mp.setattr(validation, "capturing", lambda: True)
+        mp.setattr(attention, "capturing", lambda: True)
+        call_gqa(tree_mask=bad)
+        call_mla(tree_mask=bad)
+    with pytest.raises(ValueError, match="does not see its own node"):
+        call_mla(tree_mask=bad)

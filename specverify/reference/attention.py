@@ -3,8 +3,17 @@
 Request b's KV sequence has ``prefix_lens[b] + k`` tokens; token t lives at page ``page_table[b, t // page_size]``,
 slot ``t % page_size``. Draft token i sees every prefix token and draft token j iff bit j of row i of the tree mask
 is set (``tree_mask=None``: a chain, i.e. causal). Slots outside a request's sequence are never used, even if they
-hold NaN. Computation is in ``compute_dtype`` (fp32 by default, fp64 for tolerance derivation); batched, no
-per-token loops.
+hold NaN. Batched, no per-token loops.
+
+Precision and batch invariance: by default (``compute_dtype=None``) scores, softmax and the value sum are computed in
+fp64 and rounded once to the output dtype (lse to fp32). A row's result then does not depend on how many rows the
+call has (k, batch, heads) nor on where its visible tokens sit: a verify row equals, bit for bit, the k = 1 decode
+row of the same query over the same visible tokens. fp32 products would not: a matmul's reduction order follows its
+shape (the BLAS kernel and blocking chosen for the row count), which moves a bf16 output by an ulp now and then and
+can flip a near-tie argmax downstream. In fp64 the orders differ by ~1e-16 relative, far below the rounding step of
+fp32/bf16 outputs, so the rounded results agree (unless a value lies within that distance of a rounding boundary).
+``compute_dtype`` bf16/fp16 computes as torch does in that dtype (to measure torch's own low-precision error) and
+fp32 as torch does in fp32; neither is batch-invariant.
 """
 from __future__ import annotations
 
@@ -56,6 +65,11 @@ def _gather_kv(cache: torch.Tensor, page_table: torch.Tensor, prefix_lens: torch
     return out, length
 
 
+def _accumulation_dtype(dtype: torch.dtype, compute_dtype: torch.dtype | None) -> torch.dtype:
+    """fp64 for fp64 inputs and by default (batch-invariant, see the module docstring), else ``compute_dtype``."""
+    return torch.float64 if dtype == torch.float64 or compute_dtype is None else compute_dtype
+
+
 def _softmax_attend(scores: torch.Tensor, visible: torch.Tensor, v: torch.Tensor, return_lse: bool):
     # scores [b, h, k, L]; visible [b, k, L]; v [b, h, L, Dv]
     scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
@@ -66,13 +80,13 @@ def _softmax_attend(scores: torch.Tensor, visible: torch.Tensor, v: torch.Tensor
 
 
 def tree_attention_reference(q, k_cache, v_cache, page_table, prefix_lens, tree_mask, sm_scale,
-                             return_lse=False, compute_dtype=torch.float32):
+                             return_lse=False, compute_dtype=None):
     """GQA/MHA tree attention. q [batch, k, Hq, D]; caches [num_pages, page_size, Hkv, D].
 
     Returns out [batch, k, Hq, D] in q's dtype (and lse fp32 [batch, k, Hq], natural log, of the scaled scores).
+    ``compute_dtype``: None (fp64, rounded once: batch-invariant) or a dtype to compute in (module docstring).
     """
-    if q.dtype == torch.float64:
-        compute_dtype = torch.float64
+    compute_dtype = _accumulation_dtype(q.dtype, compute_dtype)
     batch, k, hq, d = q.shape
     hkv = k_cache.shape[2]
     group = hq // hkv
@@ -91,14 +105,14 @@ def tree_attention_reference(q, k_cache, v_cache, page_table, prefix_lens, tree_
 
 
 def tree_attention_mla_reference(q_latent, q_rope, kv_cache, page_table, prefix_lens, tree_mask, sm_scale,
-                                 return_lse=False, compute_dtype=torch.float32):
+                                 return_lse=False, compute_dtype=None):
     """Absorbed MLA tree attention. q_latent [b, k, H, R], q_rope [b, k, H, Dr]; kv_cache [P, page, R + Dr].
 
     score = (q_latent · c + q_rope · k_rope) * sm_scale, V = c (the latent part). Returns [b, k, H, R] in
-    q_latent's dtype (and lse fp32 [b, k, H]).
+    q_latent's dtype (and lse fp32 [b, k, H]). ``compute_dtype``: None (fp64, rounded once: batch-invariant) or a
+    dtype to compute in (module docstring).
     """
-    if q_latent.dtype == torch.float64:
-        compute_dtype = torch.float64
+    compute_dtype = _accumulation_dtype(q_latent.dtype, compute_dtype)
     batch, k, h, r = q_latent.shape
     kv, length = _gather_kv(kv_cache, page_table, prefix_lens, k)  # [b, L, R + Dr]
     kv = kv.to(compute_dtype)

@@ -414,7 +414,7 @@ class VerifyModel:
             Shapes that disagree, token ids outside the vocabulary, parents that are not a tree, page ids
             outside the cache, or requests longer than their page-table rows.
         """
-        from specverify.validation import capturing, check_int_tensor, check_paged_kv
+        from specverify.validation import capturing, check_depth, check_int_tensor, check_paged_kv, check_tree_mask
 
         op = "VerifyModel.verify"
         check_int_tensor(op, "draft_tokens", draft_tokens, (None, None))
@@ -442,12 +442,9 @@ class VerifyModel:
         if bool(((draft_tokens < 0) | (draft_tokens >= vocab)).any()):
             raise ValueError(f"{op}: draft_tokens must lie in [0, {vocab}), got min {int(draft_tokens.min())} "
                              f"max {int(draft_tokens.max())}")
-        p = parents.long()
-        idx = torch.arange(k, device=p.device)
-        ok = (p[:, 0] == -1).all() and ((p[:, 1:] >= 0) & (p[:, 1:] < idx[1:])).all() if k > 1 else (p[:, 0] == -1).all()
-        if not bool(ok):
-            raise ValueError(f"{op}: parents must describe trees with node 0 as root (parents[:, 0] = -1) and "
-                             "parents before children; build them with DraftTree / BatchedDraftTree")
+        check_depth(op, depth, parents)
+        if tree_mask is not None:
+            check_tree_mask(op, tree_mask, k)
 
     def verify(self, draft_tokens, parents, depth, tree_mask, kv_caches, page_table, prefix_lens, max_depth,
                validate: bool = True):
@@ -467,10 +464,13 @@ class VerifyModel:
 class VerifyPassAdapter:
     """A verify pass with static buffers per (batch, k), in the form :class:`specverify.VerifyGraphPool` takes.
 
-    ``make_inputs(batch, k)`` returns ``{"draft": int64 [batch, k], "prefix": int32 [batch]}`` (valid values);
-    ``verify(inputs, k)`` runs forward + greedy acceptance on a chain of k nodes and returns
-    ``{"tokens": int64 [batch, k], "accept_len": int64 [batch]}``. All requests share one paged KV cache sized for
-    ``max_batch`` requests of ``context + max_k`` tokens (filled with random values).
+    ``make_inputs(batch, k)`` returns ``{"draft": int64 [batch, k], "prefix": int32 [batch], "page_table": int32
+    [batch, pages_per_request]}`` (valid values: request b owns page-table row b of the adapter's pool);
+    ``verify(inputs, k)`` runs forward + greedy acceptance on a chain of k nodes, writing the nodes' KV at
+    ``prefix .. prefix + k - 1`` through the page table, and returns ``{"tokens": int64 [batch, k], "accept_len":
+    int64 [batch]}``. All requests share one paged KV cache sized for ``max_batch`` requests of ``context + max_k``
+    tokens (filled with random values) plus one scratch page (``scratch_page``) that no request owns:
+    :attr:`padding` points padded graph rows at it, so they write only there.
     """
 
     def __init__(self, model: VerifyModel, *, max_batch: int = 32, max_k: int = 8, context: int = 256,
@@ -482,15 +482,22 @@ class VerifyPassAdapter:
             for c in layer:
                 c.normal_()
         g = torch.Generator(device="cpu").manual_seed(seed)
-        perm = torch.randperm(max_batch * per + 1, generator=g)[: max_batch * per]
+        perm = torch.randperm(max_batch * per, generator=g)
         self.page_table = perm.view(max_batch, per).to(torch.int32).to(model.device)
+        self.scratch_page = max_batch * per
         self.seed = seed
+
+    @property
+    def padding(self) -> dict:
+        """Padding values for :class:`specverify.VerifyGraphPool`: prefix 0, every page id the scratch page."""
+        return {"draft": 0, "prefix": 0, "page_table": self.scratch_page}
 
     def make_inputs(self, batch: int, k: int) -> dict:
         g = torch.Generator(device="cpu").manual_seed(self.seed + 131 * batch + k)
         draft = torch.randint(0, self.model.config.vocab_size, (batch, k), generator=g)
         prefix = torch.full((batch,), self.context, dtype=torch.int32)
-        return {"draft": draft.to(self.model.device), "prefix": prefix.to(self.model.device)}
+        return {"draft": draft.to(self.model.device), "prefix": prefix.to(self.model.device),
+                "page_table": self.page_table[:batch].clone()}
 
     def verify(self, inputs: dict, k: int) -> dict:
         draft = inputs["draft"]
@@ -498,7 +505,7 @@ class VerifyPassAdapter:
         dev = draft.device
         parents = (torch.arange(k, device=dev) - 1).expand(batch, k)
         depth = torch.arange(k, device=dev).expand(batch, k)
-        _, acc, toks, _ = self.model.verify(draft, parents, depth, None, self.caches, self.page_table[:batch],
+        _, acc, toks, _ = self.model.verify(draft, parents, depth, None, self.caches, inputs["page_table"],
                                             inputs["prefix"], k - 1)
         return {"tokens": toks, "accept_len": acc}
 

@@ -1,0 +1,92 @@
+"""Launch configs that fit the device: compile a candidate, read its shared memory, keep the first that fits.
+
+A tile that is right on one GPU can be too big on another (sm_90 gives a block up to 227 KiB of shared memory,
+sm_120 about 99 KiB) or for a larger shape on the same GPU (more rows per program, more pipeline stages). Triton
+only reports that at launch (``OutOfResources``). :func:`first_fitting` asks first: it compiles each candidate
+through ``kernel.warmup`` (no launch, the compiled kernel is cached for the real launch), compares the compiled
+kernel's shared memory with the device's per-block limit, and remembers the choice per key, so the check costs
+one compile per (kernel, shape class, device) and nothing afterwards. Host only; call it outside CUDA-graph
+capture or let the first eager call make the choice (compiling during capture also works: it launches nothing).
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Hashable, Sequence
+
+import torch
+
+from specverify import envvars
+
+__all__ = ["first_fitting", "shared_memory_limit_bytes"]
+
+_CHOSEN: dict[tuple, dict] = {}
+
+
+@functools.cache
+def _limit(device_index: int) -> int:
+    props = torch.cuda.get_device_properties(device_index)
+    optin = getattr(props, "shared_memory_per_block_optin", 0)
+    if optin:
+        return int(optin)
+    from triton.runtime import driver  # older torch: ask Triton's driver, which reads the same attribute
+
+    return int(driver.active.utils.get_device_properties(device_index)["max_shared_mem"])
+
+
+def shared_memory_limit_bytes(device: torch.device | str | int) -> int:
+    """The most shared memory one block may use on ``device`` (opt-in limit, bytes): 232448 on an H100/H200,
+    101376 on sm_120 (RTX PRO 6000, RTX 5090)."""
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"shared_memory_limit_bytes needs a CUDA device, got {device}")
+    return _limit(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def first_fitting(kernel, grid, args: Sequence, candidates: Sequence[dict], *, device: torch.device,
+                  key: Hashable, what: str, compile_kwargs: Callable[[dict], dict] | None = None) -> dict:
+    """The first of ``candidates`` (launch keyword arguments, best first) whose compiled kernel fits the shared
+    memory of ``device``.
+
+    Parameters
+    ----------
+    kernel : triton.JITFunction
+    grid : tuple of int
+        Any grid of the launch (compilation does not depend on it).
+    args : sequence
+        The launch's positional arguments (tensors and scalars of the real call: their dtypes, alignment and
+        integer specialisation select the compiled variant).
+    candidates : sequence of dict
+        Constexprs and ``num_warps`` / ``num_stages``, best first.
+    device : torch.device
+        CUDA device of the launch. On the CPU (the interpreter) the first candidate is returned unchecked.
+    key : hashable
+        What determines the choice besides the device (the shape class); the choice is cached under it.
+    what : str
+        The op, for the error message.
+    compile_kwargs : callable, optional
+        Maps a candidate to the keyword arguments of the compile (default: the candidate itself).
+
+    Raises
+    ------
+    ValueError
+        No candidate fits (the message lists each candidate's shared memory and the limit).
+    """
+    if device.type != "cuda" or envvars.triton_interpret():
+        return dict(candidates[0])
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cache_key = (what, key, index)
+    hit = _CHOSEN.get(cache_key)
+    if hit is not None:
+        return hit
+    limit = _limit(index)
+    seen = []
+    for cand in candidates:
+        kw = compile_kwargs(cand) if compile_kwargs else cand
+        compiled = kernel.warmup(*args, grid=grid, **kw)
+        shared = int(getattr(getattr(compiled, "metadata", None), "shared", 0) or 0)
+        if shared <= limit:
+            _CHOSEN[cache_key] = dict(cand)
+            return _CHOSEN[cache_key]
+        seen.append(f"{cand}: {shared} B")
+    raise ValueError(f"{what}: no launch config fits the {limit} B of shared memory a block may use on "
+                     f"{torch.cuda.get_device_name(index)} ({'; '.join(seen)}); report this shape")

@@ -35,12 +35,29 @@ from specverify.reference.kv import compact_kv_reference, write_draft_kv
 from specverify.reference.moe import fused_moe_reference, route_reference
 
 
+def _torch_dtype(t: torch.Tensor):
+    """Attention accumulation of the torch path: fp32 on a GPU (what a plain torch verify pass computes in, the
+    timing baseline), the batch-invariant fp64 definition elsewhere (CPU exactness tests)."""
+    return torch.float32 if t.device.type == "cuda" else None
+
+
+def _torch_attention_mla(q_latent, q_rope, kv_cache, page_table, prefix_lens, tree_mask, sm_scale, **kw):
+    kw.setdefault("compute_dtype", _torch_dtype(q_latent))
+    return tree_attention_mla_reference(q_latent, q_rope, kv_cache, page_table, prefix_lens, tree_mask, sm_scale,
+                                        **kw)
+
+
+def _torch_attention_gqa(q, k_cache, v_cache, page_table, prefix_lens, tree_mask, sm_scale, **kw):
+    kw.setdefault("compute_dtype", _torch_dtype(q))
+    return tree_attention_reference(q, k_cache, v_cache, page_table, prefix_lens, tree_mask, sm_scale, **kw)
+
+
 @dataclass
 class Ops:
     """The op table a model runs through. ``pieces`` names, per component, which implementation is used."""
 
-    attention_mla: Callable = tree_attention_mla_reference
-    attention_gqa: Callable = tree_attention_reference
+    attention_mla: Callable = _torch_attention_mla
+    attention_gqa: Callable = _torch_attention_gqa
     write_kv: Callable = write_draft_kv
     route: Callable = None  # (logits, config) -> (ids, weights)
     experts: Callable = fused_moe_reference

@@ -10,9 +10,10 @@ GPU time per step comes from CUDA events around each replay, with the whole step
 kernel so the GPU runs it back to back (host launch cost excluded); ``wall us/step`` is the host loop's time per
 step, synchronised once at the end (launch cost included).
 
-Forward: ``--forward toy`` (default when the reference model is absent) is specverify.graph_pool.make_toy_verify;
-``--forward reference`` uses specverify.reference.model.build_reference_model on kimi-k2 per-rank shapes (tp 8,
-``--layers`` layers) through its ``make_inputs(batch, k)`` / ``verify(inputs, k)`` methods.
+Forward: ``--forward toy`` (the fallback when the verify model cannot be built) is
+specverify.graph_pool.make_toy_verify; ``--forward reference`` (the default, ``auto``, when it can) is the verify
+forward, specverify.forward.model.build_verify_model, on kimi-k2 per-rank shapes (tp 8, ``--layers`` layers,
+specverify's kernels) through its adapter's ``make_inputs(batch, k)`` / ``verify(inputs, k)`` methods.
 
     python bench/bench_graph_pool.py --quick --json graph_pool.json
 """
@@ -20,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
-import inspect
 import json
 import statistics
 import subprocess
@@ -37,26 +36,22 @@ BUCKETS = [1, 2, 4, 8, 16, 32]
 SWITCH_PATTERN = [1, 4, 2, 8, 3, 6]
 
 
-def _reference_forward(layers: int):
-    mod = importlib.import_module("specverify.reference.model")
-    configs = importlib.import_module("specverify.configs")
-    build = mod.build_reference_model
-    params = inspect.signature(build).parameters
-    wanted = {"tp": 8, "num_layers": layers, "layers": layers, "device": "cuda", "dtype": torch.bfloat16}
-    model = build(configs.get_config("kimi-k2"), **{n: v for n, v in wanted.items() if n in params})
-    if not (callable(getattr(model, "make_inputs", None)) and callable(getattr(model, "verify", None))):
-        raise AttributeError("reference model lacks make_inputs(batch, k) / verify(inputs, k)")
+def _verify_model_forward(layers: int):
+    from specverify.configs import get_config
+    from specverify.forward.model import build_verify_model
+
+    model = build_verify_model(get_config("kimi-k2"), tp=8, num_layers=layers, device="cuda", dtype=torch.bfloat16)
     return model.verify, model.make_inputs, f"kimi-k2 reference, tp 8, {layers} layers"
 
 
 def _forward(args):
     if args.forward in ("auto", "reference"):
         try:
-            return _reference_forward(args.layers)
+            return _verify_model_forward(args.layers)
         except (ImportError, AttributeError, TypeError) as e:
             if args.forward == "reference":
                 raise SystemExit(f"--forward reference: {e}")
-            print(f"note: reference model unavailable ({e}); using the toy forward", file=sys.stderr)
+            print(f"note: the verify model is unavailable ({e}); using the toy forward", file=sys.stderr)
     fwd, make = make_toy_verify(hidden=args.hidden, vocab=args.vocab, layers=args.layers, prefix=args.prefix,
                                 device="cuda")
     return fwd, make, f"toy (hidden {args.hidden}, vocab {args.vocab}, {args.layers} layers, prefix {args.prefix})"

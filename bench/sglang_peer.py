@@ -148,8 +148,8 @@ def raw(name: str):
 
 
 def __getattr__(name: str):
-    # Everything else (prepare_tree_attention, tree_attention, tree_attention_mla, route_and_align, align,
-    # align_path, fused_experts, prepare_fused_experts, make_ops, ...) comes from specverify.peers.sglang.
+    # Everything else (prepare_tree_attention, tree_attention, tree_attention_mla, route, route_and_align, align,
+    # align_path, fused_experts, prepare_fused_experts, VerifyAttention, ...) comes from specverify.peers.sglang.
     if name.startswith("__"):
         raise AttributeError(name)
     return getattr(_peers(), name)

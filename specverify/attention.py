@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specverify import envvars
+from specverify.fit import launch_fitting
 from specverify.validation import capturing, check_tree_mask
 
 logger = logging.getLogger("specverify")
@@ -716,23 +717,25 @@ def _launch(*, q, qr, kc, vc, k_strides, v_strides, page_table, prefix_lens, tre
             BLOCK_N=cfg["BLOCK_N"], NUM_BUF=cfg["num_stages"], HAS_MASK=tree_mask is not None, STORE_LSE=store_lse,
             PDL=bool(pdl), num_warps=cfg["num_warps"], **pdl)
     elif cfg.get("KERNEL") == "mla_swapped":  # no fused merge (the config refuses it), so ``fused`` is False here
-        kernels._tree_attention_mla_swapped_kernel[grid](
+        launch_fitting(kernels._tree_attention_mla_swapped_kernel, grid, (
             q, qr_t, kc, page_table, prefix_lens, mask_arg, out, lse_arg, ws_o, ws_lse, scale, *q_strides,
-            k_strides[0], k_strides[1], *tail,
-            BLOCK_D=cfg["BLOCK_DV"], BLOCK_DR=block_dr, PAGE_AHEAD=cfg.get("PAGE_AHEAD", False), **common)
+            k_strides[0], k_strides[1], *tail),
+            dict(BLOCK_D=cfg["BLOCK_DV"], BLOCK_DR=block_dr, PAGE_AHEAD=cfg.get("PAGE_AHEAD", False), **common),
+            what="tree_attention_mla")
     elif cfg.get("KERNEL") == "mla_chunked":
-        kernels._tree_attention_mla_chunked_kernel[grid](
+        launch_fitting(kernels._tree_attention_mla_chunked_kernel, grid, (
             q, qr_t, kc, page_table, prefix_lens, mask_arg, out, lse_arg, ws_o, ws_lse, count, scale, *q_strides,
-            k_strides[0], k_strides[1], *tail,
-            DC=cfg["D_CHUNK"], NC=cfg["NC"], CPT=cfg["CPT"], BLOCK_DR=block_dr, M_TILES=cfg["M_TILES"],
-            DV_TILES=cfg["DV_TILES"], FUSED_MERGE=fused, **common)
+            k_strides[0], k_strides[1], *tail),
+            dict(DC=cfg["D_CHUNK"], NC=cfg["NC"], CPT=cfg["CPT"], BLOCK_DR=block_dr, M_TILES=cfg["M_TILES"],
+                 DV_TILES=cfg["DV_TILES"], FUSED_MERGE=fused, **common), what="tree_attention_mla")
     else:
-        kernels._tree_attention_fwd_kernel[grid](
+        launch_fitting(kernels._tree_attention_fwd_kernel, grid, (
             q, qr_t, kc, vc, page_table, prefix_lens, mask_arg, out, lse_arg, ws_o, ws_lse, count, scale, *q_strides,
-            *k_strides, *v_strides, *tail,
-            GROUP=hq // hkv, DV=dv, BLOCK_D=_next_pow2(max(16, d)), BLOCK_DR=block_dr, BLOCK_DV=cfg["BLOCK_DV"],
-            BLOCK_K=cfg["BLOCK_K"], M_TILES=cfg["M_TILES"], DV_TILES=cfg["DV_TILES"], V_IS_K=v_is_k,
-            FUSED_MERGE=fused, PAGE_AHEAD=cfg.get("PAGE_AHEAD", False), **common)
+            *k_strides, *v_strides, *tail),
+            dict(GROUP=hq // hkv, DV=dv, BLOCK_D=_next_pow2(max(16, d)), BLOCK_DR=block_dr, BLOCK_DV=cfg["BLOCK_DV"],
+                 BLOCK_K=cfg["BLOCK_K"], M_TILES=cfg["M_TILES"], DV_TILES=cfg["DV_TILES"], V_IS_K=v_is_k,
+                 FUSED_MERGE=fused, PAGE_AHEAD=cfg.get("PAGE_AHEAD", False), **common),
+            what="tree_attention_mla" if dr else "tree_attention")
     if splits > 1 and not fused:
         _launch_merge(kernels, ws_o, ws_lse, out, lse, batch=batch, k=k, hq=hq, dv=dv, splits=splits, cfg=cfg,
                       pdl=pdl)

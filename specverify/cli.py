@@ -10,108 +10,9 @@ import argparse
 import importlib
 import json
 import os
-import platform
 import sys
 
-
-def _version(mod: str) -> str | None:
-    try:
-        from importlib.metadata import version
-
-        return version(mod)
-    except Exception:
-        return None
-
-
-def collect_env() -> dict:
-    """Everything ``specverify env`` reports, as a dict (also written into benchmark JSON rows)."""
-    import specverify
-    from specverify import envvars
-
-    info: dict = {"specverify": specverify.__version__, "python": platform.python_version(),
-                  "platform": platform.platform()}
-    try:
-        import torch
-
-        info["torch"] = torch.__version__
-        info["cuda_runtime"] = torch.version.cuda
-        if torch.cuda.is_available():
-            props = torch.cuda.get_device_properties(0)
-            info["gpu"] = props.name
-            info["compute_capability"] = f"{props.major}.{props.minor}"
-            info["gpu_count"] = torch.cuda.device_count()
-            info["sm_count"] = props.multi_processor_count
-            info["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
-        else:
-            info["gpu"] = "no CUDA device"
-    except Exception as exc:  # torch is a hard dependency; report rather than crash
-        info["torch"] = f"unavailable ({exc})"
-        info["gpu"] = "no CUDA device"
-    info["triton"] = _version("triton")
-    info["triton_interpret"] = envvars.triton_interpret()
-    cupy = None
-    for name in ("cupy-cuda13x", "cupy-cuda12x", "cupy"):
-        cupy = cupy or _version(name)
-    info["cupy"] = cupy
-    nccl = None
-    for name in ("nvidia-nccl-cu13", "nvidia-nccl-cu12"):
-        nccl = nccl or _version(name)
-    info["nccl"] = nccl
-    has_gpu = info.get("gpu") != "no CUDA device"
-    triton_runs = info["triton"] is not None and (has_gpu or info["triton_interpret"])
-    backends = {"reference": True,
-                "triton" + ("" if has_gpu else " (CPU: only with TRITON_INTERPRET=1)"): triton_runs,
-                "cuda (NVRTC through CuPy)": cupy is not None and has_gpu}
-    # the Gluon MLA kernel: the rule an MLA plan applies (Kimi-K2 / DeepSeek-V3 sizes: latent 512, rope 64)
-    gluon_ok = False
-    if has_gpu:
-        from specverify.attention import _wgmma_default
-
-        gluon_ok = _wgmma_default(torch.device("cuda", 0), d=512, dr=64, dv=512)
-    backends["gluon wgmma MLA attention (sm_90, Triton 3.6)"] = gluon_ok
-    try:
-        importlib.import_module("sglang")
-        backends["sglang peer kernels"] = True
-    except Exception:
-        backends["sglang peer kernels"] = False
-    info["backends"] = backends
-    info["cache_dir"] = str(envvars.cache_dir())
-    info["env_vars"] = envvars.snapshot()
-    return info
-
-
-def output_path_problem(path: str) -> str | None:
-    """Why a file cannot be written at ``path`` (one clause that names the fix), or None when it can.
-
-    The rule every subcommand applies to its output flags (``--json``, ``--plot``, ``--csv``) before any work, so a
-    long run never ends in a traceback at its last step: the path is not empty and not a directory, its parent
-    directory exists and is writable, and an existing file there is writable.
-    """
-    if not path:
-        return "the path is empty; name a file, e.g. out.json"
-    if os.path.isdir(path):
-        return f"{path} is a directory; name a file inside it, e.g. {os.path.join(path, 'out.json')}"
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.exists(parent):
-        return f"directory {parent} does not exist; create it (mkdir -p {parent}) or choose another path"
-    if not os.path.isdir(parent):
-        return f"{parent} is not a directory; choose another path"
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return f"directory {parent} is not writable; choose another path"
-    if os.path.exists(path) and not os.access(path, os.W_OK):
-        return f"{path} exists and is not writable; choose another path or make it writable"
-    return None
-
-
-def check_output_paths(paths: dict) -> None:
-    """Raise ``ValueError`` for the first ``{flag: path}`` entry that cannot be written (None entries: flag not
-    given), naming the flag, the path and the fix (:func:`output_path_problem`)."""
-    for flag, path in paths.items():
-        if path is None:
-            continue
-        problem = output_path_problem(path)
-        if problem:
-            raise ValueError(f"{flag} {path!r}: {problem}")
+from specverify.env_report import collect_env, package_version
 
 
 def _print_env(info: dict) -> None:
@@ -169,7 +70,8 @@ def _cmd_clear_cache(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specverify", description=__doc__.splitlines()[0].replace("``", ""))
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version('specverify-kernels')}")
+    parser.add_argument("--version", action="version",
+                        version=f"%(prog)s {package_version('specverify-kernels')}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     text = "versions, GPU, backends and the JIT cache directory"
     p = sub.add_parser("env", help=text, description=text)

@@ -17,7 +17,7 @@ import torch
 
 from specverify import envvars
 
-__all__ = ["first_fitting", "shared_memory_limit_bytes"]
+__all__ = ["first_fitting", "launch_fitting", "shared_memory_limit_bytes"]
 
 _CHOSEN: dict[tuple, dict] = {}
 
@@ -90,3 +90,19 @@ def first_fitting(kernel, grid, args: Sequence, candidates: Sequence[dict], *, d
         seen.append(f"{cand}: {shared} B")
     raise ValueError(f"{what}: no launch config fits the {limit} B of shared memory a block may use on "
                      f"{torch.cuda.get_device_name(index)} ({'; '.join(seen)}); report this shape")
+
+
+def launch_fitting(kernel, grid, args: Sequence, kwargs: dict, *, what: str):
+    """``kernel[grid](*args, **kwargs)`` with the pipeline depth lowered where the compiled kernel would not fit
+    the device's shared memory (``num_stages`` from the asked value down to 1; tiles and results are unchanged,
+    only how many loads are in flight). The choice is cached per kernel, constexprs and tensor dtypes
+    (:func:`first_fitting`). Raises ValueError naming ``what`` when even one stage does not fit."""
+    dev = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+    if dev is None or dev.type != "cuda" or envvars.triton_interpret():
+        return kernel[grid](*args, **kwargs)
+    key = (getattr(kernel, "__name__", None) or repr(kernel), tuple(sorted(kwargs.items())),
+           tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
+    stages = int(kwargs.get("num_stages", 3))
+    cands = [dict(kwargs, num_stages=s) for s in range(stages, 0, -1)]
+    cfg = first_fitting(kernel, grid, args, cands, device=dev, key=key, what=what)
+    return kernel[grid](*args, **cfg)

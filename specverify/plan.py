@@ -46,6 +46,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
+from specverify.output_paths import check_output_paths
+
 __all__ = [
     "PlanRow",
     "best_k",
@@ -529,8 +531,6 @@ def _measured_on_cpu(path: str) -> bool:
 def run_plan_cli(args: argparse.Namespace) -> int:
     """Handler of ``specverify plan``; returns the exit status (2 on a bad input, with the reason on stderr)."""
     try:
-        from specverify.cli import check_output_paths
-
         check_output_paths({"--json": None if args.json in (None, "-") else args.json})  # before any work
         provider = None
         decode_ms = args.decode_ms

@@ -39,12 +39,15 @@ import torch
 
 from specverify.benchmarking import git_commit
 from specverify.configs import get_config, list_configs, verify_bytes
+from specverify.env_report import collect_env
+from specverify.forward.model import VerifyModel
+from specverify.forward.ops import PROVIDERS, provider_ops
 from specverify.graph_pool import VerifyGraphPool
+from specverify.output_paths import check_output_paths
 from specverify.tree import BatchedDraftTree, DraftTree
 
 log = logging.getLogger("specverify")
 
-PROVIDERS = ("reference", "specverify", "sglang")
 CPU_STAND_INS = {"mla": "tiny-mla-moe", "gqa-moe": "tiny-gqa-moe", "gqa": "tiny-gqa"}
 
 
@@ -89,7 +92,7 @@ def make_tree(spec: str, k: int) -> DraftTree:
 
 
 def tp_problem(cfg, tp: int) -> str | None:
-    """Why ``tp`` cannot shard ``cfg`` the way :class:`specverify.reference.model.VerifyModel` shards it, or None.
+    """Why ``tp`` cannot shard ``cfg`` the way :class:`specverify.forward.model.VerifyModel` shards it, or None.
 
     The rules of :func:`specverify.configs.per_rank_shapes`: ``tp`` divides the attention heads, the dense and MoE
     intermediate sizes and the shared experts' (routed experts are not split: every rank holds a slice of each);
@@ -138,27 +141,6 @@ def _parse_ints(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"draft lengths must be >= 1, got {text!r}")
     return values
-
-
-# ------------------------------------------------------------------------------------------------------------
-# providers
-
-
-def build_ops(provider: str, model):
-    """(Ops, note) for ``provider``; raises RuntimeError with the reason when it cannot be built."""
-    from specverify.reference.model import Ops
-
-    if provider == "reference":
-        return Ops(), ""
-    if provider == "specverify":
-        from specverify.providers import specverify_ops
-
-        return specverify_ops(model)
-    if provider == "sglang":
-        from specverify.providers import sglang_ops
-
-        return sglang_ops(model)
-    raise RuntimeError(f"unknown provider {provider!r}; expected reference, specverify or sglang")
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -449,9 +431,6 @@ def cpu_notes(s: WallSettings) -> list[str]:
 
 def run_verify_wall(s: WallSettings, progress=None) -> dict:
     """Run the whole measurement; returns {"rows": [...], "meta": {...}, "breakdown": {...}}."""
-    from specverify.cli import collect_env
-    from specverify.reference.model import VerifyModel
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = get_config(s.model)
     notes = []
@@ -509,7 +488,7 @@ def run_verify_wall(s: WallSettings, progress=None) -> dict:
     step = 0
     for provider in s.impl:
         try:
-            ops, note = build_ops(provider, model)
+            ops, note = provider_ops(provider, model)
         except Exception as exc:
             notes.append(f"provider {provider!r} skipped: {exc}")
             step += len(ks)
@@ -752,8 +731,6 @@ def _cmd(args) -> int:
         if args.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
         _check_tp(cfg, s.tp)  # against the model asked for, also on a CPU where a stand-in runs
-        from specverify.cli import check_output_paths
-
         check_output_paths({"--json": s.json_path, "--plot": s.plot_path})
         if s.plot_path:
             _check_plot(s.plot_path)

@@ -15,8 +15,9 @@ import torch
 
 from specverify import plan as plan_mod
 from specverify import verify_wall as vw
-from specverify.cli import main, output_path_problem
+from specverify.cli import main
 from specverify.configs import get_config
+from specverify.output_paths import output_path_problem
 
 #: the smallest verify-wall run: one tiny model, one provider, decode only
 SMALL = ["bench", "verify-wall", "--model", "tiny-gqa", "--impl", "reference", "--draft-tokens", "1"]

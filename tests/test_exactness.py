@@ -6,8 +6,8 @@ two loops can differ is a bug in the verify path (masks, positions, KV writes, a
 import pytest
 import torch
 
+from specverify.forward.model import VerifyModel
 from specverify.reference.generate import NoisyCopyDrafter, greedy_generate, speculative_generate
-from specverify.reference.model import VerifyModel
 from specverify.tree import DraftTree
 
 PROMPTS = [[1, 5, 7, 2, 9], [3, 8], [11, 4, 6, 6, 2, 8, 1, 3]]  # different lengths: different prefix_lens
@@ -58,9 +58,9 @@ def test_drafter_gets_both_accepts_and_rejects():
 @pytest.mark.parametrize("name", ["tiny-mla-moe", "tiny-gqa"])
 def test_specverify_acceptance_and_compaction_are_exact(name):
     # the specverify provider's acceptance and KV compaction slots (Triton; integer and copy work, so still exact
-    # with the fp64 reference forward): a slot that returned its tuple in another order, or a compaction that moved
-    # the wrong rows, would change the tokens
-    from specverify.providers import specverify_ops
+    # with the fp64 forward on the reference ops): a slot that returned its tuple in another order, or a compaction
+    # that moved the wrong rows, would change the tokens
+    from specverify.forward.ops import specverify_ops
 
     sv, _ = specverify_ops(None)
     assert (sv.pieces["acceptance"], sv.pieces["kv_compaction"]) == ("triton", "triton")

@@ -1,9 +1,6 @@
 """VerifyGraphPool: input checks and refusals on the CPU; capture/replay/padding/memory on a GPU."""
 from __future__ import annotations
 
-import importlib
-import inspect
-
 import pytest
 import torch
 
@@ -215,27 +212,18 @@ def test_rebuild_after_weights_move_and_timing():
     assert t["host_us"] > 0 and t["gpu_us"] > 0 and t["launch_bound"] == (t["host_us"] > t["gpu_us"])
 
 
-def _reference_forward():
-    """The lead's reference verify forward, when present and exposing the pool protocol."""
-    try:
-        mod = importlib.import_module("specverify.reference.model")
-        configs = importlib.import_module("specverify.configs")
-    except ImportError as e:
-        pytest.skip(f"specverify.reference.model not available: {e}")
-    build = getattr(mod, "build_reference_model", None)
-    if build is None:
-        pytest.skip("specverify.reference.model has no build_reference_model")
-    params = inspect.signature(build).parameters
-    wanted = {"tp": 8, "num_layers": 2, "layers": 2, "device": "cuda", "dtype": torch.bfloat16}
-    model = build(configs.get_config("kimi-k2"), **{n: v for n, v in wanted.items() if n in params})
-    if not (callable(getattr(model, "make_inputs", None)) and callable(getattr(model, "verify", None))):
-        pytest.skip("reference model lacks make_inputs(batch, k) / verify(inputs, k) for the pool")
+def _verify_model_forward():
+    """The verify forward (kimi-k2 per-rank shapes, 2 layers) through the pool protocol of its adapter."""
+    from specverify.configs import get_config
+    from specverify.forward.model import build_verify_model
+
+    model = build_verify_model(get_config("kimi-k2"), tp=8, num_layers=2, device="cuda", dtype=torch.bfloat16)
     return model.verify, model.make_inputs
 
 
 @pytest.mark.gpu
-def test_reference_model_replay_equals_eager():
-    fwd, make = _reference_forward()
+def test_verify_model_replay_equals_eager():
+    fwd, make = _verify_model_forward()
     pool = VerifyGraphPool(fwd, make, batch_buckets=[1, 4], draft_lengths=[1, 4], capture="eager")
     for b, k in pool.keys():
         static = pool.static_inputs(b, k)
@@ -256,12 +244,12 @@ def _padded_replay(device, use_graphs, padding):
     whose page-table rows are other requests' (5, 6, 7). Returns (KV caches before the second run, after it, the
     three live rows' page table and prefixes, the pool's outputs, an eager run's outputs, the adapter)."""
     from specverify.configs import get_config
-    from specverify.reference.model import build_reference_model
+    from specverify.forward.model import build_verify_model
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    ad = build_reference_model(get_config("tiny-mla-moe"), tp=1, num_layers=2, device=device, dtype=dtype,
-                               provider="reference" if device == "cpu" else "specverify", max_batch=8, max_k=4,
-                               context=4000, page_size=16, seed=3)
+    ad = build_verify_model(get_config("tiny-mla-moe"), tp=1, num_layers=2, device=device, dtype=dtype,
+                            provider="reference" if device == "cpu" else "specverify", max_batch=8, max_k=4,
+                            context=4000, page_size=16, seed=3)
     pool = VerifyGraphPool(ad.verify, ad.make_inputs, batch_buckets=[8], draft_lengths=[4], use_graphs=use_graphs,
                            device=device, padding=ad.padding if padding else None)
     gen = torch.Generator().manual_seed(11)

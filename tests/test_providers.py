@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from specverify.providers import specverify_ops
+from specverify.forward.ops import specverify_ops
 from specverify.reference.accept import greedy_accept_reference
 
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism of the reference verify forward: 2 ranks over gloo equal one rank, on the CPU."""
+"""Tensor parallelism of the verify forward: 2 ranks over gloo equal one rank, on the CPU."""
 import os
 import socket
 
@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from specverify.reference.model import VerifyModel
+from specverify.forward.model import VerifyModel
 from specverify.tree import BatchedDraftTree, DraftTree
 
 

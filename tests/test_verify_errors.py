@@ -1,10 +1,10 @@
-"""Bad input to the reference verify forward, and trees given as a parents tensor to verify_greedy /
+"""Bad input to the verify forward, and trees given as a parents tensor to verify_greedy /
 verify_sampling, raise a clear error before any kernel runs."""
 import pytest
 import torch
 
 from specverify.accept import verify_greedy, verify_sampling
-from specverify.reference.model import VerifyModel
+from specverify.forward.model import VerifyModel
 from specverify.tree import BatchedDraftTree, DraftTree
 
 

@@ -34,6 +34,8 @@ import weakref
 from typing import Any, Callable, NamedTuple
 
 from specverify import envvars
+from specverify.integrations.sglang_stats import STATS, reset_stats
+from specverify.integrations.sglang_stats import log_once as _log_once
 
 logger = logging.getLogger("specverify.sglang")
 
@@ -164,31 +166,6 @@ def resolve_target(key: str) -> Any:
         ) from exc
 
 
-# ----------------------------------------------------------------------------------------------- bookkeeping
-
-#: Counters the tests read to prove a path really ran (cheap: plain int increments on the host).
-STATS: dict[str, int] = {
-    "routing_ours": 0, "routing_declined": 0,
-    "alignment_ours": 0, "alignment_declined": 0,
-    "allreduce_ours": 0, "allreduce_declined": 0,
-    "verify_ours": 0, "verify_declined": 0,
-}
-
-_LOGGED: set[str] = set()
-
-
-def _log_once(key: str, msg: str, level: int = logging.INFO) -> None:
-    if key not in _LOGGED:
-        _LOGGED.add(key)
-        logger.log(level, msg)
-
-
-def reset_stats() -> None:
-    """Zero :data:`STATS` (tests)."""
-    for k in STATS:
-        STATS[k] = 0
-
-
 # --------------------------------------------------------------------------------------------------- register
 
 #: What the last :func:`register` call registered: part -> list of targets (the tests compare with SGLang's state).
@@ -312,7 +289,9 @@ def routing_around(original: Callable, *args, **kwargs):
     """Around-hook on SGLang's ``biased_grouped_topk``: route with :func:`specverify.moe_route`.
 
     Keeps SGLang's contract: returns ``(topk_weights fp32 [M, top_k], topk_ids int32 [M, top_k])``; the order of
-    the k slots is not part of it (SGLang's own router returns them unsorted). Declines to ``original`` (logged
+    the k slots is not part of it (SGLang's own router returns them unsorted). Every id is in ``[0, E)``, rows of
+    NaN logits included (weight-0 fillers, see :func:`specverify.moe_route`'s Notes), so SGLang's expert kernels,
+    which index by id, stay in range. Declines to ``original`` (logged
     once per reason) for fused shared experts, per-token bias, unsupported expert layouts, non-CUDA tensors or
     when ``specverify.moe`` cannot be imported.
     Renormalisation differs from SGLang's only by SGLang's 1e-20 added to the sum (ours divides where the sum is

@@ -16,10 +16,11 @@ backend's KV write, metadata and CUDA-graph machinery and adds three things:
   (``init_forward_metadata_out_graph``) and the mask packed inside it (``init_forward_metadata_in_graph``), so a
   replay sees the mask the draft stage wrote just before it.
 
-The backend declines to the Triton kernel (counted in ``specverify.integrations.sglang.STATS``, logged once per
-reason) for anything our kernels do not cover: sliding windows, logit caps, sinks, score mods, fp8/quantised KV,
-context parallelism (DCP), translated (unified) KV pools, deterministic mode, head sizes the kernel does not
-support, or when ``specverify.attention`` cannot be imported.
+The backend declines to the Triton kernel (counted in ``specverify.integrations.sglang_stats.STATS``, which the
+plugin shows as ``specverify.integrations.sglang.STATS``; logged once per reason) for anything our kernels do not
+cover: sliding windows, logit caps, sinks, score mods, fp8/quantised KV, context parallelism (DCP), translated
+(unified) KV pools, deterministic mode, head sizes the kernel does not support, or when ``specverify.attention``
+cannot be imported.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import logging
 
 import torch
 
-from specverify.integrations import sglang as _plugin
+from specverify.integrations.sglang_stats import STATS, log_once
 
 logger = logging.getLogger("specverify.sglang")
 
@@ -78,7 +79,7 @@ def _define_class() -> type:
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
     from sglang.srt.layers.attention.verify_mask import VerifyMask
 
-    stats, log_once = _plugin.STATS, _plugin._log_once
+    stats = STATS
 
     class SpecverifyAttnBackend(TritonAttnBackend):
         """SGLang's Triton attention backend with TARGET_VERIFY through specverify's tree attention."""

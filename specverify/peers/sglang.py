@@ -3,7 +3,8 @@
 Source: SGLang 0.5.23 (``pip install --no-deps sglang==0.5.23`` plus its small pure-Python dependencies; see
 ``shared/gpu-machine.md``). Every wrapper here calls SGLang's kernels with the metadata SGLang itself would build,
 so a benchmark against them compares kernels, not semantics. Metadata is built in a ``prepare_*`` step (or, inside
-:func:`make_ops`, once per forward into static buffers), never from host copies of tensor values.
+:class:`VerifyAttention`, once per forward into static buffers), never from host copies of tensor values. The
+verify forward's ``sglang`` op table (:func:`specverify.forward.ops.sglang_ops`) is composed from these wrappers.
 
 Call paths (module : function, and the SGLang code whose call it reproduces)
 
@@ -44,7 +45,7 @@ Not provided: tree greedy verification and tree speculative sampling. On CUDA SG
 ``sgl_kernel`` ops, not Triton; its Triton ``verify_tree_greedy_triton`` (``kernels/ops/speculative/spec_tree.py``)
 is the XPU path only, and that module imports ``sgl_kernel`` at import time on CPU;
 ``chain_speculative_sampling_triton`` handles chains only. Acceptance therefore stays on specverify's reference
-in :func:`make_ops`.
+in :func:`specverify.forward.ops.sglang_ops`.
 
 Stand-ins: ``sglang.utils`` imports ``IPython.display`` at import time; when IPython is missing an import-only
 stand-in module (``HTML``, ``display``) is registered in ``sys.modules`` before SGLang is imported. Nothing else of
@@ -55,7 +56,7 @@ that private copy only, by one reporting deterministic inference off (SGLang's d
 Import chain of the experts piece: ``fused_moe_triton_kernels`` imports ``sglang.srt.layers.moe``, whose package
 ``__init__`` reaches ``sglang.srt.configs`` and so ``transformers`` and ``torchvision``. Where those do not import
 (the GPU test machine has neither), the experts piece is reported missing with the exact error and
-:func:`make_ops` keeps specverify's reference experts, saying so in its note.
+:func:`specverify.forward.ops.sglang_ops` keeps specverify's reference experts, saying so in its note.
 
 Graph safety: the wrappers allocate with torch (captured into the graph's pool), never synchronise with the host
 and never branch on tensor values. SGLang's kernels are launched with ``launch_pdl`` on Hopper, as SGLang does.
@@ -70,8 +71,8 @@ import types
 
 import torch
 
-__all__ = ["available", "prepare_tree_attention", "tree_attention", "tree_attention_mla", "route_and_align",
-           "align", "prepare_fused_experts", "fused_experts", "make_ops", "SGLANG_VERSION"]
+__all__ = ["available", "pieces", "prepare_tree_attention", "tree_attention", "tree_attention_mla", "route",
+           "route_and_align", "align", "prepare_fused_experts", "fused_experts", "VerifyAttention", "SGLANG_VERSION"]
 
 SGLANG_VERSION = "0.5.23"  # the version these call paths were read from
 
@@ -224,6 +225,22 @@ def available() -> tuple[bool, str]:
     if missing:
         text += "; missing: " + "; ".join(missing)
     return True, text
+
+
+def pieces() -> tuple[dict, dict]:
+    """The SGLang pieces this process imported (importing them on the first call; never raises).
+
+    Returns
+    -------
+    mods : dict
+        ``attention``, ``router``, ``align`` (``small``, ``limit``, ``large`` or None), ``experts`` (``cuda_sum``
+        or None, ...): a namespace, or None when the piece does not import; ``version``: SGLang's version.
+        Empty when SGLang itself does not import.
+    why : dict
+        piece (or ``sglang``) -> the import error of each missing one.
+    """
+    st = _load()
+    return st["mods"], st["why"]
 
 
 def _need(piece: str):
@@ -441,7 +458,14 @@ def tree_attention_mla(q_latent, q_rope, kv_cache, *, page_table, prefix_lens, t
 # routing and alignment
 
 
-def _route(logits, bias, *, top_k, scoring, n_group, topk_group, renormalize, routed_scaling_factor):
+def route(logits, bias, *, top_k, scoring, n_group, topk_group, renormalize, routed_scaling_factor):
+    """SGLang's Triton router (``moe_fused_gate``) with specverify's semantics: the routed scaling factor folded into
+    the weights. Arguments as :func:`specverify.reference.moe.route_reference` (``bias`` its ``correction_bias``).
+
+    Returns
+    -------
+    (topk_ids int32 [M, top_k], topk_weights fp32 [M, top_k])
+    """
     gate = _need("router").moe_fused_gate
     if scoring == "softmax":
         if bias is not None:
@@ -522,7 +546,7 @@ def route_and_align(logits, bias, block_size, *, top_k, scoring="sigmoid", n_gro
     (topk_ids int32 [M, top_k], topk_weights fp32 [M, top_k], sorted_token_ids, expert_ids,
     num_tokens_post_padded) — the last three as :func:`align`.
     """
-    ids, w = _route(logits, bias, top_k=top_k, scoring=scoring, n_group=n_group, topk_group=topk_group,
+    ids, w = route(logits, bias, top_k=top_k, scoring=scoring, n_group=n_group, topk_group=topk_group,
                     renormalize=renormalize, routed_scaling_factor=routed_scaling_factor)
     return (ids, w) + align(ids, logits.shape[1], block_size)
 
@@ -654,13 +678,14 @@ def fused_experts(hidden, w13, w2, topk_weights, topk_ids):
 
 
 # ------------------------------------------------------------------------------------------------------------
-# op table
+# attention for the verify forward's op table
 
 
-class _AttentionOp:
-    """Attention for the model's op table: one :class:`_AttnPlan` per (shapes, page table, inputs), refreshed in
-    place at the first layer of every forward (detected by that layer's cache), so a captured graph refreshes it
-    on every replay from the current prefix lengths and tree mask."""
+class VerifyAttention:
+    """Tree attention in the verify forward's op-table signature (``mla`` and ``gqa``, see
+    :mod:`specverify.forward.ops`): one :class:`_AttnPlan` per (shapes, page table, inputs), refreshed in place at
+    the first layer of every forward (detected by that layer's cache), so a captured graph refreshes it on every
+    replay from the current prefix lengths and tree mask."""
 
     def __init__(self):
         self.plans: dict = {}
@@ -691,75 +716,3 @@ class _AttentionOp:
         plan = self.plan(b, k, k_cache, page_table, prefix_lens, tree_mask)
         q3, kb, vb, dv = _gqa_views(q, k_cache, v_cache)
         return plan.run(q3, kb, vb, sm_scale, dv).view(b, k, h, dv)
-
-
-def make_ops(model):
-    """An :class:`~specverify.reference.model.Ops` table running SGLang's Triton kernels where they exist.
-
-    Parameters
-    ----------
-    model : specverify.reference.model.VerifyModel
-
-    Returns
-    -------
-    ops : Ops
-        ``attention_mla`` / ``attention_gqa`` (SGLang's extend attention, TARGET_VERIFY metadata refreshed once
-        per forward), ``route`` (SGLang's router), ``experts`` (SGLang's alignment and fused-MoE kernels); the rest
-        is specverify's reference. ``ops.pieces`` names the SGLang pieces.
-    note : str
-        What is SGLang's, what was substituted, and what stays on the reference.
-
-    Raises
-    ------
-    RuntimeError
-        When SGLang's attention kernel cannot be imported (the reason is in the message).
-    """
-    from specverify.reference.model import Ops
-
-    ok, why = available()
-    if not ok:
-        raise RuntimeError(why)
-    mods = _load()["mods"]
-    ops = Ops()
-    used, ref, subs = [], [], []
-    attn = _AttentionOp()
-    ops.attention_mla, ops.attention_gqa = attn.mla, attn.gqa
-    ops.pieces["attention"] = "sglang"
-    used.append("attention: extend_attention_fwd (TARGET_VERIFY metadata, refreshed once per forward; "
-                "draft K/V rows gathered from the cache per layer)")
-    if mods.get("router") is not None:
-        def route(logits, p):
-            return _route(logits, p.correction_bias, top_k=p.num_experts_per_tok, scoring=p.scoring_func,
-                          n_group=p.n_group, topk_group=p.topk_group, renormalize=p.norm_topk_prob,
-                          routed_scaling_factor=p.routed_scaling_factor)
-
-        ops.route = route
-        ops.pieces["moe_route"] = "sglang"
-        used.append("routing: moe_fused_gate")
-    else:
-        ref.append(f"routing ({_load()['why'].get('router')})")
-    if mods.get("experts") is not None and mods.get("align") is not None:
-        ops.experts = lambda hidden, w13, w2, ids, weights: fused_experts(hidden, w13, w2, weights, ids)
-        ops.pieces["experts"] = "sglang"
-        used.append("experts: SGLang alignment + invoke_fused_moe_kernel x2 + act_and_mul_triton + combine")
-        subs.append("activation: act_and_mul_triton instead of SGLang's JIT-CUDA silu_and_mul (needs tvm_ffi)")
-        cfg = model.config
-        if getattr(cfg, "n_routed_experts", 0):
-            # the alignment path for the verify-wall's largest pass is decided per call; name the rule here
-            al = mods["align"]
-            if al.large is None:
-                subs.append(f"alignment: SGLang's Triton moe_align_small_numel also beyond its gate (numel > "
-                            f"{al.limit} or <= 64 experts), where SGLang calls sgl_kernel.moe_align_block_size "
-                            "(not installed)")
-            if mods["experts"].cuda_sum is None:
-                subs.append("expert sum: moe_sum_reduce_triton also above 32 tokens, where SGLang calls "
-                            "sgl_kernel.moe_sum_reduce (not installed)")
-    else:
-        ref.append(f"experts ({_load()['why'].get('experts') or _load()['why'].get('align')})")
-    ref += ["acceptance (SGLang runs tree greedy verification as JIT CUDA/sgl_kernel on CUDA, not Triton)",
-            "kv compaction", "rmsnorm/rope/KV write/activation small ops", "dense MLP and shared expert GEMMs "
-            "(torch matmul, as SGLang's unquantised linear layers)"]
-    note = (f"sglang {mods.get('version')}: " + "; ".join(used)
-            + (". substituted: " + "; ".join(subs) if subs else "")
-            + ". reference: " + "; ".join(ref))
-    return ops, note

@@ -1,4 +1,4 @@
-"""Greedy and speculative generation loops over :class:`~specverify.reference.model.VerifyModel`.
+"""Greedy and speculative generation loops over :class:`~specverify.forward.model.VerifyModel`.
 
 They exist to prove that speculative decoding through the verify path is exact: with greedy acceptance, the tokens
 generated speculatively equal plain greedy decoding token for token. State per request: the KV cache holds tokens

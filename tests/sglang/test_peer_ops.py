@@ -1,4 +1,5 @@
-"""The ``sglang`` verify-wall peer (``specverify.peers.sglang``) against specverify's references.
+"""The ``sglang`` verify-wall peer (``specverify.peers.sglang``, and its op table
+``specverify.forward.ops.sglang_ops``) against specverify's references.
 
 SGLang's kernels run under the Triton interpreter on CPU (fp32/fp16 inputs: the interpreter's bf16 ``tl.dot`` is
 broken here). Attention and expert outputs are held to twice torch's own error against an fp64 reference plus a
@@ -18,7 +19,7 @@ pytest.importorskip("sglang", reason="SGLang is not installed: run in the venv m
 pytestmark = pytest.mark.sglang
 
 # These checks run SGLang's kernels on CPU tensors under the interpreter; on a GPU machine run them with
-# TRITON_INTERPRET=1 (the GPU check is test_make_ops_forward_captures_in_a_cuda_graph).
+# TRITON_INTERPRET=1 (the GPU check is test_sglang_ops_forward_captures_in_a_cuda_graph).
 interpreter = pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="CPU-tensor interpreter check: set TRITON_INTERPRET=1 to run it here")
 
@@ -209,7 +210,7 @@ def test_fused_experts_matches_reference(m, e, top_k):
 # ------------------------------------------------------------------------------------------------ op table
 
 def _forward_case(model, gen, prefix, k=4):
-    from specverify.reference.model import VerifyModel  # noqa: F401 - documents the type
+    from specverify.forward.model import VerifyModel  # noqa: F401 - documents the type
 
     caches = model.allocate_kv(16, PAGE)
     page_table = torch.randperm(16, generator=gen)[:16].view(2, 8).to(torch.int32)
@@ -222,14 +223,15 @@ def _forward_case(model, gen, prefix, k=4):
 
 @pytest.mark.parametrize("name", ["tiny-mla-moe", "tiny-gqa-moe"])
 @interpreter
-def test_make_ops_forward_matches_reference_and_refreshes(name):
+def test_sglang_ops_forward_matches_reference_and_refreshes(name):
     _piece("experts")
-    from specverify.reference.model import Ops, VerifyModel
+    from specverify.forward.model import VerifyModel
+    from specverify.forward.ops import Ops, sglang_ops
 
     gen = torch.Generator().manual_seed(7)
     model = VerifyModel(name, dtype=torch.float16, num_layers=2)
     caches, pt, pl, ids, depth, mask = _forward_case(model, gen, [7, 13])
-    ops, note = peer.make_ops(model)
+    ops, note = sglang_ops(model)
     assert ops.pieces["attention"] == ops.pieces["moe_route"] == ops.pieces["experts"] == "sglang"
     assert "reference" in note and "acceptance" in note
     for prefix in ([7, 13], [10, 2]):  # the second pass changes prefix_lens in place: metadata must follow
@@ -244,8 +246,9 @@ def test_make_ops_forward_matches_reference_and_refreshes(name):
 
 
 @pytest.mark.gpu
-def test_make_ops_forward_captures_in_a_cuda_graph():
-    from specverify.reference.model import Ops, VerifyModel
+def test_sglang_ops_forward_captures_in_a_cuda_graph():
+    from specverify.forward.model import VerifyModel
+    from specverify.forward.ops import Ops, sglang_ops
 
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(9)
@@ -254,7 +257,7 @@ def test_make_ops_forward_captures_in_a_cuda_graph():
                                         for t in _forward_case(model, gen, [7, 13]))
     caches = model.allocate_kv(16, PAGE)
     pos = pl.long().unsqueeze(1) + depth
-    model.ops, _ = peer.make_ops(model)
+    model.ops, _ = sglang_ops(model)
     eager = model.forward(ids, pos, caches, pt, pl, mask)
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()

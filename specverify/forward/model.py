@@ -1,109 +1,34 @@
-"""Reference verify forward of a whole model (MLA+MoE, GQA+MoE, dense GQA) in plain torch, batched.
+"""The verify forward of a whole model (MLA+MoE, GQA+MoE, dense GQA), batched: the product's verify pass.
 
 One pass takes ``k`` draft tokens per request (node 0 = the last verified token), writes their KV into a paged
 cache at positions ``prefix_lens[b] + i``, attends over the prefix plus the tree (tree mask), runs the MLP / MoE
 layers and the LM head, and returns the logits of every node. ``verify`` adds greedy acceptance; compaction of the
-accepted path's KV is :func:`specverify.reference.kv.compact_kv_reference` (or ``ops.compact_kv``).
+accepted path's KV is ``ops.compact_kv`` (the definition: :func:`specverify.reference.kv.compact_kv_reference`).
 
-Every op goes through an :class:`Ops` table so the ``specverify`` provider can swap kernels in piece by piece while
-the model code stays one. Under tensor parallelism each rank holds its shard (heads, intermediate sizes and
-vocabulary split ``tp`` ways); with a ``torch.distributed`` group of more than one rank the attention and MLP
-outputs are all-reduced and the logits all-gathered. With ``tp > 1`` and no group (one GPU standing in for one
-rank, as ``verify-wall`` does) the collectives are skipped and their cost is modelled by the caller.
+Every op goes through an :class:`~specverify.forward.ops.Ops` table, so one layer loop runs every provider: the
+plain-torch references (the default table), specverify's kernels, or SGLang's (:mod:`specverify.forward.ops`).
+Under tensor parallelism each rank holds its shard (heads, intermediate sizes and vocabulary split ``tp`` ways);
+with a ``torch.distributed`` group of more than one rank the attention and MLP outputs are all-reduced and the
+logits all-gathered. With ``tp > 1`` and no group (one GPU standing in for one rank, as ``verify-wall`` does) the
+collectives are skipped and their cost is modelled by the caller.
 
-Dummy weights are drawn from a seed with standard deviation ``1/sqrt(fan_in)`` so activations stay finite over
-61 layers. RoPE is the rotate-half form at each node's tree position ``prefix_len + depth``; long-context scaling
-(YaRN) is left out, as it changes no shapes or bytes.
+Weight layout: tensors that read the same input are stacked so one GEMM serves them (MLA ``qkv_a``; GQA ``wqkv``;
+``gate_up``; experts ``w13`` [E, 2I, H] and ``w2`` [E, H, I], the shared expert stored as expert E of ``w13_all`` /
+``w2_all`` when its size is one expert's), with the per-matrix names kept as views. Dummy weights are drawn from a
+seed with standard deviation ``1/sqrt(fan_in)`` so activations stay finite over 61 layers. RoPE is the rotate-half
+form at each node's tree position ``prefix_len + depth``; long-context scaling (YaRN) is left out, as it changes no
+shapes or bytes.
 """
 from __future__ import annotations
 
 import math
 import zlib
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from specverify.configs import ModelConfig, RankShapes, get_config, per_rank_shapes
-from specverify.reference.accept import greedy_accept_reference
-from specverify.reference.attention import tree_attention_mla_reference, tree_attention_reference
-from specverify.reference.fused_ops import (add_rmsnorm_reference, gqa_prep_reference, mla_absorb_q_reference,
-                                            mla_kv_prep_reference, mla_up_v_reference, rmsnorm_reference,
-                                            silu_mul_reference)
-from specverify.reference.kv import compact_kv_reference, write_draft_kv
-from specverify.reference.moe import fused_moe_reference, route_reference
-
-
-def _torch_dtype(t: torch.Tensor):
-    """Attention accumulation of the torch path: fp32 on a GPU (what a plain torch verify pass computes in, the
-    timing baseline), the batch-invariant fp64 definition elsewhere (CPU exactness tests)."""
-    return torch.float32 if t.device.type == "cuda" else None
-
-
-def _torch_attention_mla(q_latent, q_rope, kv_cache, page_table, prefix_lens, tree_mask, sm_scale, **kw):
-    kw.setdefault("compute_dtype", _torch_dtype(q_latent))
-    return tree_attention_mla_reference(q_latent, q_rope, kv_cache, page_table, prefix_lens, tree_mask, sm_scale,
-                                        **kw)
-
-
-def _torch_attention_gqa(q, k_cache, v_cache, page_table, prefix_lens, tree_mask, sm_scale, **kw):
-    kw.setdefault("compute_dtype", _torch_dtype(q))
-    return tree_attention_reference(q, k_cache, v_cache, page_table, prefix_lens, tree_mask, sm_scale, **kw)
-
-
-@dataclass
-class Ops:
-    """The op table a model runs through. ``pieces`` names, per component, which implementation is used."""
-
-    attention_mla: Callable = _torch_attention_mla
-    attention_gqa: Callable = _torch_attention_gqa
-    write_kv: Callable = write_draft_kv
-    route: Callable = None  # (logits, config) -> (ids, weights)
-    experts: Callable = fused_moe_reference
-    accept_greedy: Callable = greedy_accept_reference
-    compact_kv: Callable = compact_kv_reference
-    rmsnorm: Callable = rmsnorm_reference
-    add_rmsnorm: Callable = add_rmsnorm_reference  # (x, residual, weight, eps) -> (normed, x + residual)
-    mla_prep: Callable = None  # (q, kv, positions, norm_w, cache, page_table, prefix_lens, eps, theta, nope)
-    gqa_prep: Callable = None  # (q, k, v, positions, q_norm, k_norm, k_cache, v_cache, pt, prefix, eps, theta)
-    silu_mul: Callable = silu_mul_reference
-    experts_with_shared: Callable = None  # (hidden, w13_all, w2_all, ids, weights): expert E is the shared one
-    mla_absorb_q: Callable = mla_absorb_q_reference  # (q, w_uk, nope) -> q_latent [b, k, h, R]
-    mla_up_v: Callable = mla_up_v_reference  # (o_latent, w_uv) -> [b, k, h * V]
-    pieces: dict = field(default_factory=dict)
-
-    def __post_init__(self):
-        if self.route is None:
-            self.route = _route_with_config
-        if self.mla_prep is None:
-            self.mla_prep = mla_kv_prep_reference
-        if self.gqa_prep is None:
-            self.gqa_prep = gqa_prep_reference
-        for name in ("attention", "moe_route", "experts", "acceptance", "kv_compaction", "allreduce",
-                     "small_ops"):
-            self.pieces.setdefault(name, "reference")
-
-
-def _route_with_config(logits, cfg):
-    return route_reference(
-        logits, cfg.num_experts_per_tok, scoring=cfg.scoring_func, correction_bias=cfg.correction_bias,
-        n_group=cfg.n_group, topk_group=cfg.topk_group, renormalize=cfg.norm_topk_prob,
-        routed_scaling_factor=cfg.routed_scaling_factor)
-
-
-@dataclass
-class RouteParams:
-    """What the routing op needs from the config, plus the layer's correction bias tensor."""
-
-    num_experts_per_tok: int
-    scoring_func: str
-    correction_bias: torch.Tensor | None
-    n_group: int
-    topk_group: int
-    norm_topk_prob: bool
-    routed_scaling_factor: float
-    n_routed_experts: int
+from specverify.forward.ops import Ops, RouteParams, provider_ops
 
 
 class _ParamFactory:
@@ -527,16 +452,16 @@ class VerifyPassAdapter:
         return {"tokens": toks, "accept_len": acc}
 
 
-def build_reference_model(config, tp: int = 1, num_layers: int | None = None, device="cuda",
-                          dtype=torch.bfloat16, provider: str = "auto", **kwargs) -> VerifyPassAdapter:
+def build_verify_model(config, tp: int = 1, num_layers: int | None = None, device="cuda",
+                       dtype=torch.bfloat16, provider: str = "auto", **kwargs) -> VerifyPassAdapter:
     """A :class:`VerifyPassAdapter` over a :class:`VerifyModel` with dummy weights.
 
-    ``provider``: ``reference`` (torch ops), ``specverify`` (our kernels where they exist) or ``auto``
-    (specverify on CUDA, reference elsewhere).
+    ``provider``: ``reference`` (torch ops), ``specverify`` (our kernels where they exist), ``sglang`` (SGLang's
+    Triton kernels; see :func:`specverify.forward.ops.provider_ops`) or ``auto`` (specverify on CUDA, reference
+    elsewhere). ``kwargs`` go to :class:`VerifyPassAdapter`.
     """
     model = VerifyModel(config, tp=tp, num_layers=num_layers, device=device, dtype=dtype)
-    if provider == "specverify" or (provider == "auto" and model.device.type == "cuda"):
-        from specverify.providers import specverify_ops
-
-        model.ops, _ = specverify_ops(model)
+    if provider == "auto":
+        provider = "specverify" if model.device.type == "cuda" else "reference"
+    model.ops, _ = provider_ops(provider, model)
     return VerifyPassAdapter(model, **kwargs)

@@ -1,0 +1,333 @@
+"""The op tables of the verify forward, one per provider.
+
+:class:`Ops` is the table :class:`specverify.forward.model.VerifyModel` runs every op through; its defaults are the
+plain-torch references of :mod:`specverify.reference` (the ``reference`` provider). :func:`specverify_ops` puts our
+kernels in piece by piece; a piece whose kernel is missing or fails its import stays on the reference and the
+table's ``pieces`` says so. :func:`sglang_ops` composes SGLang's own Triton kernels (wrapped with specverify's
+semantics in :mod:`specverify.peers.sglang`) the way SGLang's Triton attention backend and MoE layer call them.
+:func:`provider_ops` picks a table by provider name (what ``specverify bench verify-wall --impl`` takes).
+
+Slot signatures (``b`` requests of ``k`` nodes, ``M = b * k`` tokens); the defaults' docstrings give dtypes
+
+===================  ===========================================================================================
+slot                 arguments -> result
+===================  ===========================================================================================
+attention_mla        q_latent [b, k, h, R], q_rope [b, k, h, Dr] (a strided view), cache, page_table, prefix_lens,
+                     tree_mask, sm_scale -> o_latent [b, k, h, R]
+attention_gqa        q [b, k, hq, D], k_cache, v_cache, page_table, prefix_lens, tree_mask, sm_scale
+                     -> [b, k, hq, D]
+route                logits [M, E], :class:`RouteParams` -> (ids [M, top_k], weights [M, top_k])
+experts              hidden [M, H], w13 [E, 2I, H], w2 [E, H, I], ids, weights -> [M, H]
+experts_with_shared  as ``experts`` over ``[E + 1, ...]`` weights whose expert E is the shared one; None: the
+                     shared expert runs as a separate MLP
+accept_greedy        target_ids, draft_tokens, parents, max_depth -> (accepted_nodes, accept_len, accepted_tokens)
+compact_kv           caches, page_table, prefix_lens, accepted_nodes, accept_len (in place)
+rmsnorm              x, weight, eps -> normed
+add_rmsnorm          x, residual, weight, eps -> (normed, x + residual)
+mla_prep             q, kv, positions, norm_w, cache, page_table, prefix_lens, eps, theta, nope: latent norm, RoPE
+                     and the KV write, in place
+gqa_prep             q, k, v, positions, q_norm, k_norm, k_cache, v_cache, page_table, prefix_lens, eps, theta:
+                     q/k norm, RoPE and the KV write, in place
+silu_mul             gate_up [M, 2I] -> [M, I]
+mla_absorb_q         q, w_uk, nope -> q_latent [b, k, h, R]
+mla_up_v             o_latent, w_uv -> [b, k, h * V]
+write_kv             :func:`specverify.reference.kv.write_draft_kv` (not called by the forward: the prep ops write)
+===================  ===========================================================================================
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from specverify.peers import sglang as sglang_peer
+from specverify.reference.accept import greedy_accept_reference
+from specverify.reference.attention import tree_attention_mla_reference, tree_attention_reference
+from specverify.reference.fused_ops import (add_rmsnorm_reference, gqa_prep_reference, mla_absorb_q_reference,
+                                            mla_kv_prep_reference, mla_up_v_reference, rmsnorm_reference,
+                                            silu_mul_reference)
+from specverify.reference.kv import compact_kv_reference, write_draft_kv
+from specverify.reference.moe import fused_moe_reference, route_reference
+
+#: Provider names, in the order ``verify-wall`` runs them by default.
+PROVIDERS = ("reference", "specverify", "sglang")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the table and its reference defaults
+
+
+def _torch_dtype(t: torch.Tensor):
+    """Attention accumulation of the torch path: fp32 on a GPU (what a plain torch verify pass computes in, the
+    timing baseline), the batch-invariant fp64 definition elsewhere (CPU exactness tests)."""
+    return torch.float32 if t.device.type == "cuda" else None
+
+
+def _torch_attention_mla(q_latent, q_rope, kv_cache, page_table, prefix_lens, tree_mask, sm_scale, **kw):
+    kw.setdefault("compute_dtype", _torch_dtype(q_latent))
+    return tree_attention_mla_reference(q_latent, q_rope, kv_cache, page_table, prefix_lens, tree_mask, sm_scale,
+                                        **kw)
+
+
+def _torch_attention_gqa(q, k_cache, v_cache, page_table, prefix_lens, tree_mask, sm_scale, **kw):
+    kw.setdefault("compute_dtype", _torch_dtype(q))
+    return tree_attention_reference(q, k_cache, v_cache, page_table, prefix_lens, tree_mask, sm_scale, **kw)
+
+
+@dataclass
+class Ops:
+    """The op table a model runs through. ``pieces`` names, per component, which implementation is used."""
+
+    attention_mla: Callable = _torch_attention_mla
+    attention_gqa: Callable = _torch_attention_gqa
+    write_kv: Callable = write_draft_kv
+    route: Callable = None  # (logits, config) -> (ids, weights)
+    experts: Callable = fused_moe_reference
+    accept_greedy: Callable = greedy_accept_reference
+    compact_kv: Callable = compact_kv_reference
+    rmsnorm: Callable = rmsnorm_reference
+    add_rmsnorm: Callable = add_rmsnorm_reference  # (x, residual, weight, eps) -> (normed, x + residual)
+    mla_prep: Callable = None  # (q, kv, positions, norm_w, cache, page_table, prefix_lens, eps, theta, nope)
+    gqa_prep: Callable = None  # (q, k, v, positions, q_norm, k_norm, k_cache, v_cache, pt, prefix, eps, theta)
+    silu_mul: Callable = silu_mul_reference
+    experts_with_shared: Callable = None  # (hidden, w13_all, w2_all, ids, weights): expert E is the shared one
+    mla_absorb_q: Callable = mla_absorb_q_reference  # (q, w_uk, nope) -> q_latent [b, k, h, R]
+    mla_up_v: Callable = mla_up_v_reference  # (o_latent, w_uv) -> [b, k, h * V]
+    pieces: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.route is None:
+            self.route = _route_with_config
+        if self.mla_prep is None:
+            self.mla_prep = mla_kv_prep_reference
+        if self.gqa_prep is None:
+            self.gqa_prep = gqa_prep_reference
+        for name in ("attention", "moe_route", "experts", "acceptance", "kv_compaction", "allreduce",
+                     "small_ops"):
+            self.pieces.setdefault(name, "reference")
+
+
+def _route_with_config(logits, cfg):
+    return route_reference(
+        logits, cfg.num_experts_per_tok, scoring=cfg.scoring_func, correction_bias=cfg.correction_bias,
+        n_group=cfg.n_group, topk_group=cfg.topk_group, renormalize=cfg.norm_topk_prob,
+        routed_scaling_factor=cfg.routed_scaling_factor)
+
+
+@dataclass
+class RouteParams:
+    """What the routing op needs from the config, plus the layer's correction bias tensor."""
+
+    num_experts_per_tok: int
+    scoring_func: str
+    correction_bias: torch.Tensor | None
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    n_routed_experts: int
+
+
+# ------------------------------------------------------------------------------------------------------------
+# specverify
+
+
+def _try(module: str, *names: str):
+    try:
+        mod = importlib.import_module(module)
+        return [getattr(mod, n) for n in names], None
+    except Exception as exc:  # a missing piece falls back to the reference, and the table says why
+        return None, f"{module}: {type(exc).__name__}: {exc}"
+
+
+def specverify_ops(model):
+    """(Ops, note) with every available specverify kernel swapped in.
+
+    ``model`` is not read (every table takes it, see :func:`provider_ops`). A kernel module that does not import
+    leaves its pieces on the reference; ``note`` then names the module and the error.
+    """
+    ops = Ops()
+    missing = []
+    fns, why = _try("specverify.attention", "tree_attention", "tree_attention_mla")
+    if fns:
+        tree_attention, tree_attention_mla = fns
+
+        def attention_mla(q_latent, q_rope, cache, page_table, prefix_lens, tree_mask, sm_scale):
+            return tree_attention_mla(q_latent, q_rope, cache, page_table=page_table, prefix_lens=prefix_lens,
+                                      tree_mask=tree_mask, sm_scale=sm_scale, impl="triton")
+
+        def attention_gqa(q, k_cache, v_cache, page_table, prefix_lens, tree_mask, sm_scale):
+            return tree_attention(q, k_cache, v_cache, page_table=page_table, prefix_lens=prefix_lens,
+                                  tree_mask=tree_mask, sm_scale=sm_scale, impl="triton")
+
+        ops.attention_mla, ops.attention_gqa = attention_mla, attention_gqa
+        ops.pieces["attention"] = "triton"
+    else:
+        missing.append(why)
+    fns, why = _try("specverify.moe", "moe_route", "fused_moe", "append_shared_expert")
+    if fns:
+        moe_route, fused_moe, append_shared_expert = fns
+
+        def route(logits, p):
+            return moe_route(logits, top_k=p.num_experts_per_tok, scoring=p.scoring_func,
+                             correction_bias=p.correction_bias, n_group=p.n_group, topk_group=p.topk_group,
+                             renormalize=p.norm_topk_prob, routed_scaling_factor=p.routed_scaling_factor,
+                             impl="triton")
+
+        def experts(hidden, w13, w2, ids, weights):
+            return fused_moe(hidden, w13, w2, ids, weights, impl="triton")
+
+        def experts_with_shared(hidden, w13_all, w2_all, ids, weights):
+            # the shared expert is expert E of the stacked weights, chosen by every token with weight 1
+            ids, weights = append_shared_expert(ids, weights, w13_all.shape[0] - 1, impl="triton")
+            return fused_moe(hidden, w13_all, w2_all, ids, weights, impl="triton")
+
+        ops.route, ops.experts, ops.experts_with_shared = route, experts, experts_with_shared
+        ops.pieces["shared_expert"] = "triton (fused into the expert pass)"
+        ops.pieces["moe_route"] = "triton"
+        ops.pieces["experts"] = "triton"
+    else:
+        missing.append(why)
+    fns, why = _try("specverify.accept", "verify_greedy")
+    if fns:
+        (verify_greedy,) = fns
+
+        def accept(target_ids, draft_tokens, parents, max_depth):
+            # the Ops slot returns (accepted_nodes, accept_len, accepted_tokens), as greedy_accept_reference does;
+            # verify_greedy returns the tokens first
+            tokens, accept_len, nodes = verify_greedy(draft_tokens, parents, target_ids=target_ids, impl="triton")
+            return nodes, accept_len, tokens
+
+        ops.accept_greedy = accept
+        ops.pieces["acceptance"] = "triton"
+    else:
+        missing.append(why)
+    fns, why = _try("specverify.kv_cache", "compact_kv")
+    if fns:
+        (compact_kv,) = fns
+
+        def compact(caches, page_table, prefix_lens, nodes, acc):
+            return compact_kv(caches, page_table, prefix_lens, nodes, acc, impl="triton")
+
+        ops.compact_kv = compact
+        ops.pieces["kv_compaction"] = "triton"
+    else:
+        missing.append(why)
+    fns, why = _try("specverify.fused_ops", "rmsnorm", "mla_kv_prep", "gqa_prep", "silu_mul", "mla_absorb_q",
+                    "mla_up_v")
+    if fns:
+        rmsnorm, mla_kv_prep, gqa_prep, silu_mul, mla_absorb_q, mla_up_v = fns
+        ops.rmsnorm = lambda x, w, eps: rmsnorm(x, w, eps, impl="triton")
+        ops.add_rmsnorm = lambda x, r, w, eps: rmsnorm(x, w, eps, residual=r, impl="triton")
+
+        def mla_prep(q, kv, positions, norm_w, cache, page_table, prefix_lens, eps, theta, nope):
+            return mla_kv_prep(q, kv, positions, norm_w, cache, page_table, prefix_lens, eps=eps, theta=theta,
+                               nope_dim=nope, impl="triton")
+
+        def gqa(q, k, v, positions, qn, kn, kc, vc, page_table, prefix_lens, eps, theta):
+            return gqa_prep(q, k, v, positions, qn, kn, kc, vc, page_table, prefix_lens, eps=eps, theta=theta,
+                            impl="triton")
+
+        ops.mla_prep, ops.gqa_prep = mla_prep, gqa
+        ops.silu_mul = lambda gu: silu_mul(gu, impl="triton")
+        ops.mla_absorb_q = lambda q, w_uk, nope: mla_absorb_q(q, w_uk, nope, impl="triton")
+        ops.mla_up_v = lambda o_latent, w_uv: mla_up_v(o_latent, w_uv, impl="triton")
+        ops.pieces["small_ops"] = "triton"
+    else:
+        missing.append(why)
+    note = ("reference used for: " + "; ".join(missing)) if missing else ""
+    return ops, note
+
+
+# ------------------------------------------------------------------------------------------------------------
+# sglang
+
+
+def sglang_ops(model):
+    """An :class:`Ops` table running SGLang's Triton kernels where they exist (see :mod:`specverify.peers.sglang`).
+
+    Parameters
+    ----------
+    model : specverify.forward.model.VerifyModel
+        Read for its config (whether it has routed experts, for the note).
+
+    Returns
+    -------
+    ops : Ops
+        ``attention_mla`` / ``attention_gqa`` (SGLang's extend attention, TARGET_VERIFY metadata refreshed once
+        per forward), ``route`` (SGLang's router), ``experts`` (SGLang's alignment and fused-MoE kernels); the rest
+        is specverify's reference. ``ops.pieces`` names the SGLang pieces.
+    note : str
+        What is SGLang's, what was substituted, and what stays on the reference.
+
+    Raises
+    ------
+    RuntimeError
+        When SGLang's attention kernel cannot be imported (the reason is in the message).
+    """
+    ok, why = sglang_peer.available()
+    if not ok:
+        raise RuntimeError(why)
+    mods, why = sglang_peer.pieces()
+    ops = Ops()
+    used, ref, subs = [], [], []
+    attn = sglang_peer.VerifyAttention()
+    ops.attention_mla, ops.attention_gqa = attn.mla, attn.gqa
+    ops.pieces["attention"] = "sglang"
+    used.append("attention: extend_attention_fwd (TARGET_VERIFY metadata, refreshed once per forward; "
+                "draft K/V rows gathered from the cache per layer)")
+    if mods.get("router") is not None:
+        def route(logits, p):
+            return sglang_peer.route(logits, p.correction_bias, top_k=p.num_experts_per_tok, scoring=p.scoring_func,
+                                     n_group=p.n_group, topk_group=p.topk_group, renormalize=p.norm_topk_prob,
+                                     routed_scaling_factor=p.routed_scaling_factor)
+
+        ops.route = route
+        ops.pieces["moe_route"] = "sglang"
+        used.append("routing: moe_fused_gate")
+    else:
+        ref.append(f"routing ({why.get('router')})")
+    if mods.get("experts") is not None and mods.get("align") is not None:
+        fused_experts = sglang_peer.fused_experts
+        ops.experts = lambda hidden, w13, w2, ids, weights: fused_experts(hidden, w13, w2, weights, ids)
+        ops.pieces["experts"] = "sglang"
+        used.append("experts: SGLang alignment + invoke_fused_moe_kernel x2 + act_and_mul_triton + combine")
+        subs.append("activation: act_and_mul_triton instead of SGLang's JIT-CUDA silu_and_mul (needs tvm_ffi)")
+        cfg = model.config
+        if getattr(cfg, "n_routed_experts", 0):
+            # the alignment path for the verify-wall's largest pass is decided per call; name the rule here
+            al = mods["align"]
+            if al.large is None:
+                subs.append(f"alignment: SGLang's Triton moe_align_small_numel also beyond its gate (numel > "
+                            f"{al.limit} or <= 64 experts), where SGLang calls sgl_kernel.moe_align_block_size "
+                            "(not installed)")
+            if mods["experts"].cuda_sum is None:
+                subs.append("expert sum: moe_sum_reduce_triton also above 32 tokens, where SGLang calls "
+                            "sgl_kernel.moe_sum_reduce (not installed)")
+    else:
+        ref.append(f"experts ({why.get('experts') or why.get('align')})")
+    ref += ["acceptance (SGLang runs tree greedy verification as JIT CUDA/sgl_kernel on CUDA, not Triton)",
+            "kv compaction", "rmsnorm/rope/KV write/activation small ops", "dense MLP and shared expert GEMMs "
+            "(torch matmul, as SGLang's unquantised linear layers)"]
+    note = (f"sglang {mods.get('version')}: " + "; ".join(used)
+            + (". substituted: " + "; ".join(subs) if subs else "")
+            + ". reference: " + "; ".join(ref))
+    return ops, note
+
+
+# ------------------------------------------------------------------------------------------------------------
+# by name
+
+
+def provider_ops(provider: str, model):
+    """(Ops, note) for ``provider`` (one of :data:`PROVIDERS`); raises RuntimeError with the reason when it cannot
+    be built."""
+    if provider == "reference":
+        return Ops(), ""
+    if provider == "specverify":
+        return specverify_ops(model)
+    if provider == "sglang":
+        return sglang_ops(model)
+    raise RuntimeError(f"unknown provider {provider!r}; expected reference, specverify or sglang")

@@ -3,12 +3,14 @@
 Math, for token row ``m`` of ``logits`` [M, E] (fp32 arithmetic throughout):
 
 * ``s[e] = sigmoid(x[e])`` or ``softmax(x)[e]``; ``c[e] = s[e] + bias[e]``; a non-finite ``c[e]`` becomes -inf
-  (it never wins).
+  (it never wins). Softmax reads a NaN logit as -inf (probability 0); a row with +inf logits gives each of them
+  1 / their count and every other expert 0; a row with no finite logit left has NaN scores (no candidate).
 * With ``N_GROUP > 1`` (equal groups of ``GSIZE`` experts): ``g[j] = c(1) + c(2)`` over the two best ``c`` in
   group ``j``; the ``TOPK_GROUP`` best groups stay (ties: lowest group id), the other experts' ``c`` become -inf.
 * ``TOP_K`` rounds of argmax over ``c`` (ties: lowest expert id), each winner removed, or (TOPK_SORT) one bitonic
   top-k (``tl.topk``) of the same keys, which yields the same winners in the same order. A winner whose ``c`` is
-  -inf reports id -1 and weight 0.
+  -inf (the finite candidates ran out) is a filler: every -inf key ties in value, so those slots take the lowest
+  expert ids not chosen yet, with weight 0; every id is a distinct expert in [0, E) and is aligned like any other.
 * ``w[k] = s[id_k]`` (unbiased score); with ``RENORM`` ``w /= sum(w)`` where the sum is > 0; ``w *= scale``.
 
 Argmax uses one int64 key per expert: high word = the fp32 value's bits mapped to an order-preserving int32,
@@ -27,7 +29,7 @@ Tensors (S = M * TOP_K; B = BLOCK_SIZE; MAXB = number of blocks the buffers hold
 | --------------- | -------------- | ------------ | ------------------------------------------------------------ |
 | logits          | [M, E]         | bf16/fp16/fp32 | router logits, row stride ``stride_lm``, unit column stride |
 | bias            | [E]            | fp32         | correction bias (only when HAS_BIAS)                         |
-| topk_ids        | [M, TOP_K]     | int32        | out (routing) or in (alignment only); -1 = no expert         |
+| topk_ids        | [M, TOP_K]     | int32        | out (routing; in [0, E)) or in (alignment; -1 = none)        |
 | topk_weights    | [M, TOP_K]     | fp32         | out: routed weights                                          |
 | rank            | [S]            | int32        | scratch: slot's rank inside its expert                       |
 | sorted_ids      | [MAXB * B]     | int32        | out: slots grouped by expert, padded with S                  |
@@ -76,16 +78,23 @@ def _key_is_finite(key):
 
 
 @triton.jit
+def _softmax_num(x, mx):
+    """Softmax numerators of a NaN-free [ROWS, N] logit tile with row maxima ``mx``: ``exp(x - mx)``, or, in a row
+    whose maximum is +inf, 1 for each +inf logit and 0 for the rest (the +inf logits share the probability)."""
+    inf_row = (mx == float("inf"))[:, None]
+    return tl.where(inf_row, tl.where(x == float("inf"), 1.0, 0.0), tl.exp(x - mx[:, None]))
+
+
+@triton.jit
 def _scores(x, emask, SOFTMAX: tl.constexpr):
     """fp32 scores of a [ROWS, EP] logit tile (padding columns hold -inf); returns (scores, row max, row sum)."""
     if SOFTMAX:
-        has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
+        x = tl.where(x != x, float("-inf"), x)  # a NaN logit: probability 0
         mx = tl.max(x, axis=1)
-        mx = tl.where(has_nan, float("nan"), mx)
-        p = tl.exp(x - mx[:, None])
+        p = _softmax_num(x, mx)
         p = tl.where(emask[None, :], p, 0.0)
         den = tl.sum(p, axis=1)
-        s = p / den[:, None]
+        s = p / den[:, None]  # no finite logit (mx = -inf): exp(-inf - -inf) = NaN everywhere, so no candidate
     else:
         mx = tl.zeros([x.shape[0]], tl.float32)
         den = mx
@@ -94,16 +103,17 @@ def _scores(x, emask, SOFTMAX: tl.constexpr):
 
 
 @triton.jit
-def _store_winners(logits_ptr, row_off, ids, kmask, mx, den, scale, out_off, ids_ptr, w_ptr, SOFTMAX: tl.constexpr,
-                   RENORM: tl.constexpr):
-    """Store the chosen ids [ROWS, TOPK_P] and their weights: the unbiased scores of the winners, recomputed from
-    their logits (``row_off`` [ROWS, 1] into the logits) with the same formula, renormalised where the sum is > 0,
-    times the routed scaling factor."""
-    valid = (ids >= 0) & kmask
+def _store_winners(logits_ptr, row_off, ids, won, kmask, mx, den, scale, out_off, ids_ptr, w_ptr,
+                   SOFTMAX: tl.constexpr, RENORM: tl.constexpr):
+    """Store the chosen ids [ROWS, TOPK_P] and their weights: the unbiased scores of the winners (``won``; the
+    fillers weigh 0), recomputed from their logits (``row_off`` [ROWS, 1] into the logits) with the same formula,
+    renormalised where the sum is > 0, times the routed scaling factor."""
+    valid = won & kmask
     safe = tl.where(valid, ids, 0)
     xv = tl.load(logits_ptr + row_off + safe, mask=valid, other=0.0).to(tl.float32)
     if SOFTMAX:
-        sv = tl.exp(xv - mx[:, None]) / den[:, None]
+        xv = tl.where(xv != xv, float("-inf"), xv)
+        sv = _softmax_num(xv, mx) / den[:, None]
     else:
         sv = 1.0 / (1.0 + tl.exp(-xv))
     w = tl.where(valid, sv, 0.0)
@@ -122,11 +132,12 @@ def _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, row0,
                 TOPK_GROUP: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
                 DO_ALIGN: tl.constexpr, TOPK_SORT: tl.constexpr = False, MASK: tl.constexpr = False,
                 PDL: tl.constexpr = False):
-    """Route rows ``row0 .. row0 + ROWS - 1``; returns their ids [ROWS, TOPK_P] (-1 for no expert, padding lanes and
-    rows past M). TOPK_SORT: the winners by one bitonic top-k of the keys (tl.topk) instead of TOP_K rounds of
-    argmax (same keys, so the same winners in the same order). DO_ALIGN: each slot's rank by an atomic add on
-    ``count_ptr`` (int32 per expert), stored at ``rank_ptr``; with MASK instead bit ``row`` of ``count_ptr``'s int64
-    row mask of each chosen expert is set (rows < 64). PDL (launched as a programmatic dependent): every memory
+    """Route rows ``row0 .. row0 + ROWS - 1``; returns their ids [ROWS, TOPK_P] (-1 for padding lanes and rows past
+    M; a slot past the row's finite candidates holds a filler: the lowest expert id not chosen yet, weight 0).
+    TOPK_SORT: the winners by one bitonic top-k of the keys (tl.topk) instead of TOP_K rounds of argmax (same keys,
+    so the same winners in the same order). DO_ALIGN: each slot's rank by an atomic add on ``count_ptr`` (int32 per
+    expert), stored at ``rank_ptr``; with MASK instead bit ``row`` of ``count_ptr``'s int64 row mask of each chosen
+    expert is set (rows < 64). PDL (launched as a programmatic dependent): every memory
     access comes after ``gdc_wait``, the bias too (the kernel before may be the cast that made it), and the next
     kernel may launch from there (``gdc_launch_dependents``); only the index arithmetic overlaps the kernel before.
     """
@@ -176,20 +187,26 @@ def _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, row0,
 
     key = _order_key(c, e[None, :], EP)
     kk = tl.arange(0, TOPK_P)
+    # every -inf key ties in value, so once the finite candidates run out the keys go on with the lowest expert ids
+    # not chosen yet (padding lanes e >= E come after every real expert, and TOP_K <= E): those are the fillers
     if TOPK_SORT:
         top = tl.topk(key, TOPK_P, dim=1)  # [ROWS, TOPK_P], largest key first
-        ids = tl.where(_key_is_finite(top) & (kk < TOP_K)[None, :], _key_index(top, EP), -1)
+        ids = tl.where((kk < TOP_K)[None, :], _key_index(top, EP), -1)
+        won = _key_is_finite(top)
     else:
         ids = tl.full([ROWS, TOPK_P], -1, tl.int32)
+        won_k = tl.zeros([ROWS, TOPK_P], tl.int32)
         for k in tl.static_range(TOP_K):
             best = tl.max(key, axis=1)
-            sel = tl.where(_key_is_finite(best), _key_index(best, EP), -1)
+            sel = _key_index(best, EP)
             ids = tl.where(kk[None, :] == k, sel[:, None], ids)
+            won_k = tl.where(kk[None, :] == k, _key_is_finite(best).to(tl.int32)[:, None], won_k)
             key = tl.where(e[None, :] == sel[:, None], _REMOVED, key)
+        won = won_k != 0
 
     kmask = (kk < TOP_K)[None, :] & rmask[:, None]
     out_off = rows[:, None] * TOP_K + kk[None, :]
-    valid = (ids >= 0) & kmask
+    valid = (ids >= 0) & kmask  # every routed slot, fillers included: they are aligned (weight 0) like the others
     # the alignment's atomics go out before the weights' logit reload, so the two round trips overlap
     if DO_ALIGN:
         safe = tl.where(valid, ids, 0)
@@ -199,10 +216,11 @@ def _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, row0,
         else:
             rank = tl.atomic_add(count_ptr + safe, 1, mask=valid, sem="relaxed")
     # weights: the unbiased scores of the winners, recomputed from their logits with the same formula
-    _store_winners(logits_ptr, row_off[:, None], ids, kmask, mx, den, scale, out_off, ids_ptr, w_ptr, SOFTMAX, RENORM)
+    _store_winners(logits_ptr, row_off[:, None], ids, won, kmask, mx, den, scale, out_off, ids_ptr, w_ptr, SOFTMAX,
+                   RENORM)
     if DO_ALIGN and not MASK:
         tl.store(rank_ptr + out_off, rank, mask=valid)
-    return tl.where(valid, ids, -1)  # [ROWS, TOPK_P]: -1 for no expert, padding lanes and rows past M
+    return tl.where(valid, ids, -1)  # [ROWS, TOPK_P]: -1 for padding lanes and rows past M
 
 
 @triton.jit

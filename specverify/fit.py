@@ -89,7 +89,14 @@ def first_fitting(kernel, grid, args: Sequence, candidates: Sequence[dict], *, d
             return _CHOSEN[cache_key]
         seen.append(f"{cand}: {shared} B")
     raise ValueError(f"{what}: no launch config fits the {limit} B of shared memory a block may use on "
-                     f"{torch.cuda.get_device_name(index)} ({'; '.join(seen)}); report this shape")
+                     f"{_device_name(index)} ({'; '.join(seen)}); report this shape")
+
+
+def _device_name(index: int) -> str:
+    try:
+        return torch.cuda.get_device_name(index)
+    except Exception:  # noqa: BLE001 - only for the message
+        return f"cuda:{index}"
 
 
 def launch_fitting(kernel, grid, args: Sequence, kwargs: dict, *, what: str):

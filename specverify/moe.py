@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 
 from specverify import envvars
+from specverify.fit import launch_fitting
 
 __all__ = ["MoEAlignment", "MoEQuant", "moe_route", "fused_moe", "max_num_tokens_padded", "append_shared_expert"]
 
@@ -425,9 +426,8 @@ def moe_route(router_logits, *, top_k, scoring="sigmoid", correction_bias=None, 
     choose experts; with ``n_group > 1`` groups rank by the sum of their two best biased scores and only the best
     ``topk_group`` groups compete; the ``top_k`` best biased scores win (ties: lowest expert id; NaN and
     infinite biased scores never win); weights are the unbiased scores of the winners, renormalised when asked
-    (only where their sum is > 0), times ``routed_scaling_factor``. A slot with no finite candidate (for example
-    a row of -inf logits under softmax, or a NaN row) is *reported*, not raised: id -1 and weight 0; the
-    alignment skips it and :func:`fused_moe` adds nothing for it.
+    (only where their sum is > 0), times ``routed_scaling_factor``. Rows with NaN or infinite logits are routed,
+    not raised, and every returned id is a distinct expert in ``[0, E)``: see Notes.
 
     Parameters
     ----------
@@ -451,7 +451,8 @@ def moe_route(router_logits, *, top_k, scoring="sigmoid", correction_bias=None, 
     Returns
     -------
     topk_ids : torch.Tensor
-        int32, shape (M, top_k), in decreasing order of biased score; -1 where no expert was found.
+        int32, shape (M, top_k), in decreasing order of biased score (weight-0 fillers last); always in
+        ``[0, E)`` and distinct within a row.
     topk_weights : torch.Tensor
         float32, shape (M, top_k).
     alignment : MoEAlignment
@@ -473,6 +474,24 @@ def moe_route(router_logits, *, top_k, scoring="sigmoid", correction_bias=None, 
 
     Notes
     -----
+    Non-finite logits (the same contract for sigmoid and softmax, grouped or not, with or without
+    ``correction_bias``, every logit dtype, ``impl="reference"`` and every Triton path):
+
+    * A NaN score is the lowest possible score: it never wins a weighted slot. Under softmax a NaN logit is read as
+      -inf: that expert's probability is 0 and the others are normalised over the remaining logits as usual.
+    * A +inf logit takes the whole weight: sigmoid(+inf) = 1 (finite, routed as usual); under softmax the +inf
+      logits of a row share the probability evenly (one +inf: 1 for it; n of them: 1 / n each, the lowest ids
+      winning the ties) and every other expert gets 0.
+    * Candidates are the experts with a finite biased score (``score + correction_bias``; a NaN or infinite bias
+      entry makes its expert no candidate), inside the kept groups. When fewer than ``top_k`` remain (an all-NaN
+      row, all -inf logits under softmax, NaN scores in the kept groups), the slots left are *fillers*: the lowest
+      expert ids the row has not chosen yet, in increasing order, with weight 0; a row with no finite score gets
+      ``0 .. top_k - 1``, all weight 0 (renormalisation leaves a zero sum at 0). So a consumer that indexes by id
+      (SGLang's expert kernels, gathers by expert) stays in range; the alignment places the fillers like any slot
+      and :func:`fused_moe` adds ``0 * expert(x)`` for them, so the output is the one of the weighted slots alone.
+    * A -inf logit scores 0 (sigmoid and softmax alike): a finite candidate of weight 0, chosen only by ties
+      (lowest ids) or the bias. Rows of finite logits are routed as if these rules did not exist.
+
     ``impl="triton"`` is one kernel launch for any M (up to M * top_k = 16 slots one program routes every row
     and aligns in registers; beyond, one program per token and the last program to finish aligns: by one sort up
     to 32 slots, from per-expert row masks up to 64 tokens (with M * top_k <= 1024), by atomic ranks above) and is
@@ -844,14 +863,15 @@ def _fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, alignment, out):
     else:  # fp32 partial gate/up sums per H split, summed (in order) by the down kernel
         act = torch.empty((split_k, s, 2 * inter), dtype=torch.float32, device=dev)
     n1 = -(-inter // g1["BLOCK_N"])
-    _moe_gate_up_kernel[(nblocks * n1 * split_k,)](
+    launch_fitting(_moe_gate_up_kernel, (nblocks * n1 * split_k,), (
         hidden, w13, act, alignment.sorted_token_ids, alignment.expert_ids, alignment.num_tokens_post_padded, s,
-        hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(-2), H=h, I=inter, TOP_K=top_k, BLOCK_M=bs,
-        **g1)
+        hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(-2)),
+        dict(H=h, I=inter, TOP_K=top_k, BLOCK_M=bs, **g1), what="fused_moe")
     n2 = -(-h // g2["BLOCK_N"])
-    _moe_down_kernel[(nblocks * n2,)](
+    launch_fitting(_moe_down_kernel, (nblocks * n2,), (
         act, w2, part, tw, alignment.sorted_token_ids, alignment.expert_ids, alignment.num_tokens_post_padded, s,
-        act.stride(-2), w2.stride(0), w2.stride(1), part.stride(0), H=h, I=inter, BLOCK_M=bs, **g2)
+        act.stride(-2), w2.stride(0), w2.stride(1), part.stride(0)),
+        dict(H=h, I=inter, BLOCK_M=bs, **g2), what="fused_moe")
     bn = min(1024, max(16, _next_pow2(h)))
     _moe_topk_sum_kernel[(m, -(-h // bn))](part, ids32, out, part.stride(0), out.stride(0), E=e, H=h, TOP_K=top_k,
                                           BLOCK_N=bn)
@@ -1007,10 +1027,10 @@ def _fused_moe_fused(hidden, w13, w2, topk_ids, topk_weights, alignment, out):
     nc = _cdiv(inter, cfg["BI"])
     part = torch.empty((s, nc, h), dtype=torch.float32, device=dev)
     nblocks = _used_blocks_bound(alignment, s)
-    _moe_fused_kernel[(nblocks * nc,)](
+    launch_fitting(_moe_fused_kernel, (nblocks * nc,), (
         hidden, w13, w2, part, tw, alignment.sorted_token_ids, alignment.expert_ids,
         alignment.num_tokens_post_padded, s, hidden.stride(0), w13.stride(0), w13.stride(1), w2.stride(0),
-        w2.stride(1), part.stride(0), part.stride(1), H=h, I=inter, TOP_K=top_k, B=bs, **cfg)
+        w2.stride(1), part.stride(0), part.stride(1)), dict(H=h, I=inter, TOP_K=top_k, B=bs, **cfg), what="fused_moe")
     _moe_partial_sum_kernel[(m, _cdiv(h, rbn))](part, ids32, out, part.stride(0), part.stride(1), out.stride(0),
                                                E=e, H=h, TOP_K=top_k, NC=nc, BN=rbn)
     return out

@@ -143,14 +143,14 @@ def test_route_reference_by_loop():
     del rng
 
 
-def test_route_reports_rows_without_finite_scores():
+def test_route_fills_rows_without_finite_scores():
     logits = torch.full((2, 8), float("-inf"))
     logits[1, 2] = 0.0  # softmax gives 1 to expert 2 and a finite 0 to the rest: lowest id fills slot 2
     ids, w = route_reference(logits, 2, "softmax")
-    assert ids.tolist() == [[-1, -1], [2, 0]]  # row 0: every score NaN -> reported as -1
+    assert ids.tolist() == [[0, 1], [2, 0]]  # row 0: no finite score -> fillers 0, 1 (lowest ids, weight 0)
     assert w.tolist() == [[0.0, 0.0], [1.0, 0.0]]
-    s_ids, e_ids, n = align_reference(ids, 8, 4)
-    assert s_ids.tolist() == [3, 4, 4, 4, 2, 4, 4, 4] and e_ids.tolist() == [0, 2] and n.tolist() == [8]
+    s_ids, e_ids, n = align_reference(ids, 8, 4)  # the fillers are aligned like any slot
+    assert s_ids.tolist() == [0, 3, 4, 4, 1, 4, 4, 4, 2, 4, 4, 4] and e_ids.tolist() == [0, 1, 2] and n.tolist() == [12]
 
 
 def test_greedy_accept_reference_by_walk():

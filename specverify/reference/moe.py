@@ -6,9 +6,14 @@ Routing semantics (DeepSeek-V3 "noaux_tc" and relatives; Qwen3 softmax):
 * ``choice = scores + correction_bias`` (bias only chooses experts; weights use the unbiased scores).
 * With ``n_group > 1`` the experts split into ``n_group`` equal groups; a group's rank is the sum of its two best
   choice scores; only the best ``topk_group`` groups compete (ties: lowest group id).
+* Softmax reads a NaN logit as -inf (that expert's probability is 0, the rest are normalised over the others);
+  when a row has +inf logits they share the whole probability evenly (each 1 / their count, every other expert 0).
+  A row with no finite logit left (all NaN / -inf) has no finite score (NaN everywhere).
 * The ``top_k`` best choice scores win (ties: lowest expert id). Only finite choice scores are candidates: a NaN
-  never wins. A slot left without a finite candidate (a row with no finite score, e.g. all -inf logits under
-  softmax) is *reported* as expert id -1 with weight 0: the alignment skips it and the experts add nothing for it.
+  never wins. The slots left once the finite candidates run out (a row with fewer than ``top_k`` of them, e.g. an
+  all-NaN row, or all -inf logits under softmax) are *filled* with the lowest expert ids the row has not chosen yet
+  (a row with none: ``0 .. top_k - 1``) with weight 0, so every id is a distinct expert in ``[0, E)``: a consumer
+  that indexes by id stays in range, the alignment routes those slots like any other and the experts add 0 for them.
 * ``weights = scores[chosen]``; with ``renormalize`` divided by their sum where the sum is > 0; then times
   ``routed_scaling_factor``.
 
@@ -27,13 +32,21 @@ import torch
 
 def route_reference(router_logits, top_k, scoring="sigmoid", correction_bias=None, n_group=1, topk_group=1,
                     renormalize=True, routed_scaling_factor=1.0):
-    """Returns (topk_ids int32 [M, top_k], topk_weights fp32 [M, top_k]). Capturable (no host sync)."""
+    """Returns (topk_ids int32 [M, top_k], topk_weights fp32 [M, top_k]). Capturable (no host sync).
+
+    Every id is in ``[0, E)`` and distinct within its row; slots without a finite candidate weigh 0 (module notes).
+    """
     logits = router_logits.double() if router_logits.dtype == torch.float64 else router_logits.float()
     m, e = logits.shape
     if scoring == "sigmoid":
         scores = torch.sigmoid(logits)
     elif scoring == "softmax":
-        scores = torch.softmax(logits, dim=-1)
+        # NaN logit: probability 0; +inf logits: the whole probability, shared evenly (Python scalars in the
+        # where: no host-to-device copy, capturable); rows without either keep their logits bit for bit
+        x = torch.where(torch.isnan(logits), float("-inf"), logits)
+        pos_inf = x == float("inf")
+        x = torch.where(pos_inf.any(-1, keepdim=True), torch.where(pos_inf, 0.0, float("-inf")), x)
+        scores = torch.softmax(x, dim=-1)
     else:
         raise ValueError(f"scoring must be 'sigmoid' or 'softmax', got {scoring!r}")
     choice = scores if correction_bias is None else scores + correction_bias.to(scores.dtype).view(1, e)
@@ -49,12 +62,13 @@ def route_reference(router_logits, top_k, scoring="sigmoid", correction_bias=Non
         keep = torch.zeros(m, n_group, dtype=torch.bool, device=logits.device)
         keep.scatter_(1, group_order, True)
         choice = torch.where(keep.unsqueeze(-1).expand(m, n_group, gsize).reshape(m, e), choice, neg_inf)
+    # every non-finite choice is -inf here and the sort is stable, so past the finite candidates the order goes on
+    # with the lowest expert ids not chosen yet: those fill the slots, with weight 0
     order = torch.sort(choice, dim=-1, descending=True, stable=True)
     ids = order.indices[:, :top_k]
     valid = torch.isfinite(order.values[:, :top_k])
     weights = torch.gather(scores, 1, ids)
     weights = torch.where(valid, weights, torch.zeros_like(weights))
-    ids = torch.where(valid, ids, torch.full_like(ids, -1))
     if renormalize:
         total = weights.sum(-1, keepdim=True)
         weights = torch.where(total > 0, weights / torch.where(total > 0, total, torch.ones_like(total)), weights)

@@ -1,0 +1,66 @@
+"""specverify.fit on the CPU: the first candidate whose compiled kernel fits the device's shared memory is chosen,
+the choice is cached per key, and a shape nothing fits gets a clear error (the GPU path runs in tests/test_shapes.py,
+where mla_up_v at 64 rows needs fewer pipeline stages than Triton's default on an H200)."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from specverify import fit
+
+
+class FakeKernel:
+    """Compiles to a kernel whose shared memory is ``shared(candidate)``; counts compiles and launches."""
+
+    def __init__(self, shared):
+        self.shared, self.compiles, self.launched = shared, [], []
+
+    def warmup(self, *args, grid, **kw):
+        self.compiles.append(kw)
+        return types.SimpleNamespace(metadata=types.SimpleNamespace(shared=self.shared(kw)))
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.launched.append(kw)
+
+
+@pytest.fixture
+def gpu_like(monkeypatch):
+    monkeypatch.setattr(fit, "_limit", lambda index: 232448)  # an H200's per-block opt-in limit
+    monkeypatch.setattr(fit.envvars, "triton_interpret", lambda: False)
+    monkeypatch.setattr(fit, "_CHOSEN", {})
+    return torch.device("cuda", 0)
+
+
+def test_first_fitting_lowers_stages_until_it_fits(gpu_like):
+    # weight tile 64 KiB + stages x 64 KiB of rows (the mla_up_v case): 3 stages do not fit, 2 do
+    kern = FakeKernel(lambda kw: 65536 + kw["num_stages"] * 65536)
+    cands = [{"num_stages": s} for s in (3, 2, 1)]
+    got = fit.first_fitting(kern, (1,), (), cands, device=gpu_like, key="a", what="op")
+    assert got == {"num_stages": 2} and len(kern.compiles) == 2
+    again = fit.first_fitting(kern, (1,), (), cands, device=gpu_like, key="a", what="op")
+    assert again == got and len(kern.compiles) == 2, "the choice is cached per key"
+    fit.first_fitting(kern, (1,), (), cands, device=gpu_like, key="b", what="op")
+    assert len(kern.compiles) == 4, "another key is checked again"
+
+
+def test_nothing_fits_names_the_op_and_the_limit(gpu_like):
+    kern = FakeKernel(lambda kw: 300000)
+    with pytest.raises(ValueError, match=r"mla_up_v: no launch config fits the 232448 B .*300000 B"):
+        fit.first_fitting(kern, (1,), (), [{"num_stages": 2}, {"num_stages": 1}], device=gpu_like, key="c",
+                          what="mla_up_v")
+
+
+def test_launch_fitting_launches_the_chosen_config(gpu_like, monkeypatch):
+    kern = FakeKernel(lambda kw: 100000 * kw["num_stages"])
+    x = types.SimpleNamespace(device=gpu_like, dtype=torch.bfloat16)
+    monkeypatch.setattr(fit.torch, "Tensor", types.SimpleNamespace)  # the fake tensor stands in for a CUDA one
+    fit.launch_fitting(kern, (4,), (x,), {"BLOCK": 64, "num_stages": 4}, what="op")
+    assert kern.launched == [{"BLOCK": 64, "num_stages": 2}]
+
+
+def test_cpu_tensors_launch_unchanged():
+    kern = FakeKernel(lambda kw: 10 ** 9)
+    fit.launch_fitting(kern, (1,), (torch.zeros(1),), {"num_stages": 3}, what="op")
+    assert kern.launched == [{"num_stages": 3}] and kern.compiles == []

@@ -40,6 +40,20 @@ def _sglang_installed() -> bool:
 collect_ignore = [] if _sglang_installed() else ["sglang"]
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    """Without a GPU the interpreter makes the suite CPU-bound in one process: where pytest-xdist is installed (the
+    ``test`` extra) and no ``-n`` was given, run it in one worker per core, at most 4 (``-n 0`` runs serially)."""
+    opt = config.option
+    if _HAS_CUDA or not hasattr(opt, "numprocesses") or opt.numprocesses is not None or \
+            os.environ.get("PYTEST_XDIST_WORKER") or getattr(opt, "collectonly", False) or \
+            getattr(opt, "usepdb", False):
+        return
+    workers = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    if workers > 1:
+        opt.numprocesses, opt.dist, opt.tx = workers, "load", ["popen"] * workers
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_multi = pytest.mark.skip(reason="needs several CUDA GPUs")

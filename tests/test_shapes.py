@@ -351,7 +351,7 @@ def test_mla_kv_prep_shapes(batch, k, heads, ps):
     wt = torch.rand(r, generator=gen).bfloat16().cuda()
     cache = torch.randn(pages, ps, r + dr, generator=gen).bfloat16().cuda()
     q2, cache2 = q.clone(), cache.clone()
-    mla_kv_prep(q, kv, pos, wt, cache, table, pl, eps=1e-6, theta=10000.0)
+    mla_kv_prep(q, kv, pos, wt, cache, table, pl, eps=1e-6, theta=10000.0, nope_dim=nope)
     mla_kv_prep_reference(q2, kv, pos, wt, cache2, table, pl, 1e-6, 10000.0, nope)
     torch.cuda.synchronize()
     torch.testing.assert_close(q.float(), q2.float(), rtol=2e-2, atol=2e-2)

@@ -1,0 +1,628 @@
+"""SGLang runs our whole verify step: a ``MegakernelSpec`` for ``DeepseekV3ForCausalLM`` (Kimi-K2, DeepSeek-V3).
+
+SGLang 0.5.23's ``--enable-nvidia-megakernel`` lets an external package replace a model's whole decode and
+target-verify step (``sglang.kernels.plugin_kernels.nvidia.spec``, wired in
+``sglang.srt.kernel_plugins.nvidia.binding``). SGLang looks the spec up through the entry point named
+``nvidia_megakernel`` in group ``sglang.srt.plugins`` (pyproject.toml: ``nvidia_megakernel =
+specverify.integrations.sglang_step:register``), checks it against the resolved server settings, calls
+:func:`build_step` once the weights are loaded, and wraps ``model.forward``: for every forward
+:meth:`VerifyStep.plan` (host only) says whether the step is ours, and :meth:`VerifyStep.forward` runs it in place
+of the model's own forward.
+
+This module is a thin adapter around one verify forward that needs no SGLang
+(:class:`LoadedVerifyModel`, the layer loop of :class:`specverify.forward.model.VerifyModel` over SGLang's loaded
+weights)::
+
+    SGLang ForwardBatch + ForwardView  ->  _StepInputs (ids, positions, page table, prefix lengths, tree mask,
+                                           per-layer latent KV buffers)
+                                       ->  LoadedVerifyModel.forward_captured (our op table)
+                                       ->  LogitsProcessorOutput (logits, hidden states as capture_hidden_mode asks)
+
+What is ours and what stays SGLang's
+------------------------------------
+Ours, for TARGET_VERIFY at the server's draft length (chains and trees) and decode: the embedding, every layer
+(fused q_a/kv_a projection, latent norm, RoPE, the draft KV write, absorbed-MLA tree attention, the MoE router with
+its correction bias, routed experts with the shared expert, the dense MLP, the fused residual norms) and the LM
+head. SGLang's: every other forward mode (EXTEND / prefill, draft model), the sampler and the verify acceptance.
+
+Weights (:func:`read_weights`): every tensor our layout needs is a view of SGLang's parameter where the layouts
+agree, which is all of them except the expert stack with the shared expert appended (``w13_all`` / ``w2_all``),
+built only when the op table fuses the shared expert into the expert pass. That stack is copied once, and SGLang's
+routed-expert and shared-expert parameters are then re-pointed at views of it, so no memory is held twice.
+
+RoPE and the softmax scale are the model's: DeepSeek-V3 / Kimi-K2 use YaRN (``deepseek_yarn``) rotary tables in
+the interleaved (GPT-J) layout and an mscale-corrected softmax scale, which the generic
+:class:`~specverify.forward.model.VerifyModel` does not model. The op table's ``mla_prep`` is replaced by one that
+reads SGLang's ``cos_sin_cache`` (a shared tensor) and ``attention_mla`` is called with ``self_attn.scaling``.
+
+Limits of this release (each refused with one reason, see :func:`config_disable_reasons` and
+:func:`model_disable_reasons`; SGLang itself refuses every :class:`Feature` the spec does not list: DP attention,
+expert parallelism, context parallelism, LoRA, pipeline parallelism, ...): tensor parallel size 1; unquantised
+weights; a bf16/auto KV cache; the Triton-family attention backends (``triton``, ``specverify``), whose metadata
+gives the prefix KV ids. CUDA-graph capture is designed for (no host sync, fixed shapes per width) but not yet run.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from sglang.kernels.plugin_kernels.nvidia.spec import (MEGAKERNEL_API_VERSION, Feature, MegakernelSpec, Numerics,
+                                                       NumericsKind, Requirements, Step)
+from specverify.configs import ModelConfig
+from specverify.forward.model import VerifyModel
+from specverify.forward.ops import Ops, RouteParams, provider_ops
+from specverify.reference.kv import write_draft_kv
+from specverify.tree import pack_mask
+
+logger = logging.getLogger("specverify.sglang")
+
+#: The HF architecture the spec serves (Kimi-K2 and DeepSeek-V3 checkpoints name it).
+ARCHITECTURE = "DeepseekV3ForCausalLM"
+#: ``module:attribute`` SGLang's registry imports the spec from.
+SPEC_PATH = "specverify.integrations.sglang_step:SPEC"
+SPEC_NAME = "specverify-verify-step"
+#: The widest step covered (rows = requests x tokens per request).
+MAX_ROWS = 1024
+#: Attention backends whose forward metadata (``kv_indptr`` / ``kv_indices``) the step reads the prefix KV ids from.
+ATTENTION_BACKENDS = frozenset({"triton", "specverify"})
+#: Speculative algorithms whose verify input is an ``EagleVerifyInput`` (the tree links the step reads).
+SPEC_ALGORITHMS = frozenset({"EAGLE", "EAGLE3", "NEXTN"})
+
+#: Declared agreement with SGLang's own forward on the same batch, measured by tests/sglang/test_sglang_step.py on
+#: SGLang's real DeepseekV3ForCausalLM (tiny config, CPU, 2 requests x 4 draft tokens, 3 layers): max |difference|
+#: over every verify row relative to the largest |value| of SGLang's forward (logits ~3.7). Measured: fp32 logits
+#: <= 1.3e-6, hidden states <= 1.2e-6, draft KV <= 1.1e-6, greedy tokens equal; bf16 logits 1.7e-2 (reference op
+#: table) and 2.3e-2 (specverify's Triton kernels). Against an fp32 forward over the same bf16-rounded weights, our
+#: bf16 step errs at most ``bf16_error_vs_sglang_bf16_error`` times what SGLang's own bf16 forward errs (measured:
+#: 0.221 against 0.219, both dominated by top-k routing flips).
+TOLERANCES = {
+    "logits_max_rel_fp32": 1e-5,
+    "hidden_max_rel_fp32": 1e-5,
+    "logits_max_rel_bf16": 5e-2,
+    "greedy_token_mismatches_fp32": 0.0,
+    "bf16_error_vs_sglang_bf16_error": 2.0,
+}
+
+_MiB = 2 ** 20
+
+
+def register() -> None:
+    """Entry point ``nvidia_megakernel`` (group ``sglang.srt.plugins``): registers :data:`SPEC` for
+    :data:`ARCHITECTURE` in SGLang's megakernel registry (the spec module is imported only when SGLang asks)."""
+    from sglang.kernels.plugin_kernels.nvidia import spec as megakernel_spec
+
+    megakernel_spec.register(architecture=ARCHITECTURE, path=SPEC_PATH)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# refusals
+
+
+def _attr(obj, name, default=None):
+    try:
+        return getattr(obj, name, default)
+    except Exception:  # a resolving view may raise for a field it cannot resolve
+        return default
+
+
+def config_disable_reasons(cfg, hf_config) -> list[str]:
+    """Before the weights load: what the resolved server settings and the HF config ask that the step cannot serve,
+    one reason each. (SGLang adds one reason per refused :class:`Feature` and per unmet :class:`Requirements`.)"""
+    reasons = []
+    quant = _attr(cfg, "quantization") or _attr(hf_config, "quantization_config")
+    if quant:
+        name = quant if isinstance(quant, str) else (quant.get("quant_method") if isinstance(quant, dict) else
+                                                     type(quant).__name__)
+        reasons.append(f"quantised checkpoint ({name}): the step reads unquantised weights only (quantised "
+                       "attention weights and expert formats without a specverify kernel are not served yet); "
+                       "use a bf16 checkpoint or drop --enable-nvidia-megakernel")
+    kv_dtype = str(_attr(cfg, "kv_cache_dtype") or "auto")
+    if kv_dtype not in ("auto", "bfloat16", "bf16"):
+        reasons.append(f"--kv-cache-dtype {kv_dtype}: the step's attention reads a bf16 latent KV cache; start "
+                       "with --kv-cache-dtype auto")
+    backends = {k: _attr(cfg, k) for k in ("attention_backend", "prefill_attention_backend",
+                                           "decode_attention_backend")}
+    bad = {k: v for k, v in backends.items() if v is not None and v not in ATTENTION_BACKENDS}
+    if bad:
+        got = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in bad.items())
+        reasons.append(f"{got}: the step reads the prefix KV ids from the Triton attention metadata; start with "
+                       f"--attention-backend {' or '.join(sorted(ATTENTION_BACKENDS))}")
+    algo = _attr(cfg, "speculative_algorithm")
+    if algo is not None and str(algo).upper() not in SPEC_ALGORITHMS:
+        reasons.append(f"--speculative-algorithm {algo}: the step reads the EAGLE verify input's tree; use one of "
+                       f"{sorted(SPEC_ALGORITHMS)}")
+    if _attr(cfg, "enable_dp_lm_head"):
+        reasons.append("--enable-dp-lm-head: the step's LM head is the tensor-parallel one")
+    if _attr(hf_config, "q_lora_rank") is None:
+        reasons.append("config.q_lora_rank is None (no q_a projection, DeepSeek-V2-Lite style): the step needs "
+                       "the fused q_a/kv_a projection")
+    router = (_attr(hf_config, "topk_method", "noaux_tc"), _attr(hf_config, "scoring_func", "sigmoid"))
+    if router != ("noaux_tc", "sigmoid"):
+        reasons.append(f"router {router[0]}/{router[1]}: the step routes DeepSeek-V3's noaux_tc sigmoid router only")
+    return reasons
+
+
+def model_disable_reasons(model, hf_config) -> list[str]:
+    """After load, on each rank: what the loaded model holds that the step cannot read, one reason each."""
+    from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod, UnquantizedLinearMethod
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+    from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV2MoE
+
+    if not isinstance(model, DeepseekV2ForCausalLM):
+        return [f"{type(model).__name__} is not SGLang's DeepseekV2ForCausalLM family; the step reads its modules"]
+    reasons = []
+
+    def quant(module):
+        qm = getattr(module, "quant_method", None)
+        name = type(qm).__name__
+        ok = qm is None or isinstance(qm, UnquantizedLinearMethod) or name == "UnquantizedEmbeddingMethod"
+        return None if ok else name
+
+    attn_q, mlp_q, expert_q, absorbed = [], [], [], []
+    for i, layer in enumerate(model.model.layers):
+        attn = getattr(layer, "self_attn", None)
+        if attn is None:
+            continue
+        for name in ("fused_qkv_a_proj_with_mqa", "q_b_proj", "kv_b_proj", "o_proj"):
+            q = quant(getattr(attn, name, None))
+            if q:
+                attn_q.append(f"layer {i} {name}: {q}")
+        if attn.w_kc is None or attn.w_vc is None or getattr(attn, "use_deep_gemm_bmm", False) or \
+                not (isinstance(attn.w_scale, float) and attn.w_scale == 1.0):
+            absorbed.append(i)
+        mlp = layer.mlp
+        if isinstance(mlp, DeepseekV2MoE):
+            qm = mlp.experts.quant_method
+            if not isinstance(mlp.experts, FusedMoE) or not isinstance(qm, UnquantizedFusedMoEMethod):
+                expert_q.append(f"layer {i}: {type(qm).__name__}")
+            if mlp.shared_experts is not None:
+                for name in ("gate_up_proj", "down_proj"):
+                    q = quant(getattr(mlp.shared_experts, name))
+                    if q:
+                        mlp_q.append(f"layer {i} shared_experts.{name}: {q}")
+            if getattr(mlp.gate, "e_score_correction_bias_vl", None) is not None:
+                reasons.append(f"layer {i}: a vision correction bias (e_score_correction_bias_vl) the router does "
+                               "not take")
+        else:
+            for name in ("gate_up_proj", "down_proj"):
+                q = quant(getattr(mlp, name))
+                if q:
+                    mlp_q.append(f"layer {i} mlp.{name}: {q}")
+    if attn_q:
+        reasons.append(f"quantised attention weights ({attn_q[0]}; {len(attn_q)} in all): the step reads "
+                       "unquantised attention projections only")
+    if absorbed:
+        reasons.append(f"layers {absorbed[:4]}{'...' if len(absorbed) > 4 else ''} hold no unscaled absorbed "
+                       "W_UK / W_UV (self_attn.w_kc / w_vc; post_load_weights not run, or quantised kv_b_proj)")
+    if expert_q:
+        reasons.append(f"quantised routed experts ({expert_q[0]}): expert formats without a specverify kernel do "
+                       "not run through the model's quant method inside the step yet")
+    if mlp_q:
+        reasons.append(f"quantised MLP weights ({mlp_q[0]}): the step reads unquantised MLPs only")
+    if quant(model.lm_head):
+        reasons.append(f"quantised LM head ({quant(model.lm_head)})")
+    lp = model.logits_processor
+    if getattr(lp, "logit_scale", None) is not None or getattr(lp, "final_logit_softcapping", None):
+        reasons.append("logit scale / final logit softcapping: the step's LM head applies neither")
+    rope = getattr(model.model.layers[0].self_attn, "rotary_emb", None)
+    if rope is None or not hasattr(rope, "cos_sin_cache"):
+        reasons.append("no rotary table (self_attn.rotary_emb.cos_sin_cache) to read")
+    return reasons
+
+
+# ------------------------------------------------------------------------------------------------------------
+# config and weights
+
+
+def model_config_from_hf(hf) -> ModelConfig:
+    """Our :class:`~specverify.configs.ModelConfig` from SGLang's loaded HF config (DeepSeek-V3 fields)."""
+    return ModelConfig(
+        name=f"sglang-{(hf.architectures or [ARCHITECTURE])[0]}", source="SGLang's loaded model (hf_config)",
+        hidden_size=hf.hidden_size, num_hidden_layers=hf.num_hidden_layers, vocab_size=hf.vocab_size,
+        num_attention_heads=hf.num_attention_heads, attention="mla",
+        num_key_value_heads=getattr(hf, "num_key_value_heads", hf.num_attention_heads),
+        q_lora_rank=hf.q_lora_rank, kv_lora_rank=hf.kv_lora_rank, qk_nope_head_dim=hf.qk_nope_head_dim,
+        qk_rope_head_dim=hf.qk_rope_head_dim, v_head_dim=hf.v_head_dim, intermediate_size=hf.intermediate_size,
+        first_k_dense_replace=hf.first_k_dense_replace, n_routed_experts=hf.n_routed_experts,
+        n_shared_experts=hf.n_shared_experts or 0, num_experts_per_tok=hf.num_experts_per_tok,
+        moe_intermediate_size=hf.moe_intermediate_size, n_group=hf.n_group or 1, topk_group=hf.topk_group or 1,
+        routed_scaling_factor=float(hf.routed_scaling_factor), scoring_func=hf.scoring_func,
+        e_score_correction_bias=getattr(hf, "topk_method", "noaux_tc") == "noaux_tc",
+        norm_topk_prob=bool(hf.norm_topk_prob), rms_norm_eps=hf.rms_norm_eps,
+        rope_theta=float(getattr(hf, "rope_theta", 10000.0)),
+    )
+
+
+@dataclass
+class WeightReport:
+    """What :func:`read_weights` shared and copied."""
+
+    shared_tensors: int = 0
+    shared_bytes: int = 0
+    copied_tensors: int = 0
+    copied_bytes: int = 0  #: bytes written once at build (the expert stacks with the shared expert appended)
+    held_extra_bytes: int = 0  #: bytes the step holds beyond SGLang's parameters after build
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _stack_shared_expert(experts, shared, report: WeightReport):
+    """[E + 1, ...] stacks of the routed experts and the shared one (expert E); SGLang's parameters are re-pointed
+    at views of the stacks (contiguous, same shapes), so the copy is made once and nothing is held twice."""
+    e = experts.w13_weight.shape[0]
+    w13_all = torch.cat([experts.w13_weight.data, shared.gate_up_proj.weight.data.unsqueeze(0)], 0)
+    w2_all = torch.cat([experts.w2_weight.data, shared.down_proj.weight.data.unsqueeze(0)], 0)
+    experts.w13_weight.data = w13_all[:e]
+    experts.w2_weight.data = w2_all[:e]
+    shared.gate_up_proj.weight.data = w13_all[e]
+    shared.down_proj.weight.data = w2_all[e]
+    report.copied_tensors += 2
+    report.copied_bytes += _nbytes(w13_all) + _nbytes(w2_all)
+    return w13_all, w2_all
+
+
+def read_weights(model, config: ModelConfig, *, stack_shared_expert: bool) -> tuple[dict, WeightReport]:
+    """Our per-layer weight dicts (the layout of :class:`~specverify.forward.model.VerifyModel`) read from SGLang's
+    loaded ``DeepseekV2ForCausalLM``, as views of its parameters wherever the layouts agree.
+
+    ``stack_shared_expert``: build ``w13_all`` / ``w2_all`` (the shared expert as expert E) for an op table whose
+    expert pass runs the shared expert; SGLang's expert parameters then view those stacks. Otherwise the routed
+    stacks and the shared MLP are SGLang's tensors as they are.
+    """
+    from sglang.srt.models.deepseek_v2 import DeepseekV2MoE
+
+    report = WeightReport()
+    seen = set()
+
+    def share(t: torch.Tensor) -> torch.Tensor:
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if key not in seen:
+            seen.add(key)
+            report.shared_tensors += 1
+            report.shared_bytes += _nbytes(t)
+        return t
+
+    c = config
+    vocab = c.vocab_size
+    qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+    out = {"embed": share(model.model.embed_tokens.weight.data[:vocab]),
+           "lm_head": share(model.lm_head.weight.data[:vocab]), "final_norm": share(model.model.norm.weight.data),
+           "layers": []}
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        w = {"attn_norm": share(layer.input_layernorm.weight.data),
+             "mlp_norm": share(layer.post_attention_layernorm.weight.data)}
+        # q_a and kv_a are already one matrix in SGLang (fused_qkv_a_proj_with_mqa): our qkv_a as it is
+        w["qkv_a"] = share(attn.fused_qkv_a_proj_with_mqa.weight.data)
+        w["q_a"], w["kv_a"] = w["qkv_a"][: c.q_lora_rank], w["qkv_a"][c.q_lora_rank:]
+        w["q_a_norm"] = share(attn.q_a_layernorm.weight.data)
+        w["kv_a_norm"] = share(attn.kv_a_layernorm.weight.data)
+        w["q_b"] = share(attn.q_b_proj.weight.data.view(-1, qk, c.q_lora_rank))  # [heads, nope + rope, q_lora]
+        w["w_uk"] = share(attn.w_kc)  # [heads, nope, kv_lora] (strided view of kv_b_proj's absorbed half)
+        w["w_uv"] = share(attn.w_vc)  # [heads, kv_lora, v]
+        w["o"] = share(attn.o_proj.weight.data)
+        mlp = layer.mlp
+        if not isinstance(mlp, DeepseekV2MoE):
+            w["dense"] = True
+            w["gate_up"] = share(mlp.gate_up_proj.weight.data)
+            w["down"] = share(mlp.down_proj.weight.data)
+        else:
+            w["dense"] = False
+            e = c.n_routed_experts
+            w["router"] = share(mlp.gate.weight.data)
+            bias = mlp.gate.e_score_correction_bias
+            w["bias"] = None if bias is None else share(bias.data)
+            experts, shared = mlp.experts, mlp.shared_experts
+            if mlp.num_fused_shared_experts:  # SGLang already appended the shared expert(s) to the stacks
+                w["w13_all"] = share(experts.w13_weight.data)
+                w["w2_all"] = share(experts.w2_weight.data)
+                if mlp.num_fused_shared_experts == 1:
+                    w["shared_gate_up"], w["shared_down"] = w["w13_all"][e], w["w2_all"][e]
+                w["w13"], w["w2"] = w["w13_all"][:e], w["w2_all"][:e]
+            elif shared is not None and stack_shared_expert and \
+                    shared.gate_up_proj.weight.shape[0] == experts.w13_weight.shape[1]:
+                w["w13_all"], w["w2_all"] = _stack_shared_expert(experts, shared, report)
+                w["w13"], w["w2"] = w["w13_all"][:e], w["w2_all"][:e]
+                w["shared_gate_up"], w["shared_down"] = w["w13_all"][e], w["w2_all"][e]
+            else:
+                w["w13"], w["w2"] = share(experts.w13_weight.data), share(experts.w2_weight.data)
+                if shared is not None:
+                    w["shared_gate_up"] = share(shared.gate_up_proj.weight.data)
+                    w["shared_down"] = share(shared.down_proj.weight.data)
+            w["route"] = RouteParams(c.num_experts_per_tok, c.scoring_func, w["bias"], c.n_group, c.topk_group,
+                                     c.norm_topk_prob, c.routed_scaling_factor, e)
+        out["layers"].append(w)
+    return out, report
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the model-specific ops: the model's rotary table and softmax scale
+
+
+def apply_table_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, neox: bool) -> torch.Tensor:
+    """RoPE from a ``[max_pos, rot]`` table (cos half, then sin half), as SGLang's ``RotaryEmbedding`` holds it.
+
+    x [b, k, heads, rot] or [b, k, rot]; positions int [b, k]. ``neox``: rotate halves; else interleaved pairs
+    (GPT-J, DeepSeek's default). Computed in fp32 (fp64 stays fp64), result in x's dtype. Capturable.
+    """
+    ctype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    cos, sin = cos_sin[positions.long()].to(ctype).chunk(2, dim=-1)  # [b, k, rot / 2]
+    if x.dim() == 4:
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    xf = x.to(ctype)
+    if neox:
+        x1, x2 = xf.chunk(2, dim=-1)
+    else:
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+    o1, o2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    out = torch.cat([o1, o2], -1) if neox else torch.stack([o1, o2], -1).flatten(-2)
+    return out.to(x.dtype)
+
+
+def model_ops(base: Ops, cos_sin: torch.Tensor, neox: bool, sm_scale: float) -> Ops:
+    """``base`` with the model's RoPE in ``mla_prep`` (latent norm through ``base.rmsnorm``, the table's RoPE, the
+    KV write) and ``attention_mla`` at the model's softmax scale (``self_attn.scaling``, mscale-corrected)."""
+    rmsnorm, attention_mla = base.rmsnorm, base.attention_mla
+
+    def mla_prep(q, kv, positions, norm_w, cache, page_table, prefix_lens, eps, theta, nope):
+        r = norm_w.shape[0]
+        latent = rmsnorm(kv[..., :r], norm_w, eps)
+        k_pe = apply_table_rope(kv[..., r:], positions, cos_sin, neox)
+        write_draft_kv(cache, page_table, prefix_lens, torch.cat([latent, k_pe], -1))
+        q[..., nope:] = apply_table_rope(q[..., nope:], positions, cos_sin, neox)
+        return q
+
+    def attention(q_latent, q_rope, cache, page_table, prefix_lens, tree_mask, _generic_scale):
+        return attention_mla(q_latent, q_rope, cache, page_table, prefix_lens, tree_mask, sm_scale)
+
+    base.mla_prep, base.attention_mla = mla_prep, attention
+    base.pieces["rope"] = "model table (torch)"
+    return base
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the verify forward over SGLang's weights (needs no SGLang)
+
+
+class LoadedVerifyModel(VerifyModel):
+    """:class:`~specverify.forward.model.VerifyModel` over given weights (no dummy weights drawn), tp = 1.
+
+    ``weights``: ``{"embed", "lm_head", "final_norm", "layers": [per-layer dicts]}`` in VerifyModel's layout (from
+    :func:`read_weights`). :meth:`forward_captured` is VerifyModel's layer loop that also returns the final normed
+    hidden states and the residual stream at the entry of chosen layers (what EAGLE / EAGLE-3 read).
+    """
+
+    def __init__(self, config: ModelConfig, weights: dict, *, dtype, device, ops: Ops):
+        self._given = weights
+        super().__init__(config, tp=1, dtype=dtype, device=device, ops=ops)
+        self.calls = 0
+
+    def _build_weights(self):
+        w = self._given
+        self.embed, self.lm_head, self.final_norm = w["embed"], w["lm_head"], w["final_norm"]
+        self.layers = list(w["layers"])
+        self._sets = {("layer", i): lw for i, lw in enumerate(self.layers)}
+
+    def forward_captured(self, input_ids, positions, kv_caches, page_table, prefix_lens, tree_mask=None,
+                         capture_layers=()):
+        """(logits fp32 [b, k, vocab], final normed hidden [b, k, H], [residual stream at the entry of each layer
+        in ``capture_layers``, each [b, k, H]]). Arguments as :meth:`VerifyModel.forward`; writes the k nodes' KV."""
+        self.calls += 1
+        ops, eps = self.ops, self.config.rms_norm_eps
+        residual = self.embed_tokens(input_ids)
+        h = ops.rmsnorm(residual, self.layers[0]["attn_norm"], eps)
+        aux = []
+        for layer in range(self.num_layers):
+            if layer in capture_layers:
+                aux.append(residual)
+            w = self.layers[layer]
+            a = self._mla(w, h, positions, kv_caches[layer], page_table, prefix_lens, tree_mask)
+            h, residual = ops.add_rmsnorm(self.allreduce(a), residual, w["mlp_norm"], eps)
+            m = self._mlp(w, h)
+            nxt = self.layers[layer + 1]["attn_norm"] if layer + 1 < self.num_layers else self.final_norm
+            h, residual = ops.add_rmsnorm(self.allreduce(m), residual, nxt, eps)
+        logits = h @ self.lm_head.t()
+        logits = logits if logits.dtype == torch.float64 else logits.float()
+        return logits, h, aux
+
+    def forward(self, input_ids, positions, kv_caches, page_table, prefix_lens, tree_mask=None):
+        return self.forward_captured(input_ids, positions, kv_caches, page_table, prefix_lens, tree_mask)[0]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# SGLang's step -> our inputs
+
+
+def tree_mask_from_links(next_token: torch.Tensor, next_sibling: torch.Tensor) -> torch.Tensor:
+    """Our packed ancestor mask uint8 [b, k, ceil(k/8)] from an EAGLE verify input's tree links.
+
+    next_token / next_sibling int [b, k]: first child / next sibling of each node (local ids, -1 none), as
+    ``EagleVerifyInput.retrieve_next_token`` / ``retrieve_next_sibling`` hold them. Fixed-count loops over k, no
+    host sync: capturable. Bit j of row i is set when node j is node i or one of its ancestors.
+    """
+    b, k = next_token.shape
+    dev = next_token.device
+    nodes = torch.arange(k, device=dev).expand(b, k)
+    sink = torch.full((b, 1), k, dtype=torch.long, device=dev)  # column k absorbs the writes of "-1" links
+    parent = torch.full((b, k + 1), -1, dtype=torch.long, device=dev)
+    child = torch.where(next_token >= 0, next_token.long(), sink)
+    sibling = torch.where(next_sibling >= 0, next_sibling.long(), sink)
+    parent.scatter_(1, child, nodes)
+    for _ in range(k):  # a sibling's parent is its left sibling's; chains are at most k long
+        parent.scatter_(1, sibling, parent[:, :k].clone())
+    parent[:, k] = -1
+    anc = torch.zeros(b, k, k + 1, dtype=torch.bool, device=dev)
+    cur = nodes.clone()
+    for _ in range(k):  # walk every node up to the root
+        anc.scatter_(2, torch.where(cur >= 0, cur, sink).unsqueeze(-1), True)
+        cur = torch.gather(parent, 1, torch.where(cur >= 0, cur, sink))
+    return pack_mask(anc[..., :k])
+
+
+def page_table_from_metadata(kv_indptr, kv_indices, out_cache_loc, prefix_lens, k: int, width: int):
+    """int32 [b, width] token slots: the prefix from the attention metadata's CSR rows, then the k draft slots
+    from ``out_cache_loc`` ([b * k]) at ``prefix_lens[b] + i``. Slots past a request's length are 0 (SGLang's
+    padding slot). Capturable (fixed width, no host sync)."""
+    b = prefix_lens.shape[0]
+    dev = prefix_lens.device
+    col = torch.arange(width, device=dev).view(1, width)
+    lens = prefix_lens.long().view(b, 1)
+    idx = (kv_indptr[:b].long().view(b, 1) + col).clamp(max=max(kv_indices.numel() - 1, 0))
+    table = torch.where(col < lens, kv_indices[idx] if kv_indices.numel() else torch.zeros_like(idx), 0)
+    draft = (lens + torch.arange(k, device=dev).view(1, k)).clamp(max=width - 1)
+    table.scatter_(1, draft, out_cache_loc.view(b, k).long())
+    return table.to(torch.int32)
+
+
+class VerifyStep:
+    """The object :func:`build_step` returns (SGLang's ``BuiltMegakernel``): our verify forward over SGLang's
+    weights, planned and run per step.
+
+    Attributes
+    ----------
+    widths : tuple[int, ...]
+        The step widths (rows) built: every one SGLang asked for.
+    calls : collections.Counter
+        Steps run by mode (``target_verify``, ``decode``); tests read it to prove our forward ran.
+    weights : WeightReport
+    """
+
+    draft_sampler = None
+
+    def __init__(self, model, hf_config, context, *, provider: str = "auto"):
+        self.widths = tuple(context.widths)
+        self.tokens = int(context.tokens_per_request)
+        self.hf_config = hf_config
+        self._model = model
+        self.config = model_config_from_hf(hf_config)
+        attn = model.model.layers[0].self_attn
+        ref = model.model.embed_tokens.weight
+        self.dtype, self.device = ref.dtype, ref.device
+        if provider == "auto":
+            provider = "specverify" if self.device.type == "cuda" else "reference"
+        if provider not in ("reference", "specverify"):
+            raise ValueError(f"provider must be 'auto', 'reference' or 'specverify', got {provider!r}")
+        self.provider = provider
+        base, self.ops_note = provider_ops(provider, None)  # neither table reads the model
+        ops = model_ops(base, attn.rotary_emb.cos_sin_cache, bool(attn.rotary_emb.is_neox_style),
+                        float(attn.scaling))
+        weights, self.weights = read_weights(model, self.config,
+                                             stack_shared_expert=ops.experts_with_shared is not None)
+        self.verify_model = LoadedVerifyModel(self.config, weights, dtype=self.dtype, device=self.device, ops=ops)
+        self.calls = collections.Counter()
+
+    def summary(self) -> str:
+        """The startup line: what runs as ours, what stays SGLang's, the weights shared / copied."""
+        w = self.weights
+        steps = f"TARGET_VERIFY (k={self.tokens}, chains and trees)" if self.tokens > 1 else "decode"
+        pieces = ", ".join(f"{k}={v}" for k, v in self.verify_model.ops.pieces.items())
+        return (f"ours: {steps}: embedding, {self.config.num_hidden_layers} layers (MLA tree attention, MoE routing "
+                f"+ experts + shared expert, dense MLP, norms), LM head; op table {self.provider} ({pieces}); "
+                f"SGLang's: every other forward mode, sampling, acceptance; weights: {w.shared_tensors} tensors "
+                f"shared ({w.shared_bytes / _MiB:.1f} MiB), {w.copied_tensors} copied once "
+                f"({w.copied_bytes / _MiB:.1f} MiB, SGLang's parameters re-pointed at them), "
+                f"{w.held_extra_bytes / _MiB:.1f} MiB held extra")
+
+    # plan (host only) ---------------------------------------------------------------------------------------
+    def plan(self, input_ids, forward_batch, *args, **kwargs):
+        """Step("target_verify" | "decode", rows) for the steps we cover, None for SGLang's own forward."""
+        if args or kwargs.get("input_embeds") is not None or kwargs.get("pp_proxy_tensors") is not None:
+            return None
+        rows = int(input_ids.shape[0])
+        mode = forward_batch.forward_mode
+        if rows == 0 or rows > MAX_ROWS:
+            return None
+        if mode.is_target_verify():
+            spec = forward_batch.spec_info
+            if spec is None or not hasattr(spec, "retrieve_next_token") or \
+                    int(spec.draft_token_num) != self.tokens or rows % self.tokens:
+                return None
+            return Step(mode="target_verify", rows=rows)
+        if mode.is_decode() and self.tokens == 1:
+            return Step(mode="decode", rows=rows)
+        return None
+
+    # forward -------------------------------------------------------------------------------------------------
+    def _inputs(self, step, input_ids, positions, forward_batch):
+        view = step.view
+        k = self.tokens if step.mode == "target_verify" else 1
+        b = step.rows // k
+        meta = view.metadata
+        seq_lens = forward_batch.seq_lens[:b]
+        prefix = (seq_lens if step.mode == "target_verify" else seq_lens - 1).to(torch.int32)
+        cpu = forward_batch.seq_lens_cpu
+        if cpu is not None and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            longest = int(cpu[:b].max()) + (k if step.mode == "target_verify" else 0)
+        else:  # a graph: the widest request the attention metadata can describe
+            longest = int(meta.kv_indices.numel()) + k
+        width = -(-max(longest, 1) // 64) * 64  # rounded, so eager steps reuse a few shapes
+        table = page_table_from_metadata(meta.kv_indptr, meta.kv_indices, forward_batch.out_cache_loc[: b * k],
+                                         prefix, k, width)
+        pool = view.kv_pool.pool  # KvPoolView offers no accessor for MLA latent buffers (see module notes)
+        caches = []
+        for layer in range(self.config.num_hidden_layers):
+            buf = pool.get_key_buffer(layer)  # [slots, 1, kv_lora + rope]
+            caches.append([buf.view(buf.shape[0], 1, buf.shape[-1])])
+        tree_mask = None
+        if step.mode == "target_verify" and int(forward_batch.spec_info.topk) > 1:
+            spec = forward_batch.spec_info
+            tree_mask = tree_mask_from_links(spec.retrieve_next_token[:b], spec.retrieve_next_sibling[:b])
+        return (input_ids.view(b, k), positions.view(b, k), caches, table, prefix, tree_mask)
+
+    def forward(self, step, original, input_ids, positions, forward_batch, *args, **kwargs):
+        """Run ``step`` in place of the model's forward; returns what it returns (a ``LogitsProcessorOutput``)."""
+        from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+
+        ids, pos, caches, table, prefix, tree_mask = self._inputs(step, input_ids, positions, forward_batch)
+        capture = tuple(self._model.model.layers_to_capture) if self._model.capture_aux_hidden_states else ()
+        logits, hidden, aux = self.verify_model.forward_captured(ids, pos, caches, table, prefix, tree_mask,
+                                                                 capture_layers=capture)
+        self.calls[step.mode] += 1
+        rows = step.rows
+        logits = logits.view(rows, -1)
+        buffer = getattr(forward_batch, "next_token_logits_buffer", None)
+        if buffer is not None and tuple(buffer.shape) == tuple(logits.shape) and buffer.dtype == torch.float32:
+            buffer.copy_(logits)
+            logits = buffer
+        mode = forward_batch.capture_hidden_mode
+        hidden = hidden.view(rows, -1)
+        stored = last = None
+        if mode is not None and mode.need_capture():
+            if capture:
+                stored = torch.cat([a.reshape(rows, -1) for a in aux], -1) if len(aux) > 1 else \
+                    aux[0].reshape(rows, -1)
+                if mode.is_full() and getattr(self._model.logits_processor, "keep_last_hidden_states", False):
+                    last = hidden
+            else:
+                stored = hidden
+        return LogitsProcessorOutput(next_token_logits=logits, hidden_states=stored, last_hidden_states=last,
+                                     mm_input_embeds=getattr(forward_batch, "mm_input_embeds", None))
+
+
+def build_step(model, hf_config, context, *, provider: str = "auto") -> VerifyStep:
+    """SGLang's ``build``: our forward over the loaded model's weights (see :class:`VerifyStep`)."""
+    start = time.perf_counter()
+    step = VerifyStep(model, hf_config, context, provider=provider)
+    logger.info("specverify verify step built in %.1f s: %s", time.perf_counter() - start, step.summary())
+    return step
+
+
+#: The spec SGLang's registry imports (:data:`SPEC_PATH`).
+SPEC = MegakernelSpec(
+    name=SPEC_NAME,
+    requires=Requirements(isas=frozenset({"sm_90", "sm_120"}), tp_sizes=frozenset({1}),
+                          dtypes=frozenset({"bfloat16"})),
+    features=frozenset({Feature.SPECULATIVE_DECODING}),
+    numerics=Numerics(kind=NumericsKind.TOLERANCE, tolerances=TOLERANCES),
+    max_rows=MAX_ROWS,
+    build=build_step,
+    api_version=MEGAKERNEL_API_VERSION,
+    model_disable_reasons=model_disable_reasons,
+    config_disable_reasons=config_disable_reasons,
+)

@@ -1,0 +1,366 @@
+"""(c) SGLang runs our whole verify step (``--enable-nvidia-megakernel``): SGLang's real ``DeepseekV3ForCausalLM``
+built from a tiny config (``dsv3_harness.py``), the spec installed through SGLang's own ``install_megakernel``, and
+SGLang's own forward and ours run on the same batch.
+
+Every comparison runs SGLang's forward first (its KV write is the reference), poisons the draft tokens' KV slots
+with NaN, then runs the installed forward (ours): logits, hidden states and the KV written must agree within the
+spec's declared :data:`~specverify.integrations.sglang_step.TOLERANCES`, greedy tokens exactly; and the test fails
+if SGLang's layer loop ran during our step (``layer_calls``) or our forward did not (``calls``).
+
+Sizes and why: two requests with different prefixes (5 and 11 tokens; 13 with page size 16, so the draft tokens
+cross a page); 4 draft tokens (a tree with a sibling pair and a grandchild, and a chain); 3 layers (a dense layer
+0, two MoE layers with 16 experts, top-4, one shared expert); kv_lora_rank 64 (and Kimi-K2's 512); n_group 1 (and
+DeepSeek-V3's grouped routing, 4 groups, top-2). One harness lives at a time (SGLang's runtime context is global).
+"""
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("sglang", reason="SGLang is not installed: run in the venv made by .ci/sglang_env.sh")
+
+from dsv3_harness import Dsv3Harness, interpreter_bf16_dot  # noqa: E402
+
+from specverify.integrations import sglang_step as step  # noqa: E402
+from specverify.tree import DraftTree  # noqa: E402
+
+PREFIX = (5, 11)
+TREES = (DraftTree([-1, 0, 0, 1]), DraftTree([-1, 0, 1, 0]))  # different trees per request
+CHAIN = (DraftTree.chain(4), DraftTree.chain(4))
+
+_CURRENT: dict = {}
+
+
+def harness(key, **kwargs) -> Dsv3Harness:
+    """The harness for ``key``, built on first use; the previous one is closed (one at a time)."""
+    if _CURRENT.get("key") != key:
+        if "h" in _CURRENT:
+            _CURRENT.pop("h").close()
+        prefix = kwargs.pop("prefix", PREFIX)
+        _CURRENT.update(key=key, h=Dsv3Harness(**kwargs))
+        _CURRENT["h"].prefill(prefix)
+    return _CURRENT["h"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_last():
+    yield
+    if "h" in _CURRENT:
+        _CURRENT.pop("h").close()
+        _CURRENT.clear()
+
+
+def compare(h, fb, dtype_tag="fp32"):
+    """SGLang's forward, then ours (installed) on the same batch; returns (sglang_out, our_out, stats)."""
+    locs = fb.out_cache_loc.tolist()
+    ref = h.run(fb, h.sglang_forward)
+    kv_ref = h.kv_rows(locs)
+    h.poison(locs)
+    calls, layer_calls = sum(h.built.calls.values()), h.layer_calls
+    out = h.run(fb)
+    assert h.layer_calls == layer_calls, "SGLang's own layer loop ran during the step: our forward did not replace it"
+    assert sum(h.built.calls.values()) == calls + 1, "our verify forward did not run"
+    kv = h.kv_rows(locs)
+    assert not torch.isnan(kv).any(), "our forward left draft KV slots unwritten"
+    a, b = ref.next_token_logits.float(), out.next_token_logits.float()
+    assert b.shape == a.shape and b.dtype == torch.float32
+    scale = a.abs().max().item()
+    stats = {"logits": (a - b).abs().max().item() / scale,
+             "kv": (kv_ref.float() - kv.float()).abs().max().item() / kv_ref.float().abs().max().item(),
+             "greedy_mismatches": int((a.argmax(-1) != b.argmax(-1)).sum())}
+    if ref.hidden_states is not None:
+        assert out.hidden_states is not None and out.hidden_states.shape == ref.hidden_states.shape
+        hs = ref.hidden_states.float()
+        stats["hidden"] = (hs - out.hidden_states.float()).abs().max().item() / hs.abs().max().item()
+    tol = step.TOLERANCES[f"logits_max_rel_{dtype_tag}"]
+    assert stats["logits"] <= tol, stats
+    assert stats["kv"] <= tol, stats
+    if dtype_tag == "fp32":
+        assert stats["greedy_mismatches"] == 0, stats
+        if "hidden" in stats:
+            assert stats["hidden"] <= step.TOLERANCES["hidden_max_rel_fp32"], stats
+    print(f"measured ({dtype_tag}):", stats)
+    return ref, out, stats
+
+
+# ------------------------------------------------------------------------------------------------------------
+# registration and the declared contract
+
+
+def test_entry_point_registers_the_spec(sglang_loaded):
+    import importlib.metadata
+
+    from sglang.kernels.plugin_kernels.nvidia import spec as mk
+    from sglang.srt.kernel_plugins.nvidia import binding
+
+    eps = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="sglang.srt.plugins")}
+    assert eps.get(mk.ENTRY_POINT) == "specverify.integrations.sglang_step:register"
+    assert eps.get("specverify") == "specverify.integrations.sglang:register"  # the attention-backend plugin stays
+    assert binding.plugin_reasons() == []
+    found, why = mk.find_spec(architectures=["DeepseekV3ForCausalLM"], isa="sm_90")
+    assert found is step.SPEC, why
+
+
+def test_spec_declares_what_it_serves():
+    from sglang.kernels.plugin_kernels.nvidia.spec import Feature, NumericsKind
+
+    s = step.SPEC
+    assert s.features == frozenset({Feature.SPECULATIVE_DECODING})
+    assert s.requires.isas == {"sm_90", "sm_120"} and s.requires.tp_sizes == {1}
+    assert s.requires.dtypes == {"bfloat16"}
+    assert s.numerics.kind is NumericsKind.TOLERANCE and s.numerics.tolerances == step.TOLERANCES
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the tree mask from SGLang's tree links
+
+
+@pytest.mark.parametrize("parents", [
+    [-1, 0, 0, 1],                      # siblings and a grandchild
+    [-1, 0, 1, 2, 3],                   # a chain
+    [-1, 0, 0, 0, 1, 1, 2, 3, 4],       # 9 nodes: two mask bytes per row
+    [-1],                               # one node (decode-like)
+])
+def test_tree_mask_from_links_matches_draft_tree(parents):
+    tree = DraftTree(parents)
+    other = DraftTree.chain(len(parents))  # a second request with another shape
+    _, nt, ns = tree.retrieve_links()
+    _, nt2, ns2 = other.retrieve_links()
+    got = step.tree_mask_from_links(torch.stack([nt, nt2]), torch.stack([ns, ns2]))
+    assert torch.equal(got, torch.stack([tree.packed_mask(), other.packed_mask()]))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# TARGET_VERIFY through the binding: ours against SGLang's own forward
+
+
+def test_tree_verify_fp32_matches_sglang(sglang_loaded):
+    h = harness("fp32-tree", dtype=torch.float32, tokens=4, topk=2)
+    assert isinstance(h.built, step.VerifyStep)
+    ref, out, _ = compare(h, h.verify_batch(PREFIX, TREES))
+    assert out.hidden_states is not None  # EAGLE reads them (capture_hidden_mode FULL)
+
+
+def test_tree_server_with_a_chain_shaped_batch(sglang_loaded):
+    # topk 2 server, this step's draft happens to be a chain: the mask is built from the links, not assumed
+    h = harness("fp32-tree", dtype=torch.float32, tokens=4, topk=2)
+    compare(h, h.verify_batch(PREFIX, CHAIN, seed=1))
+
+
+def test_the_tree_mask_is_used(sglang_loaded):
+    # negative control: the same tokens as a chain give other logits at a node whose ancestors differ
+    h = harness("fp32-tree", dtype=torch.float32, tokens=4, topk=2)
+    tree = h.run(h.verify_batch(PREFIX, TREES, seed=2)).next_token_logits
+    chain = h.run(h.verify_batch(PREFIX, CHAIN, seed=2)).next_token_logits
+    assert (tree.view(2, 4, -1)[0, 2] - chain.view(2, 4, -1)[0, 2]).abs().max() > 1e-3
+
+
+def test_hidden_states_last_and_null(sglang_loaded):
+    h = harness("fp32-tree", dtype=torch.float32, tokens=4, topk=2)
+    _, out, _ = compare(h, h.verify_batch(PREFIX, TREES, seed=3, capture="last"))
+    assert out.hidden_states is not None
+    ref, out, _ = compare(h, h.verify_batch(PREFIX, TREES, seed=4, capture=None))
+    assert ref.hidden_states is None and out.hidden_states is None
+
+
+def test_eagle3_aux_hidden_states(sglang_loaded):
+    h = harness("fp32-tree", dtype=torch.float32, tokens=4, topk=2)
+    h.model.set_eagle3_layers_to_capture([0, 2])  # the embedding and layer 2's input
+    try:
+        ref, out, stats = compare(h, h.verify_batch(PREFIX, TREES, seed=5))
+        assert out.hidden_states.shape == (8, 2 * h.cfg["hidden_size"])
+    finally:
+        h.model.capture_aux_hidden_states = False
+        h.model.model.layers_to_capture = []
+
+
+def test_extend_stays_sglangs(sglang_loaded):
+    h = harness("fp32-tree", dtype=torch.float32, tokens=4, topk=2)
+    calls, layer_calls = sum(h.built.calls.values()), h.layer_calls
+    _ids, out = h.prefill((3,), seed=7)
+    assert h.layer_calls == layer_calls + 1 and sum(h.built.calls.values()) == calls
+    h.prefill(PREFIX)  # restore request slot 0's prefix for later tests
+
+
+def test_weights_are_sglangs_storage(sglang_loaded):
+    h = harness("fp32-tree", dtype=torch.float32, tokens=4, topk=2)
+    vm, m = h.built.verify_model, h.model
+    attn = m.model.layers[1].self_attn
+    w = vm.layers[1]
+    assert w["qkv_a"].data_ptr() == attn.fused_qkv_a_proj_with_mqa.weight.data_ptr()
+    assert w["w_uk"].data_ptr() == attn.w_kc.data_ptr() and w["w_uv"].data_ptr() == attn.w_vc.data_ptr()
+    assert w["router"].data_ptr() == m.model.layers[1].mlp.gate.weight.data_ptr()
+    assert w["bias"].data_ptr() == m.model.layers[1].mlp.gate.e_score_correction_bias.data_ptr()
+    assert vm.lm_head.data_ptr() == m.lm_head.weight.data_ptr()
+    assert h.built.weights.copied_bytes == 0  # the reference op table runs the shared expert as its own MLP
+
+
+def test_chain_server_fp32_matches_sglang(sglang_loaded):
+    h = harness("fp32-chain", dtype=torch.float32, tokens=4, topk=1)
+    compare(h, h.verify_batch(PREFIX, CHAIN))
+
+
+@pytest.mark.parametrize("key, config", [
+    ("kv512", {"kv_lora_rank": 512}),                             # Kimi-K2's latent width
+    ("grouped", {"n_group": 4, "topk_group": 2}),                 # DeepSeek-V3's grouped routing
+])
+def test_tree_verify_other_shapes(sglang_loaded, key, config):
+    h = harness(key, dtype=torch.float32, tokens=4, topk=2, **config)
+    compare(h, h.verify_batch(PREFIX, TREES))
+
+
+def test_paged_pool_crossing_a_page(sglang_loaded):
+    # page size 16: request 1's drafts sit at positions 13..16, across its first page boundary
+    h = harness("paged", dtype=torch.float32, tokens=4, topk=2, page_size=16, prefix=(5, 13))
+    compare(h, h.verify_batch((5, 13), TREES))
+
+
+def test_decode_step_matches_sglang(sglang_loaded):
+    # kv_lora_rank 512: SGLang's Triton MLA decode kernel does not build for a 64-wide latent under the interpreter
+    h = harness("decode", dtype=torch.float32, tokens=None, topk=None, kv_lora_rank=512)
+    assert h.built.tokens == 1
+    compare(h, h.decode_batch(PREFIX))
+    assert h.built.calls["decode"] == 1
+
+
+def test_bf16_specverify_kernels_match_sglang(sglang_loaded):
+    # our Triton kernels (interpreter) in bf16: the expert pass with the shared expert appended, SGLang's expert
+    # parameters re-pointed at the stacks (copied once); SGLang's forward runs on the same re-pointed weights
+    with interpreter_bf16_dot():
+        import msgspec
+
+        spec = msgspec.structs.replace(step.SPEC, build=functools.partial(step.build_step, provider="specverify"))
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(step, "SPEC", spec)
+            h = harness("bf16-specverify", dtype=torch.bfloat16, tokens=4, topk=2)
+        assert h.built.provider == "specverify"
+        assert h.built.weights.copied_tensors == 4 and h.built.weights.held_extra_bytes == 0
+        moe = h.model.model.layers[1].mlp
+        w = h.built.verify_model.layers[1]
+        assert moe.experts.w13_weight.data_ptr() == w["w13_all"].data_ptr()
+        assert moe.shared_experts.gate_up_proj.weight.data_ptr() == w["w13_all"][-1].data_ptr()
+        compare(h, h.verify_batch(PREFIX, TREES), dtype_tag="bf16")
+
+
+def test_bf16_error_is_within_twice_sglangs_own(sglang_loaded):
+    # the tolerance derived, not guessed: against an fp32 forward over the same (bf16-rounded) weights and tokens,
+    # our bf16 step errs at most twice what SGLang's own bf16 forward errs, plus a floor
+    h = harness("fp32-rounded", dtype=torch.float32, tokens=4, topk=2, megakernel=False,
+                round_weights_to=torch.bfloat16)
+    exact = h.run(h.verify_batch(PREFIX, TREES)).next_token_logits.float()
+    with interpreter_bf16_dot():
+        h = harness("bf16", dtype=torch.bfloat16, tokens=4, topk=2)
+        _, ours_out, _ = compare(h, h.verify_batch(PREFIX, TREES), dtype_tag="bf16")
+        sglang = h.run(h.verify_batch(PREFIX, TREES), h.sglang_forward).next_token_logits.float()
+    ours = ours_out.next_token_logits.float()
+    scale = exact.abs().max().item()
+    err_sglang = (sglang - exact).abs().max().item() / scale
+    err_ours = (ours - exact).abs().max().item() / scale
+    print(f"bf16 vs fp32: sglang {err_sglang:.3g}, ours {err_ours:.3g}")
+    ratio = step.TOLERANCES["bf16_error_vs_sglang_bf16_error"]
+    assert err_ours <= ratio * err_sglang + 1e-3, (err_ours, err_sglang)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# refusals: one reason each
+
+
+def _server_cfg(**overrides):
+    """The resolved server settings SGLang's refusal checks read, for a served EAGLE setup; ``overrides`` change
+    one of them."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    cfg = dict(pp_size=1, nnodes=1, enable_dp_attention=False, attn_dp_size=1, ep_size=1, enable_eplb=False,
+               attn_cp_size=1, dcp_size=1, enable_prefill_cp=False, speculative_algorithm="EAGLE",
+               enable_two_batch_overlap=False, enable_single_batch_overlap=False, enable_lora=False,
+               lora_paths=None, disaggregation_mode="null", enable_return_routed_experts=False,
+               enable_return_indexer_topk=False, enable_hierarchical_cache=False,
+               disaggregation_decode_enable_offload_kvcache=False, enable_lmcache=False, enable_flexkv=False,
+               enable_hisparse=False, enable_memory_saver=False, enable_weights_cpu_backup=False, cpu_offload_gb=0,
+               offload_group_size=0, enable_torch_compile=False, enable_deterministic_inference=False,
+               rl_on_policy_target=None, tp_size=1, watchdog_timeout=300,
+               cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend=Backend.DISABLED)),
+               quantization=None, kv_cache_dtype="auto", attention_backend="triton",
+               prefill_attention_backend=None, decode_attention_backend=None, enable_dp_lm_head=False)
+    cfg.update(overrides)
+    return SimpleNamespace(**cfg)
+
+
+def _hf(**overrides):
+    from dsv3_harness import tiny_config
+
+    return SimpleNamespace(**{**tiny_config(), **overrides})
+
+
+def _reasons(cfg, hf=None):
+    from sglang.srt.kernel_plugins.nvidia import binding
+
+    spec, reasons = binding.megakernel_disable_reasons(cfg=cfg, hf_config=hf or _hf(), isa="sm_90")
+    assert spec is step.SPEC
+    return reasons
+
+
+def test_served_setup_has_no_reason(sglang_loaded):
+    assert _reasons(_server_cfg()) == []
+
+
+@pytest.mark.parametrize("overrides, hf, words", [
+    ({"enable_dp_attention": True, "attn_dp_size": 2}, {}, "DP attention"),
+    ({"ep_size": 8}, {}, "expert parallelism"),
+    ({"attn_cp_size": 2}, {}, "context parallelism"),
+    ({"enable_lora": True}, {}, "LoRA"),
+    ({"pp_size": 2}, {}, "pipeline parallelism"),
+    ({"tp_size": 8}, {}, "tp_size 8"),
+    ({"kv_cache_dtype": "fp8_e4m3"}, {}, "--kv-cache-dtype fp8_e4m3"),
+    ({"quantization": "fp8"}, {}, "quantised checkpoint (fp8)"),
+    ({}, {"quantization_config": {"quant_method": "compressed-tensors"}}, "quantised checkpoint (compressed-tensors)"),
+    ({"attention_backend": "fa3"}, {}, "--attention-backend fa3"),
+    ({"speculative_algorithm": "NGRAM"}, {}, "--speculative-algorithm NGRAM"),
+    ({"enable_dp_lm_head": True}, {}, "--enable-dp-lm-head"),
+    ({}, {"q_lora_rank": None}, "q_lora_rank is None"),
+    ({}, {"topk_method": "group_limited_greedy", "scoring_func": "softmax"}, "noaux_tc sigmoid router only"),
+])
+def test_config_refusal(sglang_loaded, overrides, hf, words):
+    reasons = _reasons(_server_cfg(**overrides), _hf(**hf))
+    assert len(reasons) == 1 and words in reasons[0], reasons
+
+
+class _FakeQuant:  # stands for a quantised linear method (the refusal reads its class name)
+    pass
+
+
+def _model_reasons(h):
+    return step.model_disable_reasons(h.model, h.model_config.hf_config)
+
+
+def test_model_refusals(sglang_loaded):
+    h = harness("fp32-tree", dtype=torch.float32, tokens=4, topk=2)
+    assert _model_reasons(h) == []
+    attn = h.model.model.layers[1].self_attn
+    mlp = h.model.model.layers[1].mlp
+    cases = [
+        (attn.q_b_proj, "quant_method", type("Fp8LinearMethod", (_FakeQuant,), {})(), "quantised attention weights"),
+        (mlp.experts, "quant_method", type("CompressedTensorsWNA16MoEMethod", (torch.nn.Module,), {})(),
+         "quantised routed experts"),
+        (mlp.shared_experts.down_proj, "quant_method", type("Fp8LinearMethod", (_FakeQuant,), {})(),
+         "quantised MLP weights"),
+        (attn, "w_kc", None, "absorbed W_UK / W_UV"),
+    ]
+    for module, attr, value, words in cases:
+        # set and restore by hand: MonkeyPatch would delete a submodule attribute on undo (not in __dict__)
+        old = getattr(module, attr)
+        setattr(module, attr, value)
+        try:
+            reasons = _model_reasons(h)
+        finally:
+            setattr(module, attr, old)
+        assert len(reasons) == 1 and words in reasons[0], (words, reasons)
+    assert _model_reasons(h) == []
+
+
+def test_model_refusal_other_architecture(sglang_loaded):
+    reasons = step.model_disable_reasons(torch.nn.Linear(2, 2), None)
+    assert len(reasons) == 1 and "DeepseekV2ForCausalLM" in reasons[0]

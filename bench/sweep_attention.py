@@ -1,13 +1,12 @@
-"""Sweep: Kimi-K2 MLA tree attention, the default against every latency/bandwidth lever, in one device call.
+"""Sweep: Kimi-K2 MLA tree attention, the default against the tl.dot kernel's configs and other split counts.
 
 Shapes (Kimi-K2 per rank at tp 8: 8 heads, kv_lora_rank 512 + rope 64, bf16, page size 64, pages scattered):
 batch 1 context 4096 k 1 (decode) and k 4 (top-2 tree) — the <= 10 us latency target of issue 4 —, batch 8
-context 32768 k 4 and batch 64 context 4096 k 4 (bandwidth). Variants: ``MLA_LATENCY_CONFIGS`` (16-bit split
-partials, programmatic dependent launch, merge width, fewer rows or value columns per program, chunked kernel,
-fused merge), ``MLA_PAGE_AHEAD_CONFIGS`` (``ahead`` rows: the default kernel with the KV tile double-buffered),
-``MLA_CHUNKED_CONFIGS`` and ``MLA_SWAPPED_CONFIGS`` (the transposed kernel, ``swap`` rows: KV tokens as
-the MMA's M dimension so Hopper can use wgmma) from ``specverify/kernels/tree_attention.py``, at several split counts
-(the 4-warp BLOCK_N 32 swapped config fits two CTAs on an SM, so it is timed at twice the heuristic's splits).
+context 32768 k 4 and batch 64 context 4096 k 4 (bandwidth). Rows: ``default`` (the plan without a config: the
+Gluon wgmma kernel on sm_90 with Triton 3.6, else the tl.dot kernel with its per-shape config), the tl.dot kernel's
+two configs the plan chooses between where the Gluon kernel cannot run (``tl.dot``: ``MLA_CONFIGS[0]``, splits of one
+KV tile; ``tl.dot page-ahead``: ``MLA_BANDWIDTH_CONFIG``, splits of two or more tiles) and the default at forced split
+counts.
 
 Each variant is checked before timing: ``err`` = max |out - ref| against the fp32 torch reference, ``tol`` = 2 x the
 torch bf16 reference's own error + one bf16 ulp of the output scale (the tests' derived tolerance); a variant over
@@ -16,9 +15,10 @@ tol is marked WRONG. Time: µs per call by CUDA-graph replay (20 calls per graph
 and ``copy_bw`` a 1 GiB device-to-device copy (``2 * bytes / time``) measured in the same run.
 
 Usage: ``python bench/sweep_attention.py [--quick] [--json PATH] [--budget-s S] [--only latency|bandwidth|long|wgmma]
-[--resources]``; prints a table last. ``--quick``: fewer variants per shape. ``--only``: the batch-1 shapes or the
-batch 8 / 64 shapes. ``--resources`` needs no GPU: it compiles the default and the swapped kernel configs for sm_90a
-here and prints registers, spilled bytes, shared memory and whether wgmma is used. ``--budget-s``: start no new
+[--resources]``; prints a table last. ``--quick``: fewer variants per shape. ``--only``: the batch-1 shapes, the
+batch 8 / 64 shapes, batch 1 at 32k, or every shape with the wgmma split counts. ``--resources`` needs no GPU: it
+compiles the tl.dot kernel's MLA configs for sm_90a here and prints registers, spilled bytes, shared memory and
+whether wgmma is used. ``--budget-s``: start no new
 variant after S seconds (default 420), so one device call stays bounded; the JSON is rewritten after every row, so a
 killed run still leaves its numbers.
 """
@@ -48,80 +48,35 @@ def variants_for(batch: int, k: int, quick: bool):
     """[(label, config or None, num_splits or None)], most informative first."""
     from specverify.kernels import tree_attention as kernels
 
-    L, C, W = kernels.MLA_LATENCY_CONFIGS, kernels.MLA_CHUNKED_CONFIGS, kernels.MLA_SWAPPED_CONFIGS
-    A = kernels.MLA_PAGE_AHEAD_CONFIGS  # the default kernel, KV double-buffered (page ids one tile ahead)
-    ahead = [("ahead N64 s3", A[0], None), ("ahead M64 N32 s3", A[4], None), ("ahead M64 N32 s4", A[5], None),
-             ("ahead M64 N64 s2", A[6], None), ("swap ahead N64 s2", A[7], None), ("ahead N32 s4", A[1], None),
-             ("ahead N32 s3", A[2], None), ("swap ahead N32 s4", A[3], None)]
+    v = [("default", None, None), ("tl.dot", kernels.MLA_CONFIGS[0], None),
+         ("tl.dot page-ahead", kernels.MLA_BANDWIDTH_CONFIG, None)]
     if batch == 1:
-        lat = {"PARTIAL_DTYPE": "bf16", "PDL": True}
-        # with the KV tile double-buffered a split can take several tiles at full speed: fewer splits, fewer partials
-        v = [("default", None, None), ("bf16+pdl s64", L["bf16+pdl"], 64),
-             ("ahead M64 N32 s3 bf16+pdl s128", dict(A[4], **lat), 128),
-             ("ahead M64 N32 s3 bf16+pdl s64", dict(A[4], **lat), 64),
-             ("ahead M64 N64 s2 bf16+pdl s64", dict(A[6], **lat), 64),
-             ("swap ahead N64 s2 bf16+pdl s64", dict(A[7], **lat), 64),
-             ("default s64", None, 64), ("ahead N64 s3 bf16+pdl s64", dict(A[0], **lat), 64),
-             ("ahead N64 s3 bf16+pdl s16", dict(A[0], **lat), 16), ("ahead N32 s4 bf16+pdl s32", dict(A[1], **lat), 32),
-             ("swap bf16+pdl s64", L["swap bf16+pdl"], 64), ("swap s3 bf16+pdl s64", L["swap s3 bf16+pdl"], 64),
-             ("swap N32 w4 bf16+pdl s128", L["swap N32 w4 bf16+pdl"], 128),
-             ("bf16 s64", L["bf16"], 64), ("pdl s64", L["pdl"], 64),
-             ("bf16+pdl s32", L["bf16+pdl"], 32), ("bf16+pdl N32 s128", L["bf16+pdl N32"], 128),
-             ("bf16+pdl DV256 s64", L["bf16+pdl DV256"], 64), ("bf16+pdl M16 s64", L["bf16+pdl M16"], 64),
-             ("chunk DV256 bf16+pdl s64", L["chunk DV256 bf16+pdl"], 64),
-             ("chunk DV128 bf16+pdl s64", L["chunk DV128 bf16+pdl"], 64),
-             ("bf16+pdl merge128 s64", L["bf16+pdl merge128"], 64),
-             ("bf16+pdl stages1 s64", L["bf16+pdl stages1"], 64),
-             ("bf16+pdl M16 DV256 s64", L["bf16+pdl M16 DV256"], 64),
-             ("bf16+pdl merge32 s64", L["bf16+pdl merge32"], 64),
-             ("bf16+pdl merge512 w8 s64", L["bf16+pdl merge512 w8"], 64),
-             ("chunk DV256 s64 (old best)", C[0], 64), ("chunk DV256 bf16+pdl s32", L["chunk DV256 bf16+pdl"], 32),
-             ("chunk DV256 N32 bf16+pdl s128", L["chunk DV256 N32 bf16+pdl"], 128),
-             ("chunk DV128 bf16+pdl s32", L["chunk DV128 bf16+pdl"], 32),
-             ("fused bf16+pdl s16", L["fused bf16+pdl"], 16),
-             ("chunk DV128 fused bf16+pdl s16", L["chunk DV128 fused bf16+pdl"], 16)]
-        return v[:15] if quick else v
-    if batch == 8:
-        v = [("default", None, None), *ahead[:5], ("swap s3", W[1], None), *ahead[5:], ("swap", W[0], None),
-             ("swap pdl", dict(W[0], PDL=True), None), ("swap N32 w4 s32", W[2], 32),
-             ("swap N32 w8 s16", W[3], 16), ("swap s3 bf16+pdl s16", L["swap s3 bf16+pdl"], 16),
-             ("bf16+pdl", L["bf16+pdl"], None), ("pdl", L["pdl"], None),
-             ("bf16+pdl s16", L["bf16+pdl"], 16), ("chunk DV256 bf16+pdl s8", L["chunk DV256 bf16+pdl"], 8),
-             ("chunk DV256 bf16+pdl s16", L["chunk DV256 bf16+pdl"], 16), ("C3 s8", C[3], 8)]
-        return v[:7] if quick else v
-    v = [("default", None, None), *ahead[:5], ("swap s3", W[1], None), *ahead[5:], ("swap", W[0], None),
-         ("swap pdl", dict(W[0], PDL=True), None), ("swap N32 w4 s4", W[2], 4), ("swap N32 w8 s2", W[3], 2),
-         ("swap s1", W[0], 1), ("pdl", L["pdl"], None), ("default s1", None, 1),
-         ("chunk DV256 pdl s1", dict(C[0], PDL=True), 1), ("C3 s1 (M64)", C[3], 1),
-         ("bf16+pdl s2", L["bf16+pdl"], 2)]
-    return v[:7] if quick else v
+        v += [("default s32", None, 32), ("default s64", None, 64), ("default s128", None, 128),
+              ("tl.dot s64", kernels.MLA_CONFIGS[0], 64), ("tl.dot page-ahead s16", kernels.MLA_BANDWIDTH_CONFIG, 16)]
+    elif batch == 8:
+        v += [("default s8", None, 8), ("default s16", None, 16), ("default s32", None, 32)]
+    else:
+        v += [("default s1", None, 1), ("default s2", None, 2), ("default s4", None, 4)]
+    return v[:4] if quick else v
 
 
 def variants_long():
     """Batch 1 at 32k: the default split count against forced ones (the heuristic caps at HEURISTIC_MAX_SPLITS)."""
-    from specverify.kernels import tree_attention as kernels
-
-    lat = {"PARTIAL_DTYPE": "bf16", "PDL": True}
-    bwc = kernels.MLA_BANDWIDTH_CONFIG
-    return [("default", None, None), ("s64", None, 64), ("s128", None, 128), ("s96", None, 96),
-            ("bf16+pdl s128", dict(bwc, **lat), 128)]
+    return [("default", None, None), ("s64", None, 64), ("s128", None, 128), ("s96", None, 96)]
 
 
 def variants_wgmma(batch: int, ctx: int):
-    """The Gluon wgmma kernel (the MLA default on sm_90, ``KERNEL: "mla_wgmma"``) against the ``tl.dot`` kernels
-    the plan took before it, at the heuristic's and forced split counts, with PDL and 16-bit partials."""
+    """The Gluon wgmma kernel (the MLA default on sm_90, ``MLA_WGMMA_DEFAULT``) against the ``tl.dot`` kernels the
+    plan takes elsewhere, at the heuristic's and forced split counts."""
     from specverify.kernels import tree_attention as kernels
 
-    w, wp, wbp = ({"KERNEL": "mla_wgmma"}, {"KERNEL": "mla_wgmma", "PDL": True},
-                  {"KERNEL": "mla_wgmma", "PDL": True, "PARTIAL_DTYPE": "bf16"})
     v = [("default", None, None)]
     if batch == 1:
-        return v + [("tl.dot", kernels.MLA_CONFIGS[0], None), ("wgmma pdl", wp, None), ("wgmma bf16+pdl", wbp, None),
-                    ("wgmma bf16+pdl s128", wbp, 128), ("wgmma bf16+pdl s32", wbp, 32), ("wgmma s32", w, 32)]
+        return v + [("tl.dot", kernels.MLA_CONFIGS[0], None), ("default s128", None, 128), ("default s32", None, 32)]
     v.append(("tl.dot page-ahead", kernels.MLA_BANDWIDTH_CONFIG, None))
     if batch == 8:
-        return v + [("wgmma pdl", wp, None), ("wgmma s8", w, 8), ("wgmma s32", w, 32)]
-    return v + [("wgmma pdl", wp, None), ("wgmma s4", w, 4)]
+        return v + [("default s8", None, 8), ("default s32", None, 32)]
+    return v + [("default s4", None, 4)]
 
 
 def write_json(path, bw):
@@ -138,14 +93,13 @@ def write_json(path, bw):
 
 
 def resources(quick: bool) -> list[dict]:
-    """Registers / spills / shared memory of the default and the swapped MLA kernels, compiled for sm_90a here (no
-    GPU: the launches ``specverify.attention`` would make are captured and compiled offline)."""
+    """Registers / spills / shared memory of the tl.dot MLA kernel's configs, compiled for sm_90a here (no GPU: the
+    launches ``specverify.attention`` would make are captured and compiled offline)."""
     from specverify.kernels import tree_attention as kernels
     from sweep_verify_kernels import _captured_launches, _compile_sm90
 
-    cfgs = [("default", dict(kernels.MLA_CONFIGS[0], BLOCK_M=32))]
-    cfgs += [(f"ahead{i}", c) for i, c in enumerate(kernels.MLA_PAGE_AHEAD_CONFIGS)]
-    cfgs += [(f"swap{i}", c) for i, c in enumerate(kernels.MLA_SWAPPED_CONFIGS)]
+    cfgs = [("default", dict(kernels.MLA_CONFIGS[0], BLOCK_M=32)), ("ahead", kernels.MLA_BANDWIDTH_CONFIG)]
+    cfgs += [(f"cfg{i}", c) for i, c in enumerate(kernels.MLA_CONFIGS[1:], 1)]
     shapes = [(64, 4096, 4, 2), (1, 4096, 4, 64)] + ([] if quick else [(64, 4096, 8, 2)])
     rows = []
     for batch, ctx, k, splits in shapes:
@@ -181,8 +135,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", choices=("latency", "bandwidth", "long", "wgmma"),
                     help="only the batch-1 4k shapes, only the batch 8 / 64 shapes, only batch 1 at 32k (split "
                     "counts), or the Gluon wgmma kernel against the default at every shape")
-    ap.add_argument("--resources", action="store_true", help="offline sm_90a registers/spills of the swapped kernel "
-                    "configs (no GPU)")
+    ap.add_argument("--resources", action="store_true", help="offline sm_90a registers/spills of the tl.dot kernel's "
+                    "MLA configs (no GPU)")
     args = ap.parse_args(argv)
     if args.resources:
         rows = resources(args.quick)
@@ -241,17 +195,15 @@ def main(argv=None) -> int:
                                               return_lse=True)
                 row["err"] = (out.float() - ref32).abs().max().item()
                 row["lse_err"] = (lse - lse32).abs().max().item()
-                counters_ok = plan.workspace_count is None or not bool(plan.workspace_count.any())
                 row["us"] = graph_us(fn)
-                counters_ok = counters_ok and (plan.workspace_count is None or not bool(plan.workspace_count.any()))
                 row["bw_pct"] = 100.0 * kv_bytes / (row["us"] * 1e-6) / (bw * 1e9)
                 row["splits"] = plan.num_splits
                 pc = plan.config
                 row["note"] = (f"S{plan.num_splits} {pc['KERNEL']} M{pc['BLOCK_M']} N{pc['BLOCK_N']} "
-                               f"DV{pc['BLOCK_DV']} w{pc['num_warps']} s{pc['num_stages']} {pc['PARTIAL_DTYPE']}"
-                               f"{' pdl' if pc['PDL'] else ''}{' fused' if pc['FUSED_MERGE'] else ''}")
-                if not row["err"] <= tol or not counters_ok:
-                    row["note"] += " WRONG" + ("" if counters_ok else " (counters not reset)")
+                               f"DV{pc['BLOCK_DV']} w{pc['num_warps']} s{pc['num_stages']}"
+                               f"{' ahead' if pc['PAGE_AHEAD'] else ''}{' pdl' if pc['PDL'] else ''}")
+                if not row["err"] <= tol:
+                    row["note"] += " WRONG"
             except Exception as exc:  # noqa: BLE001 - a variant that fails to compile, launch or capture is reported
                 row["note"] = f"FAILED {exc.__class__.__name__}: {str(exc)[:160]}"
                 try:

@@ -5,10 +5,10 @@ Shape: Kimi-K2 per rank (tp 8: H 7168, expert intermediate 256, 384 routed exper
 token with ``specverify.moe.append_shared_expert``, weight 1), M = 1, 2, 4, 8 tokens (``--ms``); above the
 default ``max_m`` the stream rows raise it for the measurement.
 
-Providers: ``default`` (``_VARIANT["experts"] = "auto"``: stream up to its ``max_m``, then the dot path), ``dot``,
-``gemv`` (the earlier GEMV variant, M <= 4) and ``stream`` with each tile config of ``STREAM_GRID`` (merged into
-``_STREAM_OVERRIDE``), all given the same precomputed alignment (block 16); ``stream noalign`` runs with
-``alignment=None`` (per-slot programs, no alignment launch needed at all). Every provider is first checked against
+Providers: ``default`` (``_VARIANT["experts"] = "auto"``: stream up to its ``max_m``, then the dot path), ``dot``
+(the default above ``max_m``) and ``stream`` with each tile config of ``STREAM_GRID`` (merged into
+``_STREAM_OVERRIDE``), all given the same precomputed alignment (block 16; the stream path does not read it);
+``stream noalign`` runs with ``alignment=None``. Every provider is first checked against
 a per-expert fp64 torch reference (tolerance: twice torch's own bf16 error + 1e-6), then timed by CUDA-graph replay
 (``graph_us``): each graph holds ``SETS`` = 20 calls, each with its own routing (different random logits), so
 consecutive calls hit different experts (~20 x 9 x 11 MB = ~2 GB of weights) and come from HBM, not the 50 MB L2.
@@ -35,16 +35,12 @@ SETS = 20  # calls per graph, each with its own routing
 BLOCK = 16
 #: stream tile configs swept (merged into ``_STREAM_OVERRIDE``); "q" marks the ones --quick keeps
 STREAM_GRID = [
-    dict(q=1),  # the defaults of _STREAM_CONFIG (per-slot units: ALIGNED False)
-    dict(q=1, ALIGNED=True),  # alignment blocks as units (the run-16 default)
-    dict(q=1, PDL=False),
-    dict(q=1, PDL_GATE=True),  # the gate/up kernel too as a programmatic dependent of the kernel before it
-    dict(q=1, PREFETCH=False),
-    dict(q=1, PREFETCH=False, num_stages=3),
-    dict(q=0, PREFETCH=False, num_stages=4, R=1),
+    dict(q=1),  # the defaults of _STREAM_CONFIG
+    dict(q=1, PDL=False),  # the down kernel launched plainly (GPUs before sm_90)
+    dict(q=1, num_stages=3),
+    dict(q=0, num_stages=4, R=1),
     dict(q=1, R=1),
     dict(q=1, R=4, BK=512),
-    dict(q=1, R=4, BK=512, PREFETCH=False),
     dict(q=0, R=2, BK=2048),
     dict(q=1, R=2, BK=512),
     dict(q=0, R=4, BK=1024, num_warps=8),
@@ -69,7 +65,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=480.0, help="stop starting measurements after this long")
     ap.add_argument("--ms", type=token_counts, default=[1, 2, 4, 8], help="comma list of token counts")
     ap.add_argument("--variants", help="comma list of provider labels (a trailing * matches a prefix), e.g. "
-                                       "'default (auto),stream PDL_GATETrue': time only those")
+                                       "'default (auto),stream R1': time only those")
     ap.add_argument("--routed-only", action="store_true", help="skip the cases with the shared expert")
     args = ap.parse_args(argv)
     ms_list = args.ms
@@ -159,8 +155,6 @@ def main(argv=None) -> int:
 
             measure("default (auto)", "auto", {})
             measure("dot", "dot", {})  # the three-launch tl.dot path (the default above the stream's max_m)
-            if m <= moe._GEMV_CONFIG["max_m"]:  # above it the "gemv" variant falls through to the dot path
-                measure("gemv", "gemv", {})
             for c in STREAM_GRID:
                 if args.quick and not c["q"]:
                     continue

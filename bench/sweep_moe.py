@@ -1,21 +1,23 @@
-"""Sweep: MoE expert variants and tiles against the activated-expert bytes floor, and router + alignment variants.
+"""Sweep: the MoE dot-path expert tiles against the activated-expert bytes floor, and the router + alignment configs.
 
 Shapes: per-rank (tp 8) Kimi-K2 and DeepSeek-V3 from ``specverify.configs.per_rank_shapes`` (H 7168, I 256,
 384 / 256 experts, top-8, bf16), M = 1, 2, 4, 8, 16, 32, 64 tokens (``--quick``: 1, 4, 16, 64).
 
-Experts: the ``dot`` (three launches), ``gemv`` (M <= 4) and ``fused`` (one streaming launch + a fixed-order partial
-sum, with each tile config of ``FUSED_GRID``) variants of ``specverify.moe._VARIANT["experts"]`` (the stream
-variant, the default at M <= 6, has its own sweep: ``bench/sweep_experts.py``) are each checked
-against a per-expert fp64 torch reference (tolerance: twice torch's own bf16 error + 1e-6) and timed by CUDA-graph
+Experts: the ``dot`` path (three launches, ``specverify.moe._VARIANT["experts"] = "dot"``: the default above M = 6)
+with its default tiles and each tile change of ``DOT_GRID``, and SGLang's fused experts (the stream experts, the
+default at M <= 6, have their own sweep: ``bench/sweep_experts.py``), each checked against a per-expert fp64 torch
+reference (tolerance: twice torch's own bf16 error + 1e-6) and timed by CUDA-graph
 replay (``graph_us``). Each graph holds ``SETS`` calls, each with its own routing (different random logits), so
 consecutive calls hit different experts and the weights (GBs per layer) come from HBM, not the 50 MB L2.
 ``floor_us = mean over the sets of distinct experts * (w13 + w2 bytes per expert) / copy_bw``, ``copy_bw`` from
 ``copy_bandwidth_gbps`` (read + write bytes / time) in the same run; ``x_floor = graph_us / floor_us`` (target
 <= 1.25 at M <= 16).
 
-Router + alignment (block 16): ``atomic`` (old default), ``single`` and ``fast`` (default) with their configs,
-checked (ids against ``route_reference``, counts / blocks against ``align_reference``) and timed the same way; the
-router alone (no alignment) as the baseline. Target <= 4 us at M <= 64.
+Router + alignment (block 16): the default (``fast``) and the rows of ``ROUTE_GRID`` (its size thresholds, which
+choose the one-program, sorted, row-mask or atomic-rank alignment per M, and its warps), checked (ids against
+``route_reference``, counts / blocks against ``align_reference``) and timed the same way; the router alone (no
+alignment) and an empty kernel (the launch floor) as baselines, SGLang's router + alignment as the peer. Target
+<= 4 us at M <= 64.
 
 Usage: ``python bench/sweep_moe.py [--quick] [--json PATH] [--budget-s S] [--models kimi-k2,deepseek-v3]
 [--ops experts,route]``.
@@ -30,26 +32,11 @@ import time
 
 import torch
 import triton
-from triton.language.extra.cuda import gdc_wait
 
 from specverify.benchmarking import label_matches, token_counts
 
 SETS = 20  # calls per graph, each with its own routing
 BLOCK = 16
-#: fused tile configs swept (merged into ``_FUSED_OVERRIDE``); "q" marks the ones --quick keeps
-FUSED_GRID = [
-    dict(q=1, DOT=True, BI=16, BK=256, BH=128, num_warps=4, num_stages=4),
-    dict(q=1, DOT=True, BI=32, BK=128, BH=128, num_warps=4, num_stages=3),
-    dict(q=1, DOT=True, BI=32, BK=256, BH=128, num_warps=4, num_stages=3),
-    dict(q=0, DOT=True, BI=16, BK=512, BH=128, num_warps=4, num_stages=3),
-    dict(q=0, DOT=True, BI=16, BK=256, BH=64, num_warps=4, num_stages=3),
-    dict(q=0, DOT=True, BI=64, BK=128, BH=64, num_warps=4, num_stages=3),
-    dict(q=0, DOT=True, BI=32, BK=256, BH=256, num_warps=8, num_stages=3),
-    dict(q=0, DOT=True, BI=16, BK=256, BH=128, num_warps=8, num_stages=5),
-    dict(q=1, DOT=False, BI=16, BK=128, BH=64, MP=4, num_warps=4, num_stages=3, max_m=8),
-    dict(q=0, DOT=False, BI=16, BK=256, BH=64, MP=2, num_warps=8, num_stages=3, max_m=4),
-    dict(q=0, DOT=False, BI=32, BK=64, BH=64, MP=2, num_warps=4, num_stages=3, max_m=4),
-]
 #: dot-path tiles swept besides the default (the "dot" row), merged into ``_CONFIG_OVERRIDE`` (g1 = gate/up GEMM,
 #: g2 = down GEMM); skipped with --quick
 DOT_GRID = [
@@ -72,66 +59,35 @@ DOT_GRID = [
     ("g1 N64 K128 w2", dict(BLOCK_N=64, BLOCK_K=128, num_warps=2), {}),
     ("g1 N64 K128 s5", dict(BLOCK_N=64, BLOCK_K=128, num_stages=5), {}),
 ]
-#: router variants: (name, variant, config dict merged into _FAST_ROUTE_CONFIG); the default "fast" router picks
-#: winners by a bitonic top-k, routes M * top_k <= one_max_slots in one program, and beyond aligns in the last
-#: program by one sort up to sorted_max_slots slots, by atomic ranks above (see _FAST_ROUTE_CONFIG)
+#: router configs: (name, config dict merged into _FAST_ROUTE_CONFIG); "fast" is the default, which picks winners by
+#: a bitonic top-k, routes M * top_k <= one_max_slots in one program, and beyond aligns in the last program by one
+#: sort up to sorted_max_slots slots, from per-expert row masks up to mask_max_rows tokens, by atomic ranks above
+#: (see _FAST_ROUTE_CONFIG)
 ROUTE_GRID = [
-    ("atomic", "atomic", {}),
-    ("single", "single", {}),
-    ("fast", "fast", {}),
-    ("fast rounds", "fast", dict(TOPK_SORT=False)),
-    ("fast one32", "fast", dict(one_max_slots=32)),
-    ("fast sorted all", "fast", dict(sorted_max_slots=1024)),
-    ("fast atomic ranks", "fast", dict(sorted_max_slots=0)),
-    ("fast w8", "fast", dict(num_warps=8)),
-    ("fast w2", "fast", dict(num_warps=2)),
-    ("fast w1", "fast", dict(num_warps=1)),
-    ("fast gather", "fast", dict(OFFS_GATHER=True)),
+    ("fast", {}),
+    ("fast one32", dict(one_max_slots=32)),
+    ("fast sorted all", dict(sorted_max_slots=1024)),
+    ("fast atomic ranks", dict(sorted_max_slots=0, mask_max_rows=0)),
+    ("fast w8", dict(num_warps=8)),
+    ("fast w2", dict(num_warps=2)),
+    ("fast w1", dict(num_warps=1)),
     # without the row masks: the sorted alignment up to 32 slots, atomic ranks above (the default before them)
-    ("fast no mask", "fast", dict(mask_max_rows=0)),
-    ("fast mask w8", "fast", dict(num_warps=8)),
-    ("fast mask slot writes", "fast", dict(MASK_SLOT_WRITES=True)),
-    ("fast rows2", "fast", dict(ROWS=2)),
-    ("fast tail", "fast", dict(FILL_TAIL=True)),
+    ("fast no mask", dict(mask_max_rows=0)),
+    ("fast mask w8", dict(num_warps=8)),
+    ("fast rows2", dict(ROWS=2)),
     # one program for every M (routes all rows, aligns in registers: no ticket, no global round trip) with more warps
-    ("fast one all w8", "fast", dict(one_max_slots=1024, one_num_warps=8)),
-    ("fast one all w16", "fast", dict(one_max_slots=1024, one_num_warps=16)),
-    ("fast one all w32", "fast", dict(one_max_slots=1024, one_num_warps=32)),
-    # a programmatic dependent launch: each call's launch and bias load overlap the previous call's tail
-    ("fast pdl", "fast", dict(PDL=True)),
-    ("fast pdl mask slot writes", "fast", dict(PDL=True, MASK_SLOT_WRITES=True)),
-    ("fast mask flat pads", "fast", dict(MASK_FLAT_PADS=True)),
-    ("fast pdl mask flat pads", "fast", dict(PDL=True, MASK_FLAT_PADS=True)),
-    # no last program: a grid barrier, then every program writes its own row's part of the alignment
-    ("fast mask barrier", "fast", dict(MASK_BARRIER=1)),
-    ("fast pdl mask barrier", "fast", dict(PDL=True, MASK_BARRIER=1)),
-    ("fast mask barrier split", "fast", dict(MASK_BARRIER=2)),  # the same work as two launches
-    ("fast mask barrier nocoop", "fast", dict(MASK_BARRIER=1, MASK_BARRIER_COOP=False)),  # a plain launch
-    # stage prices on the multi-program paths (timing only, wrong outputs: see CUT in the kernel): the routing
-    # programs alone with their atomics, + the ticket, + the last program's loads; the one-program path (M <= 2)
-    # has no stages and ignores CUT
-    ("fast cut route", "fast", dict(CUT=1)),
-    ("fast cut ticket", "fast", dict(CUT=2)),
-    ("fast cut loads", "fast", dict(CUT=3)),
-    ("fast no mask cut route", "fast", dict(CUT=1, mask_max_rows=0)),
-    ("fast no mask cut ticket", "fast", dict(CUT=2, mask_max_rows=0)),
-    ("fast no mask cut loads", "fast", dict(CUT=3, mask_max_rows=0)),
+    ("fast one all w8", dict(one_max_slots=1024, one_num_warps=8)),
+    ("fast one all w16", dict(one_max_slots=1024, one_num_warps=16)),
+    ("fast one all w32", dict(one_max_slots=1024, one_num_warps=32)),
 ]
 #: skipped with --quick
-ROUTE_SLOW = ("atomic", "single", "fast w2", "fast w1", "fast rows2", "fast tail")
+ROUTE_SLOW = ("fast w2", "fast w1", "fast rows2")
 
 
 @triton.jit
 def _null_kernel(x_ptr):
     """An empty one-program kernel: the launch floor the router rows are read against."""
     pass
-
-
-@triton.jit
-def _null_pdl_kernel(x_ptr):
-    """The same, launched as a programmatic dependent (launch_pdl) that waits for the kernel before it: the launch
-    floor of the PDL rows."""
-    gdc_wait()
 
 
 def main(argv=None) -> int:
@@ -142,9 +98,10 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="kimi-k2,deepseek-v3")
     ap.add_argument("--ops", default="experts,route", help="comma list: experts, route")
     ap.add_argument("--ms", type=token_counts, help="comma list of M (default: 1,4,16,64 with --quick, else 1..64)")
-    ap.add_argument("--expert-variants", help="comma list of expert variant labels (a trailing * matches a prefix): "
-                                              "time only those")
-    ap.add_argument("--route-variants", help="comma list of router variant labels (a trailing * matches a prefix): time only those")
+    ap.add_argument("--expert-variants", help="comma list of expert row labels (a trailing * matches a prefix): time "
+                                              "only those")
+    ap.add_argument("--route-variants", help="comma list of router row labels (a trailing * matches a prefix): time "
+                                             "only those")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("sweep_moe: needs a CUDA GPU", file=sys.stderr)
@@ -167,8 +124,7 @@ def main(argv=None) -> int:
     meta = run_meta(__file__, copy_gbps=bw,
                 sets=SETS, block=BLOCK)
     rows, skipped = [], []
-    restore = dict_restorer(moe._VARIANT, moe._FAST_ROUTE_CONFIG, moe._FUSED_OVERRIDE, moe._ROUTE_CONFIG,
-                            moe._CONFIG_OVERRIDE)
+    restore = dict_restorer(moe._VARIANT, moe._FAST_ROUTE_CONFIG, moe._ROUTE_CONFIG, moe._CONFIG_OVERRIDE)
     peer, peer_why = load_sglang_peer(__file__) if {"experts", "route"} & set(ops) else (None, "nothing swept")
     if peer is None:
         print(f"# sglang experts and router skipped: {peer_why}")
@@ -203,15 +159,14 @@ def main(argv=None) -> int:
                 it = iter(range(1 << 30))
                 return graph_us(lambda: call(next(it) % SETS), calls=SETS, repeats=3)
 
-            def experts(label, variant, override, tiles=None, sglang=False):
+            def experts(label, tiles=None, sglang=False):
                 if args.expert_variants and not label_matches(label, args.expert_variants):
                     return
                 if over():
                     skipped.append(f"{name} M={m} experts {label}")
                     return
                 restore()
-                moe._VARIANT["experts"] = variant
-                moe._FUSED_OVERRIDE.update(override)
+                moe._VARIANT["experts"] = "dot"
                 moe._CONFIG_OVERRIDE.update(tiles or {})
 
                 def call(i):
@@ -231,22 +186,12 @@ def main(argv=None) -> int:
                       f"tol {tol:.3g}", flush=True)
 
             if "experts" in ops:
-                experts("dot", "dot", {})
+                experts("dot")
                 if peer is not None:
-                    experts("sglang (peer)", "auto", {}, sglang=True)
+                    experts("sglang (peer)", sglang=True)
                 if not args.quick:
                     for label, g1, g2 in DOT_GRID:
-                        experts("dot " + label, "dot", {}, tiles=dict(g1=g1, g2=g2))
-                if m <= moe._GEMV_CONFIG["max_m"]:
-                    experts("gemv", "gemv", {})
-                experts("fused default", "fused", {})
-                for c in FUSED_GRID:
-                    if (args.quick and not c["q"]) or m > c.get("max_m", 1 << 30):
-                        continue
-                    ov = {k: v for k, v in c.items() if k not in ("q", "max_m")}
-                    label = "fused " + ("dot" if ov["DOT"] else "gemv") + " " + " ".join(
-                        f"{k}{v}" for k, v in ov.items() if k != "DOT")
-                    experts(label, "fused", ov)
+                        experts("dot " + label, tiles=dict(g1=g1, g2=g2))
 
             # router + alignment
             restore()
@@ -254,14 +199,12 @@ def main(argv=None) -> int:
                                      cfg.routed_scaling_factor)
             rs_, re_, rn_ = align_reference(rid, e, BLOCK)
 
-            def route_row(label, variant, ov, align=True, router=None, sglang=False):
+            def route_row(label, ov, align=True, sglang=False):
                 if over():
                     skipped.append(f"{name} M={m} route {label}")
                     return
                 restore()
-                moe._VARIANT["route"] = variant
                 moe._FAST_ROUTE_CONFIG.update(ov)
-                moe._ROUTE_CONFIG.update(router or {})
                 bs = BLOCK if align else None
 
                 def call(i):
@@ -269,14 +212,11 @@ def main(argv=None) -> int:
                         return peer.route_and_align(logits[i], bias, bs, **{
                             k: v for k, v in rkw.items() if k != "correction_bias"})
                     return moe.moe_route(logits[i], block_size=bs, impl="triton", **rkw)
-                cut = bool(moe._FAST_ROUTE_CONFIG["CUT"])
                 try:
                     res = call(0)
                     agree = (res[0] == rid).float().mean().item()
                     ok = agree == 1.0
-                    if cut:  # timing only: the alignment is left unfinished on purpose (the ids still count)
-                        ok = None if ok else False
-                    elif align:  # SGLang returns (ids, w, sorted, expert ids, used length), ours an MoEAlignment
+                    if align:  # SGLang returns (ids, w, sorted, expert ids, used length), ours an MoEAlignment
                         sorted_ids, eids, npad = res[2:5] if sglang else res[2][:3]
                         n = int(npad.item())
                         ok = ok and n == int(rn_.item()) and torch.equal(eids[: n // BLOCK].cpu(), re_.cpu())
@@ -285,17 +225,9 @@ def main(argv=None) -> int:
                 except Exception as exc:
                     print(f"# {name} M={m} route {label} failed: {exc.__class__.__name__}: {exc}", flush=True)
                     return
-                finally:
-                    if cut:  # a cut leaves counters or masks set: zero the workspace for the next row
-                        try:
-                            torch.cuda.synchronize()
-                            moe._workspace(logits[0].device).zero_()
-                        except Exception as exc:  # an asynchronous error already reported above
-                            print(f"# {name} M={m} route {label}: workspace reset failed: {exc}", flush=True)
                 rows.append(dict(base, op="route+align" if align else "route", variant=label, us=us,
-                                 x_floor=float("nan"), err=1.0 - agree, tol=0.0, ok=ok if ok is None else bool(ok)))
-                print(f"# {name} M={m} route {label}: {us:.2f} us ok={'timing only' if ok is None else ok}",
-                      flush=True)
+                                 x_floor=float("nan"), err=1.0 - agree, tol=0.0, ok=bool(ok)))
+                print(f"# {name} M={m} route {label}: {us:.2f} us ok={ok}", flush=True)
 
             if "route" in ops:
                 # the floor of any one-launch router: an empty kernel timed the same way
@@ -303,24 +235,16 @@ def main(argv=None) -> int:
                 rows.append(dict(base, op="route", variant="empty kernel (launch floor)", us=us,
                                  x_floor=float("nan"), err=0.0, tol=0.0, ok=True))
                 print(f"# {name} M={m} empty kernel: {us:.2f} us", flush=True)
-                us = time_sets(lambda i: _null_pdl_kernel[(1,)](logits[i], launch_pdl=True))
-                rows.append(dict(base, op="route", variant="empty kernel pdl (launch floor)", us=us,
-                                 x_floor=float("nan"), err=0.0, tol=0.0, ok=True))
-                print(f"# {name} M={m} empty kernel pdl: {us:.2f} us", flush=True)
-                route_row("router only", "fast", {}, align=False)  # the baselines above and this one: always
-                extra = (("router only pdl", dict(PDL=True)), ("router only rounds", dict(TOPK_SORT=False)))
-                for label, router in extra:
-                    if not args.route_variants or label_matches(label, args.route_variants):
-                        route_row(label, "fast", {}, align=False, router=router)
-                for label, variant, ov in ROUTE_GRID:
+                route_row("router only", {}, align=False)  # the baselines above and this one: always
+                for label, ov in ROUTE_GRID:
                     if args.quick and label in ROUTE_SLOW:
                         continue
                     if args.route_variants and not label_matches(label, args.route_variants):
                         continue
-                    route_row(label, variant, ov)
+                    route_row(label, ov)
                 if peer is not None and (not args.route_variants
                                          or label_matches("sglang (peer)", args.route_variants)):
-                    route_row("sglang (peer)", "fast", {}, sglang=True)
+                    route_row("sglang (peer)", {}, sglang=True)
             restore()
             del logits, hidden, routed, outs
         del w13, w2
@@ -337,7 +261,7 @@ def main(argv=None) -> int:
     for r in rows:
         xf = f"{r['x_floor']:.2f}" if r["op"] == "experts" else "-"
         fl = f"{r['floor_us']:.2f}" if r["op"] == "experts" else "-"
-        okc = "-" if r["ok"] is None else ("y" if r["ok"] else "N")
+        okc = "y" if r["ok"] else "N"
         print(f"{r['model']:<12} {r['m']:>3} {r['op']:<12} {r['variant']:<58} {r['us']:>9.2f} {fl:>9} {xf:>7} "
               f"{okc:>3}")
     best = {}

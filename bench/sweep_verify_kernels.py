@@ -1,15 +1,16 @@
-"""Sweep: tree attention and MoE (router + experts) configs on the acceptance shapes, in one device call.
+"""Sweep: tree attention tiles and split counts, and the router's warps, on the acceptance shapes, in one device call.
 
 Checks every variant against the reference (or against the checked default) before timing it, then times it by
-CUDA-graph replay (20 calls per graph, the convention of bench_tree_attention.py / bench_moe.py). Derived metrics:
-attention ``bw% = (KV + q + out bytes) / time / copy_bw``; experts ``x_floor = time / (distinct experts x expert
-bytes / copy_bw)`` with ``copy_bw`` a 1 GiB device-to-device copy (``2 * bytes / time``) measured in the same run.
+CUDA-graph replay (20 calls per graph, the convention of bench_tree_attention.py / bench_moe.py). Derived metric:
+attention ``bw% = (KV + q + out bytes) / time / copy_bw`` with ``copy_bw`` a 1 GiB device-to-device copy
+(``2 * bytes / time``) measured in the same run. The MoE experts' sweeps are ``bench/sweep_moe.py`` (dot-path tiles)
+and ``bench/sweep_experts.py`` (stream experts).
 
-Usage: ``python bench/sweep_verify_kernels.py [--quick] [--json PATH] [--only attn,attnv,route,experts]
-[--budget-s S] [--resources]``; prints a table last. ``--quick`` trims the variant lists (about half the compile
-time). ``--only attnv`` times the default attention against the opt-in variants (chunked MLA kernel, fused split
-merge, GQA bandwidth configs) on the acceptance shapes. ``--resources`` needs no GPU: it compiles the attention
-variants for sm_90a on this machine and prints registers, spilled bytes (local + stack) and shared memory.
+Usage: ``python bench/sweep_verify_kernels.py [--quick] [--json PATH] [--only attn,route] [--resources]``; prints a
+table last. ``--quick`` trims the variant lists (about half the compile time). ``attn``: the default plan against
+each tile of ``GQA_CONFIGS`` / ``MLA_CONFIGS`` and other split counts; ``route``: the router alone and with its
+alignment at each warp count of ``_ROUTE_CONFIG``. ``--resources`` needs no GPU: it compiles the tl.dot attention
+configs for sm_90a on this machine and prints registers, spilled bytes (local + stack) and shared memory.
 """
 from __future__ import annotations
 
@@ -31,7 +32,6 @@ graph_us = partial(_graph_us, repeats=3)  # best of 3: less host noise in a swee
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 ROWS: list[dict] = []
-_JSON_PATH: str | None = None  # the sweep rewrites it after each attention-variant row
 
 
 def log(msg: str) -> None:
@@ -95,89 +95,6 @@ def sweep_attention(bw, quick):
             add("attn", name, f"{tag} s{p2.num_splits}", us2,
                 f"bw {100 * nbytes / (us2 * 1e-6) / (bw * 1e9):.1f}%", e2,
                 (str(c) if c else "") + (" WRONG" if e2 > 0.05 else ""))
-        del tensors, meta
-        torch.cuda.empty_cache()
-
-
-def sweep_attention_variants(bw, quick, budget_s):
-    """Old (default) against the opt-in variants on the acceptance shapes, one table; stops starting new variants
-    after ``budget_s`` seconds so one device call stays bounded. Split counts are powers of two that divide the
-    tile count (the plan heuristic's 63 at 4k context leaves half the splits empty: see the report)."""
-    import bench_tree_attention as bta
-    from specverify.kernels import tree_attention as kernels
-
-    t0 = time.time()
-    C, G = kernels.MLA_CHUNKED_CONFIGS, kernels.GQA_BANDWIDTH_CONFIGS
-    d_mla, d_gqa = kernels.MLA_CONFIGS[0], kernels.GQA_CONFIGS[0]
-
-    def f(c):
-        return dict(c, FUSED_MERGE=True)
-
-    # (shape, [(label, config or None, splits or None)]), most important first
-    plan_list = [
-        (("kimi-k2", 1, 4096, 4, True), [
-            ("default", None, None), ("default s64", None, 64), ("default+fused s16", f(d_mla), 16),
-            ("default+fused s32", f(d_mla), 32), ("C0 s32", C[0], 32), ("C0 s64", C[0], 64),
-            ("C0+fused s16", f(C[0]), 16), ("C0+fused s32", f(C[0]), 32), ("C1 s64", C[1], 64),
-            ("C2 s32", C[2], 32), ("C2 s64", C[2], 64), ("C3 s32", C[3], 32), ("C3+fused s16", f(C[3]), 16),
-            ("C4 s32", C[4], 32), ("C5 s16", C[5], 16), ("C5 s32", C[5], 32)]),
-        (("llama-3.1-8b", 8, 32768, 4, True), [
-            ("default", None, None), ("default s16", None, 16), ("G0 s4", G[0], 4), ("G0 s8", G[0], 8),
-            ("G0 s16", G[0], 16), ("G1 s16", G[1], 16), ("G2 s16", G[2], 16), ("G3 s16", G[3], 16),
-            ("G0+fused s8", f(G[0]), 8)]),
-        (("kimi-k2", 64, 4096, 4, True), [
-            ("default", None, None), ("default s1", None, 1), ("default s2", None, 2), ("C0 s1", C[0], 1),
-            ("C0 s2", C[0], 2), ("C3 s1", C[3], 1), ("C5 s1", C[5], 1)]),
-        (("kimi-k2", 8, 32768, 4, True), [
-            ("default", None, None), ("default s16", None, 16), ("C0 s8", C[0], 8), ("C0 s16", C[0], 16),
-            ("C3 s8", C[3], 8), ("C5 s4", C[5], 4)]),
-        (("kimi-k2", 1, 4096, 1, False), [
-            ("default", None, None), ("default s64", None, 64), ("C0 s64", C[0], 64), ("C2 s64", C[2], 64),
-            ("C5 s32", C[5], 32)]),
-        (("gqa-8to1", 64, 4096, 16, False), [
-            ("default", None, None), ("G0 s1", G[0], 1), ("G1 s1", G[1], 1), ("G2 s2", G[2], 2)]),
-        (("llama-3.1-8b", 1, 4096, 4, True), [
-            ("default", None, None), ("default+fused", f(d_gqa), None), ("G0", G[0], None)]),
-        (("deepseek-v3", 8, 4096, 8, True), [
-            ("default", None, None), ("C0", C[0], None), ("C3", C[3], None)]),
-    ]
-    if quick:  # the two targets and the biggest MLA shape, fewer variants
-        plan_list = [(s, v[:9]) for s, v in plan_list[:3]]
-    for (model, batch, ctx, k, tree), variants in plan_list:
-        if time.time() - t0 > budget_s:
-            log(f"# attn-variants: budget of {budget_s} s spent, skipping {model} b{batch} c{ctx} k{k}")
-            continue
-        cfg, tensors, meta, nbytes = bta.make_inputs(model, batch, ctx, k, tree)
-        name = f"{model} b{batch} c{ctx} k{k}{'t' if tree else ''}"
-        got = None
-        if batch * ctx <= 8 * 4096:
-            got = bta.reference_fn(cfg, tensors, meta)().float()
-        for label, c, s in variants:
-            if time.time() - t0 > budget_s:
-                log(f"# attn-variants: budget of {budget_s} s spent, skipping {name} {label}")
-                break
-            try:
-                fn, plan = bta.triton_fn(cfg, tensors, meta, batch, k, ctx, config=c, num_splits=s)
-                res = fn().float()
-                if got is None:  # large shapes: the first (default) result is the yardstick
-                    got = res.clone()
-                err = bta.max_err(res, got)
-                counters_ok = plan.workspace_count is None or not bool(plan.workspace_count.any())
-                us = graph_us(fn)
-                counters_ok = counters_ok and (plan.workspace_count is None or not bool(plan.workspace_count.any()))
-            except Exception as exc:  # a variant that does not compile or launch is reported, not fatal
-                add("attnv", name, label, float("nan"), "-", float("nan"),
-                    f"FAILED {exc.__class__.__name__}: {str(exc)[:160]}")
-                continue
-            pc = plan.config
-            note = (f"S{plan.num_splits} {pc.get('KERNEL')} M{pc['BLOCK_M']} N{pc['BLOCK_N']} DV{pc['BLOCK_DV']} "
-                    f"w{pc['num_warps']} s{pc['num_stages']}{' fused' if pc.get('FUSED_MERGE') else ''}")
-            if err > 0.05 or not counters_ok:
-                note += " WRONG" + ("" if counters_ok else " (counters not reset)")
-            add("attnv", name, label, us, f"bw {100 * nbytes / (us * 1e-6) / (bw * 1e9):.1f}%", err, note)
-            if _JSON_PATH:
-                with open(_JSON_PATH, "w") as fh:  # after every row: a timed-out call still leaves its numbers
-                    json.dump(dict(copy_gbps=bw, rows=ROWS), fh, indent=1)
         del tensors, meta
         torch.cuda.empty_cache()
 
@@ -294,14 +211,11 @@ def resources(quick: bool) -> None:
     """Registers / spills / shared memory of each attention variant compiled for sm_90a here (no GPU needed)."""
     from specverify.kernels import tree_attention as kernels
 
-    mla_cfgs = [("default", dict(kernels.MLA_CONFIGS[0], BLOCK_M=32))] + \
-        [(f"chunked{i}", c) for i, c in enumerate(kernels.MLA_CHUNKED_CONFIGS)]
-    mla_cfgs += [("chunked0+fused", dict(kernels.MLA_CHUNKED_CONFIGS[0], FUSED_MERGE=True)),
-                 ("default+fused", dict(kernels.MLA_CONFIGS[0], BLOCK_M=32, FUSED_MERGE=True)),
-                 ("chunked0 s1", dict(kernels.MLA_CHUNKED_CONFIGS[0], _splits=1))]
+    mla_cfgs = [("default", dict(kernels.MLA_CONFIGS[0], BLOCK_M=32)), ("bandwidth", kernels.MLA_BANDWIDTH_CONFIG),
+                ("default s1", dict(kernels.MLA_CONFIGS[0], BLOCK_M=32, _splits=1))] + \
+        [(f"cfg{i}", c) for i, c in enumerate(kernels.MLA_CONFIGS[1:], 1)]
     gqa_cfgs = [("default", kernels.GQA_CONFIGS[0])] + \
-        [(f"bandwidth{i}", c) for i, c in enumerate(kernels.GQA_BANDWIDTH_CONFIGS)] + \
-        [("default+fused", dict(kernels.GQA_CONFIGS[0], FUSED_MERGE=True))]
+        [(f"cfg{i}", c) for i, c in enumerate(kernels.GQA_CONFIGS[1:], 1)]
     if quick:
         mla_cfgs, gqa_cfgs = mla_cfgs[:4], gqa_cfgs[:2]
     jobs = [("kimi-k2 b1 c4096 k4", True, name, c) for name, c in mla_cfgs] + \
@@ -357,219 +271,11 @@ def sweep_route(quick):
         moe._ROUTE_CONFIG["num_warps"] = 4
 
 
-def sweep_experts(bw, quick):
-    import specverify.moe as moe
-    from specverify.reference.moe import fused_moe_reference, random_expert_weights
-
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    e, h, inter, top_k = KIMI["e"], KIMI["h"], KIMI["inter"], KIMI["top_k"]
-    w13, w2 = random_expert_weights(e, h, inter, generator=gen, device="cuda")
-    expert_bytes = (w13[0].numel() + w2[0].numel()) * 2
-    variants = [
-        {},
-        {"g1": {"SPLIT_K": 1}},
-        {"g1": {"SPLIT_K": 2}},
-        {"g1": {"SPLIT_K": 4}},
-        {"g1": {"SPLIT_K": 8}},
-        {"g1": {"SPLIT_K": 4, "num_stages": 6}},
-        {"g1": {"SPLIT_K": 4, "BLOCK_K": 128, "num_stages": 6}},
-        {"g1": {"SPLIT_K": 4, "BLOCK_N": 32, "num_warps": 4}},
-        {"g1": {"SPLIT_K": 4, "num_warps": 8}},
-        {"g2": {"BLOCK_N": 128}},
-        {"g2": {"BLOCK_N": 32, "BLOCK_K": 256}},
-        {"g2": {"BLOCK_N": 64, "num_stages": 4, "BLOCK_K": 64}},
-        {"g1": {"SPLIT_K": 2, "num_stages": 6}},
-        {"g1": {"SPLIT_K": 1, "num_stages": 6}},
-        {"g1": {"SPLIT_K": 4}, "g2": {"num_stages": 2}},
-        {"g1": {"SPLIT_K": 4}, "g2": {"BLOCK_N": 128, "num_stages": 2}},
-        {"g1": {"SPLIT_K": 2}, "g2": {"num_stages": 2}},
-    ]
-    if quick:
-        variants = variants[:6]
-    for m in (1, 4, 16):
-        hidden = torch.randn(m, h, device="cuda", generator=gen).bfloat16()
-        logits = torch.randn(m, e, device="cuda", generator=gen).bfloat16()
-        ids, w, al = moe.moe_route(logits, top_k=top_k, block_size=16, routed_scaling_factor=KIMI["scale"])
-        distinct = int(torch.unique(ids[ids >= 0]).numel())
-        floor_us = distinct * expert_bytes / (bw * 1e9) * 1e6
-        want = fused_moe_reference(hidden, w13, w2, ids, w, compute_dtype=torch.float64)
-        scale = want.abs().max().item()
-        out = torch.empty_like(hidden)
-        for v in variants:
-            moe._CONFIG_OVERRIDE = v
-            try:
-                res = moe.fused_moe(hidden, w13, w2, ids, w, alignment=al, out=out, impl="triton")
-                err = (res.double() - want).abs().max().item() / scale
-                us = graph_us(lambda: moe.fused_moe(hidden, w13, w2, ids, w, alignment=al, out=out, impl="triton"))
-            except Exception as exc:
-                add("experts", f"kimi-k2 M{m}", str(v)[:34], float("nan"), "-", float("nan"),
-                    f"FAILED {exc.__class__.__name__}: {str(exc)[:120]}")
-                continue
-            g1, g2 = moe._gemm_configs(m, h, inter, 16, True, top_k=top_k, num_experts=e)
-            add("experts", f"kimi-k2 M{m}", json.dumps(v).replace(" ", "")[:34], us,
-                f"x_floor {us / floor_us:.2f}", err,
-                f"floor {floor_us:.1f} split {g1['SPLIT_K']} g1 {g1['BLOCK_N']}x{g1['BLOCK_K']} w{g1['num_warps']} "
-                f"s{g1['num_stages']} g2 {g2['BLOCK_N']}x{g2['BLOCK_K']}" + (" WRONG" if err > 2e-2 else ""))
-        moe._CONFIG_OVERRIDE = {}
-
-
-# ------------------------------------------------------------------------------------------------ MoE opt-in variants
-def _exact_alignment(ids, e, block, al):
-    """True when the alignment equals align_reference exactly (the one-program variant's order is the reference's)."""
-    from specverify.reference.moe import align_reference
-
-    rs, re, rn = align_reference(ids, e, block)
-    n = int(rn.item())
-    return (int(al.num_tokens_post_padded.item()) == n and torch.equal(al.sorted_token_ids[:n], rs)
-            and torch.equal(al.expert_ids[: n // block], re) and bool((al.sorted_token_ids[n:] == ids.numel()).all())
-            and bool((al.expert_ids[n // block:] == -1).all()))
-
-
-def sweep_route_single(quick):
-    """Router + alignment: the default (atomic, one program per token) against the one-program variant."""
-    import specverify.moe as moe
-    from specverify.reference.moe import route_reference
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    e, top_k = KIMI["e"], KIMI["top_k"]
-    bias = torch.randn(e, device="cuda", generator=gen) * 0.05
-    kw = dict(top_k=top_k, scoring="sigmoid", correction_bias=bias, routed_scaling_factor=KIMI["scale"])
-    configs = [dict(ROWS=4, num_warps=8), dict(ROWS=1, num_warps=4), dict(ROWS=8, num_warps=8),
-               dict(ROWS=8, num_warps=16), dict(ROWS=16, num_warps=16), dict(ROWS=4, num_warps=4),
-               dict(ROWS=8, num_warps=8, CI=32, CJ=256), dict(ROWS=8, num_warps=16, CI=128, CJ=128)]
-    if quick:
-        configs = configs[:4]
-    base_cfg = dict(moe._SINGLE_ROUTE_CONFIG)
-    saved = dict(moe._VARIANT)
-    for m in (1, 4, 16, 64):
-        logits = torch.randn(m, e, device="cuda", generator=gen).bfloat16()
-        rids, _ = route_reference(logits, top_k, "sigmoid", bias, 1, 1, True, KIMI["scale"])
-        moe._VARIANT["route"] = "atomic"
-        us = graph_us(lambda: moe.moe_route(logits, block_size=16, impl="triton", **kw))
-        us_r = graph_us(lambda: moe.moe_route(logits, impl="triton", **kw))
-        add("route1", f"kimi-k2 M{m}", "atomic", us, f"route-only {us_r:.2f}", 0.0)
-        for cfg in configs:
-            name = "single " + json.dumps(cfg).replace(" ", "").replace('"', "")[:27]
-            moe._SINGLE_ROUTE_CONFIG = dict(base_cfg, **cfg)
-            moe._VARIANT["route"] = "single"
-            try:
-                ids, w, al = moe.moe_route(logits, block_size=16, impl="triton", **kw)
-                agree = (ids == rids).float().mean().item()
-                ok = _exact_alignment(ids, e, 16, al)
-                us = graph_us(lambda: moe.moe_route(logits, block_size=16, impl="triton", **kw))
-            except Exception as exc:
-                add("route1", f"kimi-k2 M{m}", name, float("nan"), "-", float("nan"),
-                    f"FAILED {exc.__class__.__name__}: {str(exc)[:120]}")
-                continue
-            finally:
-                moe._VARIANT.update(saved)
-            add("route1", f"kimi-k2 M{m}", name, us, "-", 1 - agree, "exact" if ok else "ALIGN WRONG")
-        moe._SINGLE_ROUTE_CONFIG = base_cfg
-    moe._VARIANT.update(saved)
-
-
-def sweep_gemv(bw, quick):
-    """Experts at M <= 4: the default tl.dot path against the GEMV variant (aligned and per slot), then the whole
-    MoE (router [+ alignment] + experts) for each combination a provider could pick (group ``moe``)."""
-    import specverify.moe as moe
-    from specverify.reference.moe import fused_moe_reference, random_expert_weights
-
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    e, h, inter, top_k = KIMI["e"], KIMI["h"], KIMI["inter"], KIMI["top_k"]
-    w13, w2 = random_expert_weights(e, h, inter, generator=gen, device="cuda")
-    bias = torch.randn(e, device="cuda", generator=gen) * 0.05
-    rkw = dict(top_k=top_k, scoring="sigmoid", correction_bias=bias, routed_scaling_factor=KIMI["scale"])
-    expert_bytes = (w13[0].numel() + w2[0].numel()) * 2
-    base = {k: (dict(v) if isinstance(v, dict) else v) for k, v in moe._GEMV_CONFIG.items()}
-    saved = dict(moe._VARIANT)
-    variants = [
-        {},
-        {"g1": {"BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4}},
-        {"g1": {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 8}},
-        {"g1": {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 8}},
-        {"g2": {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4}},
-        {"g1": {"BLOCK_N": 2, "BLOCK_K": 512, "num_warps": 2}},
-        {"g2": {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 8}},
-        {"g2": {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 2}},
-        {"g1": {"BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 2}, "g2": {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 2}},
-    ]
-    if quick:
-        variants = variants[:5]
-    for m in (1, 2, 4):
-        hidden = torch.randn(m, h, device="cuda", generator=gen).bfloat16()
-        logits = torch.randn(m, e, device="cuda", generator=gen).bfloat16()
-        ids, w, al = moe.moe_route(logits, block_size=16, **rkw)
-        distinct = int(torch.unique(ids[ids >= 0]).numel())
-        floor_us = distinct * expert_bytes / (bw * 1e9) * 1e6
-        want = fused_moe_reference(hidden, w13, w2, ids, w, compute_dtype=torch.float64)
-        scale = want.abs().max().item()
-        out = torch.empty_like(hidden)
-        shape = f"kimi-k2 M{m}"
-        moe._VARIANT["experts"] = "dot"
-        res = moe.fused_moe(hidden, w13, w2, ids, w, alignment=al, out=out, impl="triton")
-        err = (res.double() - want).abs().max().item() / scale
-        us = graph_us(lambda: moe.fused_moe(hidden, w13, w2, ids, w, alignment=al, out=out, impl="triton"))
-        add("gemv", shape, "dot (default)", us, f"x_floor {us / floor_us:.2f}", err, f"floor {floor_us:.1f}")
-        for v in variants:
-            moe._GEMV_CONFIG = {k: (dict(base[k], **v.get(k, {})) if isinstance(base[k], dict) else base[k])
-                                for k in base}
-            for aligned in (True, False):
-                a = al if aligned else None
-                name = ("al " if aligned else "slot ") + json.dumps(v).replace(" ", "").replace('"', "") \
-                    .replace("BLOCK_", "").replace("num_warps", "w")[:28]
-                moe._VARIANT["experts"] = "gemv"
-                try:
-                    res = moe.fused_moe(hidden, w13, w2, ids, w, alignment=a, out=out, impl="triton")
-                    err = (res.double() - want).abs().max().item() / scale
-                    us = graph_us(lambda: moe.fused_moe(hidden, w13, w2, ids, w, alignment=a, out=out,
-                                                        impl="triton"))
-                except Exception as exc:
-                    add("gemv", shape, name, float("nan"), "-", float("nan"),
-                        f"FAILED {exc.__class__.__name__}: {str(exc)[:120]}")
-                    continue
-                finally:
-                    moe._VARIANT.update(saved)
-                add("gemv", shape, name, us, f"x_floor {us / floor_us:.2f}", err,
-                    f"floor {floor_us:.1f}" + (" WRONG" if err > 2e-2 else ""))
-        moe._GEMV_CONFIG = base
-
-        def layer(route, experts, aligned):
-            def fn():
-                moe._VARIANT.update(route=route, experts=experts)
-                try:
-                    if aligned:
-                        i, ww, aa = moe.moe_route(logits, block_size=16, impl="triton", **rkw)
-                    else:
-                        (i, ww), aa = moe.moe_route(logits, impl="triton", **rkw), None
-                    return moe.fused_moe(hidden, w13, w2, i, ww, alignment=aa, out=out, impl="triton")
-                finally:
-                    moe._VARIANT.update(saved)
-            return fn
-
-        for route, experts, aligned in (("atomic", "dot", True), ("single", "dot", True), ("single", "gemv", True),
-                                        ("atomic", "gemv", False)):
-            name = f"{route}+{experts}{'' if aligned else ' (route only)'}"
-            try:
-                fn = layer(route, experts, aligned)
-                err = (fn().double() - want).abs().max().item() / scale
-                us = graph_us(fn)
-            except Exception as exc:
-                add("moe", shape, name, float("nan"), "-", float("nan"),
-                    f"FAILED {exc.__class__.__name__}: {str(exc)[:120]}")
-                continue
-            add("moe", shape, name, us, f"x_floor {us / floor_us:.2f}", err, "" if err <= 2e-2 else "WRONG")
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", metavar="PATH")
-    ap.add_argument("--only", default="attn,route,experts",
-                    help="comma-separated groups: attn, attnv (default vs opt-in attention variants), route, experts, "
-                         "route1 (default vs one-program router + alignment), gemv (default vs GEMV experts, "
-                         "and the whole MoE per combination)")
-    ap.add_argument("--budget-s", type=float, default=150.0,
-                    help="attnv: start no new variant after this many seconds (keeps one device call bounded)")
+    ap.add_argument("--only", default="attn,route", help="comma-separated groups: attn, route")
     ap.add_argument("--resources", action="store_true",
                     help="no GPU needed: compile the attention variants for sm_90a here and print registers/spills")
     args = ap.parse_args(argv)
@@ -591,12 +297,7 @@ def main(argv=None) -> int:
     bw = bta.copy_bandwidth_gbps()
     log(f"# copy bandwidth {bw:.0f} GB/s; {torch.cuda.get_device_name()}")
     only = set(args.only.split(","))
-    global _JSON_PATH
-    _JSON_PATH = args.json
-    for name, fn in (("route", lambda: sweep_route(args.quick)), ("experts", lambda: sweep_experts(bw, args.quick)),
-                     ("route1", lambda: sweep_route_single(args.quick)), ("gemv", lambda: sweep_gemv(bw, args.quick)),
-                     ("attn", lambda: sweep_attention(bw, args.quick)),
-                     ("attnv", lambda: sweep_attention_variants(bw, args.quick, args.budget_s))):
+    for name, fn in (("route", lambda: sweep_route(args.quick)), ("attn", lambda: sweep_attention(bw, args.quick))):
         if name in only:
             try:
                 fn()

@@ -7,18 +7,19 @@ Math, for token row ``m`` of ``logits`` [M, E] (fp32 arithmetic throughout):
   1 / their count and every other expert 0; a row with no finite logit left has NaN scores (no candidate).
 * With ``N_GROUP > 1`` (equal groups of ``GSIZE`` experts): ``g[j] = c(1) + c(2)`` over the two best ``c`` in
   group ``j``; the ``TOPK_GROUP`` best groups stay (ties: lowest group id), the other experts' ``c`` become -inf.
-* ``TOP_K`` rounds of argmax over ``c`` (ties: lowest expert id), each winner removed, or (TOPK_SORT) one bitonic
-  top-k (``tl.topk``) of the same keys, which yields the same winners in the same order. A winner whose ``c`` is
-  -inf (the finite candidates ran out) is a filler: every -inf key ties in value, so those slots take the lowest
-  expert ids not chosen yet, with weight 0; every id is a distinct expert in [0, E) and is aligned like any other.
+* One bitonic top-k (``tl.topk``) of the int64 keys below: the ``TOP_K`` largest, largest first (ties: lowest
+  expert id). A winner whose ``c`` is -inf (the finite candidates ran out) is a filler: every -inf key ties in value,
+  so those slots take the lowest expert ids not chosen yet, with weight 0; every id is a distinct expert in [0, E)
+  and is aligned like any other.
 * ``w[k] = s[id_k]`` (unbiased score); with ``RENORM`` ``w /= sum(w)`` where the sum is > 0; ``w *= scale``.
 
-Argmax uses one int64 key per expert: high word = the fp32 value's bits mapped to an order-preserving int32,
-low word = ``EP - 1 - e``; the largest key is the largest value and, among equals, the lowest expert id.
+The top-k (and the group choice, rounds of argmax) uses one int64 key per expert: high word = the fp32 value's bits
+mapped to an order-preserving int32, low word = ``EP - 1 - e``; the largest key is the largest value and, among
+equals, the lowest expert id.
 
 Alignment (one launch with the routing): each routed slot ``s = m * TOP_K + k`` takes its rank inside its expert
-with an atomic add on a per-expert counter; the last program to finish (a ticket counter; with a
-one-program grid, ``SINGLE``, that program without a ticket) turns the counts into block-padded offsets and scatters. The order of slots inside an expert is the order of the atomics (free: the
+with an atomic add on a per-expert counter; the last program to finish (a ticket counter) turns the counts into
+block-padded offsets and scatters. The order of slots inside an expert is the order of the atomics (free: the
 expert GEMM computes each slot's row independently, so its output does not depend on it). The counters and the
 ticket are reset by that last program, so the workspace is zero again for the next call (CUDA-graph replays
 included).
@@ -39,19 +40,16 @@ Tensors (S = M * TOP_K; B = BLOCK_SIZE; MAXB = number of blocks the buffers hold
 | ws_mask         | [>= EA]        | int64        | workspace (fast MASK path): per-expert row masks, zero between calls |
 | ws_offs         | [>= EA]        | int32        | workspace: padded start offset of each expert                |
 | ws_ticket       | [1]            | int32        | workspace: programs finished, zero between calls             |
-| bar             | [2]            | int32        | workspace (BARRIER path): generation (counts calls), arrivals |
-| bmask           | [2, 1024]      | int64        | workspace (BARRIER path): row masks, a buffer per parity     |
-| offs_scratch    | [EAP]          | int32        | one-program variant only: padded start offset of each expert |
 
-The opt-in one-program variant (``_moe_route_align_single_kernel``) aligns without atomics and orders the slots
-inside an expert by slot id. The default "fast" variant (``_moe_route_align_fast_kernel``, end of this file)
-aligns in registers when one program holds every slot and writes nothing past the used part of sorted_ids.
+``_moe_route_align_fast_kernel`` (end of this file) routes and aligns up to 1024 slots, choosing its alignment by the
+size (one program in registers, or a last program that sorts, reads per-expert row masks or scatters by atomic
+ranks) and writing nothing past the used part of sorted_ids; ``_moe_route_align_kernel`` (above it) serves the
+router alone, larger calls and alignment-only calls of more than 32 slots.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # order-preserving int32 image of -inf: bits 0xFF800000 with the magnitude bits flipped (see _order_key)
 _NEG_INF_ORDERED = tl.constexpr(-2139095041)
@@ -130,25 +128,18 @@ def _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, row0,
                 E: tl.constexpr, EP: tl.constexpr, ROWS: tl.constexpr, TOP_K: tl.constexpr,
                 TOPK_P: tl.constexpr, N_GROUP: tl.constexpr, NG_P: tl.constexpr, GSIZE: tl.constexpr,
                 TOPK_GROUP: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
-                DO_ALIGN: tl.constexpr, TOPK_SORT: tl.constexpr = False, MASK: tl.constexpr = False,
-                PDL: tl.constexpr = False):
+                DO_ALIGN: tl.constexpr, MASK: tl.constexpr = False):
     """Route rows ``row0 .. row0 + ROWS - 1``; returns their ids [ROWS, TOPK_P] (-1 for padding lanes and rows past
     M; a slot past the row's finite candidates holds a filler: the lowest expert id not chosen yet, weight 0).
-    TOPK_SORT: the winners by one bitonic top-k of the keys (tl.topk) instead of TOP_K rounds of argmax (same keys,
-    so the same winners in the same order). DO_ALIGN: each slot's rank by an atomic add on ``count_ptr`` (int32 per
-    expert), stored at ``rank_ptr``; with MASK instead bit ``row`` of ``count_ptr``'s int64 row mask of each chosen
-    expert is set (rows < 64). PDL (launched as a programmatic dependent): every memory
-    access comes after ``gdc_wait``, the bias too (the kernel before may be the cast that made it), and the next
-    kernel may launch from there (``gdc_launch_dependents``); only the index arithmetic overlaps the kernel before.
+    The winners by one bitonic top-k of the keys (tl.topk). DO_ALIGN: each slot's rank by an atomic add on
+    ``count_ptr`` (int32 per expert), stored at ``rank_ptr``; with MASK instead bit ``row`` of ``count_ptr``'s int64
+    row mask of each chosen expert is set (rows < 64).
     """
     rows = row0 + tl.arange(0, ROWS)
     rmask = rows < M
     e = tl.arange(0, EP)
     emask = e < E
     row_off = rows.to(tl.int64) * stride_lm
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
     if HAS_BIAS:  # issued with the logits load: one round trip for both
         b = tl.load(bias_ptr + e, mask=emask, other=0.0).to(tl.float32)
     x = tl.load(logits_ptr + row_off[:, None] + e[None, :], mask=rmask[:, None] & emask[None, :],
@@ -189,20 +180,9 @@ def _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, row0,
     kk = tl.arange(0, TOPK_P)
     # every -inf key ties in value, so once the finite candidates run out the keys go on with the lowest expert ids
     # not chosen yet (padding lanes e >= E come after every real expert, and TOP_K <= E): those are the fillers
-    if TOPK_SORT:
-        top = tl.topk(key, TOPK_P, dim=1)  # [ROWS, TOPK_P], largest key first
-        ids = tl.where((kk < TOP_K)[None, :], _key_index(top, EP), -1)
-        won = _key_is_finite(top)
-    else:
-        ids = tl.full([ROWS, TOPK_P], -1, tl.int32)
-        won_k = tl.zeros([ROWS, TOPK_P], tl.int32)
-        for k in tl.static_range(TOP_K):
-            best = tl.max(key, axis=1)
-            sel = _key_index(best, EP)
-            ids = tl.where(kk[None, :] == k, sel[:, None], ids)
-            won_k = tl.where(kk[None, :] == k, _key_is_finite(best).to(tl.int32)[:, None], won_k)
-            key = tl.where(e[None, :] == sel[:, None], _REMOVED, key)
-        won = won_k != 0
+    top = tl.topk(key, TOPK_P, dim=1)  # [ROWS, TOPK_P], largest key first
+    ids = tl.where((kk < TOP_K)[None, :], _key_index(top, EP), -1)
+    won = _key_is_finite(top)
 
     kmask = (kk < TOP_K)[None, :] & rmask[:, None]
     out_off = rows[:, None] * TOP_K + kk[None, :]
@@ -277,26 +257,18 @@ def _moe_route_align_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr, sort
                             GSIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, SOFTMAX: tl.constexpr,
                             HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, DO_ROUTE: tl.constexpr,
                             DO_ALIGN: tl.constexpr, EA: tl.constexpr, EAP: tl.constexpr, B: tl.constexpr,
-                            CHUNK: tl.constexpr, SINGLE: tl.constexpr = False, TOPK_SORT: tl.constexpr = False,
-                            PDL: tl.constexpr = False):
+                            CHUNK: tl.constexpr):
     """Routing of ROWS rows per program (DO_ROUTE) and/or the alignment (DO_ALIGN; the last program finishes it).
 
-    Without DO_ROUTE the grid must be (1,): the one program ranks every slot itself. PDL: launched as a
-    programmatic dependent, waiting (gdc_wait) before it reads the logits or ids (see _route_rows).
+    Without DO_ROUTE the grid must be (1,): the one program ranks every slot itself.
     """
     pid = tl.program_id(0)
     if DO_ROUTE:
         _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, pid * ROWS, M, stride_lm, scale,
                     E, EP, ROWS, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS, RENORM,
-                    DO_ALIGN, TOPK_SORT, False, PDL)
-    elif PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+                    DO_ALIGN)
     if DO_ALIGN:
-        if DO_ROUTE and SINGLE:
-            tl.debug_barrier()  # the grid is one program: it finishes the alignment itself, no ticket
-            last = True
-        elif DO_ROUTE:
+        if DO_ROUTE:
             tl.debug_barrier()  # this program's ids, ranks and counter updates precede its ticket
             ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
             last = ticket == tl.num_programs(0) - 1
@@ -313,75 +285,12 @@ def _moe_route_align_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr, sort
         if last:
             _align_finish(ids_ptr, rank_ptr, sorted_ptr, eids_ptr, npad_ptr, count_ptr, offs_ptr, S, max_blocks,
                           EA, EAP, B, CHUNK)
-            if DO_ROUTE and not SINGLE:
+            if DO_ROUTE:
                 tl.atomic_xchg(ticket_ptr, 0)
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Single-program variant (opt-in, S = M * TOP_K <= 1024): the whole grid is one program, so the alignment needs no
-# atomics, no ticket and no workspace that must stay zero between calls.
-#
-#   count[e]  = histogram of the valid ids (tl.histogram; -1 and ids >= EA are taken out of bin 0)
-#   offs[e]   = exclusive cumsum of ceil(count[e] / B) * B                     (tl.cumsum)
-#   rank[s]   = #{s' < s : id[s'] == id[s]}                                  ([CI, CJ] tiles of the [S, S] comparison)
-#   sorted_ids[offs[id[s]] + rank[s]] = s
-#
-# So inside an expert the slots are in increasing slot id: the same order as align_reference (exact match).
-# Extra tensor: ``offs_scratch`` [EAP] int32, written and read back by the one program (not kept between calls).
-# ------------------------------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["M", "S", "max_blocks"])
-def _moe_route_align_single_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, sorted_ptr, eids_ptr, npad_ptr, offs_ptr,
-                                   M, S, max_blocks, stride_lm, scale,
-                                   E: tl.constexpr, EP: tl.constexpr, ROWS: tl.constexpr, TOP_K: tl.constexpr,
-                                   TOPK_P: tl.constexpr, N_GROUP: tl.constexpr, NG_P: tl.constexpr,
-                                   GSIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, SOFTMAX: tl.constexpr,
-                                   HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, DO_ROUTE: tl.constexpr,
-                                   EA: tl.constexpr, EAP: tl.constexpr, B: tl.constexpr, CHUNK: tl.constexpr,
-                                   CI: tl.constexpr, CJ: tl.constexpr):
-    """Grid (1,). Routes every row (ROWS at a time, when DO_ROUTE), then aligns the S slots deterministically."""
-    ob = tl.arange(0, CHUNK)
-    # sentinels and -1 everywhere first; the used part is overwritten after the barrier below
-    for t0 in range(0, max_blocks * B, CHUNK):
-        tl.store(sorted_ptr + t0 + ob, S, mask=t0 + ob < max_blocks * B)
-    for b0 in range(0, max_blocks, CHUNK):
-        tl.store(eids_ptr + b0 + ob, -1, mask=b0 + ob < max_blocks)
-    if DO_ROUTE:
-        for row0 in range(0, M, ROWS):
-            _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, ids_ptr, ids_ptr, row0, M, stride_lm, scale,
-                        E, EP, ROWS, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS, RENORM,
-                        False)
-    tl.debug_barrier()  # ids written by other threads of this program; the fills precede the overwrites
-    # per-expert counts
-    cnt = tl.zeros([EAP], tl.int32)
-    oc = tl.arange(0, CI)
-    for s0 in range(0, S, CI):
-        sl = s0 + oc
-        ids = tl.load(ids_ptr + sl, mask=sl < S, other=-1)
-        ok = (sl < S) & (ids >= 0) & (ids < EA)
-        # invalid slots land in bin 0 and are taken out again (histogram's mask argument is newer than triton 3.0)
-        n_bad = CI - tl.sum(ok.to(tl.int32), axis=0)
-        cnt += tl.histogram(tl.where(ok, ids, 0), EAP) - tl.where(tl.arange(0, EAP) == 0, n_bad, 0)
-    e = tl.arange(0, EAP)
-    emask = e < EA
-    _expert_blocks(cnt, e, emask, npad_ptr, offs_ptr, eids_ptr, B)
-    tl.debug_barrier()  # offsets visible to every thread
-    oj = tl.arange(0, CJ)
-    for s0 in range(0, S, CI):
-        si = s0 + oc
-        ids_i = tl.load(ids_ptr + si, mask=si < S, other=-1)
-        ok = (si < S) & (ids_i >= 0) & (ids_i < EA)
-        rank = tl.zeros([CI], tl.int32)
-        for j0 in range(0, s0 + CI, CJ):  # only earlier slots count: the tiles at or left of the diagonal
-            sj = j0 + oj
-            ids_j = tl.load(ids_ptr + sj, mask=sj < S, other=-1)
-            same = (ids_j[None, :] == ids_i[:, None]) & (sj[None, :] < si[:, None])
-            rank += tl.sum(same.to(tl.int32), axis=1)
-        base = tl.load(offs_ptr + tl.where(ok, ids_i, 0), mask=ok, other=0)
-        tl.store(sorted_ptr + base + rank, si, mask=ok)
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# Fast variant (``_moe_route_align_fast_kernel``): no global round trip between the routing and the alignment when
+# Fast kernel (``_moe_route_align_fast_kernel``): no global round trip between the routing and the alignment when
 # one program holds every slot, and nothing written past the used part except the (short) expert_ids tail.
 #
 #   ONE (grid (1,), all M rows routed at once as one [ROWS, EP] tile, or DO_ROUTE off: the ids loaded once): the
@@ -392,7 +301,8 @@ def _moe_route_align_single_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, sorted_
 #       sorted_ids[offs[s] + rank[s]] = s;  the first slot of each expert writes its padding and its block ids.
 #     Slots inside an expert come in increasing slot id (align_reference's order: exact match).
 #   not ONE (grid (ceil(M / ROWS),)): ranks by atomics as in _moe_route_align_kernel; the last program (ticket)
-#     loads the ids, ranks and counters in one round trip, scans the counters and scatters (one gather of offsets).
+#     loads the ids, ranks and counters in one round trip, scans the counters and scatters (each slot's expert start
+#     gathered from the offsets in registers).
 #     SORTED: no atomic ranks; the last program loads the ids once and aligns by one sort (_align_sorted: sorted
 #     (expert, slot) keys, run ranks and lengths by a segmented count from both ends, pad offsets by a cumsum), so
 #     the order inside an expert is exact here too.
@@ -401,21 +311,12 @@ def _moe_route_align_single_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, sorted_
 #     chosen expert (a reduction with no value returned), and the last program aligns from the masks and the ids
 #     (_align_masks: counts and ranks by bit counts, exact order), one round trip after the ticket.
 #
-#     Barrier path (BARRIER, opt-in, M <= 64, one row per program): no last program. Each program reads the
-#     generation g (a workspace word that counts these calls), ORs its row's bits into mask buffer g & 1 and arrives
-#     at a grid barrier; the last arriver opens generation g + 1, the others wait for it. Then every program loads
-#     the complete masks and writes its own row's part (_align_row_masks): its slots, and the padding and block ids
-#     of the experts whose lowest row it is; program 0 the used length and the tails. Last, each program zeroes its
-#     share of buffer (g + 1) & 1 (the previous call's, read by no one now; the next call fills it). The serial
-#     writing of the whole alignment by one program is spread over all of them, and nothing is reset at the end.
-#     The grid must be resident at once (<= 64 programs of 4 warps; launched as a cooperative grid by default).
-#
-#   FILL_TAIL: also write the sentinel S over sorted_ids[num_post_pad:] (~M * TOP_K * B entries at most); off by
-#   default: consumers read only the used part. expert_ids past the used blocks are always set to -1 (short).
+#   sorted_ids past num_post_pad is left unwritten (consumers read only the used part); expert_ids past the used
+#   blocks are always set to -1 (short).
 # ------------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _align_pairwise(ids_v, slot_v, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks, B: tl.constexpr,
-                    PJ: tl.constexpr, CHUNK: tl.constexpr, FILL_TAIL: tl.constexpr):
+                    PJ: tl.constexpr, CHUNK: tl.constexpr):
     """Alignment of the flat [SP] slot vector ``slot_v`` with experts ``ids_v`` (-1: skipped), all in registers."""
     ok = ids_v >= 0
     same = (ids_v[:, None] == ids_v[None, :]) & ok[:, None] & ok[None, :]
@@ -427,25 +328,23 @@ def _align_pairwise(ids_v, slot_v, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks
     offs = tl.sum(tl.where(lower, padded[None, :], 0), axis=1)
     total = tl.sum(tl.where(first, padded, 0), axis=0)
     _write_runs(sorted_ptr, eids_ptr, npad_ptr, offs, rank, cnt, padded, first, ok, slot_v, ids_v, total, S,
-                max_blocks, B, PJ, CHUNK, FILL_TAIL)
+                max_blocks, B, PJ, CHUNK)
 
 
 @triton.jit
 def _write_runs(sorted_ptr, eids_ptr, npad_ptr, start, rank, cnt, padded, first, ok, slot, expert, total, S,
-                max_blocks, B: tl.constexpr, PJ: tl.constexpr, CHUNK: tl.constexpr, FILL_TAIL: tl.constexpr,
-                lead=True):
+                max_blocks, B: tl.constexpr, PJ: tl.constexpr, CHUNK: tl.constexpr):
     """Write an alignment from per-slot vectors: each slot's place ``start + rank`` (``start``: its expert's first
     padded entry; ``ok``: the slot has an expert), and, from the first slot of each expert (``first``), the
-    expert's padding (``padded - cnt`` sentinels) and its block ids; then, where ``lead`` (one program of several
-    writing parts of one alignment), the used length and the tails."""
+    expert's padding (``padded - cnt`` sentinels) and its block ids; then the used length and the expert_ids
+    tail."""
     tl.store(sorted_ptr + start + rank, slot, mask=ok)
     _write_pads(sorted_ptr, start, cnt, padded, first, S, B, PJ)  # each expert's padding, by its first slot
     nblk = padded // B
     for j in range(0, tl.max(tl.where(first, nblk, 0), axis=0)):
         tl.store(eids_ptr + start // B + j, expert, mask=first & (j < nblk))
-    if lead:
-        tl.store(npad_ptr, total)
-        _fill_tails(sorted_ptr, eids_ptr, total, S, max_blocks, B, CHUNK, FILL_TAIL)
+    tl.store(npad_ptr, total)
+    _fill_tails(sorted_ptr, eids_ptr, total, S, max_blocks, B, CHUNK, False)
 
 
 @triton.jit
@@ -462,6 +361,8 @@ def _write_pads(sorted_ptr, start, cnt, padded, lead, S, B: tl.constexpr, PJ: tl
 @triton.jit
 def _fill_tails(sorted_ptr, eids_ptr, total, S, max_blocks, B: tl.constexpr, CHUNK: tl.constexpr,
                 FILL_TAIL: tl.constexpr):
+    """-1 over expert_ids past the used blocks; with FILL_TAIL (the general kernel) also the sentinel S over
+    sorted_ids past the used part."""
     ob = tl.arange(0, CHUNK)
     for b0 in range(total // B, max_blocks, CHUNK):
         tl.store(eids_ptr + b0 + ob, -1, mask=b0 + ob < max_blocks)
@@ -479,7 +380,7 @@ def _run_count(ka, ca, kb, cb):
 
 @triton.jit
 def _align_sorted(ids_v, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks, EA: tl.constexpr, B: tl.constexpr,
-                  SP: tl.constexpr, PJ: tl.constexpr, CHUNK: tl.constexpr, FILL_TAIL: tl.constexpr):
+                  SP: tl.constexpr, PJ: tl.constexpr, CHUNK: tl.constexpr):
     """Alignment of the flat [SP] slot vector (slot s has expert ``ids_v[s]``, -1 or >= EA: none) by one sort:
 
         key[s] = id[s] * SP + s, sorted ascending (slots without an expert last)
@@ -507,7 +408,7 @@ def _align_sorted(ids_v, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks, EA: tl.c
     base = tl.cumsum(lead, axis=0) - padded  # the run's own pad is in the inclusive sum from its first slot on
     total = tl.sum(lead, axis=0)
     _write_runs(sorted_ptr, eids_ptr, npad_ptr, base, rank, cnt, padded, first, ok, slot, sid, total, S, max_blocks,
-                B, PJ, CHUNK, FILL_TAIL)
+                B, PJ, CHUNK)
 
 
 @triton.jit
@@ -529,22 +430,9 @@ def _mask_rank(mk, safe, row):
 
 
 @triton.jit
-def _write_mask_runs(cnt, rank, safe, ok, slot, ids, lead, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks,
-                     B: tl.constexpr, PJ: tl.constexpr, CHUNK: tl.constexpr, FILL_TAIL: tl.constexpr):
-    """_write_runs for slots (``slot``, experts ``ids``, ``safe`` with 0 where not ``ok``) ranked from the row masks:
-    the per-expert counts ``cnt`` [EAP] give the padded starts, and the slot of rank 0 writes its expert's padding
-    and block ids."""
-    padded, offs, total = _pad_offsets(cnt, B)
-    _write_runs(sorted_ptr, eids_ptr, npad_ptr, tl.gather(offs, safe, 0), rank, tl.gather(cnt, safe, 0),
-                tl.gather(padded, safe, 0), ok & (rank == 0), ok, slot, ids, total, S, max_blocks, B, PJ, CHUNK,
-                FILL_TAIL, lead)
-
-
-@triton.jit
 def _align_masks(ids_ptr, mask_ptr, sorted_ptr, eids_ptr, npad_ptr, offs_ptr, S, max_blocks, TOP_K: tl.constexpr,
                  EA: tl.constexpr, EAP: tl.constexpr, B: tl.constexpr, SP: tl.constexpr, PJ: tl.constexpr,
-                 CHUNK: tl.constexpr, FILL_TAIL: tl.constexpr, SLOT_WRITES: tl.constexpr = False,
-                 FLAT_PADS: tl.constexpr = False):
+                 CHUNK: tl.constexpr):
     """Alignment from the per-expert row masks (bit r of ``mask[e]``: row r chose expert e; M <= 64) and the slots'
     ids, both loaded once (independent loads, one round trip):
 
@@ -552,11 +440,7 @@ def _align_masks(ids_ptr, mask_ptr, sorted_ptr, eids_ptr, npad_ptr, offs_ptr, S,
         slot s = r * TOP_K + k with expert e:  rank = popc(mask[e] & (2^r - 1)),  sorted_ids[offs[e] + rank] = s
 
     A row chooses an expert at most once, so the slots inside an expert come in increasing slot id (exact order).
-    SLOT_WRITES (opt-in): each expert's padding and block ids are written from the vectors of its first slot
-    ([SP] lanes, as _write_runs) instead of from the [EAP] per-expert vectors. FLAT_PADS (opt-in): the sentinel
-    over the whole used part first, a [blocks, B] tile per step whose mask is constant along B (so the stores can
-    be B-wide vectors), then, after a barrier, the slots over it; that is ~total / (threads * 4) vector stores
-    instead of one masked store per (expert lane, padding entry). The masks are zeroed again for the next call."""
+    The masks are zeroed again for the next call."""
     e = tl.arange(0, EAP)
     emask = e < EA
     mk = tl.load(mask_ptr + e, mask=emask, other=0, cache_modifier=".cg")
@@ -566,78 +450,12 @@ def _align_masks(ids_ptr, mask_ptr, sorted_ptr, eids_ptr, npad_ptr, offs_ptr, S,
     cnt = _popc64(mk)
     safe = tl.where(ok, ids, 0)
     rank = _mask_rank(mk, safe, tl.where(ok, sl // TOP_K, 0))
-    if FLAT_PADS:
-        padded, offs, total = _expert_blocks(cnt, e, emask, npad_ptr, offs_ptr, eids_ptr, B)
-        _fill_tails(sorted_ptr, eids_ptr, total, S, max_blocks, B, CHUNK, FILL_TAIL)
-        FB: tl.constexpr = (CHUNK + B - 1) // B
-        ob = tl.arange(0, FB)
-        oj = tl.arange(0, B)
-        nb = total // B
-        for b0 in range(0, nb, FB):
-            blk = b0 + ob
-            tl.store(sorted_ptr + blk[:, None] * B + oj[None, :], tl.full([FB, B], S, tl.int32),
-                     mask=(blk < nb)[:, None])
-        tl.debug_barrier()  # every sentinel precedes the slot written over it (same program: CTA-scope order)
-        tl.store(sorted_ptr + tl.gather(offs, safe, 0) + rank, sl, mask=ok)
-    elif SLOT_WRITES:
-        _write_mask_runs(cnt, rank, safe, ok, sl, ids, True, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks, B, PJ,
-                         CHUNK, FILL_TAIL)
-    else:
-        padded, offs, total = _expert_blocks(cnt, e, emask, npad_ptr, offs_ptr, eids_ptr, B)
-        _write_pads(sorted_ptr, offs, cnt, padded, emask, S, B, PJ)
-        _fill_tails(sorted_ptr, eids_ptr, total, S, max_blocks, B, CHUNK, FILL_TAIL)
-        tl.store(sorted_ptr + tl.gather(offs, safe, 0) + rank, sl, mask=ok)
+    padded, offs, total = _expert_blocks(cnt, e, emask, npad_ptr, offs_ptr, eids_ptr, B)
+    _write_pads(sorted_ptr, offs, cnt, padded, emask, S, B, PJ)
+    _fill_tails(sorted_ptr, eids_ptr, total, S, max_blocks, B, CHUNK, False)
+    tl.store(sorted_ptr + tl.gather(offs, safe, 0) + rank, sl, mask=ok)
     tl.debug_barrier()  # every thread's reads of the masks precede their reset
     tl.store(mask_ptr + e, tl.zeros([EAP], tl.int64), mask=emask)
-
-
-@triton.jit
-def _align_row_masks(mk, ids_r, row, lead, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks, TOP_K: tl.constexpr,
-                     EA: tl.constexpr, B: tl.constexpr, TOPK_P: tl.constexpr, PJ: tl.constexpr, CHUNK: tl.constexpr,
-                     FILL_TAIL: tl.constexpr):
-    """One row's part of the alignment from every expert's row mask ``mk`` [EAP] (complete: every row's bits set)
-    and the row's experts ``ids_r`` [TOPK_P] (row ``row`` < 64): its slots' places, and the padding and block ids of
-    each expert whose lowest row it is; ``lead`` (one program) also writes the used length and the tails. Every
-    program derives the same offsets from the same masks, so the parts fit together (exact slot order)."""
-    kk = tl.arange(0, TOPK_P)
-    ok = (kk < TOP_K) & (ids_r >= 0) & (ids_r < EA)
-    safe = tl.where(ok, ids_r, 0)
-    _write_mask_runs(_popc64(mk), _mask_rank(mk, safe, row), safe, ok, row * TOP_K + kk, ids_r, lead, sorted_ptr,
-                     eids_ptr, npad_ptr, S, max_blocks, B, PJ, CHUNK, FILL_TAIL)
-
-
-_BAR_MASKS = tl.constexpr(1024)  # int64 row masks per buffer of the barrier path: every expert count (<= 1024)
-
-
-@triton.jit
-def _bar_masks(bar_ptr, bmask_ptr):
-    """The generation ``g`` of the barrier path (read once the kernel before has finished) and its two int64 row-mask
-    buffers of 1024 entries each: the one this call fills (parity g & 1) and the previous call's, which this call
-    clears whole (that call may have had more experts than this one)."""
-    g = tl.load(bar_ptr, cache_modifier=".cg")
-    par = g & 1
-    return g, bmask_ptr + par * _BAR_MASKS, bmask_ptr + (1 - par) * _BAR_MASKS
-
-
-@triton.jit
-def _bar_clear(old):
-    """Zero this program's share (every num_programs-th entry) of the previous call's mask buffer ``old``, which no one
-    reads any more; the next call fills it."""
-    pid = tl.program_id(0)
-    ec = tl.arange(0, _BAR_MASKS)
-    tl.store(old + ec, tl.zeros([_BAR_MASKS], tl.int64), mask=ec % tl.num_programs(0) == pid)
-
-
-@triton.jit
-def _bar_arrive(bar_ptr, g):
-    """Arrive at the barrier (acq_rel: this program's row bits precede it, and the last arriver sees everyone's); the
-    last arriver resets the arrival count and opens generation g + 1 (release). Returns whether it was last."""
-    a = tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel")
-    last = a == tl.num_programs(0) - 1
-    if last:  # the bump first (the waiting programs need it), then the reset (no one reads arrivals in this call)
-        tl.atomic_xchg(bar_ptr, g + 1, sem="release")
-        tl.atomic_xchg(bar_ptr + 1, 0, sem="relaxed")
-    return last
 
 
 @triton.jit(do_not_specialize=["M", "S", "max_blocks"])
@@ -649,12 +467,8 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
                                  HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, DO_ROUTE: tl.constexpr,
                                  EA: tl.constexpr, EAP: tl.constexpr, B: tl.constexpr, SP: tl.constexpr,
                                  ONE: tl.constexpr, PJ: tl.constexpr, CHUNK: tl.constexpr,
-                                 FILL_TAIL: tl.constexpr, RELOAD: tl.constexpr = False, SORTED: tl.constexpr = False,
-                                 TOPK_SORT: tl.constexpr = False, OFFS_GATHER: tl.constexpr = False,
-                                 MASK: tl.constexpr = False, SLOT_WRITES: tl.constexpr = False,
-                                 PDL: tl.constexpr = False, CUT: tl.constexpr = 0,
-                                 FLAT_PADS: tl.constexpr = False, bar_ptr=None, bmask_ptr=None,
-                                 BARRIER: tl.constexpr = 0):
+                                 RELOAD: tl.constexpr = False, SORTED: tl.constexpr = False,
+                                 MASK: tl.constexpr = False):
     """ONE: grid (1,), ROWS >= M (routing) or SP >= S (alignment only). Not ONE: routing on, grid (ceil(M/ROWS),),
     SP >= S; the ticket (and, without SORTED, the workspace counters) are zero on entry and left at zero.
 
@@ -662,57 +476,13 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
     and aligns by one sort in registers (_align_sorted: no atomic ranks, exact slot order). MASK (not ONE, M <= 64):
     the routing programs set their row's bit in each chosen expert's int64 row mask (``count_ptr``, zero between
     calls); the last one loads masks and ids once and aligns from them (_align_masks: exact slot order). Otherwise:
-    atomic ranks in the routing programs, and the last program scans the counters and scatters.
-
-    PDL: launched as a programmatic dependent; no memory (inputs, outputs, workspace) is touched before
-    ``gdc_wait`` (see _route_rows).
-
-    CUT (timing only, wrong outputs; bench/sweep_moe.py's stage prices, never set by the package): 1 = the routing
-    programs stop after routing (ids, weights and the alignment's atomics issued; no ticket, so the workspace is
-    left dirty: the caller zeroes it), 2 = also the ticket, then the last program only resets the workspace, 3 =
-    also the last program's loads of the masks (or counters) and ids, reduced to one number stored as
-    num_post_pad.
-
-    BARRIER (not ONE, ROWS = 1, M <= 64; see "Barrier path" above): 1 = one launch, every program waits at a grid
-    barrier and writes its own row's part of the alignment; 2 and 3 = the same work as two launches (2: route and
-    set the masks, 3: each program's part, then the arrival), for Triton's interpreter, which runs programs one
-    after another and so cannot wait at a barrier."""
+    atomic ranks in the routing programs, and the last program scans the counters and scatters."""
     pid = tl.program_id(0)
-    if BARRIER != 0:
-        if PDL:
-            gdc_wait()  # before the generation word too: the call before may still be about to bump it
-            gdc_launch_dependents()
-        g, cur, old = _bar_masks(bar_ptr, bmask_ptr)
-        e = tl.arange(0, EAP)
-        if BARRIER != 3:
-            ids2 = _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, cur, rank_ptr, pid, M, stride_lm, scale,
-                               E, EP, 1, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS, RENORM,
-                               True, TOPK_SORT, True)
-            ids_r = tl.sum(ids2, axis=0)  # [1, TOPK_P] -> [TOPK_P]
-        if BARRIER == 2:
-            _bar_clear(old)
-        if BARRIER == 1:
-            tl.debug_barrier()  # this program's bits precede its arrival
-            seen = g + _bar_arrive(bar_ptr, g).to(tl.int32)  # the last arriver has seen everyone: no wait
-            while seen == g:  # every program is resident (grid <= 64 programs), so this ends
-                seen = tl.atomic_add(bar_ptr, 0, sem="acquire")
-        if BARRIER != 2:
-            if BARRIER == 3:
-                kk = tl.arange(0, TOPK_P)
-                ids_r = tl.load(ids_ptr + pid * TOP_K + kk, mask=kk < TOP_K, other=-1, cache_modifier=".cg")
-            mk = tl.load(cur + e, mask=e < EA, other=0, cache_modifier=".cg")
-            _align_row_masks(mk, ids_r, pid, pid == 0, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks, TOP_K, EA, B,
-                             TOPK_P, PJ, CHUNK, FILL_TAIL)
-        if BARRIER == 1:
-            _bar_clear(old)  # after the barrier, off its critical path (the kernel end orders it before the next call)
-        if BARRIER == 3:
-            tl.debug_barrier()  # this program's reads of the generation precede the arrival that may bump it
-            _bar_arrive(bar_ptr, g)
-    elif ONE:
+    if ONE:
         if DO_ROUTE:
             ids2 = _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, 0, M, stride_lm, scale,
                                E, EP, ROWS, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS,
-                               RENORM, False, TOPK_SORT, False, PDL)
+                               RENORM, False)
             if RELOAD:
                 # read the stored winners back as one flat vector (see RELOAD in the launcher)
                 tl.debug_barrier()
@@ -725,39 +495,24 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
                 ids_v = tl.reshape(ids2, [SP])
                 slot_v = tl.reshape(slot2, [SP])
         else:
-            if PDL:
-                gdc_wait()
-                gdc_launch_dependents()
             slot_v = tl.arange(0, SP)
             ids_v = tl.load(ids_ptr + slot_v, mask=slot_v < S, other=-1)
             ids_v = tl.where((ids_v >= 0) & (ids_v < EA), ids_v, -1)
-        _align_pairwise(ids_v, slot_v, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks, B, PJ, CHUNK, FILL_TAIL)
+        _align_pairwise(ids_v, slot_v, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks, B, PJ, CHUNK)
     else:
         _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, pid * ROWS, M, stride_lm, scale,
                     E, EP, ROWS, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS, RENORM,
-                    not SORTED, TOPK_SORT, MASK, PDL)
-        if CUT == 1:
-            return
+                    not SORTED, MASK)
         tl.debug_barrier()  # this program's ids (and ranks and counter updates) precede its ticket
         ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
         if ticket == tl.num_programs(0) - 1:
             sl = tl.arange(0, SP)
-            if CUT != 0:
-                e = tl.arange(0, EAP)
-                emask = e < EA
-                if CUT == 3:  # price the loads: masks (or counters) and ids, reduced so that they are not dropped
-                    w = tl.load(count_ptr + e, mask=emask, other=0, cache_modifier=".cg").to(tl.int32)
-                    ids = tl.load(ids_ptr + sl, mask=sl < S, other=-1, cache_modifier=".cg")
-                    tl.store(npad_ptr, tl.sum(w, axis=0) + tl.sum(ids, axis=0))
-                    tl.debug_barrier()
-                if not SORTED:  # the masks (int64) or the counters (int32) back to zero
-                    tl.store(count_ptr + e, tl.zeros([EAP], count_ptr.dtype.element_ty), mask=emask)
-            elif MASK:
+            if MASK:
                 _align_masks(ids_ptr, count_ptr, sorted_ptr, eids_ptr, npad_ptr, offs_ptr, S, max_blocks, TOP_K, EA,
-                             EAP, B, SP, PJ, CHUNK, FILL_TAIL, SLOT_WRITES, FLAT_PADS)
+                             EAP, B, SP, PJ, CHUNK)
             elif SORTED:
                 ids = tl.load(ids_ptr + sl, mask=sl < S, other=-1, cache_modifier=".cg")
-                _align_sorted(ids, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks, EA, B, SP, PJ, CHUNK, FILL_TAIL)
+                _align_sorted(ids, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks, EA, B, SP, PJ, CHUNK)
             else:
                 e = tl.arange(0, EAP)
                 emask = e < EA
@@ -768,12 +523,8 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
                 rk = tl.load(rank_ptr + sl, mask=ok, other=0, cache_modifier=".cg")
                 padded, offs, total = _expert_blocks(cnt, e, emask, npad_ptr, offs_ptr, eids_ptr, B)
                 _write_pads(sorted_ptr, offs, cnt, padded, emask, S, B, PJ)
-                _fill_tails(sorted_ptr, eids_ptr, total, S, max_blocks, B, CHUNK, FILL_TAIL)
-                if OFFS_GATHER:  # each slot's expert start from the offsets in registers (no store + reload)
-                    base = tl.gather(offs, tl.where(ok, ids, 0), 0)
-                else:
-                    tl.debug_barrier()  # offsets visible to every thread of this program
-                    base = tl.load(offs_ptr + tl.where(ok, ids, 0), mask=ok, other=0, cache_modifier=".cg")
+                _fill_tails(sorted_ptr, eids_ptr, total, S, max_blocks, B, CHUNK, False)
+                base = tl.gather(offs, tl.where(ok, ids, 0), 0)  # each slot's expert start, from registers
                 tl.store(sorted_ptr + base + rk, sl, mask=ok)
                 tl.store(count_ptr + e, tl.zeros([EAP], tl.int32), mask=emask)
             tl.atomic_xchg(ticket_ptr, 0)

@@ -31,7 +31,7 @@ Tensors (B batch, k draft tokens, H heads, D latent dim (512), DR rope dim (64),
 | MASK     | [k, ceil(k/8)] or [B, k, ceil(k/8)]| uint8       | ancestor mask, little-endian bits                 |
 | OUT      | [B, k, H, D] (last stride 1)       | as Q        | output (NUM_SPLITS == 1)                          |
 | LSE      | [B, k, H] contiguous               | fp32        | natural-log lse (STORE_LSE, NUM_SPLITS == 1)      |
-| WS_O     | [>= B, S, k, H, D] contiguous      | fp32 / 16b  | split partial outputs (normalised)                |
+| WS_O     | [>= B, S, k, H, D] contiguous      | fp32        | split partial outputs (normalised)                |
 | WS_LSE   | [>= B, S, k, H] contiguous         | fp32        | split partial lse                                 |
 
 Needs sm_90 (wgmma) and a CUDA device: Gluon has no CPU interpreter, so the launcher never picks it under
@@ -55,18 +55,13 @@ try:
 except ImportError:  # a Triton without Gluon's Hopper API: the launcher refuses KERNEL="mla_wgmma"
     AVAILABLE = False
 
-#: Configs of the wgmma MLA kernel (``KERNEL: "mla_wgmma"``). BLOCK_M is the row tile (wgmma N, power of two 16..64);
-#: num_warps 4 (one warpgroup) holds a [512, 32] fp32 accumulator in 128 registers; 64 rows take 8 warps.
-MLA_WGMMA_CONFIGS = [
-    {"KERNEL": "mla_wgmma", "BLOCK_N": 64, "num_stages": 2},
-    {"KERNEL": "mla_wgmma", "BLOCK_N": 64, "num_stages": 2, "PDL": True},
-    {"KERNEL": "mla_wgmma", "BLOCK_N": 64, "num_stages": 2, "PDL": True, "PARTIAL_DTYPE": "bf16"},
-]
 #: The MLA default where this kernel can run (CUDA sm_90, a tested Triton): ``specverify.attention`` plans with it.
-#: PDL (programmatic dependent launch: the merge grid launches while the split grid runs) took batch 1 / 4k / k 4
-#: from 10.33 to 9.90 us and k 1 from 7.88 to 6.89 us on the H200 (run 32) and was neutral at batch 64 / 4k and
-#: batch 8 / 32k (81.4 / 81.9 against 81.3 / 81.8 us); fp32 partials beat bf16 ones at batch 1 (9.90 / 10.22 us).
-MLA_WGMMA_DEFAULT = MLA_WGMMA_CONFIGS[1]
+#: BLOCK_M (the row tile, wgmma N, a power of two 16..64) follows the rows; num_warps 4 (one warpgroup) holds a
+#: [512, 32] fp32 accumulator in 128 registers, 64 rows take 8 warps. PDL (programmatic dependent launch: the merge
+#: grid launches while the split grid runs) took batch 1 / 4k / k 4 from 10.33 to 9.90 us and k 1 from 7.88 to
+#: 6.89 us on the H200 (run 32) and was neutral at batch 64 / 4k and batch 8 / 32k (81.4 / 81.9 against 81.3 /
+#: 81.8 us); fp32 partials beat bf16 ones at batch 1 (9.90 / 10.22 us).
+MLA_WGMMA_DEFAULT = {"KERNEL": "mla_wgmma", "BLOCK_N": 64, "num_stages": 2, "PDL": True}
 
 if AVAILABLE:
 

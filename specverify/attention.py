@@ -36,13 +36,11 @@ MAX_SPLITS = 128
 #: on the Kimi-K2 rank: 8-32 query rows) a cap of 64 filled 64 of the H200's 132 SMs; 128 splits took 19.99 / 21.51
 #: / 29.60 us at k = 1 / 2 / 4 against 33.47 / 34.39 / 46.32 (bench/sweep_attention.py --only long, run 29).
 HEURISTIC_MAX_SPLITS = 128
-#: Workspace dtypes a config may ask for with ``PARTIAL_DTYPE`` (the lse workspace stays fp32).
-_PARTIAL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-#: Keys every kernel's config may carry besides its tile sizes (see :func:`plan_tree_attention`).
-_COMMON_KEYS = ("FUSED_MERGE", "PARTIAL_DTYPE", "PDL", "MERGE_BLOCK_DV", "MERGE_WARPS")
-#: Kernels a config may name with ``KERNEL`` (all but the first are MLA-only; ``mla_wgmma`` is the Gluon kernel,
-#: CUDA sm_90+ only).
-_KERNELS = ("default", "mla_chunked", "mla_swapped", "mla_wgmma")
+#: Keys a config may carry (see :func:`plan_tree_attention`).
+_CONFIG_KEYS = ("BLOCK_N", "BLOCK_DV", "BLOCK_M", "num_warps", "num_stages", "KERNEL", "PAGE_AHEAD", "PDL")
+#: Kernels a config may name with ``KERNEL``: the ``tl.dot`` kernel of ``kernels/tree_attention.py`` and the Gluon MLA
+#: kernel of ``kernels/tree_attention_wgmma.py`` (CUDA sm_90, Triton 3.6).
+_KERNELS = ("default", "mla_wgmma")
 #: A split should read at least this many KV bytes per program, or the merge costs more than the split saves.
 MIN_SPLIT_BYTES = 64 * 1024
 
@@ -140,23 +138,15 @@ class TreeAttentionPlan:
     num_splits : int
         KV splits per (request, KV head); 1 means no workspace and no merge kernel.
     config : dict
-        ``BLOCK_M, M_TILES, BLOCK_N, BLOCK_DV, DV_TILES, BLOCK_K, num_warps, num_stages, KERNEL, FUSED_MERGE,
-        PARTIAL_DTYPE, PDL, MERGE_BLOCK_DV, MERGE_WARPS, PAGE_AHEAD`` (``KERNEL`` ``"default"``,
-        ``"mla_chunked"`` (adds ``D_CHUNK, NC, CPT``), ``"mla_swapped"`` (transposed products, one value tile,
-        no fused merge) or ``"mla_wgmma"`` (the Gluon kernel; ``num_stages`` is its KV buffer count); ``MERGE_BLOCK_DV`` None means the launcher's default width; ``PAGE_AHEAD`` (default and
-        swapped kernels): each tile loads the next tile's page ids, so with ``num_stages`` >= 3 Triton's pipeliner
-        multi-buffers the KV tile; set by ``MLA_BANDWIDTH_CONFIG``).
+        ``BLOCK_M, M_TILES, BLOCK_N, BLOCK_DV, DV_TILES, BLOCK_K, num_warps, num_stages, KERNEL, PAGE_AHEAD, PDL``
+        (``KERNEL`` ``"default"`` (the ``tl.dot`` kernel) or ``"mla_wgmma"`` (the Gluon kernel; ``num_stages`` is
+        its KV buffer count, ``PDL`` launches it and the split merge as programmatic dependents); ``PAGE_AHEAD``
+        (``tl.dot`` kernel): each tile loads the next tile's page ids, so with ``num_stages`` >= 3 Triton's
+        pipeliner multi-buffers the KV tile; set by ``MLA_BANDWIDTH_CONFIG``).
     workspace_out : torch.Tensor or None
-        [max_batch, num_splits, num_draft_tokens, num_q_heads, head_dim_v] (None when ``num_splits == 1``); fp32,
-        or bf16/fp16 with ``PARTIAL_DTYPE``.
+        fp32 [max_batch, num_splits, num_draft_tokens, num_q_heads, head_dim_v] (None when ``num_splits == 1``).
     workspace_lse : torch.Tensor or None
-        fp32 [max_batch, num_splits, num_draft_tokens, num_q_heads]; with ``FUSED_MERGE`` [max_batch, num_splits,
-        DV_TILES, num_draft_tokens, num_q_heads] (one lse slot per value tile).
-    workspace_count : torch.Tensor or None
-        int32 [max_batch, programs per split], zeros; only with ``FUSED_MERGE`` and ``num_splits > 1``. Each call
-        counts the finished splits of a (request, row tile, value tile) here and the last program resets it to 0,
-        so it is zero again after every complete call (CUDA-graph replay safe). One plan must not serve two calls
-        running concurrently on different streams.
+        fp32 [max_batch, num_splits, num_draft_tokens, num_q_heads].
     """
 
     max_batch: int
@@ -172,7 +162,6 @@ class TreeAttentionPlan:
     device: torch.device
     workspace_out: torch.Tensor | None = field(default=None, repr=False)
     workspace_lse: torch.Tensor | None = field(default=None, repr=False)
-    workspace_count: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def is_mla(self) -> bool:
@@ -180,8 +169,7 @@ class TreeAttentionPlan:
 
     @property
     def workspace_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.workspace_out, self.workspace_lse,
-                                                          self.workspace_count) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.workspace_out, self.workspace_lse) if t is not None)
 
 
 def _choose_config(*, mla: bool, rows: int, head_dim: int, head_dim_v: int, interpret: bool,
@@ -200,31 +188,18 @@ def _choose_config(*, mla: bool, rows: int, head_dim: int, head_dim_v: int, inte
     else:
         base = dict(kernels.GQA_CONFIGS[0] if head_dim <= 128 else
                     {"BLOCK_N": 32, "BLOCK_DV": None, "num_warps": 4, "num_stages": 2})
-    unknown = set(base) - {"BLOCK_N", "BLOCK_DV", "BLOCK_M", "num_warps", "num_stages", "KERNEL", "D_CHUNK",
-                           "PAGE_AHEAD", *_COMMON_KEYS}
+    unknown = set(base) - set(_CONFIG_KEYS)
     if unknown:
-        raise ValueError(f"config has unknown keys {sorted(unknown)}; expected BLOCK_N, BLOCK_DV, BLOCK_M, "
-                         "num_warps, num_stages, KERNEL, D_CHUNK, PAGE_AHEAD, " + ", ".join(_COMMON_KEYS))
+        raise ValueError(f"config has unknown keys {sorted(unknown)}; expected " + ", ".join(_CONFIG_KEYS))
     kernel = base.get("KERNEL", "default")
     if kernel not in _KERNELS:
         raise ValueError(f"config KERNEL must be one of {_KERNELS}, got {kernel!r}")
-    if base.get("PAGE_AHEAD") and kernel == "mla_chunked":
-        raise ValueError("config PAGE_AHEAD is a key of the default and the swapped kernel, got it with "
-                         "KERNEL='mla_chunked'; drop PAGE_AHEAD or choose another KERNEL")
-    if kernel == "mla_chunked":
-        cfg = _choose_chunked_config(base, mla=mla, rows=rows, head_dim=head_dim, head_dim_v=head_dim_v)
-        cfg.update(_common_config(base))
-        return cfg
     if kernel == "mla_wgmma":
         return _choose_wgmma_config(base, mla=mla, rows=rows, head_dim=head_dim, head_dim_v=head_dim_v,
                                     interpret=interpret)
-    if kernel == "mla_swapped":
-        cfg = _choose_swapped_config(base, mla=mla, rows=rows, head_dim=head_dim, head_dim_v=head_dim_v)
-        cfg.update(_common_config(base), PAGE_AHEAD=bool(base.get("PAGE_AHEAD", False)))
-        if cfg["FUSED_MERGE"]:
-            raise ValueError("config KERNEL='mla_swapped' has no fused split merge; drop FUSED_MERGE (the merge "
-                             "kernel runs after it, PDL=True overlaps its launch)")
-        return cfg
+    if base.get("PDL"):
+        raise ValueError("config PDL is a key of KERNEL='mla_wgmma' (the Gluon MLA kernel and its split merge), got "
+                         "it with the tl.dot kernel; drop PDL")
     block_m = base.get("BLOCK_M") or min(kernels.MAX_BLOCK_M, _next_pow2(max(16, rows)))
     block_dv = base.get("BLOCK_DV") or _next_pow2(max(16, head_dim_v))
     block_dv = min(block_dv, _next_pow2(max(16, head_dim_v)))
@@ -242,93 +217,7 @@ def _choose_config(*, mla: bool, rows: int, head_dim: int, head_dim_v: int, inte
         "num_stages": int(base.get("num_stages", 2)),
         "KERNEL": "default",
         "PAGE_AHEAD": bool(base.get("PAGE_AHEAD", False)),
-        **_common_config(base),
-    }
-
-
-def _common_config(base: dict) -> dict:
-    """The opt-in keys shared by both kernels: merge placement, workspace dtype, PDL, merge program width."""
-    partial = base.get("PARTIAL_DTYPE", "fp32")
-    if partial not in _PARTIAL_DTYPES:
-        raise ValueError(f"config PARTIAL_DTYPE must be one of {sorted(_PARTIAL_DTYPES)}, got {partial!r}; bf16/fp16 "
-                         "halve the split workspace (the lse stays fp32)")
-    merge_dv = base.get("MERGE_BLOCK_DV")
-    if merge_dv is not None and (not isinstance(merge_dv, int) or merge_dv < 16 or merge_dv & (merge_dv - 1)):
-        raise ValueError(f"config MERGE_BLOCK_DV must be a power of two >= 16 or None, got {merge_dv!r}")
-    return {
-        "FUSED_MERGE": bool(base.get("FUSED_MERGE", False)),
-        "PARTIAL_DTYPE": partial,
-        "PDL": bool(base.get("PDL", False)),
-        "MERGE_BLOCK_DV": merge_dv,
-        "MERGE_WARPS": int(base.get("MERGE_WARPS", 4)),
-    }
-
-
-def _choose_chunked_config(base: dict, *, mla: bool, rows: int, head_dim: int, head_dim_v: int) -> dict:
-    """Geometry of the chunked MLA kernel: latent chunks of D_CHUNK columns, BLOCK_DV value columns per program."""
-    kernels = _kernels()
-    if not mla or head_dim != head_dim_v:
-        raise ValueError("config KERNEL='mla_chunked' is for tree_attention_mla (value = latent); drop KERNEL for "
-                         "GQA/MHA")
-    d = head_dim
-    dc = min(int(base.get("D_CHUNK", 128)), d)
-    block_dv = min(int(base.get("BLOCK_DV") or d), d)
-    nc = d // dc if dc > 0 else 0
-    if dc < 16 or dc & (dc - 1) or d % dc or nc > kernels.MAX_D_CHUNKS:
-        raise ValueError(f"config D_CHUNK={base.get('D_CHUNK', 128)} does not fit kv_lora_rank {d}: the chunk must "
-                         f"be a power of two >= 16 dividing it into at most {kernels.MAX_D_CHUNKS} chunks; use "
-                         "KERNEL='default' for this rank")
-    cpt = block_dv // dc if block_dv % dc == 0 else 0
-    if cpt not in (1, 2, 4) or d % block_dv:
-        raise ValueError(f"config BLOCK_DV={block_dv} must be 1, 2 or 4 chunks of D_CHUNK={dc} and divide "
-                         f"kv_lora_rank {d}")
-    block_m, block_n = _row_and_token_tiles(base, rows, kernels.MAX_BLOCK_M)
-    return {
-        "BLOCK_M": block_m,
-        "M_TILES": _cdiv(rows, block_m),
-        "BLOCK_N": block_n,
-        "BLOCK_DV": block_dv,
-        "DV_TILES": d // block_dv,
-        "num_warps": int(base.get("num_warps", 8)),
-        "num_stages": int(base.get("num_stages", 3)),
-        "KERNEL": "mla_chunked",
-        "D_CHUNK": dc,
-        "NC": nc,
-        "CPT": cpt,
-    }
-
-
-def _row_and_token_tiles(base: dict, rows: int, max_block_m: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) of the MLA kernels: the config's or the defaults, checked as tl.dot tiles."""
-    block_m = int(base.get("BLOCK_M") or min(max_block_m, _next_pow2(max(16, rows))))
-    block_n = int(base.get("BLOCK_N", 64))
-    for name, value in (("BLOCK_M", block_m), ("BLOCK_N", block_n)):
-        if value < 16 or value & (value - 1):
-            raise ValueError(f"config {name} must be a power of two >= 16 (tl.dot tiles), got {value}")
-    return block_m, block_n
-
-
-def _choose_swapped_config(base: dict, *, mla: bool, rows: int, head_dim: int, head_dim_v: int) -> dict:
-    """Geometry of the transposed MLA kernel: BLOCK_N KV tokens (the MMA's M) x BLOCK_M query rows (its N)."""
-    kernels = _kernels()
-    if not mla or head_dim != head_dim_v:
-        raise ValueError("config KERNEL='mla_swapped' is for tree_attention_mla (value = latent); drop KERNEL for "
-                         "GQA/MHA")
-    block_d = _next_pow2(max(16, head_dim))
-    if base.get("BLOCK_DV") not in (None, block_d, head_dim):
-        raise ValueError(f"config KERNEL='mla_swapped' keeps the whole latent in one program: BLOCK_DV must be None "
-                         f"or {head_dim}, got {base['BLOCK_DV']!r}; use KERNEL='mla_chunked' to split the value "
-                         "columns")
-    block_m, block_n = _row_and_token_tiles(base, rows, kernels.MAX_BLOCK_M)
-    return {
-        "BLOCK_M": block_m,
-        "M_TILES": _cdiv(rows, block_m),
-        "BLOCK_N": block_n,
-        "BLOCK_DV": block_d,
-        "DV_TILES": 1,
-        "num_warps": int(base.get("num_warps", 8)),  # 4 warps hold the [512, 32] fp32 accumulator only by spilling
-        "num_stages": int(base.get("num_stages", 2)),
-        "KERNEL": "mla_swapped",
+        "PDL": False,
     }
 
 
@@ -348,10 +237,10 @@ def _choose_wgmma_config(base: dict, *, mla: bool, rows: int, head_dim: int, hea
 
         raise ValueError(f"config KERNEL='mla_wgmma' is written in Gluon for Triton {'/'.join(wg.TESTED_TRITON)}x "
                          f"(its API changes between releases), got Triton {triton.__version__}; drop KERNEL")
-    extra = {key for key in ("FUSED_MERGE", "PAGE_AHEAD", "D_CHUNK", "BLOCK_DV") if base.get(key)}
+    extra = {key for key in ("PAGE_AHEAD", "BLOCK_DV") if base.get(key)}
     if extra:
         raise ValueError(f"config KERNEL='mla_wgmma' does not take {sorted(extra)} (one value tile, its own "
-                         "double-buffered copies, merge launched after it); drop them")
+                         "double-buffered copies); drop them")
     block_m = int(base.get("BLOCK_M") or min(64, _next_pow2(max(16, rows))))
     block_n = int(base.get("BLOCK_N", 64))
     stages = int(base.get("num_stages", 2))
@@ -368,7 +257,7 @@ def _choose_wgmma_config(base: dict, *, mla: bool, rows: int, head_dim: int, hea
         "num_stages": stages,
         "KERNEL": "mla_wgmma",
         "PAGE_AHEAD": False,
-        **_common_config(base),
+        "PDL": bool(base.get("PDL", False)),
     }
 
 
@@ -447,19 +336,9 @@ def _make_plan(*, max_batch, k, hq, hkv, d, dr, dv, max_context, device, dtype_b
     if cfg["KERNEL"] == "mla_wgmma" and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] != 9:
         raise ValueError(f"config KERNEL='mla_wgmma' uses Hopper's wgmma (sm_90), but {device} is sm_"
                          f"{''.join(map(str, torch.cuda.get_device_capability(device)))}; drop KERNEL")
-    if cfg["PDL"] and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
-        raise ValueError(f"config PDL=True needs programmatic dependent launch (sm_90+), but {device} is sm_"
-                         f"{''.join(map(str, torch.cuda.get_device_capability(device)))}; drop PDL")
     if num_splits > 1 and allocate:
-        plan.workspace_out = torch.empty(max_batch, num_splits, k, hq, dv, dtype=_PARTIAL_DTYPES[cfg["PARTIAL_DTYPE"]],
-                                         device=device)
-        if cfg["FUSED_MERGE"]:
-            plan.workspace_lse = torch.empty(max_batch, num_splits, cfg["DV_TILES"], k, hq, dtype=torch.float32,
-                                             device=device)
-            plan.workspace_count = torch.zeros(max_batch, _programs_per_split(cfg, hkv), dtype=torch.int32,
-                                               device=device)
-        else:
-            plan.workspace_lse = torch.empty(max_batch, num_splits, k, hq, dtype=torch.float32, device=device)
+        plan.workspace_out = torch.empty(max_batch, num_splits, k, hq, dv, dtype=torch.float32, device=device)
+        plan.workspace_lse = torch.empty(max_batch, num_splits, k, hq, dtype=torch.float32, device=device)
     return plan
 
 
@@ -485,7 +364,7 @@ def _splits_walk_tiles(*, max_prefix: int, num_splits: int, block_n: int) -> boo
 
 
 def _programs_per_split(cfg: dict, hkv: int) -> int:
-    """Grid axis 0: KV heads x row tiles x value tiles (the chunked MLA kernel has one KV head)."""
+    """Grid axis 0: KV heads x row tiles x value tiles (MLA has one KV head)."""
     return hkv * cfg["M_TILES"] * cfg["DV_TILES"]
 
 
@@ -516,22 +395,15 @@ def plan_tree_attention(*, max_batch: int, num_draft_tokens: int, num_q_heads: i
     num_splits : int, optional
         Force the split count (1..128); default: a heuristic from batch, context and the SM count (at most 128).
     config : dict, optional
-        Tile override (``BLOCK_N``, ``BLOCK_DV``, ``BLOCK_M``, ``num_warps``, ``num_stages``), for benchmarks;
-        opt-in variants: ``FUSED_MERGE=True`` (the last split program merges the splits, no merge launch; allocates
-        int32 counters), ``PARTIAL_DTYPE="bf16"|"fp16"`` (split partial outputs stored in 16 bits: half the
-        workspace traffic; lse and the merge sum stay fp32), ``PDL=True`` (programmatic dependent launch of the
-        split and merge kernels, sm_90+; ignored under the CPU interpreter), ``MERGE_BLOCK_DV`` / ``MERGE_WARPS``
-        (value columns and warps of one merge program) and, for :func:`plan_tree_attention_mla` only,
-        ``KERNEL="mla_chunked"`` with ``D_CHUNK``, or ``KERNEL="mla_swapped"`` (scores and output computed
-        transposed, KV tokens as the MMA's M dimension so Hopper can use wgmma with 32 query rows; no
-        ``FUSED_MERGE``) (see ``MLA_CHUNKED_CONFIGS`` / ``MLA_SWAPPED_CONFIGS`` / ``GQA_BANDWIDTH_CONFIGS`` /
-        ``MLA_LATENCY_CONFIGS`` in ``specverify/kernels/tree_attention.py``), or ``KERNEL="mla_wgmma"`` (the
-        Gluon kernel of ``specverify/kernels/tree_attention_wgmma.py``: both products on wgmma with the KV
-        tokens as M; CUDA sm_90 and Triton 3.6 only; ``BLOCK_M`` 16/32/64, ``PDL``, ``PARTIAL_DTYPE``). Without a
-        config an MLA plan on an sm_90 GPU with Triton 3.6 takes ``MLA_WGMMA_DEFAULT`` (88-90% of copy bandwidth
-        at Kimi-K2 batch 64 / 4k and batch 8 / 32k on the H200, 9.5 us at batch 1 / 4k / k 4; set
-        ``SPECVERIFY_MLA_WGMMA=0`` to keep the ``tl.dot`` kernels); elsewhere one whose splits walk two or more KV
-        tiles takes ``MLA_BANDWIDTH_CONFIG`` (the page ids one tile ahead, the KV tile multi-buffered), else
+        Tile override (``BLOCK_N``, ``BLOCK_DV``, ``BLOCK_M``, ``num_warps``, ``num_stages``, ``PAGE_AHEAD``), for
+        benchmarks (``GQA_CONFIGS`` / ``MLA_CONFIGS`` / ``MLA_BANDWIDTH_CONFIG`` in
+        ``specverify/kernels/tree_attention.py``); for :func:`plan_tree_attention_mla` also ``KERNEL="mla_wgmma"``
+        (the Gluon kernel of ``specverify/kernels/tree_attention_wgmma.py``: both products on wgmma with the KV
+        tokens as M; CUDA sm_90 and Triton 3.6 only; ``BLOCK_M`` 16/32/64, ``PDL``). Without a config an MLA plan
+        on an sm_90 GPU with Triton 3.6 takes ``MLA_WGMMA_DEFAULT`` (88-90% of copy bandwidth at Kimi-K2 batch 64 /
+        4k and batch 8 / 32k on the H200, 9.5 us at batch 1 / 4k / k 4; set ``SPECVERIFY_MLA_WGMMA=0`` to keep the
+        ``tl.dot`` kernel); elsewhere one whose splits walk two or more KV tiles takes ``MLA_BANDWIDTH_CONFIG`` (the
+        page ids one tile ahead, the KV tile multi-buffered), else
         ``MLA_CONFIGS[0]``.
 
     Returns
@@ -679,79 +551,57 @@ def _launch(*, q, qr, kc, vc, k_strides, v_strides, page_table, prefix_lens, tre
         smb, smt = (0, tree_mask.stride(0)) if tree_mask.dim() == 2 else (tree_mask.stride(0), tree_mask.stride(1))
     else:
         smb, smt = 0, 0
-    fused = splits > 1 and cfg.get("FUSED_MERGE", False)
-    # programmatic dependent launch: only on CUDA (the interpreter has no grid dependency control)
+    # programmatic dependent launch (the Gluon kernel's config): only on CUDA (the interpreter has no grid dependency
+    # control)
     pdl = {"launch_pdl": True} if cfg.get("PDL", False) and q.device.type == "cuda" else {}
-    count = page_table  # a placeholder pointer where no counter is used
     if splits > 1:
         ws_o, ws_lse = plan.workspace_out, plan.workspace_lse
         if ws_o is None:  # a plan made without allocation (no plan passed): the graph pool serves this under capture
-            ws_o = torch.empty(batch, splits, k, hq, dv, dtype=_PARTIAL_DTYPES[cfg.get("PARTIAL_DTYPE", "fp32")],
-                               device=q.device)
+            ws_o = torch.empty(batch, splits, k, hq, dv, dtype=torch.float32, device=q.device)
             ws_lse = torch.empty(batch, splits, k, hq, dtype=torch.float32, device=q.device)
-        if fused:
-            count = plan.workspace_count
-            if count is None:
-                raise ValueError("a FUSED_MERGE plan needs its counters: build it with plan_tree_attention(_mla)")
     else:
         ws_o = ws_lse = out
     qr_t = qr if qr is not None else q
     grid = (_programs_per_split(cfg, hkv), splits, batch)
     mask_arg = tree_mask if tree_mask is not None else page_table
-    # arguments every kernel takes in the same order: scale (log2 domain), q / q_rope strides, after the cache
-    # strides the page table, tree mask and output strides; then the shared constexprs and launch options
+    # arguments both kernels take in the same order: scale (log2 domain), q / q_rope strides, after the cache
+    # strides the page table, tree mask and output strides
     scale = float(sm_scale) * 1.4426950408889634
     q_strides = (q.stride(0), q.stride(1), q.stride(2), qr_t.stride(0), qr_t.stride(1), qr_t.stride(2))
     tail = (page_table.stride(0), smb, smt, out.stride(0), out.stride(1), out.stride(2))
     lse_arg = lse if store_lse else out
-    common = dict(NUM_DRAFT=k, NUM_Q_HEADS=hq, PAGE_SIZE=page_size, NUM_SPLITS=splits, D=d, DR=dr,
-                  BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HAS_MASK=tree_mask is not None,
-                  STORE_LSE=store_lse, DOT_FP32=q.device.type == "cpu", PDL=bool(pdl), num_warps=cfg["num_warps"],
-                  num_stages=cfg["num_stages"], **pdl)
-    block_dr = _next_pow2(max(16, dr))
-    if cfg.get("KERNEL") == "mla_wgmma":  # Gluon; no fused merge (the config refuses it)
+    if cfg.get("KERNEL") == "mla_wgmma":  # Gluon
         _wgmma_kernels()._tree_attention_mla_wgmma_kernel[grid](
             q, qr_t, kc, page_table, prefix_lens, mask_arg, out, lse_arg, ws_o, ws_lse, scale, *q_strides,
             k_strides[0], k_strides[1], *tail,
             NUM_DRAFT=k, NUM_Q_HEADS=hq, PAGE_SIZE=page_size, NUM_SPLITS=splits, D=d, DR=dr, BLOCK_R=cfg["BLOCK_M"],
             BLOCK_N=cfg["BLOCK_N"], NUM_BUF=cfg["num_stages"], HAS_MASK=tree_mask is not None, STORE_LSE=store_lse,
             PDL=bool(pdl), num_warps=cfg["num_warps"], **pdl)
-    elif cfg.get("KERNEL") == "mla_swapped":  # no fused merge (the config refuses it), so ``fused`` is False here
-        launch_fitting(kernels._tree_attention_mla_swapped_kernel, grid, (
-            q, qr_t, kc, page_table, prefix_lens, mask_arg, out, lse_arg, ws_o, ws_lse, scale, *q_strides,
-            k_strides[0], k_strides[1], *tail),
-            dict(BLOCK_D=cfg["BLOCK_DV"], BLOCK_DR=block_dr, PAGE_AHEAD=cfg.get("PAGE_AHEAD", False), **common),
-            what="tree_attention_mla")
-    elif cfg.get("KERNEL") == "mla_chunked":
-        launch_fitting(kernels._tree_attention_mla_chunked_kernel, grid, (
-            q, qr_t, kc, page_table, prefix_lens, mask_arg, out, lse_arg, ws_o, ws_lse, count, scale, *q_strides,
-            k_strides[0], k_strides[1], *tail),
-            dict(DC=cfg["D_CHUNK"], NC=cfg["NC"], CPT=cfg["CPT"], BLOCK_DR=block_dr, M_TILES=cfg["M_TILES"],
-                 DV_TILES=cfg["DV_TILES"], FUSED_MERGE=fused, **common), what="tree_attention_mla")
     else:
         launch_fitting(kernels._tree_attention_fwd_kernel, grid, (
-            q, qr_t, kc, vc, page_table, prefix_lens, mask_arg, out, lse_arg, ws_o, ws_lse, count, scale, *q_strides,
+            q, qr_t, kc, vc, page_table, prefix_lens, mask_arg, out, lse_arg, ws_o, ws_lse, scale, *q_strides,
             *k_strides, *v_strides, *tail),
-            dict(GROUP=hq // hkv, DV=dv, BLOCK_D=_next_pow2(max(16, d)), BLOCK_DR=block_dr, BLOCK_DV=cfg["BLOCK_DV"],
-                 BLOCK_K=cfg["BLOCK_K"], M_TILES=cfg["M_TILES"], DV_TILES=cfg["DV_TILES"], V_IS_K=v_is_k,
-                 FUSED_MERGE=fused, PAGE_AHEAD=cfg.get("PAGE_AHEAD", False), **common),
+            dict(NUM_DRAFT=k, GROUP=hq // hkv, NUM_Q_HEADS=hq, PAGE_SIZE=page_size, NUM_SPLITS=splits, D=d, DR=dr,
+                 DV=dv, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=_next_pow2(max(16, d)),
+                 BLOCK_DR=_next_pow2(max(16, dr)), BLOCK_DV=cfg["BLOCK_DV"], BLOCK_K=cfg["BLOCK_K"],
+                 M_TILES=cfg["M_TILES"], DV_TILES=cfg["DV_TILES"], HAS_MASK=tree_mask is not None, V_IS_K=v_is_k,
+                 STORE_LSE=store_lse, DOT_FP32=q.device.type == "cpu", PAGE_AHEAD=cfg.get("PAGE_AHEAD", False),
+                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
             what="tree_attention_mla" if dr else "tree_attention")
-    if splits > 1 and not fused:
-        _launch_merge(kernels, ws_o, ws_lse, out, lse, batch=batch, k=k, hq=hq, dv=dv, splits=splits, cfg=cfg,
-                      pdl=pdl)
+    if splits > 1:
+        _launch_merge(kernels, ws_o, ws_lse, out, lse, batch=batch, k=k, hq=hq, dv=dv, splits=splits, pdl=pdl)
 
 
-def _launch_merge(kernels, ws_o, ws_lse, out, lse, *, batch, k, hq, dv, splits, cfg, pdl):
-    """The split-KV merge launch (one program per output row and value tile of ``MERGE_BLOCK_DV`` columns)."""
+def _launch_merge(kernels, ws_o, ws_lse, out, lse, *, batch, k, hq, dv, splits, pdl):
+    """The split-KV merge launch (one program per output row and value tile of up to 4096 / splits columns)."""
     store_lse = lse is not None
     block_s = _next_pow2(max(2, splits))
-    block_dv = cfg.get("MERGE_BLOCK_DV") or max(16, 4096 // block_s)
-    block_dv = min(_next_pow2(max(16, dv)), block_dv)
+    block_dv = min(_next_pow2(max(16, dv)), max(16, 4096 // block_s))
     kernels._tree_attention_merge_kernel[(batch * k * hq, _cdiv(dv, block_dv))](
         ws_o, ws_lse, out, lse if store_lse else out,
         out.stride(0), out.stride(1), out.stride(2),
         NUM_DRAFT=k, NUM_Q_HEADS=hq, NUM_SPLITS=splits, DV=dv, BLOCK_S=block_s, BLOCK_DV=block_dv,
-        STORE_LSE=store_lse, PDL=bool(pdl), num_warps=cfg.get("MERGE_WARPS", 4), num_stages=1, **pdl,
+        STORE_LSE=store_lse, PDL=bool(pdl), num_warps=4, num_stages=1, **pdl,
     )
 
 

@@ -24,10 +24,7 @@ _IMPLS = ("auto", "triton", "reference")
 _MAX_EXPERTS = 1024
 _WS_STRIDE = 1024  # workspace layout (int32): counters [0, 1024), offsets [1024, 2048), ticket at 2048,
 _WS_MASKS = 2 * _WS_STRIDE + 32  # then 1024 int64 row masks (the MASK alignment) from int32 offset 2080
-# then the barrier path's generation and arrival count (int32 at 4128 and 4129; the generation counts calls, so it is
-# not zero between them) and its two buffers of 1024 int64 row masks (one per generation parity, from 4160)
-_WS_BAR = _WS_MASKS + 2 * _WS_STRIDE
-_WS_BAR_MASKS = _WS_BAR + 32
+_WS_END = _WS_MASKS + 2 * _WS_STRIDE
 _LOGGED: set[str] = set()
 _WS: dict[tuple[str, int | None], torch.Tensor] = {}
 _WS_LOCK = threading.Lock()
@@ -44,7 +41,7 @@ class MoEAlignment(NamedTuple):
     sorted_token_ids : torch.Tensor
         int32, shape ``(max_num_tokens_padded,)``: slot ids ``s = m * top_k + k`` grouped by expert in increasing
         expert order, each expert's run padded to a multiple of ``block_size`` with the sentinel ``M * top_k``.
-        Entries at or past ``num_tokens_post_padded`` are unspecified (the default "fast" router leaves them
+        Entries at or past ``num_tokens_post_padded`` are unspecified (up to 1024 slots the router leaves them
         unwritten; consumers read only the used part).
     expert_ids : torch.Tensor
         int32, shape ``(max_num_tokens_padded // block_size,)``: expert of each block, -1 for unused blocks.
@@ -141,9 +138,7 @@ def _pdl(flag, dev: torch.device) -> bool:
 
 def _workspace(device: torch.device) -> torch.Tensor:
     """Per-device workspace that the routing kernel leaves at zero after every call: int32 counters, offsets and
-    ticket, then int64 per-expert row masks; then the barrier path's generation, arrival count and two mask buffers
-    (of which the one of the last generation is left set: the next barrier call clears it; layout at
-    ``_WS_STRIDE``)."""
+    ticket, then int64 per-expert row masks (layout at ``_WS_STRIDE``)."""
     if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:<current>" are one workspace
         device = torch.device("cuda", torch.cuda.current_device())
     key = (device.type, device.index)
@@ -156,7 +151,7 @@ def _workspace(device: torch.device) -> torch.Tensor:
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("moe_route: the first call on a device must run outside CUDA-graph capture (it "
                                    "allocates the zeroed per-device workspace); run one eager warm-up call first")
-            ws = torch.zeros(_WS_BAR_MASKS + 4 * _WS_STRIDE, dtype=torch.int32, device=device)
+            ws = torch.zeros(_WS_END, dtype=torch.int32, device=device)
             _WS[key] = ws
     return ws
 
@@ -253,13 +248,9 @@ def _launch_route_align(logits, bias, top_k, softmax, n_group, topk_group, renor
         ids = topk_ids.contiguous()
         weights = ids  # unused
     s = m * top_k
-    if do_align and _VARIANT["route"] == "fast" and 0 < s <= _FAST_MAX_SLOTS and (
-            do_route or s <= _FAST_ROUTE_CONFIG["align_one_max_slots"]):
+    if do_align and 0 < s <= _FAST_MAX_SLOTS and (do_route or s <= _FAST_ROUTE_CONFIG["align_one_max_slots"]):
         return _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n_group, topk_group,
                                         renormalize, scale, block_size, do_route)
-    if do_align and _VARIANT["route"] == "single" and 0 < s <= _SINGLE_MAX_SLOTS:
-        return _launch_route_align_single(logits, bias, ids, weights, m, e, top_k, softmax, n_group, topk_group,
-                                          renormalize, scale, block_size, do_route)
     if do_align:
         size, sorted_ids, expert_ids, npad = _alignment_buffers(m, top_k, e, block_size, dev)
         rank = torch.empty((max(s, 1),), dtype=torch.int32, device=dev)
@@ -274,9 +265,7 @@ def _launch_route_align(logits, bias, top_k, softmax, n_group, topk_group, renor
     bias_arg = bias if bias is not None else (logits if do_route else ids)
     rows = 1  # one token row per program: the top-k reductions stay inside one row
     grid = (_cdiv(m, rows),) if do_route else (1,)
-    on_gpu = dev.type == "cuda"
-    pdl = _pdl(_ROUTE_CONFIG["PDL"], dev)
-    launch = {"num_warps": _ROUTE_CONFIG["num_warps"], **({"launch_pdl": True} if pdl else {})} if on_gpu else {}
+    launch = {"num_warps": _ROUTE_CONFIG["num_warps"]} if dev.type == "cuda" else {}
     if m == 0 or (not do_route and not do_align):
         pass
     else:
@@ -286,8 +275,7 @@ def _launch_route_align(logits, bias, top_k, softmax, n_group, topk_group, renor
             E=e, EP=ep, ROWS=rows, TOP_K=top_k, TOPK_P=max(_next_pow2(top_k), 2), N_GROUP=n_group,
             NG_P=max(_next_pow2(n_group), 2), GSIZE=gsize, TOPK_GROUP=topk_group, SOFTMAX=softmax,
             HAS_BIAS=bias is not None, RENORM=renormalize, DO_ROUTE=do_route, DO_ALIGN=do_align, EA=e,
-            EAP=max(_next_pow2(e), 16), B=block_size or 1, CHUNK=512 if dev.type == "cuda" else 64,
-            SINGLE=grid[0] == 1, TOPK_SORT=bool(_ROUTE_CONFIG["TOPK_SORT"]) and do_route, PDL=pdl, **launch)
+            EAP=max(_next_pow2(e), 16), B=block_size or 1, CHUNK=512 if dev.type == "cuda" else 64, **launch)
     if m == 0 and do_align:
         sorted_ids.fill_(s)
         expert_ids.fill_(-1)
@@ -296,40 +284,11 @@ def _launch_route_align(logits, bias, top_k, softmax, n_group, topk_group, renor
     return ids, weights, alignment
 
 
-def _launch_route_align_single(logits, bias, ids, weights, m, e, top_k, softmax, n_group, topk_group, renormalize,
-                               scale, block_size, do_route):
-    """The opt-in one-program variant (``_VARIANT["route"] == "single"``, 0 < M * top_k <= 1024).
-
-    One CTA routes every row and aligns without atomics: per-expert counts by histogram, padded offsets by cumsum,
-    each slot's place by its rank among the earlier slots of its expert, so the slots inside an expert come in
-    increasing slot id (``align_reference``'s order). No persistent workspace: only a per-call [EAP] scratch.
-    """
-    from specverify.kernels.moe_route import _moe_route_align_single_kernel
-
-    dev = ids.device
-    s = m * top_k
-    size, sorted_ids, expert_ids, npad = _alignment_buffers(m, top_k, e, block_size, dev)
-    eap = max(_next_pow2(e), 16)
-    offs = torch.empty((eap,), dtype=torch.int32, device=dev)
-    cfg = dict(_SINGLE_ROUTE_CONFIG)
-    if dev.type != "cuda":  # interpreter: fewer, smaller tiles
-        cfg.update(ROWS=4, CI=16, CJ=16, CHUNK=64)
-    rows = min(cfg.pop("ROWS"), max(_next_pow2(m), 1))
-    bias_arg = bias if bias is not None else (logits if do_route else ids)
-    _moe_route_align_single_kernel[(1,)](
-        logits if do_route else ids, bias_arg, ids, weights, sorted_ids, expert_ids, npad, offs, m, s,
-        size // block_size, logits.stride(0) if do_route else 0, float(scale),
-        E=e, EP=eap, ROWS=rows, TOP_K=top_k, TOPK_P=max(_next_pow2(top_k), 2), N_GROUP=n_group,
-        NG_P=max(_next_pow2(n_group), 2), GSIZE=e // n_group, TOPK_GROUP=topk_group, SOFTMAX=softmax,
-        HAS_BIAS=bias is not None, RENORM=renormalize, DO_ROUTE=do_route, EA=e, EAP=eap, B=block_size, **cfg)
-    return ids, weights, MoEAlignment(sorted_ids, expert_ids, npad, block_size)
-
-
 def _fast_align_path(m: int, s: int, do_route: bool) -> str:
-    """How the "fast" router aligns ``m`` tokens of ``s`` slots under ``_FAST_ROUTE_CONFIG``: ``"one"`` (one program,
-    in registers), ``"sorted"`` (the last program sorts the slots), ``"mask"`` (the last program reads the
-    per-expert row masks) or ``"atomic"`` (atomic ranks). Alignment-only calls (``do_route`` False) reach the fast
-    kernel only on the one-program path."""
+    """How the router + alignment (M * top_k <= 1024) aligns ``m`` tokens of ``s`` slots under
+    ``_FAST_ROUTE_CONFIG``: ``"one"`` (one program, in registers), ``"sorted"`` (the last program sorts the slots),
+    ``"mask"`` (the last program reads the per-expert row masks) or ``"atomic"`` (atomic ranks). Alignment-only calls
+    (``do_route`` False) reach the fast kernel only on the one-program path."""
     cfg = _FAST_ROUTE_CONFIG
     if s <= (cfg["one_max_slots"] if do_route else cfg["align_one_max_slots"]):
         return "one"
@@ -342,7 +301,7 @@ def _fast_align_path(m: int, s: int, do_route: bool) -> str:
 
 def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n_group, topk_group, renormalize,
                              scale, block_size, do_route):
-    """The default router + alignment (``_VARIANT["route"] == "fast"``, 0 < M * top_k <= 1024).
+    """The router + alignment for 0 < M * top_k <= 1024.
 
     Up to ``_FAST_ROUTE_CONFIG["one_max_slots"]`` slots (M <= 2 at top-8; ``align_one_max_slots`` for alignment-only
     calls): one program routes every row at once and aligns in registers (no atomics, no workspace, no global round
@@ -351,9 +310,8 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
     slot's id (exact order); above, up to ``mask_max_rows`` rows (at most 64), from per-expert int64 row masks that
     the routing programs set by atomic OR (counts and ranks by bit counts: exact order again, no atomic that returns
     a value); above that with atomic ranks taken by the routing programs, after one load of ids, ranks and counters
-    (order inside an expert then free). Either way ``sorted_token_ids`` past
-    ``num_tokens_post_padded`` is left unwritten unless ``FILL_TAIL`` (consumers read only the used part);
-    ``expert_ids`` past the used blocks is always -1.
+    (order inside an expert then free). Either way ``sorted_token_ids`` past ``num_tokens_post_padded`` is left
+    unwritten (consumers read only the used part); ``expert_ids`` past the used blocks is always -1.
     """
     from specverify.kernels.moe_route import _moe_route_align_fast_kernel
 
@@ -366,13 +324,6 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
     eap = max(_next_pow2(e), 16)
     path = _fast_align_path(m, s, do_route)
     one, sort_align, mask_align = path == "one", path == "sorted", path == "mask"
-    if cfg["MASK_BARRIER"] not in (0, 1, 2):
-        raise ValueError(f"_FAST_ROUTE_CONFIG['MASK_BARRIER'] must be 0 (off), 1 (one launch) or 2 (two launches), "
-                         f"got {cfg['MASK_BARRIER']!r}")
-    barrier = int(cfg["MASK_BARRIER"]) if mask_align and cfg["ROWS"] == 1 else 0
-    if barrier and (not on_gpu or envvars.triton_interpret()):
-        barrier = 2  # the interpreter runs programs one after another: the two-launch form
-    bar = bmask = ids  # unused unless barrier
     if one:
         rows = max(_next_pow2(m), 1)
         sp = rows * topk_p if do_route else max(_next_pow2(s), 2)
@@ -386,32 +337,20 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
         ws = _workspace(dev)
         count, offs, ticket = ws[:_WS_STRIDE], ws[_WS_STRIDE: 2 * _WS_STRIDE], ws[2 * _WS_STRIDE: _WS_MASKS]
         if mask_align:  # the int64 row masks take the counters' place
-            count = ws[_WS_MASKS: _WS_BAR].view(torch.int64)
-        if barrier:  # the generation and arrival words, and the two mask buffers
-            bar, bmask = ws[_WS_BAR: _WS_BAR_MASKS], ws[_WS_BAR_MASKS:].view(torch.int64)
+            count = ws[_WS_MASKS: _WS_END].view(torch.int64)
         grid = (_cdiv(m, rows),)
         warps = cfg["wide_warps"] if s > cfg["wide_slots"] and not mask_align else cfg["num_warps"]
     extra = {"num_warps": warps} if on_gpu else {}
-    pdl = _pdl(cfg["PDL"], dev)
-    if pdl:
-        extra["launch_pdl"] = True
     bias_arg = bias if bias is not None else (logits if do_route else ids)
-    if barrier == 1 and bool(cfg["MASK_BARRIER_COOP"]):
-        # a cooperative launch: the driver refuses a grid that cannot be resident at once instead of letting the
-        # programs that did start wait at the barrier for ever
-        extra["launch_cooperative_grid"] = True
-    for stage in ((2, 3) if barrier == 2 else (barrier,)):
-        _moe_route_align_fast_kernel[grid](
-            logits if do_route else ids, bias_arg, ids, weights, rank, sorted_ids, expert_ids, npad, count, offs,
-            ticket, m, s, size // block_size, logits.stride(0) if do_route else 0, float(scale),
-            E=e, EP=eap, ROWS=rows, TOP_K=top_k, TOPK_P=topk_p, N_GROUP=n_group, NG_P=max(_next_pow2(n_group), 2),
-            GSIZE=e // n_group, TOPK_GROUP=topk_group, SOFTMAX=softmax, HAS_BIAS=bias is not None,
-            RENORM=renormalize, DO_ROUTE=do_route, EA=e, EAP=eap, B=block_size, SP=sp, ONE=one,
-            PJ=min(block_size, 16), CHUNK=cfg["CHUNK"] if on_gpu else 64, FILL_TAIL=bool(cfg["FILL_TAIL"]),
-            RELOAD=one and do_route and (eap < _RESHAPE_MIN_EXPERTS or bool(cfg["RELOAD"])), SORTED=sort_align,
-            TOPK_SORT=bool(cfg["TOPK_SORT"]), OFFS_GATHER=bool(cfg["OFFS_GATHER"]), MASK=mask_align,
-            SLOT_WRITES=bool(cfg["MASK_SLOT_WRITES"]), PDL=pdl, CUT=0 if one or barrier else int(cfg["CUT"]),
-            FLAT_PADS=bool(cfg["MASK_FLAT_PADS"]), bar_ptr=bar, bmask_ptr=bmask, BARRIER=stage, **extra)
+    _moe_route_align_fast_kernel[grid](
+        logits if do_route else ids, bias_arg, ids, weights, rank, sorted_ids, expert_ids, npad, count, offs,
+        ticket, m, s, size // block_size, logits.stride(0) if do_route else 0, float(scale),
+        E=e, EP=eap, ROWS=rows, TOP_K=top_k, TOPK_P=topk_p, N_GROUP=n_group, NG_P=max(_next_pow2(n_group), 2),
+        GSIZE=e // n_group, TOPK_GROUP=topk_group, SOFTMAX=softmax, HAS_BIAS=bias is not None,
+        RENORM=renormalize, DO_ROUTE=do_route, EA=e, EAP=eap, B=block_size, SP=sp, ONE=one,
+        PJ=min(block_size, 16), CHUNK=cfg["CHUNK"] if on_gpu else 64,
+        RELOAD=one and do_route and (eap < _RESHAPE_MIN_EXPERTS or bool(cfg["RELOAD"])), SORTED=sort_align,
+        MASK=mask_align, **extra)
     return ids, weights, MoEAlignment(sorted_ids, expert_ids, npad, block_size)
 
 
@@ -499,10 +438,6 @@ def moe_route(router_logits, *, top_k, scoring="sigmoid", correction_bias=None, 
     the per-device workspace (zeroed counters the kernel resets itself) is allocated on the first call, which must
     therefore run outside capture. Calls on different streams must not overlap in time (they share that
     workspace). ``impl="reference"`` synchronises with the host when aligning and is not capturable.
-    Variants (benchmarks): ``specverify.moe._VARIANT["route"]`` is ``"fast"`` (default), ``"atomic"`` (the
-    previous default: always one program per token, sentinel-filled tail) or ``"single"``, which aligns in one
-    program without atomics or workspace when 0 < M * top_k <= 1024; the slots inside an expert then come in
-    increasing slot id, exactly as the reference orders them.
 
     Examples
     --------
@@ -656,43 +591,33 @@ def _check_moe_args(hidden, w13, w2, topk_ids, topk_weights, alignment, activati
                              f"{list(out.shape)} on {out.device}")
 
 
-#: The routing kernel of the router alone (no alignment; one token row per program) and of the "atomic" variant:
-#: its warps, TOPK_SORT (the winners by one bitonic top-k, tl.topk, instead of top_k rounds of argmax) and PDL
-#: (opt-in, not yet timed: a programmatic dependent launch, as _FAST_ROUTE_CONFIG's PDL).
-_ROUTE_CONFIG: dict = {"num_warps": 4, "TOPK_SORT": True, "PDL": False}
-#: Opt-in kernel variants (benchmarks and sweeps; the defaults are the measured paths):
-#: ``route``: ``"fast"`` (default: see _launch_route_align_fast; 0 < M * top_k <= 1024), ``"atomic"`` (one
-#: program per token, atomics + last-program alignment, sentinel-filled tail) or ``"single"`` (one program routes
-#: and aligns every slot, no atomics; used when 0 < M * top_k <= 1024 and aligning);
-#: ``experts``: ``"auto"`` (default: ``"stream"`` at M <= _STREAM_CONFIG["max_m"] (6), else ``"dot"``; H200
-#: sweeps, Kimi-K2 per rank, routed experts (runs 21-22): stream 1.15 / 1.18 / 1.21 / 1.24x the bytes floor at
-#: M = 4 / 6 / 7 / 8 against dot 1.26 / 1.20 / 1.19x at M = 6 / 7 / 8; the fused variant lost to one of the two
-#: at every M of run 17: M=16 dot 280 vs fused 300 us), ``"fused"`` (one streaming
-#: launch + a fixed-order partial sum), ``"dot"`` (block-aligned tl.dot GEMMs, three launches) or ``"gemv"`` (no
-#: tl.dot, two launches, top-k sum fused into the down GEMV; used when M <= ``_GEMV_CONFIG["max_m"]``) or
-#: ``"stream"`` (weight streaming for M <= ``_STREAM_CONFIG["max_m"]``: small FMA programs, prefetched H loop, one
-#: down gather over every slot with the top-k sum; two launches, the second a programmatic dependent).
-_VARIANT: dict = {"route": "fast", "experts": "auto"}
-_SINGLE_MAX_SLOTS = 1024
+#: The routing kernel of the router alone (no alignment; one token row per program), of calls past 1024 slots and of
+#: alignment-only calls past ``align_one_max_slots``: its warps. The winners by one bitonic top-k (tl.topk): the
+#: router alone took 2.29-2.43 us against 2.96-3.26 us with top_k rounds of argmax (H200, Kimi-K2, run 23).
+_ROUTE_CONFIG: dict = {"num_warps": 4}
+#: Expert path (benchmarks and sweeps may force one): ``"auto"`` (default: ``"stream"`` at M <=
+#: _STREAM_CONFIG["max_m"] (6), else ``"dot"``; H200 sweeps, Kimi-K2 per rank, routed experts (runs 21-22): stream
+#: 1.15 / 1.18 / 1.21 / 1.24x the bytes floor at M = 4 / 6 / 7 / 8 against dot 1.26 / 1.20 / 1.19x at M = 6 / 7 /
+#: 8), ``"stream"`` (weight streaming for M <= ``_STREAM_CONFIG["max_m"]``: small FMA programs, one down gather over
+#: every slot with the top-k sum; two launches, the second a programmatic dependent) or ``"dot"`` (block-aligned
+#: tl.dot GEMMs, three launches).
+_VARIANT: dict = {"experts": "auto"}
 _FAST_MAX_SLOTS = 1024
-#: Launch config of the "fast" router: largest M * top_k routed and aligned by one program in registers, that
-#: program's warps; rows per program and warps beyond it (``wide_warps`` above ``wide_slots`` slots); up to
-#: ``sorted_max_slots`` slots the multi-program path's last program aligns by one sort (SORTED in the kernel), above
-#: it from row masks up to ``mask_max_rows`` tokens (see below), then by atomic ranks; TOPK_SORT picks the winners by
-#: one bitonic top-k; fill chunk; FILL_TAIL writes the sentinel over sorted_token_ids past the used part too (off:
-#: consumers read only the used part).
+#: Launch config of the router + alignment (M * top_k <= 1024): largest M * top_k routed and aligned by one program
+#: in registers, that program's warps; rows per program and warps beyond it (``wide_warps`` above ``wide_slots``
+#: slots); up to ``sorted_max_slots`` slots the multi-program path's last program aligns by one sort (SORTED in the
+#: kernel), above it from row masks up to ``mask_max_rows`` tokens (see below), then by atomic ranks; fill chunk.
 #: H200 sweeps (Kimi-K2, bench/sweep_moe.py --ops route, graph replay; an empty kernel takes 0.58-0.76 us there):
 #: run 23 (commit ebf4c0c), route + align at M = 1 / 4 / 8 / 16 / 64: one program with top-k rounds (the previous
 #: default) 3.81 / 5.78 / - / - / -, one program per row with atomic ranks 6.38 / 6.43 / 6.40 / 6.50 / 8.49 (run 21);
 #: with the bitonic top-k: one program 3.14 at M = 1 (6.05 at M = 4), one program per row with the sorted
 #: alignment 4.68 at M = 4 (5.80 at M = 8, 9.28 at M = 64), with atomic ranks 5.58 / 5.69 / 7.61 at M = 8 / 16 / 64.
-#: The router alone: 2.96-3.26 us with top-k rounds, 2.29-2.43 with the bitonic top-k. Run 24 (commit 2eb7238) with
-#: those defaults, M = 1 / 2 / 4 / 8 / 16 / 32 / 64: 3.08 / 4.25 / 4.49 / 5.38 / 5.66 / 6.43 / 7.57 us; one program at
-#: M = 2 took 4.00, 8 warps per row program 5.79 / 6.38 at M = 32 / 64 (the same at M = 8 and 16, slower at 2 and 4):
-#: hence one_max_slots 16 and wide_warps above 128 slots.
-#: OFFS_GATHER: on the atomic-rank path the last program takes each slot's expert start from the offsets in
-#: registers (tl.gather) instead of storing and reloading them: run 37 (commit 1f2254a) 5.45 / 5.49 / 6.26 ->
-#: 5.31 / 5.39 / 6.03 us at M = 8 / 16 / 64 (M = 4 takes the sorted path: 4.72 / 4.73).
+#: Run 24 (commit 2eb7238) with those defaults, M = 1 / 2 / 4 / 8 / 16 / 32 / 64: 3.08 / 4.25 / 4.49 / 5.38 / 5.66 /
+#: 6.43 / 7.57 us; one program at M = 2 took 4.00, 8 warps per row program 5.79 / 6.38 at M = 32 / 64 (the same at
+#: M = 8 and 16, slower at 2 and 4): hence one_max_slots 16 and wide_warps above 128 slots.
+#: On the atomic-rank path the last program takes each slot's expert start from the offsets in registers
+#: (tl.gather) instead of storing and reloading them: run 37 (commit 1f2254a) 5.45 / 5.49 / 6.26 -> 5.31 / 5.39 /
+#: 6.03 us at M = 8 / 16 / 64.
 #: The one-program router hands its [rows, top-k] winners to the in-register alignment by a reshape to one slot
 #: vector. On the H200 (run 18, Triton 3.6) that reshape double-counted slots when the padded expert count was 16
 #: (10 experts: num_tokens_post_padded 2x too large at 1, 4 and 8 warps) and was exact at 256 and 512 (DeepSeek-V3,
@@ -705,88 +630,39 @@ _RESHAPE_MIN_EXPERTS = 256
 #: returns a value before the ticket and the slot order is exact. Run 48 (H200, sweep_moe.py, Kimi-K2): 5.23 / 5.29 /
 #: 5.59 / 5.80 us at M = 8 / 16 / 32 / 64 against 5.42 / 5.46 / 5.51 / 5.96 with atomic ranks (wide_warps above
 #: 128 slots); at M = 3 / 4 the masks took 5.15 / 5.22 and the sorted path 4.76 / 4.83, so the sorted path stays first.
-#: MASK_SLOT_WRITES (opt-in, not yet timed): the mask path writes each expert's padding and block ids from its first
-#: slot's lanes instead of from all EAP expert lanes. MASK_FLAT_PADS (opt-in, not yet timed; before SLOT_WRITES):
-#: the sentinel over the whole used part in B-wide vector stores, then the slots over it, instead of the per-expert
-#: padding stores (at M = 64 about 4,500 entries: ~9 vector stores a thread against 64 masked scalar ones).
-#: PDL (opt-in, not yet timed; CUDA sm_90+ only): the router is launched as a programmatic dependent of the kernel
-#: before it (the gate GEMM in a layer, the previous call in a benchmark chain) and waits (gdc_wait) before its
-#: first memory access, so its launch overlaps that kernel's tail.
-#: CUT (timing only: wrong outputs, see the kernel; bench/sweep_moe.py prices the stages with it): 0 in normal use.
-#: MASK_BARRIER (opt-in, not yet timed; the row-mask path with ROWS 1): instead of a last program that writes the
-#: whole alignment, every program waits at a grid barrier (a generation word: the last arriver bumps it) and writes
-#: its own row's slots and the padding and block ids of the experts whose lowest row it is; the masks alternate
-#: between two buffers by generation parity, each call clearing the previous call's, so nothing is reset at the end.
-#: 1 = one launch (CUDA), 2 = the same work in two launches (what the interpreter always runs). MASK_BARRIER_COOP:
-#: launch the one-launch form as a cooperative grid (the driver then refuses a grid that cannot be resident at once,
-#: under MPS or SM partitioning, say, where the programs that started would otherwise wait for ever).
 _FAST_ROUTE_CONFIG: dict = {"one_max_slots": 16, "align_one_max_slots": 32, "one_num_warps": 8,
                             "one_small_slots": 8, "one_small_warps": 4, "ROWS": 1, "num_warps": 4, "wide_slots": 128,
-                            "wide_warps": 8, "CHUNK": 1024, "FILL_TAIL": False, "RELOAD": False,
-                            "sorted_max_slots": 32, "TOPK_SORT": True, "OFFS_GATHER": True, "mask_max_rows": 64,
-                            "MASK_SLOT_WRITES": False, "MASK_FLAT_PADS": False, "MASK_BARRIER": 0,
-                            "MASK_BARRIER_COOP": True, "PDL": False, "CUT": 0}
-#: Launch config of the one-program router: rows routed per step, [CI, CJ] rank tiles, fill chunk, warps.
-_SINGLE_ROUTE_CONFIG: dict = {"ROWS": 4, "CI": 64, "CJ": 128, "CHUNK": 1024, "num_warps": 8}
-#: GEMV experts: largest M it takes, gate/up tile ``g1`` ([BLOCK_N gate rows + BLOCK_N up rows, BLOCK_K]) and
-#: down tile ``g2`` ([BLOCK_N rows of H, BLOCK_K of I]), with their warps.
-_GEMV_CONFIG: dict = {"max_m": 4, "g1": {"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 4},
-                      "g2": {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4}}
-#: Fused experts (opt-in: one launch streams each activated expert once, then a fixed-order partial sum). Tiles
-#: per M range (first entry with max_m >= M): BI columns of I per program, BK of H per gate/up step, BH rows of H
-#: per down step, DOT (tl.dot on the block's 16 rows) or the GEMV form with MP slots per pass, RBN columns per
-#: partial-sum program.
-_FUSED_CONFIGS: list = [
-    {"max_m": 1 << 30, "BI": 32, "BK": 128, "BH": 128, "DOT": True, "MP": 4, "RBN": 256, "num_warps": 4,
-     "num_stages": 3},
-]
-#: Stream experts (``_VARIANT["experts"] = "stream"``, 1 <= M <= ``max_m``; see _fused_moe_stream): gate/up programs
-#: of ``R`` gate + ``R`` up rows over H in [R, BK] tiles (``PREFETCH``: the next tile requested before the current
-#: one is used) with ``num_warps`` / ``num_stages`` (> 1 lets Triton's own pipeliner try the H loop: compare with
-#: PREFETCH=False); blocks of the alignment as units when given and ``ALIGNED``; down programs of ``BH`` output rows
-#: x every slot x ``BI`` of I (BH lowered so the gather stays <= ``TILE`` elements) with ``down_warps``; ``PDL``:
-#: the down kernel as a programmatic dependent launch (CUDA sm_90+ only). Sized by Little's law: at M = 1 with the
-#: shared expert 1152 gate/up programs (~8.7 per SM), each keeping an 8 KB gate+up tile in flight, and 3584 down
-#: programs of one ~9 KB gather each. H200 sweeps (Kimi-K2 per rank, bench/sweep_experts.py): per-slot units
-#: (ALIGNED False) 30.4 / 56.9 us at M = 1 / 2 with the shared expert against 35.6 / 66.2 with alignment blocks
+                            "wide_warps": 8, "CHUNK": 1024, "RELOAD": False, "sorted_max_slots": 32,
+                            "mask_max_rows": 64}
+#: Stream experts (the default at 1 <= M <= ``max_m``; see _fused_moe_stream): gate/up programs of ``R`` gate +
+#: ``R`` up rows of one routed slot over H in [R, BK] tiles with ``num_warps`` / ``num_stages``; down programs of
+#: ``BH`` output rows x every slot x ``BI`` of I (BH lowered so the gather stays <= ``TILE`` elements) with
+#: ``down_warps``; ``PDL``: the down kernel as a programmatic dependent launch (CUDA sm_90+ only). Sized by Little's
+#: law: at M = 1 with the shared expert 1152 gate/up programs (~8.7 per SM), each keeping an 8 KB gate+up tile in
+#: flight, and 3584 down programs of one ~9 KB gather each. H200 sweeps (Kimi-K2 per rank, bench/sweep_experts.py):
+#: per-slot units 30.4 / 56.9 us at M = 1 / 2 with the shared expert against 35.6 / 66.2 with alignment blocks
 #: (run 16); R 4, BK 512 without the prefetch: 1.26 / 1.32 / 1.19 / 1.27x the bytes floor at M = 1 / 2 / 4 / 8 with
 #: the shared expert, the most even of the configs swept (run 17). Up to ``small_m`` tokens the gate/up programs take
 #: ``small_R`` rows instead (twice the programs, each with half the rows in flight): routed experts at M = 1 / 2,
 #: R 2 against R 4: 1.25 / 1.18 against 1.35 / 1.25 (run 17), 1.263 / - against 1.27 (run 18), 1.245 / 1.19
 #: against 1.25 / 1.23 (run 22); from M = 4 R 4 wins (1.15 against 1.20 at M = 4, run 21). From M = 7 the dot
-#: path is faster (``max_m`` 6, see _VARIANT). ``PDL_GATE`` (opt-in, not yet timed; needs ``PDL``): the gate/up
-#: kernel too is a programmatic dependent of the kernel before it (the router), waiting before it reads the ids, so
-#: its launch overlaps that kernel's tail.
-_STREAM_CONFIG: dict = {"max_m": 6, "small_m": 2, "small_R": 2, "R": 4, "BK": 512, "PREFETCH": False,
-                        "ALIGNED": False, "num_warps": 4, "num_stages": 1, "BH": 2, "BI": 256, "TILE": 8192,
-                        "down_warps": 4, "PDL": True, "PDL_GATE": False}
+#: path is faster (``max_m`` 6, see _VARIANT).
+_STREAM_CONFIG: dict = {"max_m": 6, "small_m": 2, "small_R": 2, "R": 4, "BK": 512, "num_warps": 4, "num_stages": 1,
+                        "BH": 2, "BI": 256, "TILE": 8192, "down_warps": 4, "PDL": True}
 #: Overrides merged into the stream config (benchmarks and sweeps only; empty in normal use).
 _STREAM_OVERRIDE: dict = {}
-#: Overrides merged into the chosen fused config (benchmarks and sweeps only; empty in normal use).
-_FUSED_OVERRIDE: dict = {}
 #: Tile overrides for benchmarks and sweeps only: keys ``g1`` / ``g2`` (dicts merged into the gate/up and down
-#: configs, e.g. ``{"g1": {"SPLIT_K": 4, "num_stages": 5}}``). Empty in normal use.
+#: configs of the dot path, e.g. ``{"g1": {"BLOCK_N": 64, "num_stages": 5}}``). Empty in normal use.
 _CONFIG_OVERRIDE: dict = {}
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _gemm_configs(m: int, h: int, inter: int, block_m: int, on_gpu: bool, *, top_k: int = 1, num_experts: int = 1,
-                  num_sms: int = 132):
-    """Pinned tile shapes (no autotuning, so the first call compiles once and graphs stay stable).
-
-    ``SPLIT_K`` (split of H in the gate/up GEMM) is 1 unless overridden through ``_CONFIG_OVERRIDE`` (measured
-    slower on the H200, see below); the path is kept, tested on the CPU, for other shapes and a later retune.
-    """
+def _gemm_configs(m: int, h: int, inter: int, block_m: int, on_gpu: bool):
+    """Pinned tile shapes of the dot path (no autotuning, so the first call compiles once and graphs stay stable)."""
     def fit(b, n):
         return max(16, min(b, _next_pow2(n)))
     if not on_gpu:  # interpreter: few programs, few iterations; its bf16 tl.dot is wrong, so multiply in fp32
-        g1 = dict(BLOCK_N=fit(16, inter), BLOCK_K=fit(64, h), UPCAST=True, SPLIT_K=1)
-        g2 = dict(BLOCK_N=fit(32, h), BLOCK_K=fit(32, inter), UPCAST=True, SPLIT_K=1)
+        g1 = dict(BLOCK_N=fit(16, inter), BLOCK_K=fit(64, h), UPCAST=True)
+        g2 = dict(BLOCK_N=fit(32, h), BLOCK_K=fit(32, inter), UPCAST=True)
     else:
         # gate/up: 32 columns of I per program and 3 stages up to M = 64 (H200, Kimi-K2 per rank, sweep_moe.py
         # DOT_GRID, run 45: 153 / 208 / 250 / 389 / 546 us at M = 8 / 12 / 16 / 32 / 64, 1.05-1.00x the bytes floor,
@@ -794,14 +670,11 @@ def _gemm_configs(m: int, h: int, inter: int, block_m: int, on_gpu: bool, *, top
         # graphs: 155 / 224 / 284 / 731 / 1643 us)
         small = m <= 64
         g1 = dict(BLOCK_N=fit(32 if small else 64, inter), BLOCK_K=fit(256 if block_m <= 16 else 128, h),
-                  num_warps=4, num_stages=3 if small else 4, UPCAST=False, SPLIT_K=1)
+                  num_warps=4, num_stages=3 if small else 4, UPCAST=False)
         g2 = dict(BLOCK_N=fit(64 if m <= 64 else 128, h), BLOCK_K=fit(128, inter), num_warps=4, num_stages=3,
-                  UPCAST=False, SPLIT_K=1)
-        # SPLIT_K stays 1: on the H200 (Kimi-K2 per rank) split 2 / 4 made M = 1 slower (63 / 71 us against 37 us):
-        # the fp32 partials the down kernel re-reads per H tile cost more than the extra weight loads in flight.
+                  UPCAST=False)
     g1.update(_CONFIG_OVERRIDE.get("g1", {}))
     g2.update(_CONFIG_OVERRIDE.get("g2", {}))
-    g2["SPLIT_K"] = g1["SPLIT_K"]
     return g1, g2
 
 
@@ -854,73 +727,22 @@ def _fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, alignment, out):
         return out
     part = torch.empty((s, h), dtype=torch.float32, device=dev)
     nblocks = _used_blocks_bound(alignment, s)
-    on_gpu = dev.type == "cuda"
-    g1, g2 = _gemm_configs(m, h, inter, bs, on_gpu, top_k=top_k, num_experts=e,
-                           num_sms=_num_sms(dev) if on_gpu else 4)
-    split_k = g1["SPLIT_K"]
-    if split_k == 1:
-        act = torch.empty((s, inter), dtype=hidden.dtype, device=dev)
-    else:  # fp32 partial gate/up sums per H split, summed (in order) by the down kernel
-        act = torch.empty((split_k, s, 2 * inter), dtype=torch.float32, device=dev)
+    g1, g2 = _gemm_configs(m, h, inter, bs, dev.type == "cuda")
+    act = torch.empty((s, inter), dtype=hidden.dtype, device=dev)
     n1 = -(-inter // g1["BLOCK_N"])
-    launch_fitting(_moe_gate_up_kernel, (nblocks * n1 * split_k,), (
+    launch_fitting(_moe_gate_up_kernel, (nblocks * n1,), (
         hidden, w13, act, alignment.sorted_token_ids, alignment.expert_ids, alignment.num_tokens_post_padded, s,
-        hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(-2)),
+        hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0)),
         dict(H=h, I=inter, TOP_K=top_k, BLOCK_M=bs, **g1), what="fused_moe")
     n2 = -(-h // g2["BLOCK_N"])
     launch_fitting(_moe_down_kernel, (nblocks * n2,), (
         act, w2, part, tw, alignment.sorted_token_ids, alignment.expert_ids, alignment.num_tokens_post_padded, s,
-        act.stride(-2), w2.stride(0), w2.stride(1), part.stride(0)),
+        act.stride(0), w2.stride(0), w2.stride(1), part.stride(0)),
         dict(H=h, I=inter, BLOCK_M=bs, **g2), what="fused_moe")
     bn = min(1024, max(16, _next_pow2(h)))
     _moe_topk_sum_kernel[(m, -(-h // bn))](part, ids32, out, part.stride(0), out.stride(0), E=e, H=h, TOP_K=top_k,
                                           BLOCK_N=bn)
     return out
-
-
-def _fused_moe_gemv(hidden, w13, w2, topk_ids, topk_weights, alignment, out):
-    """The opt-in GEMV experts (``_VARIANT["experts"] == "gemv"``, M <= ``_GEMV_CONFIG["max_m"]``): two launches.
-
-    With ``alignment`` the gate/up GEMV runs per block (each activated expert read once); without it, per slot
-    (no alignment launch at all; an expert shared by several tokens is re-read, mostly from L2).
-    """
-    from specverify.kernels.fused_moe import _moe_gemv_down_sum_kernel, _moe_gemv_gate_up_kernel
-
-    hidden, w13, w2, ids32, tw, m, h, e, inter, top_k, s, out = _expert_setup(hidden, w13, w2, topk_ids,
-                                                                               topk_weights, out)
-    dev = hidden.device
-    if m == 0:
-        return out
-    act = torch.empty((s, inter), dtype=hidden.dtype, device=dev)
-    g1 = dict(_GEMV_CONFIG["g1"])
-    g2 = dict(_GEMV_CONFIG["g2"])
-    g1["BLOCK_N"] = max(1, min(g1["BLOCK_N"], _next_pow2(inter)))
-    g1["BLOCK_K"] = max(16, min(g1["BLOCK_K"], _next_pow2(h)))
-    g2["BLOCK_N"] = max(1, min(g2["BLOCK_N"], _next_pow2(h)))
-    g2["BLOCK_K"] = max(16, min(g2["BLOCK_K"], _next_pow2(inter)))
-    if dev.type != "cuda":  # interpreter: drop the warp counts
-        g1.pop("num_warps", None)
-        g2.pop("num_warps", None)
-    n1 = -(-inter // g1["BLOCK_N"])
-    units, unit_ptrs, unit_kw = _gate_up_units(alignment, s, m, ids32, alignment is not None)
-    _moe_gemv_gate_up_kernel[(units * n1,)](
-        hidden, w13, act, *unit_ptrs, ids32, s, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), E=e,
-        H=h, I=inter, TOP_K=top_k, **unit_kw, **g1)
-    n2 = -(-h // g2["BLOCK_N"])
-    _moe_gemv_down_sum_kernel[(m * n2,)](act, w2, ids32, tw, out, act.stride(0), w2.stride(0), w2.stride(1),
-                                         out.stride(0), E=e, H=h, I=inter, TOP_K=top_k, **g2)
-    return out
-
-
-def _gate_up_units(alignment, s: int, m: int, ids32: torch.Tensor, use_alignment: bool):
-    """Work units of the GEMV and stream gate/up kernels: ``(count, (sorted_ids, expert_ids, num_post_padded),
-    constexprs)``. With the alignment, one unit per used block (up to MP of its tokens per pass, each expert read
-    once); without, one unit per routed slot (the three pointers unused)."""
-    if use_alignment:
-        bs = alignment.block_size
-        ptrs = (alignment.sorted_token_ids, alignment.expert_ids, alignment.num_tokens_post_padded)
-        return _used_blocks_bound(alignment, s), ptrs, dict(B=bs, MP=min(bs, max(_next_pow2(m), 1)), ALIGNED=True)
-    return s, (ids32, ids32, ids32), dict(B=1, MP=1, ALIGNED=False)
 
 
 def _stream_config(m: int, h: int, inter: int, top_k: int, on_gpu: bool) -> dict:
@@ -937,22 +759,21 @@ def _stream_config(m: int, h: int, inter: int, top_k: int, on_gpu: bool) -> dict
     sp = max(_next_pow2(m * top_k), 2)
     cfg["SP"] = sp
     cfg["BH"] = max(1, min(cfg["BH"], _next_pow2(h), _next_pow2(max(cfg["TILE"] // (sp * cfg["BI"]), 1))))
-    if not on_gpu:  # interpreter: no warps, no programmatic dependent launch
+    if not on_gpu:  # interpreter: no programmatic dependent launch
         cfg["PDL"] = False
     return cfg
 
 
-def _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, alignment, out):
+def _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, out):
     """The weight-streaming experts (the default at M <= ``_STREAM_CONFIG["max_m"]``, or
-    ``_VARIANT["experts"] == "stream"``): two launches (see "Stream variant" in ``specverify.kernels.fused_moe``).
+    ``_VARIANT["experts"] == "stream"``): two launches (see "Stream experts" in ``specverify.kernels.fused_moe``).
 
-    Launch 1: program = (unit, R gate rows + the same R up rows) over all of H with a double-buffered FMA loop, SiLU·up
-    fused, ``act`` [M·top_k, I] in the input dtype; a unit is an alignment block when ``alignment`` is given and
-    ``ALIGNED`` allows (each activated expert read once), else one slot (no alignment needed). Launch 2: program =
-    BH output rows; one gather of w2[e_s][rows, :] for every slot, the routed weight and the top-k (+ shared) sum
-    in one fixed-order reduction (deterministic, no atomics, no ``part`` buffer). With ``PDL`` (CUDA, sm_90+) launch
-    2 is a programmatic dependent of launch 1 and issues its w2 gather before waiting for ``act``.
-    CUDA-graph capturable: grids depend only on shapes, unused units exit at once, no host sync.
+    Launch 1: program = (routed slot, R gate rows + the same R up rows) over all of H with an FMA loop, SiLU·up
+    fused, ``act`` [M·top_k, I] in the input dtype (no alignment needed). Launch 2: program = BH output rows; one
+    gather of w2[e_s][rows, :] for every slot, the routed weight and the top-k (+ shared) sum in one fixed-order
+    reduction (deterministic, no atomics, no ``part`` buffer). With ``PDL`` (CUDA, sm_90+) launch 2 is a
+    programmatic dependent of launch 1 and issues its w2 gather before waiting for ``act``.
+    CUDA-graph capturable: grids depend only on shapes, slots without an expert exit at once, no host sync.
     """
     from specverify.kernels.fused_moe import _moe_stream_down_kernel, _moe_stream_gate_up_kernel
 
@@ -966,73 +787,16 @@ def _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, alignment, out):
     pdl = _pdl(cfg["PDL"], dev)
     launch1 = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]} if on_gpu else {}
     launch2 = {"num_warps": cfg["down_warps"], "num_stages": 1} if on_gpu else {}
-    pdl_gate = pdl and bool(cfg["PDL_GATE"])
     if pdl:
         launch2["launch_pdl"] = True
-    if pdl_gate:
-        launch1["launch_pdl"] = True
     act = torch.empty((s, inter), dtype=hidden.dtype, device=dev)
     nt = _cdiv(inter, cfg["R"])
-    units, unit_ptrs, unit_kw = _gate_up_units(alignment, s, m, ids32, alignment is not None and cfg["ALIGNED"])
-    _moe_stream_gate_up_kernel[(units * nt,)](
-        hidden, w13, act, *unit_ptrs, ids32, s, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), E=e,
-        H=h, I=inter, TOP_K=top_k, **unit_kw, R=cfg["R"], BK=cfg["BK"], PREFETCH=bool(cfg["PREFETCH"]), PDL=pdl,
-        PDL_WAIT=pdl_gate, **launch1)
+    _moe_stream_gate_up_kernel[(s * nt,)](
+        hidden, w13, act, ids32, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), E=e, H=h, I=inter,
+        TOP_K=top_k, R=cfg["R"], BK=cfg["BK"], PDL=pdl, **launch1)
     _moe_stream_down_kernel[(_cdiv(h, cfg["BH"]),)](
         act, w2, ids32, tw, out, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), E=e, H=h, I=inter,
         TOP_K=top_k, MT=m, SP=cfg["SP"], BH=cfg["BH"], BI=cfg["BI"], PDL=pdl, **launch2)
-    return out
-
-
-def _fused_config(m: int, h: int, inter: int, block: int, on_gpu: bool) -> dict:
-    """Tiles of the fused experts for ``m`` tokens: the first ``_FUSED_CONFIGS`` entry whose ``max_m`` >= m,
-    clamped to the shapes, with ``_FUSED_OVERRIDE`` merged last (benchmarks and sweeps)."""
-    cfg = dict(next((c for c in _FUSED_CONFIGS if m <= c["max_m"]), _FUSED_CONFIGS[-1]))
-    cfg.update(_FUSED_OVERRIDE)
-    cfg.pop("max_m", None)
-    if not on_gpu:  # interpreter: its bf16 tl.dot is wrong (multiply in fp32); no warps or stages
-        for k in ("num_warps", "num_stages"):
-            cfg.pop(k, None)
-        cfg["UPCAST"] = True
-    else:
-        cfg["UPCAST"] = False
-    if block < 16:
-        cfg["DOT"] = False  # tl.dot needs 16 rows
-    cfg["BI"] = max(16, min(cfg["BI"], _next_pow2(inter)))
-    cfg["BK"] = max(16, min(cfg["BK"], _next_pow2(h)))
-    cfg["BH"] = max(16, min(cfg["BH"], _next_pow2(h)))
-    cfg["MP"] = max(1, min(cfg.get("MP", 4), block, _next_pow2(m)))
-    cfg["RBN"] = max(16, min(cfg.get("RBN", 256), _next_pow2(h)))
-    return cfg
-
-
-def _fused_moe_fused(hidden, w13, w2, topk_ids, topk_weights, alignment, out):
-    """The fused experts (opt-in: ``_VARIANT["experts"] == "fused"``; ``"auto"`` never picks them, see _VARIANT):
-    one launch
-    streams each activated expert's w13 and w2 once (program = expert block x chunk of I), a second sums the fp32
-    partials over top_k and the chunks in a fixed order (deterministic)."""
-    from specverify.kernels.fused_moe import _moe_fused_kernel, _moe_partial_sum_kernel
-
-    hidden, w13, w2, ids32, tw, m, h, e, inter, top_k, s, out = _expert_setup(hidden, w13, w2, topk_ids,
-                                                                               topk_weights, out)
-    dev = hidden.device
-    if m == 0:
-        return out
-    if alignment is None:
-        _, _, alignment = _launch_route_align(None, None, top_k, False, 1, 1, False, 1.0, 16, topk_ids=ids32,
-                                              num_experts=e)
-    bs = alignment.block_size
-    cfg = _fused_config(m, h, inter, bs, dev.type == "cuda")
-    rbn = cfg.pop("RBN")
-    nc = _cdiv(inter, cfg["BI"])
-    part = torch.empty((s, nc, h), dtype=torch.float32, device=dev)
-    nblocks = _used_blocks_bound(alignment, s)
-    launch_fitting(_moe_fused_kernel, (nblocks * nc,), (
-        hidden, w13, w2, part, tw, alignment.sorted_token_ids, alignment.expert_ids,
-        alignment.num_tokens_post_padded, s, hidden.stride(0), w13.stride(0), w13.stride(1), w2.stride(0),
-        w2.stride(1), part.stride(0), part.stride(1)), dict(H=h, I=inter, TOP_K=top_k, B=bs, **cfg), what="fused_moe")
-    _moe_partial_sum_kernel[(m, _cdiv(h, rbn))](part, ids32, out, part.stride(0), part.stride(1), out.stride(0),
-                                               E=e, H=h, TOP_K=top_k, NC=nc, BN=rbn)
     return out
 
 
@@ -1090,19 +854,12 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
     Triton path, M <= 6 (``_STREAM_CONFIG["max_m"]``): two weight-streaming launches: small FMA programs each
     compute a few rows of one slot's gate/up over all of H, then one gather per output tile does the down projection
     of every slot and the top-k sum, on sm_90+ as a programmatic dependent launch; each slot reads its expert's
-    weights (at M <= 6 and top-8 of 384 nearly every slot has its own expert). Opt-in ``"fused"``: two launches:
-    one program per (expert block,
-    chunk of I) computes gate/up over all of H, SiLU·up, and its share of the down projection, so each activated
-    expert's w13 and w2 are read once, writing weighted fp32 partials [M·top_k, I/BI, H]; a second sums them over
-    top_k and the chunks in fixed order. Other M: three launches (gate/up GEMM with fused SiLU·up into a
-    [M·top_k, I] buffer; down GEMM with the routed weight applied into a fp32 [M·top_k, H] buffer; a sum over
-    top_k in fixed order). Every path is deterministic. bf16/fp16 inputs, fp32 accumulation, the SwiGLU
+    weights (at M <= 6 and top-8 of 384 nearly every slot has its own expert). Other M: three launches (gate/up
+    GEMM with fused SiLU·up into a [M·top_k, I] buffer; down GEMM with the routed weight applied into a fp32
+    [M·top_k, H] buffer; a sum over top_k in fixed order). Every path is deterministic. bf16/fp16 inputs, fp32 accumulation, the SwiGLU
     output rounded to the input dtype. CUDA-graph capturable: grids depend only on shapes (at most one block per
     routed slot), unused blocks exit early, no host sync. The reference path is capturable too but computes in
     fp32 with gathered weight copies (slow, memory-hungry).
-    Opt-in (benchmarks): ``specverify.moe._VARIANT["experts"] = "gemv"`` runs M <= 4 as two GEMV launches (no
-    tensor cores, the top-k sum fused into the down projection; with ``alignment=None`` no alignment is computed),
-    equally deterministic and capturable; ``"fused"`` / ``"dot"`` force those paths at any M.
 
     Examples
     --------
@@ -1131,12 +888,7 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
             return res
         out.copy_(res)
         return out
-    variant = _VARIANT["experts"]
     m = hidden.shape[0]
-    if variant in ("stream", "auto") and 0 < m <= _STREAM_OVERRIDE.get("max_m", _STREAM_CONFIG["max_m"]):
-        return _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, alignment, out)
-    if variant == "fused":
-        return _fused_moe_fused(hidden, w13, w2, topk_ids, topk_weights, alignment, out)
-    if variant == "gemv" and hidden.shape[0] <= _GEMV_CONFIG["max_m"]:
-        return _fused_moe_gemv(hidden, w13, w2, topk_ids, topk_weights, alignment, out)
+    if _VARIANT["experts"] in ("stream", "auto") and 0 < m <= _STREAM_OVERRIDE.get("max_m", _STREAM_CONFIG["max_m"]):
+        return _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, out)
     return _fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, alignment, out)

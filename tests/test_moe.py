@@ -9,9 +9,6 @@ import math
 
 import pytest
 import torch
-import triton
-import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
 from specverify.moe import MoEAlignment, fused_moe, max_num_tokens_padded, moe_route
 from specverify.reference.moe import (align_reference, fused_moe_loop_reference, fused_moe_reference,
@@ -97,15 +94,6 @@ def check_route(x, top_k, scoring="sigmoid", bias=None, n_group=1, topk_group=1,
     return res
 
 
-def _tail_written():
-    """Whether the current router variant writes the sentinel past num_tokens_post_padded (the "fast" one only with
-    FILL_TAIL; consumers never read there)."""
-    import specverify.moe as moe_mod
-
-    variant = moe_mod._VARIANT["route"]
-    return variant != "fast" or bool(moe_mod._FAST_ROUTE_CONFIG["FILL_TAIL"])
-
-
 def _poison_torch_empty(monkeypatch, moe_mod):
     """Every torch.empty the MoE launchers make comes back filled with NaN (floats) or -7 (integers), so an output
     element a kernel forgets to write cannot pass (monkeypatch restores torch.empty)."""
@@ -119,10 +107,10 @@ def _poison_torch_empty(monkeypatch, moe_mod):
 
 
 def check_alignment(ids, num_experts, block_size, al):
-    """Counts, padding and expert blocks exact; slots compared as a set per expert (their order is free)."""
+    """Counts, padding and expert blocks exact; slots compared as a set per expert (their order is free); entries
+    of sorted_token_ids past the used part are unspecified."""
     assert isinstance(al, MoEAlignment) and al.block_size == block_size
     m, top_k = ids.shape
-    s = m * top_k
     size = max_num_tokens_padded(m, top_k, num_experts, block_size)
     assert al.sorted_token_ids.shape == (size,) and al.expert_ids.shape == (size // block_size,)
     rs, re, rn = align_reference(ids, num_experts, block_size)
@@ -131,8 +119,6 @@ def check_alignment(ids, num_experts, block_size, al):
     got_s, got_e = al.sorted_token_ids.cpu(), al.expert_ids.cpu()
     assert torch.equal(got_e[: n // block_size], re.cpu()), "expert of each used block"
     assert (got_e[n // block_size:] == -1).all(), "unused blocks must be -1"
-    if _tail_written():
-        assert (got_s[n:] == s).all(), "everything past the used part is the sentinel"
     rs = rs.cpu()
     for e in re.unique().tolist():
         blocks = (re.cpu() == e).nonzero().flatten()
@@ -284,7 +270,7 @@ def test_repeat_calls_reuse_clean_workspace(device, m):
             check_alignment_exact(ids, 16, 4, al)
         ws, stride = moe_mod._workspace(x.device), moe_mod._WS_STRIDE
         # counters, ticket and row masks (the offsets between them are scratch, rewritten by every call)
-        for part in (ws[:stride], ws[2 * stride: moe_mod._WS_MASKS], ws[moe_mod._WS_MASKS: moe_mod._WS_BAR]):
+        for part in (ws[:stride], ws[2 * stride: moe_mod._WS_MASKS], ws[moe_mod._WS_MASKS: moe_mod._WS_END]):
             assert int(part.count_nonzero()) == 0, "the workspace was not reset"
 
 
@@ -306,7 +292,7 @@ def check_experts(hidden, w13, w2, ids, w, **kw):
     return out
 
 
-@pytest.mark.parametrize("variant", ["dot", "auto"])  # the three-launch tl.dot path and the default (fused here)
+@pytest.mark.parametrize("variant", ["dot", "auto"])  # the three-launch tl.dot path and the default (stream at M 5)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fused_moe_with_alignment(device, dtype, poison, variant, monkeypatch):
     # H = 48 and I = 24: neither a multiple of the K/N tiles (masked edges); 5 tokens x top-3 over 8 experts
@@ -335,24 +321,6 @@ def test_fused_moe_aligns_itself_and_skips_missing(device):
     a = check_experts(hidden, w13, w2, ids.to(device), w)
     b = fused_moe(hidden, w13, w2, ids.to(device), w, impl="triton")
     assert torch.equal(a, b), "fused_moe must be deterministic"
-
-
-@pytest.mark.parametrize("split_k", [2, 3])
-def test_fused_moe_split_k(device, monkeypatch, split_k):
-    # the gate/up GEMM split over H (the tiny-M path on the GPU): fp32 partials summed in order by the down kernel.
-    # H = 80 with BLOCK_K 16: 5 K tiles, so split 2 gives uneven shares and split 3 leaves one share short
-    import specverify.moe as moe_mod
-
-    monkeypatch.setattr(moe_mod, "_CONFIG_OVERRIDE", {"g1": {"SPLIT_K": split_k, "BLOCK_K": 16}})
-    monkeypatch.setitem(moe_mod._VARIANT, "experts", "dot")
-    m, e, h, inter = 3, 5, 80, 16
-    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.bfloat16, device=device, seed=27)
-    hidden = torch.randn(m, h, generator=torch.Generator().manual_seed(28)).bfloat16().to(device)
-    ids, w, al = moe_route(torch.randn(m, e, generator=torch.Generator().manual_seed(29)).to(device), top_k=2,
-                           block_size=16, impl="triton")
-    a = check_experts(hidden, w13, w2, ids, w, alignment=al)
-    b = fused_moe(hidden, w13, w2, ids, w, alignment=al, impl="triton")
-    assert torch.equal(a, b), "split-K must stay deterministic"
 
 
 def test_fused_moe_reference_impl(device):
@@ -421,300 +389,29 @@ def test_cuda_graph_capture_gpu(graph_replay, m):
     graph_replay(step, (logits, hidden))
 
 
-@triton.jit
-def _late_copy_kernel(src_ptr, dst_ptr, n, spins, BLOCK: tl.constexpr):
-    gdc_launch_dependents()
-    acc = tl.program_id(0).to(tl.float32)
-    for _ in range(spins):  # a dependent chain the compiler cannot drop: acc tends to 1000, never <= -1
-        acc = acc * 0.999 + 1.0
-    offs = tl.arange(0, BLOCK)
-    for o in range(0, n, BLOCK):
-        v = tl.load(src_ptr + o + offs, mask=o + offs < n)
-        tl.store(dst_ptr + o + offs, tl.where(acc > -1.0, v, v * 0), mask=o + offs < n)
-
-
-def _late_copy(src, dst, spins=20000):
-    """``dst.copy_(src)`` by one Triton program that lets the next kernel launch at once (gdc_launch_dependents) and
-    writes only after ``spins`` dependent steps (~45 us): a programmatic dependent that reads ``dst`` before its
-    gdc_wait sees the old values."""
-    assert src.is_contiguous() and dst.is_contiguous() and src.shape == dst.shape and src.dtype == dst.dtype
-    _late_copy_kernel[(1,)](src, dst, src.numel(), spins, BLOCK=1024)
-
-
-@pytest.mark.gpu
-# one program, the sorted last program, the row masks (M = 9, 64) with a last program and with the grid barrier
-@pytest.mark.parametrize("m, barrier", [(1, 0), (3, 0), (9, 0), (64, 0), (9, 1), (64, 1), (64, 2)])
-def test_pdl_router_chain_gpu(m, barrier, monkeypatch, graph_replay):
-    # PDL (opt-in): a dozen steps, each a late copy of its own logits into one buffer (the copy lets the router
-    # launch at once and writes ~45 us later) and three router calls on that buffer (router + alignment twice in a
-    # row, then the router alone), each a programmatic dependent of the kernel before; eager and in one CUDA graph.
-    # A router that read the logits before its gdc_wait would route the previous step's logits, and a race on the
-    # workspace handed from call to call (the ticket, the row masks, the barrier's generation) would misalign: every
-    # output must equal the same chain's without PDL, bit for bit (with ``barrier``, the chain on the barrier path
-    # against the last-program path: both give the exact slot order)
-    import specverify.moe as moe_mod
-
-    monkeypatch.setattr(moe_mod, "_FAST_ROUTE_CONFIG", dict(moe_mod._FAST_ROUTE_CONFIG))
-    monkeypatch.setattr(moe_mod, "_ROUTE_CONFIG", dict(moe_mod._ROUTE_CONFIG))
-    g = torch.Generator().manual_seed(170 + m)
-    logits = [torch.randn(m, 384, generator=g).bfloat16().cuda() for _ in range(12)]
-    buf = torch.empty_like(logits[0])
-    bias = (torch.randn(384, generator=g) * 0.05).cuda()
-    kw = dict(top_k=8, correction_bias=bias, routed_scaling_factor=2.827)
-
-    def chain():
-        out = []
-        for src in logits:
-            _late_copy(src, buf)
-            for _ in range(2):
-                ids, w, al = moe_route(buf, block_size=16, **kw)
-                out += [ids, w, al.sorted_token_ids, al.expert_ids, al.num_tokens_post_padded]
-            out += list(moe_route(buf, **kw))
-        return out
-
-    def same(got, want):  # per step: two aligned calls (5 outputs each), then the router alone (2)
-        for i in range(0, len(want), 12):
-            for a in (i, i + 5):
-                n = int(want[a + 4].item())
-                assert torch.equal(got[a + 4], want[a + 4]), f"step {i // 12}: num_tokens_post_padded"
-                assert torch.equal(got[a + 2][:n], want[a + 2][:n]), f"step {i // 12}: sorted_token_ids (used part)"
-                for j in (0, 1, 3):
-                    assert torch.equal(got[a + j], want[a + j]), f"step {i // 12}: output {j}"
-            for j in (10, 11):
-                assert torch.equal(got[i + j], want[i + j]), f"step {i // 12}: router alone, output {j - 10}"
-
-    want = chain()
-    check_alignment_exact(want[0].cpu(), 384, 16, MoEAlignment(*[t.cpu() for t in want[2:5]], 16))
-    moe_mod._FAST_ROUTE_CONFIG["PDL"] = moe_mod._ROUTE_CONFIG["PDL"] = True
-    moe_mod._FAST_ROUTE_CONFIG["MASK_BARRIER"] = barrier
-    same(chain(), want)
-    graph_replay(chain, (), replays=3, check=lambda got: same(got, want))
-    assert not _workspace_dirty(moe_mod, buf.device)
-    _check_barrier_state(moe_mod, buf.device)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 4])
-def test_pdl_route_experts_chain_gpu(m, monkeypatch, graph_replay):
-    # the verify pass's MoE at M <= 6 with every launch a programmatic dependent: the router alone (PDL), then the
-    # stream experts (PDL_GATE: the gate/up kernel waits for the ids; its down kernel as always), layer after
-    # layer with no other kernel between: each router reads the previous layer's output (its logits are a strided
-    # view of it) right after that layer's down kernel, and each gate/up kernel the ids of the router just before
-    # it (the hidden stays x0, so the values neither blow up nor vanish). Must equal the chain without PDL bit for
-    # bit.
-    import specverify.moe as moe_mod
-
-    monkeypatch.setattr(moe_mod, "_ROUTE_CONFIG", dict(moe_mod._ROUTE_CONFIG))
-    monkeypatch.setattr(moe_mod, "_STREAM_CONFIG", dict(moe_mod._STREAM_CONFIG))
-    e, h, inter = 384, 7168, 256
-    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.bfloat16, device="cuda", seed=180)
-    g = torch.Generator().manual_seed(181 + m)
-    x0 = torch.randn(m, h, generator=g).bfloat16().cuda()
-    bias = (torch.randn(e, generator=g) * 0.05).cuda()
-
-    def chain():
-        x, outs = x0, []
-        for _ in range(8):
-            ids, w = moe_route(x[:, :e], top_k=8, correction_bias=bias, routed_scaling_factor=2.827)
-            x = fused_moe(x0, w13, w2, ids, w)
-            outs += [ids, x]
-        return outs
-
-    want = chain()
-    assert all(t.isfinite().all() for t in want[1::2])
-    assert moe_mod._STREAM_CONFIG["PDL"], "PDL_GATE needs the down kernel's PDL"
-    moe_mod._ROUTE_CONFIG["PDL"] = moe_mod._STREAM_CONFIG["PDL_GATE"] = True
-
-    def same(outs):
-        for i, (got, ref) in enumerate(zip(outs, want, strict=True)):
-            assert torch.equal(got, ref), f"layer {i // 2}: {'output' if i % 2 else 'ids'}"
-
-    same(chain())
-    graph_replay(chain, (), replays=3, check=same)
-
-
-# --------------------------------------------------------------------------------------------- opt-in variants
-@pytest.fixture
-def single_route(monkeypatch):
-    """The one-program router + alignment (``_VARIANT["route"] = "single"``), with every torch.empty poisoned so
-    an output element the kernel forgets to write cannot pass."""
-    import specverify.moe as moe_mod
-
-    monkeypatch.setitem(moe_mod._VARIANT, "route", "single")
-    _poison_torch_empty(monkeypatch, moe_mod)
-    yield moe_mod
-    # monkeypatch restores torch.empty and the variant
-
-
+# --------------------------------------------------------------------------------------------- exact order
 def check_alignment_exact(ids, num_experts, block_size, al):
-    """The one-program alignment orders slots by slot id inside an expert: everything matches align_reference."""
+    """The one-program, sorted and row-mask alignments order slots by slot id inside an expert: the used part and the
+    expert ids match align_reference exactly."""
     m, top_k = ids.shape
-    s = m * top_k
     size = max_num_tokens_padded(m, top_k, num_experts, block_size)
     rs, re, rn = align_reference(ids, num_experts, block_size)
     n = int(rn.item())
     assert al.sorted_token_ids.shape == (size,) and al.expert_ids.shape == (size // block_size,)
     assert int(al.num_tokens_post_padded.item()) == n
-    want_s = torch.full((size,), s, dtype=torch.int32)
-    want_s[:n] = rs.cpu()
     want_e = torch.full((size // block_size,), -1, dtype=torch.int32)
     want_e[: n // block_size] = re.cpu()
-    if _tail_written():
-        assert torch.equal(al.sorted_token_ids.cpu(), want_s), "sorted_token_ids (whole buffer, exact order)"
-    else:
-        assert torch.equal(al.sorted_token_ids.cpu()[:n], want_s[:n]), "sorted_token_ids (used part, exact order)"
+    assert torch.equal(al.sorted_token_ids.cpu()[:n], rs.cpu()), "sorted_token_ids (used part, exact order)"
     assert torch.equal(al.expert_ids.cpu(), want_e), "expert_ids (whole buffer)"
 
 
-@pytest.mark.parametrize("case", [
-    # Kimi-K2: 384 experts, bias, top-8, bf16 logits; 5 x 8 = 40 slots: not a multiple of block 16
-    dict(m=5, e=384, top_k=8, bias=True, dtype=torch.bfloat16, block=16),
-    # DeepSeek-V3 groups (256 experts, 8 groups, best 4)
-    dict(m=3, e=256, top_k=8, bias=True, n_group=8, topk_group=4, block=16),
-    # 257 experts: prime, one past a power of two
-    dict(m=3, e=257, top_k=8, bias=True, block=16),
-    # Qwen3 softmax over 128 experts, no bias
-    dict(m=3, e=128, top_k=8, scoring="softmax", block=16),
-    # 100 tokens x top-3 over 13 experts (prime): 300 slots, many blocks per expert, many [CI, CJ] rank tiles
-    dict(m=100, e=13, top_k=3, block=16),
-])
-def test_single_route_exact(device, single_route, case):
-    g = torch.Generator().manual_seed(50 + case["m"] + case["e"])
-    x = torch.randn(case["m"], case["e"], generator=g).to(case.get("dtype", torch.float32)).to(device)
-    bias = (torch.randn(case["e"], generator=g) * 0.05).to(device) if case.get("bias") else None
-    ids, w, al = check_route(x, case["top_k"], scoring=case.get("scoring", "sigmoid"), bias=bias,
-                             n_group=case.get("n_group", 1), topk_group=case.get("topk_group", 1),
-                             block_size=case["block"])
-    check_alignment_exact(ids, case["e"], case["block"], al)
-
-
-def test_single_route_ties_nan_and_one_expert(device, single_route):
-    # integer logits (ties to the lowest id), a NaN row (fillers 0, 1, 2 of weight 0, aligned), every token's first
-    # choice expert 5 (one expert over several blocks); 13 x 3 = 39 slots, not a multiple of block 8
-    g = torch.Generator().manual_seed(60)
-    x = torch.randint(-2, 3, (13, 32), generator=g).float()
-    x[:, 5] = 20.0
-    x[4] = math.nan
-    ids, w, al = check_route(x.to(device), 3, block_size=8)
-    assert ids[4].tolist() == [0, 1, 2] and (w[4].cpu() == 0).all() and (ids[[0, 1, 2, 3, 5], 0].cpu() == 5).all()
-    check_alignment_exact(ids, 32, 8, al)
-
-
-@pytest.mark.parametrize("block", [1, 4, 16])
-def test_single_align_only(device, single_route, block):
-    # alignment of given ids (the fused_moe path): -1 and ids >= E skipped, empty experts, 7 experts (prime),
-    # block 1 (no padding) and blocks larger than any expert's run
-    g = torch.Generator().manual_seed(61 + block)
-    ids = torch.randint(0, 4, (9, 3), generator=g, dtype=torch.int32)  # experts 4..6 stay empty
-    ids[2, 1], ids[7, 0], ids[8, 2] = -1, -1, 7  # 7 >= E: no expert
-    ids = ids.to(device)
-    _, _, al = single_route._launch_route_align(None, None, 3, False, 1, 1, False, 1.0, block, topk_ids=ids,
-                                                num_experts=7)
-    check_alignment_exact(ids, 7, block, al)
-
-
-@pytest.fixture
-def gemv_experts(monkeypatch):
-    """The GEMV experts (``_VARIANT["experts"] = "gemv"``) with tiles small enough that the interpreter runs
-    several K steps and several N tiles, with masked edges (H = 48, I = 24 are not multiples of them)."""
-    import specverify.moe as moe_mod
-
-    monkeypatch.setitem(moe_mod._VARIANT, "experts", "gemv")
-    monkeypatch.setattr(moe_mod, "_GEMV_CONFIG", {"max_m": 4, "g1": {"BLOCK_N": 16, "BLOCK_K": 32},
-                                                  "g2": {"BLOCK_N": 32, "BLOCK_K": 16}})
-    return moe_mod
-
-
-@pytest.mark.parametrize("dtype, aligned", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float16, True)])
-def test_gemv_experts(device, gemv_experts, poison, aligned, dtype):
-    # M = 4 (the GEMV's limit) x top-3 over 7 experts (prime), one -1 slot; aligned (per expert block, block 4) and
-    # not (per slot, no alignment launch); the result is deterministic
-    m, e, h, inter = 4, 7, 48, 24
-    w13, w2 = random_expert_weights(e, h, inter, dtype=dtype, device=device, seed=70)
-    g = torch.Generator().manual_seed(71)
-    hidden = torch.randn(m, h, generator=g).to(dtype).to(device)
-    ids, w = moe_route(torch.randn(m, e, generator=g).to(device), top_k=3, impl="triton")
-    ids[2, 1] = -1
-    w[2, 1] = 0.3  # a -1 slot adds nothing whatever its weight
-    al = None
-    if aligned:  # realigned after the edit above (block 4: fewer padded rows than the default 16)
-        _, _, al = gemv_experts._launch_route_align(None, None, 3, False, 1, 1, False, 1.0, 4, topk_ids=ids,
-                                                    num_experts=e)
-    out = poison(hidden)
-    a = check_experts(hidden, w13, w2, ids, w, alignment=al, out=out)
-    assert a.data_ptr() == out.data_ptr()
-    b = fused_moe(hidden, w13, w2, ids, w, alignment=al, impl="triton")
-    assert torch.equal(a, b), "GEMV experts must be deterministic"
-
-
-def test_gemv_shared_expert_and_repeats(device, gemv_experts):
-    # the shared expert fused as expert E-1 with weight 1 (providers.experts_with_shared), every token choosing it;
-    # token 0 lists expert 1 twice and tokens 1-3 too, so expert 1 holds 8 slots > MP = 4: two passes
-    m, e, h, inter = 4, 6, 48, 24
-    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.bfloat16, device=device, seed=72)
-    g = torch.Generator().manual_seed(73)
-    hidden = torch.randn(m, h, generator=g).bfloat16().to(device)
-    ids = torch.tensor([[1, 1], [1, 1], [1, 1], [1, 1]], dtype=torch.int32)
-    ids = torch.cat([ids, torch.full((m, 1), e - 1, dtype=torch.int32)], 1).to(device)
-    w = torch.cat([torch.rand(m, 2, generator=g), torch.ones(m, 1)], 1).to(device)
-    _, _, al = gemv_experts._launch_route_align(None, None, 3, False, 1, 1, False, 1.0, 16, topk_ids=ids,
-                                                num_experts=e)
-    check_experts(hidden, w13, w2, ids, w, alignment=al)
-    check_experts(hidden, w13, w2, ids, w)
-
-
-def test_gemv_one_token_and_fallback(device, gemv_experts):
-    # M = 1 (the verify pass's smallest step); M = 5 > max_m takes the tl.dot path and must still be right
-    e, h, inter = 5, 48, 24
-    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.bfloat16, device=device, seed=74)
-    g = torch.Generator().manual_seed(75)
-    for m in (1, 5):
-        hidden = torch.randn(m, h, generator=g).bfloat16().to(device)
-        ids, w, al = moe_route(torch.randn(m, e, generator=g).to(device), top_k=2, block_size=16, impl="triton")
-        check_experts(hidden, w13, w2, ids, w, alignment=al)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 4, 64, 128])
-def test_variants_kimi_k2_gpu(m, monkeypatch, graph_replay):
-    # Kimi-K2 per rank: one-program router (128 x 8 = 1024 slots: its limit) exact against the reference; GEMV
-    # experts (M <= 4) within the derived tolerance; both replayed from a CUDA graph after the inputs change
-    import specverify.moe as moe_mod
-
-    monkeypatch.setitem(moe_mod._VARIANT, "route", "single")
-    monkeypatch.setitem(moe_mod._VARIANT, "experts", "gemv")
-    e, h, inter = 384, 7168, 256
-    g = torch.Generator().manual_seed(80 + m)
-    logits = torch.randn(m, e, generator=g).bfloat16().cuda()
-    bias = (torch.randn(e, generator=g) * 0.05).cuda()
-    ids, w, al = check_route(logits, 8, bias=bias, scale=2.827, block_size=16)
-    check_alignment_exact(ids, e, 16, al)
-    if m > 4:
-        return
-    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.bfloat16, device="cuda", seed=81)
-    hidden = torch.randn(m, h, generator=g).bfloat16().cuda()
-    want = fused_moe_reference(hidden, w13, w2, ids, w, compute_dtype=torch.float64)
-    torch_err = (fused_moe_reference(hidden, w13, w2, ids, w, compute_dtype=torch.bfloat16).double() - want)
-    tol = 2 * torch_err.abs().max().item() + 1e-6
-    for a in (al, None):
-        assert (fused_moe(hidden, w13, w2, ids, w, alignment=a).double() - want).abs().max().item() <= tol
-
-    def step():
-        i, ww, aa = moe_route(logits, top_k=8, correction_bias=bias, block_size=16)
-        return aa.sorted_token_ids, fused_moe(hidden, w13, w2, i, ww, alignment=aa)
-
-    step()
-    graph_replay(step, (logits, hidden))
-
-
-# --------------------------------------------------------------------------------------------- "fast" router
+# --------------------------------------------------------------------------------------------- router + alignment
 @pytest.fixture
 def fast_route(monkeypatch):
-    """The default "fast" router + alignment with every torch.empty poisoned (NaN / -7), so an element of the
-    used part that the kernel forgets to write cannot pass."""
+    """The router + alignment (M * top_k <= 1024) with a copy of its config that a test may edit and every
+    torch.empty poisoned (NaN / -7), so an element of the used part that the kernel forgets to write cannot pass."""
     import specverify.moe as moe_mod
 
-    monkeypatch.setitem(moe_mod._VARIANT, "route", "fast")
     monkeypatch.setattr(moe_mod, "_FAST_ROUTE_CONFIG", dict(moe_mod._FAST_ROUTE_CONFIG))
     _poison_torch_empty(monkeypatch, moe_mod)
     return moe_mod
@@ -765,14 +462,12 @@ def test_fast_route_nan_rows_and_one_expert(device, fast_route, mode):
     check_alignment_exact(ids, 32, 8, al)
 
 
-@pytest.mark.parametrize("gather", [False, True], ids=["reload", "gather"])
 @pytest.mark.parametrize("rows", [1, 2])
-def test_fast_route_multi_program(device, fast_route, rows, gather):
+def test_fast_route_multi_program(device, fast_route, rows):
     # more slots than one program takes (limit 8): one program per ROWS rows, atomic ranks (sorted alignment off),
-    # the last program aligns (expert starts reloaded, or gathered from registers: OFFS_GATHER); 9 tokens (odd: the
-    # last program of ROWS=2 has one row) x top-3 over 11 experts (prime); repeated calls must find the workspace clean
-    fast_route._FAST_ROUTE_CONFIG.update(one_max_slots=8, ROWS=rows, sorted_max_slots=0, OFFS_GATHER=gather,
-                                         mask_max_rows=0)
+    # the last program aligns (expert starts gathered from registers); 9 tokens (odd: the last program of ROWS=2 has
+    # one row) x top-3 over 11 experts (prime); repeated calls must find the workspace clean
+    fast_route._FAST_ROUTE_CONFIG.update(one_max_slots=8, ROWS=rows, sorted_max_slots=0, mask_max_rows=0)
     g = torch.Generator().manual_seed(96 + rows)
     x = torch.randn(9, 11, generator=g).to(device)
     bias = (torch.randn(11, generator=g) * 0.05).to(device)
@@ -781,22 +476,13 @@ def test_fast_route_multi_program(device, fast_route, rows, gather):
 
 
 @pytest.mark.parametrize("mode", [
-    # one program per row, the last program aligns by one sort of the slots (no atomic ranks); the winners by one
-    # bitonic top-k (TOPK_SORT, the default: a separate TOPK_SORT=True copy of this mode ran the same thing twice)
+    # one program per row, the last program aligns by one sort of the slots (no atomic ranks)
     dict(sorted_max_slots=1024, one_max_slots=0, mask_max_rows=0),
     # one program per row, the last program aligns from the per-expert row masks (bit counts, no atomic ranks)
     dict(one_max_slots=0, sorted_max_slots=0),
-    # the row masks with ROWS = 2 (9 tokens: the last program has one row) and top_k rounds of argmax
-    dict(one_max_slots=0, sorted_max_slots=0, ROWS=2, TOPK_SORT=False),
-    # the row masks, padding and block ids written from each expert's first slot
-    dict(one_max_slots=0, sorted_max_slots=0, MASK_SLOT_WRITES=True),
-    # the row masks, the sentinel over the whole used part first, then the slots over it
-    dict(one_max_slots=0, sorted_max_slots=0, MASK_FLAT_PADS=True),
-    # the row masks, a grid barrier and every program writing its own row's part
-    dict(one_max_slots=0, sorted_max_slots=0, MASK_BARRIER=1),
-    # bitonic top-k on the one-program path
-    dict(TOPK_SORT=True),
-])
+    # one program for every row, aligned in registers
+    dict(),
+], ids=["sorted", "mask", "one"])
 @pytest.mark.parametrize("case", [
     # Kimi-K2-like: bias, top-8, 96 experts (not a power of two; 384 costs the interpreter 4x: the [512] masks of
     # Kimi-K2 itself are test_fast_route_mask_kimi's and test_fast_route_sorted_kimi's); 6 tokens (48 slots: not a
@@ -827,9 +513,9 @@ def test_fast_route_sorted_exact(device, fast_route, mode, case):
         check_alignment_exact(ids, case["e"], case["block"], al)
 
 
-def test_fast_route_gather_kimi(device, fast_route):
-    # Kimi-K2 at M = 64 on the atomic-rank multi-program path with the expert starts gathered in registers
-    fast_route._FAST_ROUTE_CONFIG.update(OFFS_GATHER=True, mask_max_rows=0)
+def test_fast_route_atomic_kimi(device, fast_route):
+    # Kimi-K2 at M = 64 on the atomic-rank multi-program path (the expert starts gathered in registers)
+    fast_route._FAST_ROUTE_CONFIG.update(mask_max_rows=0)
     m = 64 if device == "cuda" else 5  # interpreter: 40 slots, past the sorted path's 32 (so atomic ranks)
     g = torch.Generator().manual_seed(142)
     x = torch.randn(m, 384, generator=g).bfloat16().to(device)
@@ -840,7 +526,7 @@ def test_fast_route_gather_kimi(device, fast_route):
 
 def test_fast_route_sorted_kimi(device, fast_route):
     # Kimi-K2 at M = 64 (512 slots: the largest verify batch the router targets) on the sorted multi-program path
-    fast_route._FAST_ROUTE_CONFIG.update(sorted_max_slots=1024, TOPK_SORT=True, mask_max_rows=0)
+    fast_route._FAST_ROUTE_CONFIG.update(sorted_max_slots=1024, mask_max_rows=0)
     m = 64 if device == "cuda" else 5  # interpreter: 40 slots, past the default sorted limit of 32
     g = torch.Generator().manual_seed(141)
     x = torch.randn(m, 384, generator=g).bfloat16().to(device)
@@ -849,27 +535,19 @@ def test_fast_route_sorted_kimi(device, fast_route):
     check_alignment_exact(ids, 384, 16, al)
 
 
-_MASK_WRITES = {"expert": {}, "slot": dict(MASK_SLOT_WRITES=True), "flat": dict(MASK_FLAT_PADS=True),
-                "barrier": dict(MASK_BARRIER=1)}
-
-
-@pytest.mark.parametrize("m, e, writes", [
-    # Kimi-K2 (384 experts: the [512] masks of the last program) at 3 tokens, the smallest M past the one program,
-    # with each way of writing the alignment from the masks
-    *[(3, 384, w) for w in _MASK_WRITES],
-    # 64 tokens, the mask's last bit: row 63 sets bit 63, the int64 sign bit, in the bit counts of the last program
-    # (_align_masks decodes counts and ranks before it branches on the writes: "slot" and "flat" share this decoding,
-    # their own writes are covered at M = 3 and, with experts over several blocks, by
-    # test_fast_route_mask_hot_expert_block_1) and of every program of the barrier path (its own decoding, per row);
+@pytest.mark.parametrize("m, e", [
+    # Kimi-K2 (384 experts: the [512] masks of the last program) at 3 tokens, the smallest M past the one program
+    (3, 384),
+    # 64 tokens, the mask's last bit: row 63 sets bit 63, the int64 sign bit, in the bit counts of the last program;
     # 16 experts and one call in the interpreter (its cost grows with the experts; the bits do not depend on them,
     # and the hand-over of the workspace between calls is checked at M = 3, two calls); Kimi-K2's 384 and 3 calls
     # on a GPU
-    (64, 16, "expert"), (64, 16, "barrier"),
+    (64, 16),
 ])
-def test_fast_route_mask_kimi(device, fast_route, m, e, writes):
+def test_fast_route_mask_kimi(device, fast_route, m, e):
     # the row-mask path (bias, top-8, bf16 logits): exact slot order; the calls after the first must find the masks
     # and the ticket zero again (M = 3, 24 slots, would take the sorted path without sorted_max_slots=0)
-    fast_route._FAST_ROUTE_CONFIG.update(sorted_max_slots=0, **_MASK_WRITES[writes])
+    fast_route._FAST_ROUTE_CONFIG.update(sorted_max_slots=0)
     e = 384 if device == "cuda" else e
     g = torch.Generator().manual_seed(143 + m)
     x = torch.randn(m, e, generator=g).bfloat16().to(device)
@@ -884,106 +562,17 @@ def test_fast_route_mask_kimi(device, fast_route, m, e, writes):
         assert 11 in ids[m - 1].tolist()
 
 
-def _check_barrier_state(moe_mod, dev):
-    """Between calls the barrier path's arrival count is zero and the mask buffer the next call fills (parity of the
-    generation) is clear."""
-    ws = moe_mod._workspace(dev)
-    gen, arrivals = int(ws[moe_mod._WS_BAR]), int(ws[moe_mod._WS_BAR + 1])
-    assert arrivals == 0, "the barrier's arrival count was not reset"
-    masks = ws[moe_mod._WS_BAR_MASKS:].view(torch.int64).view(2, -1)
-    assert int(masks[gen & 1].count_nonzero()) == 0, "the next call's mask buffer was not cleared"
-
-
-def _workspace_dirty(moe_mod, dev):
-    """Whether the counters, ticket or row masks of the workspace of ``dev`` (a tensor's device) hold anything (they
-    must read zero between calls; the offsets between them are scratch)."""
-    ws, stride = moe_mod._workspace(dev), moe_mod._WS_STRIDE
-    return any(int(p.count_nonzero()) for p in (ws[:stride], ws[2 * stride: moe_mod._WS_MASKS],
-                                                 ws[moe_mod._WS_MASKS: moe_mod._WS_BAR]))
-
-
-@pytest.mark.parametrize("cut", [1, 2, 3])
-# top-4 over 48 experts: 6 tokens, 24 slots (the sorted path); 9 tokens (36 slots: the row masks); 9 tokens with
-# mask_max_rows 8, so just past the row masks' limit (atomic ranks: the same kernel branch as past the default 64
-# rows, which test_repeat_calls_reuse_clean_workspace[65] crosses; 9 programs instead of 65 in the interpreter)
-@pytest.mark.parametrize("path", ["sorted", "mask", "atomic"])
-def test_fast_route_cut_stages(device, fast_route, cut, path):
-    # bench/sweep_moe.py prices the stages with CUT (timing only): the routing is still whole (ids and weights as
-    # the plain router's, itself checked against the reference), CUT 2 and 3 leave the workspace at zero, CUT 1
-    # leaves it set wherever it has atomics (the sweep zeroes it), and after that a full call is exact again
-    m = 6 if path == "sorted" else 9
-    if path == "atomic":
-        fast_route._FAST_ROUTE_CONFIG.update(mask_max_rows=8)
-    assert fast_route._fast_align_path(m, 4 * m, True) == path
-    g = torch.Generator().manual_seed(160 + 3 * m + cut + 100 * (path == "atomic"))
-    x = torch.randn(m, 48, generator=g).to(device)
-    want_ids, want_w = check_route(x, 4)
-    fast_route._FAST_ROUTE_CONFIG.update(CUT=cut)
-    ids, w, _ = fast_route.moe_route(x, top_k=4, block_size=4, impl="triton")
-    assert torch.equal(ids, want_ids)
-    assert torch.allclose(w, want_w, rtol=0, atol=1e-6)
-    dirty = _workspace_dirty(fast_route, x.device)
-    if cut == 1:
-        assert dirty == (path != "sorted"), "the cut after the routing skips the reset of what its atomics set"
-        fast_route._workspace(x.device).zero_()
-    else:
-        assert not dirty, "the cut after the ticket must still reset the workspace"
-    fast_route._FAST_ROUTE_CONFIG.update(CUT=0)
-    x = torch.randn(m, 48, generator=g).to(device)
-    ids, _, al = check_route(x, 4, block_size=4)
-    if path != "atomic":  # atomic ranks: the order inside an expert is free (on a GPU)
-        check_alignment_exact(ids, 48, 4, al)
-
-
-def test_fast_route_mask_barrier_generations(device, fast_route):
-    # the barrier path's two mask buffers alternate by generation, each call clearing the other: calls of different
-    # models (expert counts 384, 256 with groups, 37 with block 1, a hot expert and a -inf row, 16 and 24) and token
-    # counts, one call of the last-program mask path between them, must each be exact; the generation counts the
-    # barrier calls, the arrival count is back at zero and the last-program path's workspace reads zero after every
-    # call. 384 experts (3 rows) -> 37 -> 256: the call after a wide one must have cleared its whole buffer (stale
-    # bits of experts >= 37 would show in the 256-expert call that refills it); 24 and 20 rows against 3..13: row
-    # bits of a taller call; the 64th row (bit 63) on this path is test_fast_route_mask_kimi's
-    g = torch.Generator().manual_seed(190)
-    ws = fast_route._workspace(torch.empty(0).to(device).device)
-    gen0 = int(ws[fast_route._WS_BAR])
-    fast_route._FAST_ROUTE_CONFIG.update(sorted_max_slots=0, one_max_slots=0)
-    calls = [(24, 16, 1), (3, 384, 1), (13, 37, 1), (9, 48, 0), (5, 256, 1), (20, 24, 1), (13, 37, 1)]
-    for i, (m, e, barrier) in enumerate(calls):
-        fast_route._FAST_ROUTE_CONFIG.update(MASK_BARRIER=barrier)
-        if e == 37:
-            x = torch.randn(m, e, generator=g)
-            x[:, 0] = 25.0
-            x[6] = -math.inf
-            kw, top_k, block = {}, 4, 1
-        else:
-            x = torch.randn(m, e, generator=g).bfloat16()
-            kw = dict(n_group=8, topk_group=4) if e == 256 else {}
-            top_k, block = 8, 16
-        bias = (torch.randn(e, generator=g) * 0.05).to(device)
-        ids, _, al = check_route(x.to(device), top_k, bias=bias, block_size=block, **kw)
-        check_alignment_exact(ids, e, block, al)
-        done = sum(b for _, _, b in calls[: i + 1])
-        assert int(ws[fast_route._WS_BAR]) == gen0 + done
-        _check_barrier_state(fast_route, x.to(device).device)
-        if barrier:  # the buffer this call filled holds its rows' bits until the next barrier call clears it
-            last = ws[fast_route._WS_BAR_MASKS:].view(torch.int64).view(2, -1)[(gen0 + done - 1) & 1]
-            assert int(last.count_nonzero()) > 0
-        assert not _workspace_dirty(fast_route, x.to(device).device)
-
-
 _SM90_PTX_SCRIPT = r"""
-import json, sys
+import json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from specverify.kernels.moe_route import _moe_route_align_fast_kernel as K
 ptr = dict(logits_ptr="*bf16", bias_ptr="*fp32", ids_ptr="*i32", w_ptr="*fp32", rank_ptr="*i32", sorted_ptr="*i32",
-           eids_ptr="*i32", npad_ptr="*i32", count_ptr="*i64", offs_ptr="*i32", ticket_ptr="*i32", bar_ptr="*i32",
-           bmask_ptr="*i64")
+           eids_ptr="*i32", npad_ptr="*i32", count_ptr="*i64", offs_ptr="*i32", ticket_ptr="*i32")
 const = dict(E=384, EP=512, ROWS=1, TOP_K=8, TOPK_P=8, N_GROUP=1, NG_P=2, GSIZE=384, TOPK_GROUP=1, SOFTMAX=False,
              HAS_BIAS=True, RENORM=True, DO_ROUTE=True, EA=384, EAP=512, B=16, SP=512, ONE=False, PJ=16, CHUNK=1024,
-             FILL_TAIL=False, RELOAD=False, SORTED=False, TOPK_SORT=True, OFFS_GATHER=True, MASK=True,
-             SLOT_WRITES=False, PDL=True, CUT=0, FLAT_PADS=False, BARRIER=int(sys.argv[1]))
+             RELOAD=False, SORTED=False, MASK=True)
 sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "scale" else "i32") for n in K.arg_names}
 k = triton.compile(ASTSource(fn=K, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
                    options=dict(num_warps=4))
@@ -991,40 +580,24 @@ print(json.dumps(k.asm["ptx"]))
 """
 
 
-@pytest.mark.parametrize("barrier", [0, 1])
-def test_router_pdl_and_barrier_ptx_sm90(barrier):
-    # what the interpreter cannot run, read in the sm_90 PTX (compiled on the CPU, in a process without the
-    # interpreter): with PDL no global memory access precedes griddepcontrol.wait; the row masks are set by an OR
-    # reduction; the barrier path arrives with an acq_rel add, the last arriver bumps the generation with a release
-    # exchange, and the others poll it with acquire loads in a loop
+def test_router_mask_ptx_sm90():
+    # what the interpreter cannot show, read in the sm_90 PTX of the row-mask path (Kimi-K2, compiled on the CPU in a
+    # process without the interpreter): the row masks are set by an OR reduction (no value returned) and the ticket
+    # is an acq_rel add
     import json
     import os
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _SM90_PTX_SCRIPT, str(barrier)], env=env, capture_output=True,
-                         text=True, timeout=600)
+    run = subprocess.run([sys.executable, "-c", _SM90_PTX_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=600)
     if run.returncode != 0 and "ptxas" in run.stderr:
         pytest.skip(f"no ptxas for sm_90 in this Triton: {run.stderr.strip().splitlines()[-1]}")
     assert run.returncode == 0, run.stderr[-2000:]
     ptx = [ln.strip() for ln in json.loads(run.stdout.strip().splitlines()[-1]).splitlines()]
-    wait = next(i for i, ln in enumerate(ptx) if ln.startswith("griddepcontrol.wait"))
-    memory = [i for i, ln in enumerate(ptx) if any(op in ln for op in ("ld.global", "st.global", "atom.", "red."))]
-    assert memory and min(memory) > wait, "a global memory access before griddepcontrol.wait"
     assert any("red.global.gpu.relaxed.or.b64" in ln for ln in ptx), "the row-mask bits"
-    polls = [i for i, ln in enumerate(ptx) if "ld.global.gpu.acquire.b32" in ln]
-    if barrier:
-        assert any("atom.global.gpu.acq_rel.add.u32" in ln for ln in ptx), "the arrival"
-        assert any("atom.global.gpu.release.exch.b32" in ln for ln in ptx), "the generation bump"
-        assert polls, "the wait for the generation"
-        # a loop: a branch after the poll back to the block that holds it
-        head = next(ln.split()[0][:-1] for ln in reversed(ptx[: polls[0]]) if ln.startswith("$L__BB"))
-        jumps = [ln.split() for ln in ptx[polls[0]:]]
-        assert any("bra" in t[:2] and t[-1].rstrip(";") == head for t in jumps), "the acquire poll must be a loop"
-    else:
-        assert any("atom.global.gpu.acq_rel.add.u32" in ln for ln in ptx), "the ticket"
-        assert not polls
+    assert any("atom.global.gpu.acq_rel.add.u32" in ln for ln in ptx), "the ticket"
 
 
 def test_fast_align_path_defaults(fast_route):
@@ -1038,11 +611,10 @@ def test_fast_align_path_defaults(fast_route):
     assert fast_route._fast_align_path(65, 65 * 8, True) == "atomic"
 
 
-@pytest.mark.parametrize("writes", list(_MASK_WRITES))
-def test_fast_route_mask_hot_expert_block_1(device, fast_route, writes):
+def test_fast_route_mask_hot_expert_block_1(device, fast_route):
     # every token's first choice is expert 0 (a mask with every row's bit) and block 1 (no padding); a -inf row
     # (sigmoid 0 everywhere: the bias alone ranks its experts); 13 tokens x top-4 over 37 experts (prime)
-    fast_route._FAST_ROUTE_CONFIG.update(sorted_max_slots=0, **_MASK_WRITES[writes])
+    fast_route._FAST_ROUTE_CONFIG.update(sorted_max_slots=0)
     g = torch.Generator().manual_seed(148)
     x = torch.randn(13, 37, generator=g)
     x[:, 0] = 25.0
@@ -1052,37 +624,15 @@ def test_fast_route_mask_hot_expert_block_1(device, fast_route, writes):
     check_alignment_exact(ids, 37, 1, al)
 
 
-@pytest.mark.parametrize("topk_sort", [False, True])
-def test_router_only_topk(device, monkeypatch, topk_sort):
-    # the router without alignment (one program per row), both ways of picking the winners; a NaN score, and a
-    # -inf row (sigmoid scores 0: the bias alone ranks its experts, ties to the lowest id among equal biases)
-    import specverify.moe as moe_mod
-
-    monkeypatch.setattr(moe_mod, "_ROUTE_CONFIG", dict(moe_mod._ROUTE_CONFIG, TOPK_SORT=topk_sort))
+def test_router_only_topk(device):
+    # the router without alignment (one program per row); a NaN score, and a -inf row (sigmoid scores 0: the bias
+    # alone ranks its experts, ties to the lowest id among equal biases)
     g = torch.Generator().manual_seed(150)
     x = torch.randn(5, 384, generator=g)
     x[1, 7] = math.nan
     x[3] = -math.inf
     bias = torch.randn(384, generator=g) * 0.05
     check_route(x.to(device), 8, bias=bias.to(device), scale=2.827)
-
-
-def test_fast_route_fill_tail(device, fast_route):
-    # FILL_TAIL: the sentinel over the whole unused part of sorted_token_ids, in both program layouts
-    fast_route._FAST_ROUTE_CONFIG.update(FILL_TAIL=True)
-    x = torch.randn(3, 24, generator=torch.Generator().manual_seed(98)).to(device)
-    ids, _, al = check_route(x, 4, block_size=8)
-    check_alignment_exact(ids, 24, 8, al)
-    fast_route._FAST_ROUTE_CONFIG.update(one_max_slots=4)
-    ids, _, al = check_route(x, 4, block_size=8)
-    n = int(al.num_tokens_post_padded.item())
-    assert (al.sorted_token_ids.cpu()[n:] == 12).all()
-    fast_route._FAST_ROUTE_CONFIG.update(sorted_max_slots=0)  # the row masks, each way of writing the padding
-    for writes in _MASK_WRITES.values():
-        fast_route._FAST_ROUTE_CONFIG.update({"MASK_SLOT_WRITES": False, "MASK_FLAT_PADS": False, "MASK_BARRIER": 0,
-                                              **writes})
-        ids, _, al = check_route(x, 4, block_size=8)
-        check_alignment_exact(ids, 24, 8, al)
 
 
 def test_fast_align_only(device, fast_route):
@@ -1096,95 +646,7 @@ def test_fast_align_only(device, fast_route):
     check_alignment_exact(ids, 7, 4, al)
 
 
-# --------------------------------------------------------------------------------------------- fused experts
-@pytest.fixture
-def fused_experts(monkeypatch):
-    """The fused experts (``_VARIANT["experts"] = "fused"``) with tiles small enough that the interpreter runs
-    several I chunks, H steps and H tiles; individual tests merge overrides into ``_FUSED_OVERRIDE``."""
-    import specverify.moe as moe_mod
-
-    monkeypatch.setitem(moe_mod._VARIANT, "experts", "fused")
-    monkeypatch.setattr(moe_mod, "_FUSED_OVERRIDE", {"BI": 16, "BK": 32, "BH": 32, "MP": 2, "RBN": 32})
-    return moe_mod
-
-
-@pytest.mark.parametrize("dot", [True, False])
-@pytest.mark.parametrize("h, inter", [(64, 32), (48, 24)])  # (48, 24): masked edges in H, I and the sum tiles
-def test_fused_experts(device, fused_experts, poison, dot, h, inter):
-    # 5 tokens (odd) x top-3 over 10 experts; a -1 slot with a nonzero weight (adds nothing); deterministic
-    fused_experts._FUSED_OVERRIDE["DOT"] = dot
-    m, e = 5, 10
-    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.bfloat16, device=device, seed=100)
-    g = torch.Generator().manual_seed(101)
-    hidden = torch.randn(m, h, generator=g).bfloat16().to(device)
-    ids, w = moe_route(torch.randn(m, e, generator=g).to(device), top_k=3, impl="triton")
-    ids[3, 2] = -1
-    w[3, 2] = 0.7
-    _, _, al = fused_experts._launch_route_align(None, None, 3, False, 1, 1, False, 1.0, 16, topk_ids=ids,
-                                                 num_experts=e)
-    out = poison(hidden)
-    a = check_experts(hidden, w13, w2, ids, w, alignment=al, out=out)
-    assert a.data_ptr() == out.data_ptr()
-    b = fused_moe(hidden, w13, w2, ids, w, alignment=al, impl="triton")
-    assert torch.equal(a, b), "fused experts must be deterministic"
-
-
-@pytest.mark.parametrize("dot", [True, False])
-def test_fused_experts_shared_expert(device, fused_experts, dot):
-    # every token chooses expert 9 (7 slots in one block: MP = 2 takes 4 passes in the GEMV form), token 0 lists
-    # expert 1 twice, experts 2..8 have no tokens; alignment computed inside (alignment=None)
-    fused_experts._FUSED_OVERRIDE["DOT"] = dot
-    m, e, h, inter = 7, 10, 64, 32
-    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.bfloat16, device=device, seed=102)
-    g = torch.Generator().manual_seed(103)
-    hidden = torch.randn(m, h, generator=g).bfloat16().to(device)
-    ids = torch.tensor([[9, 1, 1]] + [[9, 0, 1]] * (m - 1), dtype=torch.int32).to(device)
-    w = torch.rand(m, 3, generator=g).to(device)
-    check_experts(hidden, w13, w2, ids, w)
-
-
-def test_fused_experts_small_blocks_and_one_token(device, fused_experts):
-    # block 4 (< 16 rows: the GEMV form is forced), and M = 1 with the default tiles clamped to the shapes
-    m, e, h, inter = 3, 10, 64, 32
-    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.float16, device=device, seed=104)
-    g = torch.Generator().manual_seed(105)
-    hidden = torch.randn(m, h, generator=g).half().to(device)
-    ids, w, al = moe_route(torch.randn(m, e, generator=g).to(device), top_k=2, block_size=4, impl="triton")
-    check_experts(hidden, w13, w2, ids, w, alignment=al)
-    fused_experts._FUSED_OVERRIDE.clear()
-    ids, w, al = moe_route(torch.randn(1, e, generator=g).to(device), top_k=4, block_size=16, impl="triton")
-    check_experts(hidden[:1], w13, w2, ids, w, alignment=al)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dot", [True, False])
-@pytest.mark.parametrize("m", [1, 4, 16])
-def test_fused_experts_kimi_k2_gpu(m, dot, monkeypatch, graph_replay):
-    # Kimi-K2 per rank (H 7168, I 256, 384 experts, top-8): both forms of the fused experts with their default
-    # tiles, within the derived tolerance, and replayed from a CUDA graph bit for bit after the inputs change
-    import specverify.moe as moe_mod
-
-    monkeypatch.setitem(moe_mod._VARIANT, "experts", "fused")
-    monkeypatch.setattr(moe_mod, "_FUSED_OVERRIDE", {"DOT": dot})
-    e, h, inter = 384, 7168, 256
-    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.bfloat16, device="cuda", seed=110)
-    g = torch.Generator().manual_seed(111 + m)
-    hidden = torch.randn(m, h, generator=g).bfloat16().cuda()
-    logits = torch.randn(m, e, generator=g).cuda()
-    ids, w, al = moe_route(logits, top_k=8, block_size=16, routed_scaling_factor=2.827)
-    want = fused_moe_reference(hidden, w13, w2, ids, w, compute_dtype=torch.float64)
-    torch_err = (fused_moe_reference(hidden, w13, w2, ids, w, compute_dtype=torch.bfloat16).double() - want)
-    tol = 2 * torch_err.abs().max().item() + 1e-6
-    assert (fused_moe(hidden, w13, w2, ids, w, alignment=al).double() - want).abs().max().item() <= tol
-
-    def step():
-        i, ww, aa = moe_route(logits, top_k=8, block_size=16, routed_scaling_factor=2.827)
-        return fused_moe(hidden, w13, w2, i, ww, alignment=aa)
-
-    step()
-    graph_replay(step, (logits, hidden))
-
-
+# --------------------------------------------------------------------------------------------- shared expert
 @pytest.mark.parametrize("m, top_k", [(1, 8), (5, 3), (40, 8)])  # 40*9 = 360 slots: two programs with a ragged end
 def test_append_shared_expert(device, m, top_k):
     from specverify.moe import append_shared_expert

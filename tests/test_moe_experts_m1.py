@@ -2,7 +2,8 @@
 
 CPU: the Triton interpreter on tiny shapes (10 experts, hidden 64, intermediate 32) with tiles small enough that
 every loop runs several steps and every tile has a masked edge somewhere. GPU (``-m gpu``): Kimi-K2 per rank with
-the default tiles, the shared expert, programmatic dependent launch on and off, CUDA-graph replay bit for bit.
+the default tiles, the shared expert, programmatic dependent launch on and off (off is the path of GPUs before
+sm_90), CUDA-graph replay bit for bit.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def _align(ids, e, block=16):
 @pytest.fixture
 def stream(monkeypatch):
     """The stream experts with interpreter-sized tiles: R = 8 gate rows (I = 20 leaves a 4-row tail), BK = 32 (H = 72
-    leaves an 8-column tail, and the prefetch past the end is masked), BI = 16 (I = 20: two I steps in the down
+    leaves an 8-column tail), BI = 16 (I = 20: two I steps in the down
     kernel, the second mostly masked), BH = 16 (H = 72: a ragged last output tile)."""
     monkeypatch.setitem(moe_mod._VARIANT, "experts", "stream")
     monkeypatch.setattr(moe_mod, "_STREAM_OVERRIDE", {"R": 8, "BK": 32, "BI": 16, "BH": 16, "TILE": 1 << 14})
@@ -49,11 +50,9 @@ def stream(monkeypatch):
 
 @pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("h, inter", [(64, 32), (72, 20)])  # (72, 20): tails in H (BK, BH) and in I (R, BI)
-@pytest.mark.parametrize("aligned", [True, False])
-def test_stream_experts(device, stream, poison, m, h, inter, aligned):
+def test_stream_experts(device, stream, poison, m, h, inter):
     # top-3 over 10 experts; a -1 slot with a nonzero weight adds nothing; result deterministic and written in place;
-    # aligned: the alignment's blocks as gate/up units (ALIGNED True), else one slot per unit and no alignment
-    stream._STREAM_OVERRIDE["ALIGNED"] = aligned
+    # one gate/up unit per slot, no alignment needed (M = 2 passes one, which the stream path ignores)
     e = 10
     w13, w2 = random_expert_weights(e, h, inter, dtype=torch.bfloat16, device=device, seed=300 + h)
     g = torch.Generator().manual_seed(301 + m)
@@ -63,7 +62,7 @@ def test_stream_experts(device, stream, poison, m, h, inter, aligned):
     w = torch.rand(m, 3, generator=g)
     w[m - 1, 1] = 0.7
     ids, w = ids.to(device), w.to(device)
-    al = _align(ids, e) if aligned else None
+    al = _align(ids, e) if m == 2 else None
     out = poison(hidden)
     a = check(hidden, w13, w2, ids, w, alignment=al, out=out)
     assert a.data_ptr() == out.data_ptr()
@@ -71,20 +70,16 @@ def test_stream_experts(device, stream, poison, m, h, inter, aligned):
     assert torch.equal(a, b), "stream experts must be deterministic"
 
 
-@pytest.mark.parametrize("prefetch", [True, False])
-def test_stream_repeated_and_shared_expert(device, stream, poison, prefetch):
+def test_stream_repeated_and_shared_expert(device, stream, poison):
     # M = 2 with the shared expert appended as expert 9 (both tokens), token 0 listing expert 1 twice and token 1 once:
-    # expert 1 holds 3 slots of one block, more than MP = 2, so the aligned gate/up takes two passes; experts 3..8 get
-    # no token; both H-loop forms (double-buffered and plain)
-    stream._STREAM_OVERRIDE["PREFETCH"] = prefetch
+    # expert 1 holds 3 slots (each its own gate/up unit); experts 3..8 get no token
     e, h, inter = 10, 64, 32
     w13, w2 = random_expert_weights(e, h, inter, dtype=torch.bfloat16, device=device, seed=310)
     g = torch.Generator().manual_seed(311)
     hidden = torch.randn(2, h, generator=g).bfloat16().to(device)
     ids, w = append_shared_expert(torch.tensor([[1, 1, 0], [2, 1, 0]], dtype=torch.int32).to(device),
                                   torch.rand(2, 3, generator=g).to(device), 9)
-    for units, al in ((True, _align(ids, e)), (False, _align(ids, e)), (False, None)):
-        stream._STREAM_OVERRIDE["ALIGNED"] = units
+    for al in (_align(ids, e), None):
         out = poison(hidden)
         check(hidden, w13, w2, ids, w, alignment=al, out=out)
 
@@ -131,9 +126,9 @@ def test_stream_config_shapes():
 @pytest.mark.parametrize("shared", [True, False])
 def test_stream_kimi_k2_gpu(m, shared, monkeypatch, graph_replay):
     # Kimi-K2 per rank (384 routed experts + the shared one as expert 384, H 7168, I 256, top-8): the default tiles
-    # and variants (no programmatic dependent launch, per-slot units, plain H loop) within the derived tolerance,
-    # PDL on and off bit-identical (same arithmetic), and replayed from a CUDA graph bit for bit after the inputs
-    # change in place
+    # with and without programmatic dependent launch (off: GPUs before sm_90) within the derived tolerance, PDL on
+    # and off bit-identical (same arithmetic), and replayed from a CUDA graph bit for bit after the inputs change in
+    # place
     monkeypatch.setitem(moe_mod._VARIANT, "experts", "stream")
     e, h, inter = 385, 7168, 256
     w13, w2 = random_expert_weights(e, h, inter, dtype=torch.bfloat16, device="cuda", seed=340)
@@ -153,7 +148,7 @@ def test_stream_kimi_k2_gpu(m, shared, monkeypatch, graph_replay):
     torch_err = (fused_moe_reference(hidden, w13, w2, ids, w, compute_dtype=torch.bfloat16).double() - want)
     tol = 2 * torch_err.abs().max().item() + 1e-6
     outs = []
-    for ov in ({}, {"PDL": False}, {"ALIGNED": True}, {"PREFETCH": False}):
+    for ov in ({}, {"PDL": False}):
         monkeypatch.setattr(moe_mod, "_STREAM_OVERRIDE", ov)
         outs.append(fused_moe(hidden, w13, w2, ids, w, alignment=al))
         assert (outs[-1].double() - want).abs().max().item() <= tol, ov

@@ -165,12 +165,9 @@ def test_plan_errors():
     with pytest.raises(ValueError, match="unknown keys"):
         plan_tree_attention(max_batch=1, num_draft_tokens=1, num_q_heads=4, num_kv_heads=4, head_dim=64,
                             max_context=16, device="cpu", config={"BLOCK_N": 16, "warps": 4})
-    with pytest.raises(ValueError, match="PARTIAL_DTYPE must be one of"):
-        plan_tree_attention_mla(max_batch=1, num_draft_tokens=1, num_heads=8, max_context=16, device="cpu",
-                                config={"BLOCK_N": 16, "PARTIAL_DTYPE": "fp8"})
-    with pytest.raises(ValueError, match="MERGE_BLOCK_DV must be a power of two"):
+    with pytest.raises(ValueError, match="PDL is a key of KERNEL='mla_wgmma'"):
         plan_tree_attention(max_batch=1, num_draft_tokens=1, num_q_heads=4, num_kv_heads=4, head_dim=64,
-                            max_context=16, device="cpu", config={"BLOCK_N": 16, "MERGE_BLOCK_DV": 48})
+                            max_context=16, device="cpu", config={"BLOCK_N": 16, "PDL": True})
 
 
 def test_plan_mismatch():

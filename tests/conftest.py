@@ -86,6 +86,18 @@ def poison():
     return nan_like
 
 
+def warm_up_for_capture(step):
+    """Run ``step()`` eagerly (compiles, allocates workspaces), then once on a side stream, as CUDA-graph capture
+    wants before it records; returns the eager call's result."""
+    result = step()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    return result
+
+
 def check_graph_replay(step, inputs, replays: int = 2, check=None) -> None:
     """Capture ``step()`` (already warmed up: compiled, workspaces allocated) in a CUDA graph, then ``replays``
     times: replay, compare every captured output with an eager ``step()`` bit for bit (or, with ``check``, hand the

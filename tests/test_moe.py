@@ -10,6 +10,8 @@ import math
 import pytest
 import torch
 
+from conftest import warm_up_for_capture
+
 from specverify.moe import MoEAlignment, fused_moe, max_num_tokens_padded, moe_route
 from specverify.reference.moe import (align_reference, fused_moe_loop_reference, fused_moe_reference,
                                       random_expert_weights, route_reference)
@@ -380,12 +382,7 @@ def test_cuda_graph_capture_gpu(graph_replay, m):
         ids, w, al = moe_route(logits, top_k=4, correction_bias=bias, block_size=16)
         return ids, fused_moe(hidden, w13, w2, ids, w, alignment=al)
 
-    step()  # eager warm-up (compiles, allocates the workspace)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
+    warm_up_for_capture(step)
     graph_replay(step, (logits, hidden))
 
 

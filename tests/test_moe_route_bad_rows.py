@@ -19,6 +19,8 @@ import math
 import pytest
 import torch
 
+from conftest import warm_up_for_capture
+
 import specverify.moe as moe_mod
 from specverify.moe import fused_moe, max_num_tokens_padded, moe_route
 from specverify.reference.moe import (align_reference, fused_moe_loop_reference, fused_moe_reference,
@@ -300,12 +302,7 @@ def test_bad_rows_graph_gpu(m, scoring):
         rid, rw = route_reference(logits, 8, scoring, bias)
         return ids, w, al.num_tokens_post_padded, rid, rw
 
-    step()  # eager warm-up (compiles, allocates the workspace)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
+    warm_up_for_capture(step)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = step()

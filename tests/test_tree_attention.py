@@ -14,6 +14,8 @@ import math
 import pytest
 import torch
 
+from conftest import warm_up_for_capture
+
 from specverify.attention import (
     HEURISTIC_MAX_SPLITS,
     MAX_SPLITS,
@@ -573,12 +575,7 @@ def test_gpu_cuda_graph(mla, variant):
         else:
             check_gqa(q, kc, vc, table, prefix, mask, d ** -0.5, out, lse)
 
-    _, lse_eager = call()  # eager: compiles the kernels outside the capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()
-    torch.cuda.current_stream().wait_stream(stream)
+    _, lse_eager = warm_up_for_capture(call)  # compiles the kernels outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         _, lse = call()

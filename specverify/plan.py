@@ -256,7 +256,8 @@ class PlanRow:
 
 def plan_draft_lengths(decode_ms: float, verify_ms: Mapping[int, float], accept: float | Sequence[float],
                        draft_ms: float = 0.0, *, draft_steps: Mapping[int, int] | None = None,
-                       expected_emitted: Mapping[int, float] | None = None) -> list[PlanRow]:
+                       expected_emitted: Mapping[int, float] | None = None,
+                       draft_cycle_ms: Mapping[int, float] | None = None) -> list[PlanRow]:
     """Expected accept length, tokens/s, speed-up and break-even for each draft length k.
 
     For each k in ``verify_ms`` (ascending): ``cycle_ms = draft_ms * draft_steps(k) + verify_ms[k]``,
@@ -279,7 +280,11 @@ def plan_draft_lengths(decode_ms: float, verify_ms: Mapping[int, float], accept:
     draft_steps : mapping int -> int, optional
         Draft steps per cycle for each k; default ``k - 1`` (a chain). For a tree pass its depth.
     expected_emitted : mapping int -> float, optional
-        Overrides the chain formula per k (e.g. :func:`expected_emitted_tree` of the tree used at that k).
+        Overrides the chain formula per k (e.g. :func:`expected_emitted_tree` of the tree used at that k, or the
+        tokens per cycle a server logged: SGLang's "accept len").
+    draft_cycle_ms : mapping int -> float, optional
+        The drafter's whole time per cycle for each k (draft steps plus, e.g., the draft model's re-extend over the
+        accepted tokens), overriding ``draft_ms * draft_steps(k)`` where given.
 
     Returns
     -------
@@ -315,7 +320,10 @@ def plan_draft_lengths(decode_ms: float, verify_ms: Mapping[int, float], accept:
         if not v > 0 or math.isinf(v):
             raise ValueError(f"verify_ms[{k}] must be a finite time > 0, got {verify_ms[k]!r}")
         steps = (k - 1) if draft_steps is None else int(draft_steps[k])
-        d = float(draft_ms) * steps
+        d = float(draft_ms) * steps if draft_cycle_ms is None or k not in draft_cycle_ms else \
+            float(draft_cycle_ms[k])
+        if not d >= 0 or math.isinf(d):
+            raise ValueError(f"the draft time of k = {k} must be a finite time >= 0, got {d!r}")
         cycle = d + v
         e = expected_emitted_chain(rates, k) if expected_emitted is None else float(expected_emitted[k])
         tps = 1000.0 * e / cycle
@@ -342,7 +350,7 @@ def best_k(rows: Sequence[PlanRow]) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------- parsing
-def parse_verify_ms(text: str) -> dict[int, float]:
+def parse_verify_ms(text: str, name: str = "--verify-ms") -> dict[int, float]:
     """``"1:11.1,4:25.6"`` -> ``{1: 11.1, 4: 25.6}``.
 
     Raises
@@ -359,14 +367,14 @@ def parse_verify_ms(text: str) -> dict[int, float]:
             ks, ms = part.split(":")
             k, v = int(ks), float(ms)
         except ValueError:
-            raise ValueError(f"--verify-ms entries must be k:ms, e.g. 1:11.1,4:25.6; got {part!r}") from None
-        if k < 1 or not v > 0:
-            raise ValueError(f"--verify-ms entry {part!r} needs k >= 1 and ms > 0")
+            raise ValueError(f"{name} entries must be k:ms, e.g. 1:11.1,4:25.6; got {part!r}") from None
+        if k < 1 or not (v > 0 or (v == 0 and name != "--verify-ms")):
+            raise ValueError(f"{name} entry {part!r} needs k >= 1 and ms {'>= 0' if name != '--verify-ms' else '> 0'}")
         if k in out:
-            raise ValueError(f"--verify-ms gives k = {k} twice; give each k once")
+            raise ValueError(f"{name} gives k = {k} twice; give each k once")
         out[k] = v
     if not out:
-        raise ValueError(f"--verify-ms must hold at least one k:ms entry, got {text!r}")
+        raise ValueError(f"{name} must hold at least one k:ms entry, got {text!r}")
     return out
 
 
@@ -456,10 +464,10 @@ def load_verify_wall_json(path: str, provider: str | None = None, batch: int | N
 
 # ------------------------------------------------------------------------------------------------------- CLI
 _COLUMNS = [("k", "k", "{:d}"), ("verify ms", "verify_ms", "{:.3f}"), ("draft ms", "draft_ms", "{:.3f}"),
-            ("cycle ms", "cycle_ms", "{:.3f}"), ("E(accept)", "expected_accept_length", "{:.3f}"),
-            ("E(emitted)", "expected_emitted", "{:.3f}"), ("tokens/s", "tokens_per_s", "{:.1f}"),
-            ("speed-up", "speedup", "{:.3f}x"), ("break-even accept", "break_even_accept_length", "{:.3f}"),
-            ("pays", "pays", "{}")]
+            ("cycle ms", "cycle_ms", "{:.3f}"), ("accepted drafts", "expected_accept_length", "{:.3f}"),
+            ("tokens/cycle (SGLang's accept len)", "expected_emitted", "{:.3f}"), ("tokens/s", "tokens_per_s", "{:.1f}"),
+            ("speed-up", "speedup", "{:.3f}x"), ("break-even drafts", "break_even_accept_length", "{:.3f}"),
+            ("break-even tokens/cycle", "break_even_emitted", "{:.3f}"), ("pays", "pays", "{}")]
 
 
 def _format_table(rows: Sequence[PlanRow], title: str) -> str:
@@ -509,9 +517,16 @@ def register_cli(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--provider", default=None, help="provider to read from --from-json (default: specverify, "
                                                      "else the first)")
     p.add_argument("--batch", type=int, default=None, help="batch size to read from --from-json")
-    p.add_argument("--accept", required=True,
-                   help="per-position acceptance, e.g. 0.63,0.40,0.26 (last repeats), or one rate, e.g. 0.7")
+    acc = p.add_mutually_exclusive_group(required=True)
+    acc.add_argument("--accept",
+                     help="per-position acceptance, e.g. 0.63,0.40,0.26 (last repeats), or one rate, e.g. 0.7")
+    acc.add_argument("--sglang-accept-length", type=float, default=None, metavar="TOKENS",
+                     help="SGLang's logged accept length (tokens emitted per verify cycle, bonus token included), "
+                          "e.g. 2.1: taken as measured for every k given, instead of an acceptance model")
     p.add_argument("--draft-ms", type=float, default=0.0, help="drafter time per draft step in ms (default 0)")
+    p.add_argument("--draft-cycle-ms", default=None, metavar="K:MS,...",
+                   help='the drafter\'s whole time per cycle for each k, e.g. "3:1.37,6:1.2" (draft steps plus its '
+                        're-extend); overrides --draft-ms where given')
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                    help="write JSON rows to PATH (or stdout with no PATH) instead of the table")
     p.set_defaults(func=run_plan_cli)
@@ -547,8 +562,22 @@ def run_plan_cli(args: argparse.Namespace) -> int:
         if decode_ms is None:
             raise ValueError("--decode-ms is required (the JSON rows carry no decode_ms)" if args.from_json else
                              "--decode-ms is required with --verify-ms (ms of one plain decode step)")
-        accept = parse_accept(args.accept)
-        rows = plan_draft_lengths(decode_ms, verify, accept, args.draft_ms)
+        cycle_draft = parse_verify_ms(args.draft_cycle_ms, name="--draft-cycle-ms") if args.draft_cycle_ms \
+            else None
+        emitted = None
+        if args.sglang_accept_length is not None:
+            tokens = args.sglang_accept_length
+            if not 1.0 <= tokens or math.isinf(tokens):
+                raise ValueError(f"--sglang-accept-length must be >= 1 (SGLang counts the bonus token: tokens "
+                                 f"emitted per verify cycle), got {tokens!r}")
+            if tokens > max(verify):
+                raise ValueError(f"--sglang-accept-length {tokens:g} is more tokens than a cycle of k = "
+                                 f"{max(verify)} can emit")
+            accept, emitted = [], {k: (1.0 if k == 1 else min(tokens, float(k))) for k in verify}
+        else:
+            accept = parse_accept(args.accept)
+        rows = plan_draft_lengths(decode_ms, verify, accept or 0.0, args.draft_ms, expected_emitted=emitted,
+                                  draft_cycle_ms=cycle_draft)
     except (ValueError, OSError) as e:
         print(f"specverify plan: error: {e}", file=sys.stderr)
         return 2
@@ -569,13 +598,16 @@ def run_plan_cli(args: argparse.Namespace) -> int:
             print(f"wrote {args.json}")
         return 0
     src = f" ({provider} from {args.from_json})" if provider else ""
-    title = f"plan: decode {decode_ms:g} ms{src}, draft {args.draft_ms:g} ms/step, accept {accept}"
+    draft = f"draft {args.draft_cycle_ms} ms a cycle" if args.draft_cycle_ms else f"draft {args.draft_ms:g} ms/step"
+    rate = (f"{args.sglang_accept_length:g} tokens a cycle (SGLang's accept length)"
+            if args.sglang_accept_length is not None else f"accept {accept}")
+    title = f"plan: decode {decode_ms:g} ms{src}, {draft}, {rate}"
     _print_table(rows, title)
     if args.from_json and _measured_on_cpu(args.from_json):
         print(f"note: {args.from_json} was measured without a GPU: its times are not performance figures, so "
               "neither is this plan")
     max_k = max(verify)
-    if len(accept) < max_k - 1 and len(accept) > 1:
+    if accept and len(accept) < max_k - 1 and len(accept) > 1:
         print(f"note: positions beyond {len(accept)} use the last rate {accept[-1]:g}")
     best = next(r for r in rows if r.k == k_best)
     if best.speedup > 1.0:

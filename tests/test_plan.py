@@ -142,3 +142,37 @@ def test_cli_json_from_verify_wall(tmp_path, capsys):
 def test_cli_bad_input_exit_code(capsys):
     assert _cli(["plan", "--verify-ms", "2:11", "--accept", "0.5"]) == 2  # no --decode-ms
     assert "--decode-ms is required" in capsys.readouterr().err
+
+
+def test_motivating_case_from_sglang_numbers(capsys):
+    """SGLang's own figures of the motivating deployment (decode 11.1 ms; verify 25.6 ms at 3 draft tokens and
+    28.7 ms at 6, SGLang's count with the root; draft 1.03 ms for 2 steps plus 0.34 ms re-extend; 2.1 tokens a cycle
+    as SGLang logs its accept length): break-even 2.43 tokens a cycle at 3 (26.97 / 11.1), 2.69 at 6 (29.9 ms),
+    about 78 tok/s (the practitioner measured 75.9)."""
+    from specverify.cli import main
+
+    assert main(["plan", "--decode-ms", "11.1", "--verify-ms", "3:25.6,6:28.7", "--draft-cycle-ms",
+                 f"3:{1.03 + 0.34},6:1.2", "--sglang-accept-length", "2.1", "--json"]) == 0
+    rows = {r["k"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert rows[3]["cycle_ms"] == pytest.approx(26.97) and rows[6]["cycle_ms"] == pytest.approx(29.9)
+    assert rows[3]["break_even_emitted"] == pytest.approx(26.97 / 11.1)
+    assert rows[6]["break_even_emitted"] == pytest.approx(29.9 / 11.1)
+    assert rows[3]["tokens_per_s"] == pytest.approx(1000 * 2.1 / 26.97) and round(rows[3]["tokens_per_s"]) == 78
+    assert rows[3]["expected_emitted"] == 2.1 and rows[3]["expected_accept_length"] == pytest.approx(1.1)
+    assert not rows[3]["pays"] and not rows[6]["pays"]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--sglang-accept-length", "0.5"], "must be >= 1"),
+    (["--sglang-accept-length", "9"], "more tokens than a cycle"),
+    (["--sglang-accept-length", "2", "--accept", "0.5"], "not allowed with"),
+    (["--sglang-accept-length", "2", "--draft-cycle-ms", "3:x"], "--draft-cycle-ms entries must be k:ms"),
+])
+def test_sglang_accept_length_errors(args, words, capsys):
+    from specverify.cli import main
+
+    try:
+        rc = main(["plan", "--decode-ms", "11.1", "--verify-ms", "3:25.6,6:28.7", *args])
+    except SystemExit as exc:  # argparse's own refusals
+        rc = exc.code
+    assert rc == 2 and words in capsys.readouterr().err

@@ -314,6 +314,12 @@ def _make_plan(*, max_batch, k, hq, hkv, d, dr, dv, max_context, device, dtype_b
         """(config, split count) for the default or the bandwidth tile."""
         c = _choose_config(mla=dr > 0, rows=(hq // hkv) * k, head_dim=d, head_dim_v=dv, interpret=interpret,
                            config=config, bandwidth=bandwidth)
+        if config is None and dr > 0 and c["KERNEL"] == "default" and c["BLOCK_M"] > 16 and \
+                _small_shared_memory(device):
+            # sm_120 (RTX PRO 6000, RTX 5090: 99 KiB a block): the [32, 512] query and accumulator tiles of the
+            # tl.dot MLA kernel need more than that even at one stage (offline compile matrix); 16 rows a tile fit
+            # (92-94 KiB), the rows go to more M tiles
+            c = dict(c, BLOCK_M=16, M_TILES=_cdiv((hq // hkv) * k, 16))
         if num_splits is not None:
             return c, num_splits
         return c, _choose_num_splits(batch=max_batch, programs_per_split=_programs_per_split(c, hkv),
@@ -340,6 +346,19 @@ def _make_plan(*, max_batch, k, hq, hkv, d, dr, dv, max_context, device, dtype_b
         plan.workspace_out = torch.empty(max_batch, num_splits, k, hq, dv, dtype=torch.float32, device=device)
         plan.workspace_lse = torch.empty(max_batch, num_splits, k, hq, dtype=torch.float32, device=device)
     return plan
+
+
+#: Per-block shared memory under which the MLA plan keeps 16 query rows a tile (sm_120 gives 99 KiB, sm_90 227 KiB).
+SMALL_SHARED_MEMORY_BYTES = 160 * 1024
+
+
+def _small_shared_memory(device: torch.device) -> bool:
+    """Whether ``device`` (CUDA) lets a block use less than :data:`SMALL_SHARED_MEMORY_BYTES` of shared memory."""
+    if device.type != "cuda":
+        return False
+    from specverify.fit import shared_memory_limit_bytes
+
+    return shared_memory_limit_bytes(device) < SMALL_SHARED_MEMORY_BYTES
 
 
 def _wgmma_default(device: torch.device, *, d: int, dr: int, dv: int) -> bool:

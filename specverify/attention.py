@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specverify import envvars
-from specverify.fit import launch_fitting
+from specverify.fit import launch_fitting, shared_memory_limit_bytes
 from specverify.validation import capturing, check_tree_mask
 
 logger = logging.getLogger("specverify")
@@ -354,11 +354,7 @@ SMALL_SHARED_MEMORY_BYTES = 160 * 1024
 
 def _small_shared_memory(device: torch.device) -> bool:
     """Whether ``device`` (CUDA) lets a block use less than :data:`SMALL_SHARED_MEMORY_BYTES` of shared memory."""
-    if device.type != "cuda":
-        return False
-    from specverify.fit import shared_memory_limit_bytes
-
-    return shared_memory_limit_bytes(device) < SMALL_SHARED_MEMORY_BYTES
+    return device.type == "cuda" and shared_memory_limit_bytes(device) < SMALL_SHARED_MEMORY_BYTES
 
 
 def _wgmma_default(device: torch.device, *, d: int, dr: int, dv: int) -> bool:

@@ -11,7 +11,7 @@ capture or let the first eager call make the choice (compiling during capture al
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 
@@ -33,17 +33,21 @@ def _limit(device_index: int) -> int:
     return int(driver.active.utils.get_device_properties(device_index)["max_shared_mem"])
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def shared_memory_limit_bytes(device: torch.device | str | int) -> int:
     """The most shared memory one block may use on ``device`` (opt-in limit, bytes): 232448 on an H100/H200,
     101376 on sm_120 (RTX PRO 6000, RTX 5090)."""
     device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"shared_memory_limit_bytes needs a CUDA device, got {device}")
-    return _limit(device.index if device.index is not None else torch.cuda.current_device())
+    return _limit(_index(device))
 
 
 def first_fitting(kernel, grid, args: Sequence, candidates: Sequence[dict], *, device: torch.device,
-                  key: Hashable, what: str, compile_kwargs: Callable[[dict], dict] | None = None) -> dict:
+                  key: Hashable, what: str) -> dict:
     """The first of ``candidates`` (launch keyword arguments, best first) whose compiled kernel fits the shared
     memory of ``device``.
 
@@ -63,8 +67,6 @@ def first_fitting(kernel, grid, args: Sequence, candidates: Sequence[dict], *, d
         What determines the choice besides the device (the shape class); the choice is cached under it.
     what : str
         The op, for the error message.
-    compile_kwargs : callable, optional
-        Maps a candidate to the keyword arguments of the compile (default: the candidate itself).
 
     Raises
     ------
@@ -73,7 +75,7 @@ def first_fitting(kernel, grid, args: Sequence, candidates: Sequence[dict], *, d
     """
     if device.type != "cuda" or envvars.triton_interpret():
         return dict(candidates[0])
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _index(device)
     cache_key = (what, key, index)
     hit = _CHOSEN.get(cache_key)
     if hit is not None:
@@ -81,8 +83,7 @@ def first_fitting(kernel, grid, args: Sequence, candidates: Sequence[dict], *, d
     limit = _limit(index)
     seen = []
     for cand in candidates:
-        kw = compile_kwargs(cand) if compile_kwargs else cand
-        compiled = kernel.warmup(*args, grid=grid, **kw)
+        compiled = kernel.warmup(*args, grid=grid, **cand)
         shared = int(getattr(getattr(compiled, "metadata", None), "shared", 0) or 0)
         if shared <= limit:
             _CHOSEN[cache_key] = dict(cand)

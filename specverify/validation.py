@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from specverify.tree import parent_error, unpack_mask
+
 _INT_DTYPES = (torch.int32, torch.int64)
 
 
@@ -68,8 +70,6 @@ def check_parents(op: str, parents: torch.Tensor) -> None:
     Shape and dtype are the caller's to check. Reads tensor values (one host sync, more only to word an error), so
     it returns at once while a CUDA graph is being captured.
     """
-    from specverify.tree import parent_error
-
     if capturing() or parents.numel() == 0:
         return
     p = parents.long()
@@ -113,8 +113,6 @@ def check_tree_mask(op: str, tree_mask: torch.Tensor, num_nodes: int) -> None:
     Shape and dtype are the caller's to check. Reads tensor values (one host sync, more only to word an error), so
     it returns at once while a CUDA graph is being captured.
     """
-    from specverify.tree import unpack_mask
-
     if capturing() or tree_mask.numel() == 0:
         return
     k = num_nodes

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specverify.benchmarking import git_commit
-from specverify.configs import get_config, list_configs, verify_bytes
+from specverify.configs import get_config, list_configs, per_rank_shapes, verify_bytes
 from specverify.env_report import collect_env
 from specverify.forward.model import VerifyModel
 from specverify.forward.ops import PROVIDERS, provider_ops
@@ -99,8 +99,6 @@ def tp_problem(cfg, tp: int) -> str | None:
     GQA KV heads are split when there are at least ``tp`` of them (``tp`` divides them) and replicated otherwise,
     which needs ``tp`` to be a multiple of them so that each rank's query heads share one KV head.
     """
-    from specverify.configs import per_rank_shapes
-
     try:
         per_rank_shapes(cfg, tp)
     except ValueError as exc:

@@ -324,12 +324,22 @@ class VerifyModel:
         Returns fp32 logits [b, k, vocab] (vocab = the full vocabulary with a group, else this rank's shard).
         Writes the k nodes' KV into ``kv_caches`` (one entry per layer).
         """
+        return self.forward_captured(input_ids, positions, kv_caches, page_table, prefix_lens, tree_mask)[0]
+
+    def forward_captured(self, input_ids, positions, kv_caches, page_table, prefix_lens, tree_mask=None,
+                         capture_layers=()):
+        """:meth:`forward` that also returns what EAGLE / EAGLE-3 drafters read: ``(logits, hidden, aux)`` with
+        ``hidden`` the final normed hidden states [b, k, H] and ``aux`` the residual stream at the entry of each
+        layer in ``capture_layers`` (each [b, k, H], in layer order)."""
         ops, eps = self.ops, self.config.rms_norm_eps
         with self.section("embedding"):
             residual = self.embed_tokens(input_ids)
             h = ops.rmsnorm(residual, self.layers[0]["attn_norm"], eps)
         attn = self._mla if self.config.attention == "mla" else self._gqa
+        aux = []
         for layer in range(self.num_layers):
+            if layer in capture_layers:
+                aux.append(residual)
             w = self.layers[layer]
             with self.section("attention"):
                 a = attn(w, h, positions, kv_caches[layer], page_table, prefix_lens, tree_mask)
@@ -343,7 +353,7 @@ class VerifyModel:
             logits = h @ self.lm_head.t()
             logits = logits if logits.dtype == torch.float64 else logits.float()
             logits = self._gather_vocab(logits)
-        return logits
+        return logits, h, aux
 
     def check_verify_inputs(self, draft_tokens, parents, depth, tree_mask, kv_caches, page_table, prefix_lens):
         """Validate a verify call before any kernel runs (value checks skipped during graph capture).

@@ -394,8 +394,7 @@ class LoadedVerifyModel(VerifyModel):
     """:class:`~specverify.forward.model.VerifyModel` over given weights (no dummy weights drawn), tp = 1.
 
     ``weights``: ``{"embed", "lm_head", "final_norm", "layers": [per-layer dicts]}`` in VerifyModel's layout (from
-    :func:`read_weights`). :meth:`forward_captured` is VerifyModel's layer loop that also returns the final normed
-    hidden states and the residual stream at the entry of chosen layers (what EAGLE / EAGLE-3 read).
+    :func:`read_weights`). :meth:`forward_captured` counts the calls of VerifyModel's layer loop.
     """
 
     def __init__(self, config: ModelConfig, weights: dict, *, dtype, device, ops: Ops):
@@ -411,28 +410,10 @@ class LoadedVerifyModel(VerifyModel):
 
     def forward_captured(self, input_ids, positions, kv_caches, page_table, prefix_lens, tree_mask=None,
                          capture_layers=()):
-        """(logits fp32 [b, k, vocab], final normed hidden [b, k, H], [residual stream at the entry of each layer
-        in ``capture_layers``, each [b, k, H]]). Arguments as :meth:`VerifyModel.forward`; writes the k nodes' KV."""
+        """:meth:`VerifyModel.forward_captured`, counted in :attr:`calls` (the tests' proof that ours ran)."""
         self.calls += 1
-        ops, eps = self.ops, self.config.rms_norm_eps
-        residual = self.embed_tokens(input_ids)
-        h = ops.rmsnorm(residual, self.layers[0]["attn_norm"], eps)
-        aux = []
-        for layer in range(self.num_layers):
-            if layer in capture_layers:
-                aux.append(residual)
-            w = self.layers[layer]
-            a = self._mla(w, h, positions, kv_caches[layer], page_table, prefix_lens, tree_mask)
-            h, residual = ops.add_rmsnorm(self.allreduce(a), residual, w["mlp_norm"], eps)
-            m = self._mlp(w, h)
-            nxt = self.layers[layer + 1]["attn_norm"] if layer + 1 < self.num_layers else self.final_norm
-            h, residual = ops.add_rmsnorm(self.allreduce(m), residual, nxt, eps)
-        logits = h @ self.lm_head.t()
-        logits = logits if logits.dtype == torch.float64 else logits.float()
-        return logits, h, aux
-
-    def forward(self, input_ids, positions, kv_caches, page_table, prefix_lens, tree_mask=None):
-        return self.forward_captured(input_ids, positions, kv_caches, page_table, prefix_lens, tree_mask)[0]
+        return super().forward_captured(input_ids, positions, kv_caches, page_table, prefix_lens, tree_mask,
+                                        capture_layers)
 
 
 # ------------------------------------------------------------------------------------------------------------

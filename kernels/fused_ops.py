@@ -74,11 +74,25 @@ def _rope_half(x1, x2, pos, j, half, log2_theta):
 
 
 @triton.jit
-def _mla_kv_prep_kernel(KV, W, Q, POS, PAGE_TABLE, PREFIX, CACHE,
-                        stride_kv, stride_qt, stride_qh, stride_pt, stride_cp, stride_cs,
+def _rope_pair(x1, x2, pos, j, half, log2_theta, COS_SIN, stride_cos_sin, TABLE: tl.constexpr):
+    # RoPE of the pairs (x1[j], x2[j]): angles from a [max_pos, 2 * half] table (cos half, then sin half) when
+    # TABLE, else inv_freq_j = theta^(-2j / (2 * half))
+    if TABLE:
+        row = COS_SIN + pos.to(tl.int64) * stride_cos_sin
+        c = tl.load(row + j).to(tl.float32)
+        s = tl.load(row + half + j).to(tl.float32)
+        return x1 * c - x2 * s, x2 * c + x1 * s
+    else:
+        return _rope_half(x1, x2, pos, j, half, log2_theta)
+
+
+@triton.jit
+def _mla_kv_prep_kernel(KV, W, Q, POS, PAGE_TABLE, PREFIX, CACHE, COS_SIN,
+                        stride_kv, stride_qt, stride_qh, stride_pt, stride_cp, stride_cs, stride_cos_sin,
                         k, page_size, num_heads, eps, log2_theta,
                         R: tl.constexpr, DR: tl.constexpr, NOPE: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+                        BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, TABLE: tl.constexpr,
+                        INTERLEAVED: tl.constexpr):
     t = tl.program_id(0)
     b = t // k
     i = t % k
@@ -91,27 +105,33 @@ def _mla_kv_prep_kernel(KV, W, Q, POS, PAGE_TABLE, PREFIX, CACHE,
     var = tl.sum(lat * lat, axis=0) / R
     w = tl.load(W + offs, mask=rmask, other=0.0).to(tl.float32)
     lat = lat * tl.rsqrt(var + eps) * w
-    # rope key
+    # rope pairs: (2j, 2j + 1) interleaved (GPT-J layout), else (j, j + DR / 2) (rotate-half)
     j = tl.arange(0, HALF)
-    x1 = tl.load(KV + t * stride_kv + R + j).to(tl.float32)
-    x2 = tl.load(KV + t * stride_kv + R + HALF + j).to(tl.float32)
-    y1, y2 = _rope_half(x1, x2, pos, j, HALF, log2_theta)
+    if INTERLEAVED:
+        o1 = 2 * j
+        o2 = 2 * j + 1
+    else:
+        o1 = j
+        o2 = HALF + j
+    x1 = tl.load(KV + t * stride_kv + R + o1).to(tl.float32)
+    x2 = tl.load(KV + t * stride_kv + R + o2).to(tl.float32)
+    y1, y2 = _rope_pair(x1, x2, pos, j, HALF, log2_theta, COS_SIN, stride_cos_sin, TABLE)
     # paged slot of node i
     p = tl.load(PREFIX + b) + i
     page = tl.load(PAGE_TABLE + b * stride_pt + p // page_size)
     base = CACHE + page.to(tl.int64) * stride_cp + (p % page_size) * stride_cs
     tl.store(base + offs, lat.to(CACHE.dtype.element_ty), mask=rmask)
-    tl.store(base + R + j, y1.to(CACHE.dtype.element_ty))
-    tl.store(base + R + HALF + j, y2.to(CACHE.dtype.element_ty))
+    tl.store(base + R + o1, y1.to(CACHE.dtype.element_ty))
+    tl.store(base + R + o2, y2.to(CACHE.dtype.element_ty))
     # query rope, every head (in place)
     h = tl.arange(0, BLOCK_H)
     hmask = h < num_heads
     qbase = Q + t * stride_qt + h[:, None] * stride_qh + NOPE
-    q1 = tl.load(qbase + j[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
-    q2 = tl.load(qbase + HALF + j[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
-    r1, r2 = _rope_half(q1, q2, pos, j[None, :], HALF, log2_theta)
-    tl.store(qbase + j[None, :], r1.to(Q.dtype.element_ty), mask=hmask[:, None])
-    tl.store(qbase + HALF + j[None, :], r2.to(Q.dtype.element_ty), mask=hmask[:, None])
+    q1 = tl.load(qbase + o1[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
+    q2 = tl.load(qbase + o2[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
+    r1, r2 = _rope_pair(q1, q2, pos, j[None, :], HALF, log2_theta, COS_SIN, stride_cos_sin, TABLE)
+    tl.store(qbase + o1[None, :], r1.to(Q.dtype.element_ty), mask=hmask[:, None])
+    tl.store(qbase + o2[None, :], r2.to(Q.dtype.element_ty), mask=hmask[:, None])
 
 
 @triton.jit

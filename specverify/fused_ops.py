@@ -111,7 +111,7 @@ def triton_next_pow2(n: int) -> int:
 
 
 def mla_kv_prep(q, kv, positions, norm_weight, cache, page_table, prefix_lens, *, eps: float, theta: float,
-                nope_dim: int, impl: str = "auto"):
+                nope_dim: int, cos_sin=None, interleaved: bool = False, impl: str = "auto"):
     """Absorbed-MLA KV preparation in one launch: RMSNorm of the latent, RoPE of the rope key, both written into
     the paged cache at ``prefix_lens[b] + i``, and RoPE of every head's query rope part in place.
 
@@ -123,28 +123,46 @@ def mla_kv_prep(q, kv, positions, norm_weight, cache, page_table, prefix_lens, *
     norm_weight : Tensor [kv_lora_rank]
     cache : Tensor [num_pages, page_size, kv_lora_rank + rope_dim]
     page_table : int32 [batch, max_pages]; prefix_lens : int32 [batch]
+    theta : float
+        RoPE base, used when ``cos_sin`` is None.
+    cos_sin : float Tensor [max_position, rope_dim] or None
+        A model's rotary table (cos of the rope_dim / 2 frequencies, then their sin), read at ``positions``
+        instead of angles from ``theta``: the YaRN tables of DeepSeek-V3 / Kimi-K2 as SGLang's rotary embedding
+        holds them (``cos_sin_cache``). Positions must lie in ``[0, max_position)`` (not checked here).
+    interleaved : bool
+        Rotate the pairs (2j, 2j + 1) (GPT-J layout, DeepSeek's checkpoints) instead of (j, j + rope_dim / 2).
 
     Returns ``q`` (mutated). Graph-capturable; page ids are not range-checked here (see the verify API).
+
+    Raises
+    ------
+    ValueError
+        A strided q / kv last dim, a non-contiguous cache, or a ``cos_sin`` table whose width is not rope_dim.
     """
     from specverify.reference import fused_ops as ref
 
+    r = norm_weight.shape[0]
+    dr = kv.shape[-1] - r
+    if cos_sin is not None and (cos_sin.dim() != 2 or cos_sin.shape[1] != dr or not cos_sin.is_floating_point()):
+        raise ValueError(f"mla_kv_prep: cos_sin must be a float table [max_position, rope_dim = {dr}], got "
+                         f"{cos_sin.dtype} {list(cos_sin.shape)}")
     if not _use_triton(impl, q, kv, cache):
         return ref.mla_kv_prep_reference(q, kv, positions, norm_weight, cache, page_table, prefix_lens, eps, theta,
-                                         nope_dim)
+                                         nope_dim, cos_sin=cos_sin, interleaved=interleaved)
     from specverify.kernels.fused_ops import _mla_kv_prep_kernel
 
     b, k, heads, qd = q.shape
-    r = norm_weight.shape[0]
-    dr = kv.shape[-1] - r
     if q.stride(-1) != 1 or kv.stride(-1) != 1 or not cache.is_contiguous():
         raise ValueError("mla_kv_prep: q, kv need a unit last stride and the cache must be contiguous")
     kv2 = kv.reshape(b * k, kv.shape[-1])
     pos = positions.reshape(-1)
+    table = kv2 if cos_sin is None else cos_sin
     _mla_kv_prep_kernel[(b * k,)](
-        kv2, norm_weight, q, pos, page_table, prefix_lens, cache,
+        kv2, norm_weight, q, pos, page_table, prefix_lens, cache, table,
         kv2.stride(0), q.stride(1), q.stride(2), page_table.stride(0), cache.stride(0), cache.stride(1),
-        k, cache.shape[1], heads, eps, math.log2(theta),
-        R=r, DR=dr, NOPE=nope_dim, BLOCK_R=triton_next_pow2(r), BLOCK_H=triton_next_pow2(heads), num_warps=4)
+        table.stride(0), k, cache.shape[1], heads, eps, math.log2(theta),
+        R=r, DR=dr, NOPE=nope_dim, BLOCK_R=triton_next_pow2(r), BLOCK_H=triton_next_pow2(heads),
+        TABLE=cos_sin is not None, INTERLEAVED=bool(interleaved), num_warps=4)
     return q
 
 

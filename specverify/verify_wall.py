@@ -41,7 +41,8 @@ from specverify.benchmarking import git_commit
 from specverify.configs import get_config, list_configs, per_rank_shapes, verify_bytes
 from specverify.env_report import collect_env
 from specverify.forward.model import VerifyModel
-from specverify.forward.ops import PROVIDERS, provider_ops
+from specverify.forward import step as step_inputs
+from specverify.forward.ops import PROVIDERS, provider_ops, specverify_ops
 from specverify.graph_pool import VerifyGraphPool
 from specverify.output_paths import check_output_paths
 from specverify.tree import BatchedDraftTree, DraftTree
@@ -223,6 +224,55 @@ class VerifyCase:
         self.validate = False  # checked once; the timed passes carry no host synchronisation
         with m.section("kv_compaction"):
             m.ops.compact_kv(self.flat_caches, self.page_table, self.prefix, nodes, acc)
+        return toks, acc
+
+
+class StepCase(VerifyCase):
+    """:class:`VerifyCase` as SGLang's whole-step plugin runs it (``--impl sglang-step``): the static inputs are
+    what SGLang hands the step (the Triton backend's CSR prefix rows in token slots, ``out_cache_loc``, the EAGLE
+    tree links), and every pass first turns them into our inputs with the adapter's own functions
+    (:func:`~specverify.forward.step.page_table_from_metadata`, :func:`~specverify.forward.step.tree_mask_from_links`)
+    over the cache viewed as token slots, as :class:`specverify.integrations.sglang_step.VerifyStep` does. The
+    acceptance and KV compaction after the forward are ours here (SGLang runs its own), so the pass does the same
+    work as the other providers' passes."""
+
+    def __init__(self, model, caches, page_table, batch, k, context, tree_spec, seed, page_size):
+        super().__init__(model, caches, page_table, batch, k, context, tree_spec, seed)
+        self.kv_indptr, self.kv_indices, self.out_cache_loc = step_inputs.csr_metadata(page_table, self.prefix, k,
+                                                                                       page_size)
+        self.slot_caches = step_inputs.token_slot_caches(caches)
+        self.flat_slot_caches = [c for layer in self.slot_caches for c in layer]
+        self.width = -(-(context + k) // 64) * 64
+        _, nt, ns = self.tree.retrieve_links()
+        self.next_token = nt.expand(batch, k).contiguous().to(model.device)
+        self.next_sibling = ns.expand(batch, k).contiguous().to(model.device)
+
+    def _adapt(self):
+        table = step_inputs.page_table_from_metadata(self.kv_indptr, self.kv_indices, self.out_cache_loc, self.prefix,
+                                                     self.tree.num_nodes, self.width)
+        mask = None if self.tree.is_chain else step_inputs.tree_mask_from_links(self.next_token, self.next_sibling)
+        return table, mask
+
+    def check_logits(self, layers: int = 2):
+        m = self.model
+        saved = m.num_layers
+        m.num_layers = min(layers, saved)
+        try:
+            table, mask = self._adapt()
+            positions = self.prefix.long().unsqueeze(1) + self.depth.long()
+            return m.forward(self.draft, positions, self.slot_caches, table, self.prefix, mask).float()
+        finally:
+            m.num_layers = saved
+
+    def run(self):
+        m = self.model
+        with m.section("step_inputs"):
+            table, mask = self._adapt()
+        nodes, acc, toks, self.logits = m.verify(self.draft, self.parents, self.depth, mask, self.slot_caches, table,
+                                                 self.prefix, self.tree.max_depth, validate=self.validate)
+        self.validate = False
+        with m.section("kv_compaction"):
+            m.ops.compact_kv(self.flat_slot_caches, table, self.prefix, nodes, acc)
         return toks, acc
 
 
@@ -427,6 +477,29 @@ def cpu_notes(s: WallSettings) -> list[str]:
     return notes
 
 
+#: verify-wall's providers: the op tables of :data:`specverify.forward.ops.PROVIDERS`, and ``sglang-step``.
+WALL_PROVIDERS = PROVIDERS + ("sglang-step",)
+
+
+def _wall_ops(provider: str, model, max_position: int):
+    """(Ops, note) of a verify-wall provider. ``sglang-step``: specverify's op table as SGLang's whole-step plugin
+    sets it up (:func:`specverify.forward.step.model_ops`: RoPE read from a rotary table, here the theta RoPE as
+    a table in the halves layout so its logits compare with the other providers'; the model's softmax scale)."""
+    if provider != "sglang-step":
+        return provider_ops(provider, model)
+    cfg = model.config
+    if cfg.attention != "mla":
+        raise RuntimeError(f"the SGLang whole step serves DeepseekV3ForCausalLM (MLA) models; {cfg.name} is "
+                           f"{cfg.attention}")
+    ops, note = specverify_ops(model)
+    table = step_inputs.rope_table(cfg.rope_theta, cfg.qk_rope_head_dim, max_position, model.device)
+    ops = step_inputs.model_ops(ops, table, neox=True,
+                                sm_scale=1.0 / math.sqrt(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim))
+    ops.pieces["step_inputs"] = "adapter (token-slot page table, tree mask from links)"
+    return ops, ("; ".join(x for x in (note, "the SGLang step's inputs adapted each pass; acceptance and KV "
+                                       "compaction are ours (SGLang runs its own)") if x))
+
+
 def run_verify_wall(s: WallSettings, progress=None) -> dict:
     """Run the whole measurement; returns {"rows": [...], "meta": {...}, "breakdown": {...}}."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -486,7 +559,7 @@ def run_verify_wall(s: WallSettings, progress=None) -> dict:
     step = 0
     for provider in s.impl:
         try:
-            ops, note = provider_ops(provider, model)
+            ops, note = _wall_ops(provider, model, context + max_k)
         except Exception as exc:
             notes.append(f"provider {provider!r} skipped: {exc}")
             step += len(ks)
@@ -500,7 +573,10 @@ def run_verify_wall(s: WallSettings, progress=None) -> dict:
         cases: dict = {}
 
         def make_inputs(bucket, k):
-            case = VerifyCase(model, caches, page_table[:bucket], bucket, k, context, s.tree, s.seed)
+            if provider == "sglang-step":
+                case = StepCase(model, caches, page_table[:bucket], bucket, k, context, s.tree, s.seed, s.page_size)
+            else:
+                case = VerifyCase(model, caches, page_table[:bucket], bucket, k, context, s.tree, s.seed)
             cases[k] = case
             return {"draft": case.draft, "parents": case.parents, "depth": case.depth, "prefix": case.prefix}
 
@@ -719,9 +795,9 @@ def _cmd(args) -> int:
     try:
         make_tree(s.tree, 2)
         cfg = get_config(s.model)
-        unknown = [p for p in s.impl if p not in PROVIDERS]
+        unknown = [p for p in s.impl if p not in WALL_PROVIDERS]
         if unknown or not s.impl:
-            raise ValueError(f"--impl takes a comma-separated list of {', '.join(PROVIDERS)}, got {args.impl!r}")
+            raise ValueError(f"--impl takes a comma-separated list of {', '.join(WALL_PROVIDERS)}, got {args.impl!r}")
         for name in ("tp", "batch", "context", "iters", "page_size", "layers", "distinct_layers"):
             value = getattr(args, name)
             if value is not None and value < 1:
@@ -798,8 +874,10 @@ def register_cli(bench_sub) -> None:
     p.add_argument("--distinct-layers", type=int, default=None,
                    help="weight sets cycled over the layers (default: as many as fit in 45%% of free memory)")
     p.add_argument("--impl", default="reference,specverify,sglang",
-                   help="comma-separated providers: reference, specverify, sglang (default: all three; sglang is "
-                        "skipped with its reason when SGLang's kernels cannot be imported)")
+                   help="comma-separated providers: reference, specverify, sglang, sglang-step (default: the first "
+                        "three; sglang is skipped with its reason when SGLang's kernels cannot be imported; "
+                        "sglang-step is specverify's forward fed as SGLang's whole-step plugin feeds it: CSR "
+                        "token-slot metadata and tree links adapted every pass, MLA models only)")
     p.add_argument("--graph", choices=["on", "off"], default="on",
                    help="time CUDA-graph replay (on) or eager launches (default: on)")
     p.add_argument("--warmup", type=int, default=5, help="untimed passes per provider and k (default: 5)")

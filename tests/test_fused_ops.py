@@ -59,6 +59,55 @@ def test_mla_kv_prep(device, page_size):
     torch.testing.assert_close(cache[written], cache_ref[written], **_tol(dtype))
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_mla_kv_prep_rotary_table(device, interleaved):
+    """RoPE read from a model's rotary table (SGLang's cos_sin_cache layout), interleaved pairs or halves."""
+    g = torch.Generator().manual_seed(100 + int(interleaved))
+    b, k, h, nope, dr, r, ps = 2, 4, 3, 16, 8, 32, 4
+    dtype = torch.bfloat16
+    pt, prefix = _paged(b, k, [3, 9], ps, 12, g, device)
+    cache = torch.full((pt.max().item() + 2, ps, r + dr), float("nan"), dtype=dtype, device=device)
+    cache_ref = cache.clone()
+    q = torch.randn(b, k, h, nope + dr, generator=g).to(dtype).to(device)
+    q_ref = q.clone()
+    kv = torch.randn(b, k, r + dr, generator=g).to(dtype).to(device)
+    w = (1 + 0.1 * torch.randn(r, generator=g)).to(dtype).to(device)
+    angles = 6.0 * torch.rand(32, dr // 2, generator=g)  # no theta could give these: the table must be read
+    table = torch.cat([angles.cos(), angles.sin()], -1).to(device)
+    pos = prefix.long().unsqueeze(1) + torch.tensor([0, 1, 1, 2], device=device)
+    fused_ops.mla_kv_prep(q, kv, pos, w, cache, pt, prefix, eps=1e-6, theta=1e4, nope_dim=nope, cos_sin=table,
+                          interleaved=interleaved, impl="triton")
+    ref.mla_kv_prep_reference(q_ref, kv, pos, w, cache_ref, pt, prefix, 1e-6, 1e4, nope, cos_sin=table,
+                              interleaved=interleaved)
+    torch.testing.assert_close(q, q_ref, **_tol(dtype))
+    written = ~torch.isnan(cache_ref.float())
+    assert torch.equal(written, ~torch.isnan(cache.float()))
+    torch.testing.assert_close(cache[written], cache_ref[written], **_tol(dtype))
+
+
+def test_table_rope_reference_against_closed_forms():
+    """The table reference is the theta RoPE for a theta table (halves) and a complex rotation (pairs)."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 3, 4, 8, generator=g, dtype=torch.float64)
+    pos = torch.randint(0, 50, (2, 3), generator=g)
+    inv = 1.0 / (1e4 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8))
+    ang = torch.arange(50, dtype=torch.float64).unsqueeze(1) * inv
+    table = torch.cat([ang.cos(), ang.sin()], -1)
+    torch.testing.assert_close(ref.apply_table_rope(x, pos, table, False), ref.apply_rope(x, pos, 1e4))
+    rot = torch.polar(torch.ones_like(ang), ang)[pos].unsqueeze(2)  # [2, 3, 1, 4]
+    pairs = torch.view_as_real(torch.view_as_complex(x.reshape(2, 3, 4, 4, 2).contiguous()) * rot).flatten(-2)
+    torch.testing.assert_close(ref.apply_table_rope(x, pos, table, True), pairs)
+
+
+def test_mla_kv_prep_rejects_a_table_of_the_wrong_width():
+    q, kv = torch.zeros(1, 1, 2, 24), torch.zeros(1, 1, 40)
+    cache = torch.zeros(4, 1, 40)
+    with pytest.raises(ValueError, match=r"rope_dim = 8"):
+        fused_ops.mla_kv_prep(q, kv, torch.zeros(1, 1, dtype=torch.long), torch.ones(32), cache,
+                              torch.zeros(1, 4, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), eps=1e-6,
+                              theta=1e4, nope_dim=16, cos_sin=torch.zeros(8, 16))
+
+
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_gqa_prep(device, qk_norm):
     g = torch.Generator().manual_seed(int(qk_norm))

@@ -9,13 +9,12 @@ specverify.integrations.sglang_step:register``), checks it against the resolved 
 :meth:`VerifyStep.plan` (host only) says whether the step is ours, and :meth:`VerifyStep.forward` runs it in place
 of the model's own forward.
 
-This module is a thin adapter around one verify forward that needs no SGLang
-(:class:`LoadedVerifyModel`, the layer loop of :class:`specverify.forward.model.VerifyModel` over SGLang's loaded
-weights)::
+This module is a thin adapter from SGLang's objects onto :mod:`specverify.forward.step`, which needs no SGLang
+(``specverify bench verify-wall --impl sglang-step`` drives the same functions on a GPU without SGLang)::
 
-    SGLang ForwardBatch + ForwardView  ->  _StepInputs (ids, positions, page table, prefix lengths, tree mask,
-                                           per-layer latent KV buffers)
-                                       ->  LoadedVerifyModel.forward_captured (our op table)
+    SGLang ForwardBatch + ForwardView  ->  VerifyStep._inputs: ids, positions, prefix lengths, the per-layer latent
+                                           KV buffers, page_table_from_metadata, tree_mask_from_links
+                                       ->  LoadedVerifyModel.forward_captured (our op table, model_ops)
                                        ->  LogitsProcessorOutput (logits, hidden states as capture_hidden_mode asks)
 
 What is ours and what stays SGLang's
@@ -32,8 +31,9 @@ routed-expert and shared-expert parameters are then re-pointed at views of it, s
 
 RoPE and the softmax scale are the model's: DeepSeek-V3 / Kimi-K2 use YaRN (``deepseek_yarn``) rotary tables in
 the interleaved (GPT-J) layout and an mscale-corrected softmax scale, which the generic
-:class:`~specverify.forward.model.VerifyModel` does not model. The op table's ``mla_prep`` is replaced by one that
-reads SGLang's ``cos_sin_cache`` (a shared tensor) and ``attention_mla`` is called with ``self_attn.scaling``.
+:class:`~specverify.forward.model.VerifyModel` does not model. :func:`~specverify.forward.step.model_ops` makes ``mla_prep`` read SGLang's
+``cos_sin_cache`` (a shared tensor; still one fused launch with the Triton op table) and calls ``attention_mla``
+with ``self_attn.scaling``.
 
 Limits of this release (each refused with one reason, see :func:`config_disable_reasons` and
 :func:`model_disable_reasons`; SGLang itself refuses every :class:`Feature` the spec does not list: DP attention,
@@ -53,10 +53,8 @@ import torch
 from sglang.kernels.plugin_kernels.nvidia.spec import (MEGAKERNEL_API_VERSION, Feature, MegakernelSpec, Numerics,
                                                        NumericsKind, Requirements, Step)
 from specverify.configs import ModelConfig
-from specverify.forward.model import VerifyModel
-from specverify.forward.ops import Ops, RouteParams, provider_ops
-from specverify.reference.kv import write_draft_kv
-from specverify.tree import pack_mask
+from specverify.forward.ops import RouteParams, provider_ops
+from specverify.forward.step import LoadedVerifyModel, model_ops, page_table_from_metadata, tree_mask_from_links
 
 logger = logging.getLogger("specverify.sglang")
 
@@ -339,126 +337,6 @@ def read_weights(model, config: ModelConfig, *, stack_shared_expert: bool) -> tu
                                      c.norm_topk_prob, c.routed_scaling_factor, e)
         out["layers"].append(w)
     return out, report
-
-
-# ------------------------------------------------------------------------------------------------------------
-# the model-specific ops: the model's rotary table and softmax scale
-
-
-def apply_table_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, neox: bool) -> torch.Tensor:
-    """RoPE from a ``[max_pos, rot]`` table (cos half, then sin half), as SGLang's ``RotaryEmbedding`` holds it.
-
-    x [b, k, heads, rot] or [b, k, rot]; positions int [b, k]. ``neox``: rotate halves; else interleaved pairs
-    (GPT-J, DeepSeek's default). Computed in fp32 (fp64 stays fp64), result in x's dtype. Capturable.
-    """
-    ctype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    cos, sin = cos_sin[positions.long()].to(ctype).chunk(2, dim=-1)  # [b, k, rot / 2]
-    if x.dim() == 4:
-        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    xf = x.to(ctype)
-    if neox:
-        x1, x2 = xf.chunk(2, dim=-1)
-    else:
-        x1, x2 = xf[..., 0::2], xf[..., 1::2]
-    o1, o2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
-    out = torch.cat([o1, o2], -1) if neox else torch.stack([o1, o2], -1).flatten(-2)
-    return out.to(x.dtype)
-
-
-def model_ops(base: Ops, cos_sin: torch.Tensor, neox: bool, sm_scale: float) -> Ops:
-    """``base`` with the model's RoPE in ``mla_prep`` (latent norm through ``base.rmsnorm``, the table's RoPE, the
-    KV write) and ``attention_mla`` at the model's softmax scale (``self_attn.scaling``, mscale-corrected)."""
-    rmsnorm, attention_mla = base.rmsnorm, base.attention_mla
-
-    def mla_prep(q, kv, positions, norm_w, cache, page_table, prefix_lens, eps, theta, nope):
-        r = norm_w.shape[0]
-        latent = rmsnorm(kv[..., :r], norm_w, eps)
-        k_pe = apply_table_rope(kv[..., r:], positions, cos_sin, neox)
-        write_draft_kv(cache, page_table, prefix_lens, torch.cat([latent, k_pe], -1))
-        q[..., nope:] = apply_table_rope(q[..., nope:], positions, cos_sin, neox)
-        return q
-
-    def attention(q_latent, q_rope, cache, page_table, prefix_lens, tree_mask, _generic_scale):
-        return attention_mla(q_latent, q_rope, cache, page_table, prefix_lens, tree_mask, sm_scale)
-
-    base.mla_prep, base.attention_mla = mla_prep, attention
-    base.pieces["rope"] = "model table (torch)"
-    return base
-
-
-# ------------------------------------------------------------------------------------------------------------
-# the verify forward over SGLang's weights (needs no SGLang)
-
-
-class LoadedVerifyModel(VerifyModel):
-    """:class:`~specverify.forward.model.VerifyModel` over given weights (no dummy weights drawn), tp = 1.
-
-    ``weights``: ``{"embed", "lm_head", "final_norm", "layers": [per-layer dicts]}`` in VerifyModel's layout (from
-    :func:`read_weights`). :meth:`forward_captured` counts the calls of VerifyModel's layer loop.
-    """
-
-    def __init__(self, config: ModelConfig, weights: dict, *, dtype, device, ops: Ops):
-        self._given = weights
-        super().__init__(config, tp=1, dtype=dtype, device=device, ops=ops)
-        self.calls = 0
-
-    def _build_weights(self):
-        w = self._given
-        self.embed, self.lm_head, self.final_norm = w["embed"], w["lm_head"], w["final_norm"]
-        self.layers = list(w["layers"])
-        self._sets = {("layer", i): lw for i, lw in enumerate(self.layers)}
-
-    def forward_captured(self, input_ids, positions, kv_caches, page_table, prefix_lens, tree_mask=None,
-                         capture_layers=()):
-        """:meth:`VerifyModel.forward_captured`, counted in :attr:`calls` (the tests' proof that ours ran)."""
-        self.calls += 1
-        return super().forward_captured(input_ids, positions, kv_caches, page_table, prefix_lens, tree_mask,
-                                        capture_layers)
-
-
-# ------------------------------------------------------------------------------------------------------------
-# SGLang's step -> our inputs
-
-
-def tree_mask_from_links(next_token: torch.Tensor, next_sibling: torch.Tensor) -> torch.Tensor:
-    """Our packed ancestor mask uint8 [b, k, ceil(k/8)] from an EAGLE verify input's tree links.
-
-    next_token / next_sibling int [b, k]: first child / next sibling of each node (local ids, -1 none), as
-    ``EagleVerifyInput.retrieve_next_token`` / ``retrieve_next_sibling`` hold them. Fixed-count loops over k, no
-    host sync: capturable. Bit j of row i is set when node j is node i or one of its ancestors.
-    """
-    b, k = next_token.shape
-    dev = next_token.device
-    nodes = torch.arange(k, device=dev).expand(b, k)
-    sink = torch.full((b, 1), k, dtype=torch.long, device=dev)  # column k absorbs the writes of "-1" links
-    parent = torch.full((b, k + 1), -1, dtype=torch.long, device=dev)
-    child = torch.where(next_token >= 0, next_token.long(), sink)
-    sibling = torch.where(next_sibling >= 0, next_sibling.long(), sink)
-    parent.scatter_(1, child, nodes)
-    for _ in range(k):  # a sibling's parent is its left sibling's; chains are at most k long
-        parent.scatter_(1, sibling, parent[:, :k].clone())
-    parent[:, k] = -1
-    anc = torch.zeros(b, k, k + 1, dtype=torch.bool, device=dev)
-    cur = nodes.clone()
-    for _ in range(k):  # walk every node up to the root
-        anc.scatter_(2, torch.where(cur >= 0, cur, sink).unsqueeze(-1), True)
-        cur = torch.gather(parent, 1, torch.where(cur >= 0, cur, sink))
-    return pack_mask(anc[..., :k])
-
-
-def page_table_from_metadata(kv_indptr, kv_indices, out_cache_loc, prefix_lens, k: int, width: int):
-    """int32 [b, width] token slots: the prefix from the attention metadata's CSR rows, then the k draft slots
-    from ``out_cache_loc`` ([b * k]) at ``prefix_lens[b] + i``. Slots past a request's length are 0 (SGLang's
-    padding slot). Capturable (fixed width, no host sync)."""
-    b = prefix_lens.shape[0]
-    dev = prefix_lens.device
-    col = torch.arange(width, device=dev).view(1, width)
-    lens = prefix_lens.long().view(b, 1)
-    idx = (kv_indptr[:b].long().view(b, 1) + col).clamp(max=max(kv_indices.numel() - 1, 0))
-    table = torch.where(col < lens, kv_indices[idx] if kv_indices.numel() else torch.zeros_like(idx), 0)
-    draft = (lens + torch.arange(k, device=dev).view(1, k)).clamp(max=width - 1)
-    table.scatter_(1, draft, out_cache_loc.view(b, k).long())
-    return table.to(torch.int32)
 
 
 class VerifyStep:

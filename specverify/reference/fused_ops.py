@@ -34,13 +34,37 @@ def apply_rope(x, positions, theta):
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-def mla_kv_prep_reference(q, kv, positions, norm_weight, cache, page_table, prefix_lens, eps, theta, nope_dim):
-    """q [b, k, h, nope + rope] (rope part rotated in place); kv [b, k, R + rope]; writes the cache."""
+def apply_table_rope(x, positions, cos_sin, interleaved: bool):
+    """RoPE from a ``[max_position, rot]`` table (cos half, then sin half), as SGLang's rotary embeddings hold it.
+
+    x [b, k, heads, rot] or [b, k, rot]; positions int [b, k]. ``interleaved``: rotate the pairs (2j, 2j + 1)
+    (GPT-J, DeepSeek's layout), else the halves. Computed in fp32 (fp64 stays fp64), result in x's dtype.
+    """
+    ctype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    cos, sin = cos_sin[positions.long()].to(ctype).chunk(2, dim=-1)  # [b, k, rot / 2]
+    if x.dim() == 4:
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    xf = x.to(ctype)
+    x1, x2 = (xf[..., 0::2], xf[..., 1::2]) if interleaved else xf.chunk(2, dim=-1)
+    o1, o2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    out = torch.stack([o1, o2], -1).flatten(-2) if interleaved else torch.cat([o1, o2], -1)
+    return out.to(x.dtype)
+
+
+def mla_kv_prep_reference(q, kv, positions, norm_weight, cache, page_table, prefix_lens, eps, theta, nope_dim,
+                          cos_sin=None, interleaved=False):
+    """q [b, k, h, nope + rope] (rope part rotated in place); kv [b, k, R + rope]; writes the cache. RoPE from
+    ``theta`` (rotate-half), or from the table ``cos_sin`` (see :func:`apply_table_rope`)."""
+    def rope(x):
+        if cos_sin is None:
+            return apply_rope(x, positions, theta)
+        return apply_table_rope(x, positions, cos_sin, interleaved)
+
     r = norm_weight.shape[0]
     latent = rmsnorm_reference(kv[..., :r], norm_weight, eps)
-    k_pe = apply_rope(kv[..., r:], positions, theta)
+    k_pe = rope(kv[..., r:])
     write_draft_kv(cache, page_table, prefix_lens, torch.cat([latent, k_pe], -1))
-    q[..., nope_dim:] = apply_rope(q[..., nope_dim:], positions, theta)
+    q[..., nope_dim:] = rope(q[..., nope_dim:])
     return q
 
 

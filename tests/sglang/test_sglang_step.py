@@ -115,25 +115,6 @@ def test_spec_declares_what_it_serves():
 
 
 # ------------------------------------------------------------------------------------------------------------
-# the tree mask from SGLang's tree links
-
-
-@pytest.mark.parametrize("parents", [
-    [-1, 0, 0, 1],                      # siblings and a grandchild
-    [-1, 0, 1, 2, 3],                   # a chain
-    [-1, 0, 0, 0, 1, 1, 2, 3, 4],       # 9 nodes: two mask bytes per row
-    [-1],                               # one node (decode-like)
-])
-def test_tree_mask_from_links_matches_draft_tree(parents):
-    tree = DraftTree(parents)
-    other = DraftTree.chain(len(parents))  # a second request with another shape
-    _, nt, ns = tree.retrieve_links()
-    _, nt2, ns2 = other.retrieve_links()
-    got = step.tree_mask_from_links(torch.stack([nt, nt2]), torch.stack([ns, ns2]))
-    assert torch.equal(got, torch.stack([tree.packed_mask(), other.packed_mask()]))
-
-
-# ------------------------------------------------------------------------------------------------------------
 # TARGET_VERIFY through the binding: ours against SGLang's own forward
 
 

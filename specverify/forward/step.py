@@ -1,0 +1,172 @@
+"""The verify step as a serving engine hands it over, with no engine imported: token-slot page tables from CSR
+attention metadata, tree masks from EAGLE's tree links, a model's own rotary table and softmax scale, and the
+verify forward over weights the engine loaded.
+
+SGLang's whole-step plugin (:mod:`specverify.integrations.sglang_step`) is a thin adapter from SGLang's objects
+(``ForwardBatch``, the binding's pool view, ``EagleVerifyInput``) onto the functions here, and
+``specverify bench verify-wall --impl sglang-step`` drives the same functions over its own weights and KV on a GPU
+where SGLang cannot be imported, so the step SGLang runs and the step we time are one code path::
+
+    kv_indptr / kv_indices / out_cache_loc  ->  page_table_from_metadata  ->  token-slot page table [b, width]
+    retrieve_next_token / _sibling          ->  tree_mask_from_links      ->  packed ancestor mask [b, k, k/8]
+    the model's cos_sin_cache and scaling   ->  model_ops                 ->  the op table's mla_prep / attention
+                                            ->  LoadedVerifyModel.forward_captured (logits, hidden, EAGLE-3 aux)
+
+Every function here is capturable in a CUDA graph: fixed shapes per width, fixed-count loops, no host sync.
+"""
+from __future__ import annotations
+
+import torch
+
+from specverify.configs import ModelConfig
+from specverify.forward.model import VerifyModel
+from specverify.forward.ops import Ops
+from specverify.tree import pack_mask
+
+
+def tree_mask_from_links(next_token: torch.Tensor, next_sibling: torch.Tensor) -> torch.Tensor:
+    """Our packed ancestor mask uint8 [b, k, ceil(k/8)] from an EAGLE verify input's tree links.
+
+    next_token / next_sibling int [b, k]: first child / next sibling of each node (local ids, -1 none), as
+    ``EagleVerifyInput.retrieve_next_token`` / ``retrieve_next_sibling`` hold them (and
+    :meth:`specverify.DraftTree.retrieve_links` gives them). Fixed-count loops over k, no host sync: capturable.
+    Bit j of row i is set when node j is node i or one of its ancestors.
+    """
+    b, k = next_token.shape
+    dev = next_token.device
+    nodes = torch.arange(k, device=dev).expand(b, k)
+    sink = torch.full((b, 1), k, dtype=torch.long, device=dev)  # column k absorbs the writes of "-1" links
+    parent = torch.full((b, k + 1), -1, dtype=torch.long, device=dev)
+    child = torch.where(next_token >= 0, next_token.long(), sink)
+    sibling = torch.where(next_sibling >= 0, next_sibling.long(), sink)
+    parent.scatter_(1, child, nodes)
+    for _ in range(k):  # a sibling's parent is its left sibling's; chains are at most k long
+        parent.scatter_(1, sibling, parent[:, :k].clone())
+    parent[:, k] = -1
+    anc = torch.zeros(b, k, k + 1, dtype=torch.bool, device=dev)
+    cur = nodes.clone()
+    for _ in range(k):  # walk every node up to the root
+        anc.scatter_(2, torch.where(cur >= 0, cur, sink).unsqueeze(-1), True)
+        cur = torch.gather(parent, 1, torch.where(cur >= 0, cur, sink))
+    return pack_mask(anc[..., :k])
+
+
+def page_table_from_metadata(kv_indptr, kv_indices, out_cache_loc, prefix_lens, k: int, width: int):
+    """int32 [b, width] token slots (a page table of page size 1 over the cache viewed as ``[slots, 1, D]``).
+
+    The prefix of request b is ``kv_indices[kv_indptr[b] : kv_indptr[b] + prefix_lens[b]]`` (the CSR rows of the
+    attention metadata), then its k draft slots ``out_cache_loc[b * k : (b + 1) * k]`` at ``prefix_lens[b] + i``.
+    Columns past a request's length are 0 (SGLang's padding slot). Capturable: fixed width, no host sync.
+    """
+    b = prefix_lens.shape[0]
+    dev = prefix_lens.device
+    col = torch.arange(width, device=dev).view(1, width)
+    lens = prefix_lens.long().view(b, 1)
+    idx = (kv_indptr[:b].long().view(b, 1) + col).clamp(max=max(kv_indices.numel() - 1, 0))
+    table = torch.where(col < lens, kv_indices[idx].long() if kv_indices.numel() else torch.zeros_like(idx), 0)
+    draft = (lens + torch.arange(k, device=dev).view(1, k)).clamp(max=width - 1)
+    table.scatter_(1, draft, out_cache_loc.view(b, k).long())
+    return table.to(torch.int32)
+
+
+def model_ops(base: Ops, cos_sin: torch.Tensor, neox: bool, sm_scale: float) -> Ops:
+    """``base`` with the model's RoPE in ``mla_prep`` and ``attention_mla`` at the model's softmax scale.
+
+    cos_sin : float [max_position, rope_dim]
+        The model's rotary table (cos half, then sin half; SGLang's ``rotary_emb.cos_sin_cache``): DeepSeek-V3 and
+        Kimi-K2 use YaRN tables, which the generic theta RoPE of :class:`~specverify.forward.model.VerifyModel`
+        does not model.
+    neox : bool
+        Rotate halves (``is_neox_style``); else interleaved pairs (GPT-J, DeepSeek's checkpoints).
+    sm_scale : float
+        The model's softmax scale (``self_attn.scaling``: mscale-corrected for YaRN).
+
+    ``mla_prep`` stays one fused launch when ``base`` runs Triton small ops (``pieces["small_ops"] ==
+    "triton"``: :func:`specverify.fused_ops.mla_kv_prep` reads the table), else the torch reference. Mutates and
+    returns ``base``.
+    """
+    from specverify.fused_ops import mla_kv_prep
+
+    impl = "triton" if base.pieces.get("small_ops") == "triton" else "reference"
+    attention_mla = base.attention_mla
+
+    def mla_prep(q, kv, positions, norm_w, cache, page_table, prefix_lens, eps, _theta, nope):
+        return mla_kv_prep(q, kv, positions, norm_w, cache, page_table, prefix_lens, eps=eps, theta=1.0,
+                           nope_dim=nope, cos_sin=cos_sin, interleaved=not neox, impl=impl)
+
+    def attention(q_latent, q_rope, cache, page_table, prefix_lens, tree_mask, _generic_scale):
+        return attention_mla(q_latent, q_rope, cache, page_table, prefix_lens, tree_mask, sm_scale)
+
+    base.mla_prep, base.attention_mla = mla_prep, attention
+    base.pieces["rope"] = f"model table ({impl}, {'halves' if neox else 'interleaved pairs'})"
+    return base
+
+
+class LoadedVerifyModel(VerifyModel):
+    """:class:`~specverify.forward.model.VerifyModel` over given weights (no dummy weights drawn), tp = 1.
+
+    ``weights``: ``{"embed", "lm_head", "final_norm", "layers": [per-layer dicts]}`` in VerifyModel's layout
+    (SGLang's come from :func:`specverify.integrations.sglang_step.read_weights`). :meth:`forward_captured`
+    counts its calls (the tests' proof that ours ran).
+    """
+
+    def __init__(self, config: ModelConfig, weights: dict, *, dtype, device, ops: Ops):
+        self._given = weights
+        super().__init__(config, tp=1, dtype=dtype, device=device, ops=ops)
+        self.calls = 0
+
+    def _build_weights(self):
+        w = self._given
+        self.embed, self.lm_head, self.final_norm = w["embed"], w["lm_head"], w["final_norm"]
+        self.layers = list(w["layers"])
+        self._sets = {("layer", i): lw for i, lw in enumerate(self.layers)}
+
+    def forward_captured(self, input_ids, positions, kv_caches, page_table, prefix_lens, tree_mask=None,
+                         capture_layers=()):
+        """:meth:`VerifyModel.forward_captured`, counted in :attr:`calls`."""
+        self.calls += 1
+        return super().forward_captured(input_ids, positions, kv_caches, page_table, prefix_lens, tree_mask,
+                                        capture_layers)
+
+
+def token_slot_caches(kv_caches) -> list:
+    """Each layer's cache viewed as token slots ``[pages * page_size, 1, D]`` (the layout the CSR metadata's
+    token ids address). Views, no copy; the caches must be contiguous."""
+    out = []
+    for layer in kv_caches:
+        out.append([c.view(c.shape[0] * c.shape[1], 1, *c.shape[2:]) for c in layer])
+    return out
+
+
+def csr_metadata(page_table: torch.Tensor, prefix_lens: torch.Tensor, k: int, page_size: int):
+    """What a serving engine's Triton attention backend holds for TARGET_VERIFY over our paged cache:
+    ``(kv_indptr int32 [b + 1], kv_indices int64 [sum(prefix_lens)], out_cache_loc int64 [b * k])`` in token
+    slots (``page * page_size + offset``), the prefix of each request in CSR rows and its k draft slots after it.
+
+    Built once per batch shape (host sync: not for captured regions); benchmarks and tests use it to hand the
+    step the inputs SGLang would.
+    """
+    b = prefix_lens.shape[0]
+    lens = prefix_lens.long().cpu()
+    pt = page_table.long().cpu()
+    rows, draft = [], []
+    for i in range(b):
+        n = int(lens[i])
+        pos = torch.arange(n + k)
+        slots = pt[i, pos // page_size] * page_size + pos % page_size
+        rows.append(slots[:n])
+        draft.append(slots[n:])
+    dev = page_table.device
+    indptr = torch.zeros(b + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(lens, 0).to(torch.int32)
+    indices = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
+    return indptr.to(dev), indices.to(dev), torch.cat(draft).to(dev)
+
+
+def rope_table(theta: float, rope_dim: int, max_position: int, device=None) -> torch.Tensor:
+    """float32 [max_position, rope_dim]: the plain (theta) RoPE as a rotary table (cos half, then sin half), the
+    layout of SGLang's ``cos_sin_cache``; with ``neox=True`` in :func:`model_ops` it rotates exactly as the
+    theta RoPE of :class:`~specverify.forward.model.VerifyModel` (benchmarks compare the two paths' logits)."""
+    inv = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim))
+    ang = torch.arange(max_position, dtype=torch.float64).unsqueeze(1) * inv
+    return torch.cat([ang.cos(), ang.sin()], -1).to(torch.float32).to(device)

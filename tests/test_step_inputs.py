@@ -1,0 +1,100 @@
+"""The SGLang whole step's inputs without SGLang (:mod:`specverify.forward.step`): tree masks from EAGLE's tree
+links, token-slot page tables from CSR metadata, and the verify forward fed that way (a model's rotary table, the
+cache viewed as token slots) against the same forward over our own paged inputs."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specverify.forward import step
+from specverify.forward.model import VerifyModel
+from specverify.forward.ops import Ops
+from specverify.tree import BatchedDraftTree, DraftTree
+from specverify.verify_wall import _wall_ops
+
+
+@pytest.mark.parametrize("parents", [
+    [-1, 0, 0, 1],                      # siblings and a grandchild
+    [-1, 0, 1, 2, 3],                   # a chain
+    [-1, 0, 0, 0, 1, 1, 2, 3, 4],       # 9 nodes: two mask bytes per row
+    [-1],                               # one node (decode-like)
+])
+def test_tree_mask_from_links_matches_draft_tree(parents):
+    tree = DraftTree(parents)
+    other = DraftTree.chain(len(parents))  # a second request with another shape
+    _, nt, ns = tree.retrieve_links()
+    _, nt2, ns2 = other.retrieve_links()
+    got = step.tree_mask_from_links(torch.stack([nt, nt2]), torch.stack([ns, ns2]))
+    assert torch.equal(got, torch.stack([tree.packed_mask(), other.packed_mask()]))
+
+
+def _paged(batch, prefix, k, page_size, g):
+    per = -(-(max(prefix) + k) // page_size)
+    pages = batch * per + 1
+    table = torch.randperm(pages, generator=g)[: batch * per].view(batch, per).to(torch.int32)
+    return table, torch.tensor(prefix, dtype=torch.int32), pages
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_page_table_from_metadata_names_every_token_slot(page_size):
+    g = torch.Generator().manual_seed(page_size)
+    k, prefix = 3, [5, 0, 9]  # an empty prefix; prefixes ending inside a page
+    table, lens, _ = _paged(3, prefix, k, page_size, g)
+    indptr, indices, out_loc = step.csr_metadata(table, lens, k, page_size)
+    assert indptr.tolist() == [0, 5, 5, 14] and out_loc.shape == (3 * k,)
+    width = 16
+    got = step.page_table_from_metadata(indptr, indices, out_loc, lens, k, width)
+    assert got.dtype == torch.int32 and got.shape == (3, width)
+    for b, n in enumerate(prefix):
+        pos = torch.arange(n + k)
+        want = table[b, pos // page_size].long() * page_size + pos % page_size
+        assert torch.equal(got[b, : n + k].long(), want)
+        assert (got[b, n + k:] == 0).all()  # SGLang's padding slot
+
+
+@pytest.mark.parametrize("tree", [DraftTree([-1, 0, 0, 1]), DraftTree.chain(4)])
+def test_step_forward_matches_the_paged_forward(tree):
+    """The forward fed as the SGLang step feeds it (token-slot table from the metadata, mask from the links, the
+    theta RoPE as a rotary table) gives the logits and KV of the forward over our paged inputs."""
+    g = torch.Generator().manual_seed(len(tree.parents))
+    torch.manual_seed(int(torch.randint(0, 2 ** 31, (1,), generator=g)))
+    m = VerifyModel("tiny-mla-moe", dtype=torch.float32, device="cpu", seed=int(torch.randint(0, 1000, (1,))))
+    c = m.config
+    b, k, ps = 2, tree.num_nodes, 4
+    prefix = [6, 13]
+    table, lens, pages = _paged(b, prefix, k, ps, g)
+    caches = m.allocate_kv(pages, ps)
+    for layer in caches:
+        for cache in layer:
+            cache.normal_(generator=g)
+    slot_caches = [[cc.clone() for cc in layer] for layer in caches]
+    bt = BatchedDraftTree.repeat(tree, b)
+    draft = torch.randint(0, c.vocab_size, (b, k), generator=g)
+    pos = lens.long().unsqueeze(1) + bt.depth.long()
+    mask = None if tree.is_chain else bt.packed_mask
+    want = m.forward(draft, pos, caches, table, lens, mask)
+
+    m.ops = step.model_ops(Ops(), step.rope_table(c.rope_theta, c.qk_rope_head_dim, 64), neox=True,
+                           sm_scale=1.0 / math.sqrt(c.qk_nope_head_dim + c.qk_rope_head_dim))
+    indptr, indices, out_loc = step.csr_metadata(table, lens, k, ps)
+    slot_table = step.page_table_from_metadata(indptr, indices, out_loc, lens, k, 64)
+    _, nt, ns = tree.retrieve_links()
+    links_mask = None if tree.is_chain else step.tree_mask_from_links(nt.expand(b, k), ns.expand(b, k))
+    got = m.forward(draft, pos, step.token_slot_caches(slot_caches), slot_table, lens, links_mask)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    for layer_got, layer_want in zip(slot_caches, caches):
+        torch.testing.assert_close(layer_got[0], layer_want[0], rtol=1e-6, atol=1e-6)
+
+    # control: the interleaved layout rotates other pairs, so the table really decides the logits
+    m.ops = step.model_ops(Ops(), step.rope_table(c.rope_theta, c.qk_rope_head_dim, 64), neox=False,
+                           sm_scale=1.0 / math.sqrt(c.qk_nope_head_dim + c.qk_rope_head_dim))
+    other = m.forward(draft, pos, step.token_slot_caches(slot_caches), slot_table, lens, links_mask)
+    assert float((other - want).abs().max()) > 1e-3 * float(want.abs().max())
+
+
+def test_wall_step_provider_refuses_gqa_models():
+    m = VerifyModel("tiny-gqa", dtype=torch.float32, device="cpu")
+    with pytest.raises(RuntimeError, match="MLA"):
+        _wall_ops("sglang-step", m, 64)

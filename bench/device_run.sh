@@ -40,7 +40,7 @@ for step in "$@"; do
     sweep-*) n=${step#sweep-}; run "sweep_$n" python3 bench/sweep_verify_kernels.py --only "${n//+/,}" --json "$OUT/sweep_$n.json" ${SWEEP_ARGS:-} ;;
     script-*) n=${step#script-}; a="ARGS_$n"; run "$n" python3 bench/$n.py --json "$OUT/$n.json" ${!a:-} ;;
     gpu-*) n=${step#gpu-}; a="ARGS_$n"; run "gpu_$n" python3 -P -m pytest -q -p no:cacheprovider --rootdir=. -m gpu tests/test_$n.py ${!a:-} ;;
-    par-*) n=${step#par-}; run "par_$n" bash -c "python3 -P -m pytest -q -p no:cacheprovider --rootdir=. -m gpu --co tests/test_$n.py | grep :: > /tmp/ids_$n; rm -f /tmp/shard_$n.*; split -n r/${SHARDS:-6} /tmp/ids_$n /tmp/shard_$n.; for f in /tmp/shard_$n.??; do xargs -a \$f -d \"\\\\n\" python3 -P -m pytest -q -p no:cacheprovider --rootdir=. -m gpu -rf --durations=5 > \$f.log 2>&1 & done; wait; cat /tmp/shard_$n.*.log; ! grep -q -E '^(FAILED|ERROR)' /tmp/shard_$n.*.log" ;;
+    par-*) n=${step#par-}; run "par_$n" bash -c "python3 -P -m pytest -q -p no:cacheprovider --rootdir=. -m gpu --co tests/test_$n.py | grep :: > /tmp/ids_$n; rm -f /tmp/shard_$n.*; split -n r/${SHARDS:-6} /tmp/ids_$n /tmp/shard_$n.; for f in /tmp/shard_$n.??; do xargs -r -a \$f -d \"\\\\n\" python3 -P -m pytest -q -p no:cacheprovider --rootdir=. -m gpu -rf --durations=5 > \$f.log 2>&1 & done; wait; cat /tmp/shard_$n.*.log; ! grep -q -E '^(FAILED|ERROR)' /tmp/shard_$n.*.log" ;;
     cmd-*) n=${step#cmd-}; a="CMD_$n"; run "$n" bash -c "${!a}" ;;
     peer) run peer python3 -P -c "from specverify.peers import sglang as p; print(p.available())" ;;
     sglang-tests) run sglang_tests python3 -P -m pytest -q -p no:cacheprovider --rootdir=. tests/sglang -m sglang ${ARGS_sglang:-} ;;

@@ -8,12 +8,17 @@
 * :func:`git_commit`: the short commit of the checkout a script runs from (``"?"`` outside a git checkout).
 * :func:`dict_restorer`: put module-level config dicts that a sweep edits in place back as they were.
 * :func:`token_counts`: the argparse type of the scripts' ``--ms`` (comma-separated token counts M >= 1).
+* :class:`GpuStateLog`: SM / memory clocks, power, temperature and throttle reasons sampled by ``nvidia-smi`` in
+  the background, summarised per interval (providers timed one after another compare only at equal clocks).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
+import threading
+import time
 
 import torch
 
@@ -134,3 +139,79 @@ def load_sglang_peer(script: str):
     except Exception as exc:
         return None, f"sglang_peer.available() failed ({exc})"
     return sglang_peer, ""
+
+
+class GpuStateLog:
+    """Background samples of one GPU's state from ``nvidia-smi --query-gpu ... -lms`` (every ``period_ms``), so a
+    run that times providers one after another can show whether they ran at the same clocks.
+
+    ``mark(name)`` opens an interval (closing the previous one); :meth:`summary` gives per interval the median and
+    minimum SM clock (MHz), the median memory clock, the largest power draw (W) and temperature (C), and the
+    throttle-reason bitmasks seen (``clocks_throttle_reasons.active``: 0x1 idle, 0x4 software power cap, 0x20
+    software thermal, 0x40 hardware thermal, 0x80 hardware power brake; see ``nvidia-smi -h``).
+    Without ``nvidia-smi`` or a CUDA device :attr:`available` is False and every call does nothing.
+    """
+
+    FIELDS = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
+
+    def __init__(self, device=None, period_ms: int = 200):
+        self.samples: list[tuple[float, list[str]]] = []
+        self.marks: list[tuple[float, str]] = []
+        self._proc = None
+        self.available = False
+        if not torch.cuda.is_available():
+            return
+        dev = torch.device(device if device is not None else "cuda")
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        uuid = getattr(torch.cuda.get_device_properties(idx), "uuid", None)
+        target = f"GPU-{uuid}" if uuid is not None else str(idx)
+        try:
+            self._proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={self.FIELDS}", "--format=csv,noheader,nounits",
+                                           "-i", target, f"-lms={period_ms}"], stdout=subprocess.PIPE,
+                                          stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            return
+        self.available = True
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self):
+        for line in self._proc.stdout:
+            vals = [v.strip() for v in line.split(",")]
+            if len(vals) == 5:
+                self.samples.append((time.monotonic(), vals))
+
+    def mark(self, name: str) -> None:
+        self.marks.append((time.monotonic(), name))
+
+    def close(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+
+    def summary(self) -> dict:
+        """{interval name: {"sm_mhz_median", "sm_mhz_min", "mem_mhz_median", "power_w_max", "temp_c_max",
+        "throttle_reasons", "samples"}} over the samples inside each marked interval (the last runs to now)."""
+        out: dict = {}
+        ends = [t for t, _ in self.marks[1:]] + [time.monotonic()]
+        for (t0, name), t1 in zip(self.marks, ends):
+            rows = [v for t, v in self.samples if t0 <= t < t1]
+
+            def num(i, rows=rows):
+                vals = []
+                for v in rows:
+                    try:
+                        vals.append(float(v[i]))
+                    except ValueError:  # "[N/A]" on GPUs that do not report a field
+                        pass
+                return vals
+
+            sm, mem, pw, tc = num(0), num(1), num(2), num(3)
+            out[name] = {"sm_mhz_median": statistics.median(sm) if sm else None, "sm_mhz_min": min(sm) if sm else None,
+                         "mem_mhz_median": statistics.median(mem) if mem else None,
+                         "power_w_max": max(pw) if pw else None, "temp_c_max": max(tc) if tc else None,
+                         "throttle_reasons": sorted({v[4] for v in rows}), "samples": len(rows)}
+        return out

@@ -41,6 +41,7 @@ from specverify.benchmarking import git_commit
 from specverify.configs import get_config, list_configs, per_rank_shapes, verify_bytes
 from specverify.env_report import collect_env
 from specverify.forward.model import VerifyModel
+from specverify.benchmarking import GpuStateLog
 from specverify.forward import step as step_inputs
 from specverify.forward.ops import PROVIDERS, provider_ops, specverify_ops
 from specverify.graph_pool import VerifyGraphPool
@@ -543,6 +544,8 @@ def run_verify_wall(s: WallSettings, progress=None) -> dict:
     g = torch.Generator(device="cpu").manual_seed(s.seed)
     page_table = torch.randperm(num_pages, generator=g)[: s.batch * per].view(s.batch, per).to(torch.int32)
     page_table = page_table.to(device)
+    gpu_log = GpuStateLog(device)  # clocks / power / throttling per provider (nothing without nvidia-smi)
+    gpu_log.mark("copy bandwidth")
     bandwidth = measure_copy_bandwidth(device)
     env = collect_env()
     commit = git_commit(__file__)
@@ -557,125 +560,132 @@ def run_verify_wall(s: WallSettings, progress=None) -> dict:
     ref_logits: dict = {}  # k -> logits of the first provider, the correctness yardstick of the others
     total_steps = len(s.impl) * len(ks)
     step = 0
-    for provider in s.impl:
-        try:
-            ops, note = _wall_ops(provider, model, context + max_k)
-        except Exception as exc:
-            notes.append(f"provider {provider!r} skipped: {exc}")
-            step += len(ks)
-            if progress:
-                progress(step, total_steps, f"{provider}: skipped")
-            continue
-        if note:
-            notes.append(f"{provider}: {note}")
-        model.ops = ops
-        results = {}
-        cases: dict = {}
-
-        def make_inputs(bucket, k):
-            if provider == "sglang-step":
-                case = StepCase(model, caches, page_table[:bucket], bucket, k, context, s.tree, s.seed, s.page_size)
-            else:
-                case = VerifyCase(model, caches, page_table[:bucket], bucket, k, context, s.tree, s.seed)
-            cases[k] = case
-            return {"draft": case.draft, "parents": case.parents, "depth": case.depth, "prefix": case.prefix}
-
-        def forward(inputs, k):  # the inputs are the case's own buffers
-            return cases[k].run()
-
-        use_graphs = s.graph and device.type == "cuda"
-        pool = VerifyGraphPool(forward, make_inputs, batch_buckets=[s.batch], draft_lengths=ks, capture="lazy",
-                               use_graphs=use_graphs, warmup_iters=2, device=device)
-        failed: dict = {}
-        for k in sorted(ks, reverse=True):  # largest first: smaller graphs reuse its pool memory
+    try:
+        for n, provider in enumerate(s.impl):
+            repeat = s.impl[:n].count(provider)
+            gpu_log.mark(provider if s.impl.count(provider) == 1 else f"{provider} #{repeat + 1}")
             try:
-                pool.static_inputs(s.batch, k)
+                ops, note = _wall_ops(provider, model, context + max_k)
             except Exception as exc:
-                failed[k] = exc
-                log.exception("verify-wall %s k=%d capture failed", provider, k)
-        for k in ks:
-            host_us, gpu_us, check, times = float("nan"), float("nan"), float("nan"), []
-            try:
-                if k in failed:
-                    raise failed[k]
-                case = cases[k]
-                logits = case.check_logits()  # correctness before timing: against the first provider's
-                if k not in ref_logits:
-                    ref_logits[k] = logits.clone()
+                notes.append(f"provider {provider!r} skipped: {exc}")
+                step += len(ks)
+                if progress:
+                    progress(step, total_steps, f"{provider}: skipped")
+                continue
+            if note:
+                notes.append(f"{provider}: {note}")
+            model.ops = ops
+            results = {}
+            cases: dict = {}
+
+            def make_inputs(bucket, k):
+                if provider == "sglang-step":
+                    case = StepCase(model, caches, page_table[:bucket], bucket, k, context, s.tree, s.seed, s.page_size)
                 else:
-                    check = float((logits - ref_logits[k]).norm() / ref_logits[k].norm())
-                if use_graphs:
-                    tr = pool.time_replay(s.batch, k, iters=20)
-                    host_us, gpu_us = tr["host_us"], tr["gpu_us"]
-                times = _time_calls(lambda: pool.replay(s.batch, k), s.warmup, s.iters, device)
-            except Exception as exc:
-                notes.append(f"{provider} k={k} failed: {type(exc).__name__}: {exc}")
-                log.exception("verify-wall %s k=%d failed", provider, k)
-            results[k] = (times, host_us, None, check, gpu_us)
-            step += 1
-            if progress:
-                med = statistics.median(times) if times else float("nan")
-                progress(step, total_steps, f"{provider} k={k}: {med:.3f} ms")
-            if s.breakdown and device.type == "cuda" and k in (1, 4) and times:
-                breakdowns[f"{provider}/k={k}"] = breakdown(cases[k], device, lambda: pool.replay(s.batch, k))
-        if use_graphs:
-            meta.setdefault("graph_pools", {})[provider] = {
-                "graphs": [g.as_dict() if hasattr(g, "as_dict") else g for g in pool.report()],
-                "pool_bytes": pool.pool_bytes(), "largest_graph_bytes": pool.largest_graph_bytes()}
-        if s.switch and use_graphs and not failed:
-            # every k appears once per round, in a new order each round (seeded), so k changes on every pass
-            rng = __import__("random").Random(s.seed)
-            order = []
-            for _ in range(8):
-                perm = list(ks)
-                rng.shuffle(perm)
-                if order and perm[0] == order[-1]:
-                    perm.reverse()
-                order += perm
-            ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in order]
-            for kk, (a, b) in zip(order, ev):
-                a.record()
-                pool.replay(s.batch, kk)
-                b.record()
-            torch.cuda.synchronize()
-            sw: dict = {}
-            for kk, (a, b) in zip(order, ev):
-                sw.setdefault(kk, []).append(a.elapsed_time(b))
+                    case = VerifyCase(model, caches, page_table[:bucket], bucket, k, context, s.tree, s.seed)
+                cases[k] = case
+                return {"draft": case.draft, "parents": case.parents, "depth": case.depth, "prefix": case.prefix}
+
+            def forward(inputs, k):  # the inputs are the case's own buffers
+                return cases[k].run()
+
+            use_graphs = s.graph and device.type == "cuda"
+            pool = VerifyGraphPool(forward, make_inputs, batch_buckets=[s.batch], draft_lengths=ks, capture="lazy",
+                                   use_graphs=use_graphs, warmup_iters=2, device=device)
+            failed: dict = {}
+            for k in sorted(ks, reverse=True):  # largest first: smaller graphs reuse its pool memory
+                try:
+                    pool.static_inputs(s.batch, k)
+                except Exception as exc:
+                    failed[k] = exc
+                    log.exception("verify-wall %s k=%d capture failed", provider, k)
             for k in ks:
-                times, host_us, _, check, gpu_us = results[k]
-                results[k] = (times, host_us, statistics.median(sw[k]), check, gpu_us)
-        pool.invalidate()
-        del pool, cases
-        decode = statistics.median(results[1][0]) if results.get(1) and results[1][0] else float("nan")
-        decode_ar, _ = modelled_allreduce_ms(s, cfg, layers, 1)
-        for k in ks:
-            res = results[k]
-            times, host_us, switch_ms, check, gpu_us = res
-            vb = verify_bytes(cfg, tp, k, context, s.batch, num_layers=layers)
-            floor_ms = vb.total / bandwidth * 1e3 if bandwidth == bandwidth else float("nan")
-            med = statistics.median(times) if times else float("nan")
-            ar_ms, ar_src = modelled_allreduce_ms(s, cfg, layers, k)
-            total = med + ar_ms
-            rows.append({
-                "provider": provider, "k": k, "tree": s.tree if k > 1 else "decode",
-                "verify_ms_median": med, "verify_ms_p20": _quantile(times, 0.2),
-                "verify_ms_p80": _quantile(times, 0.8), "decode_ms": decode,
-                "host_launch_us": host_us, "gpu_pass_us_back_to_back": gpu_us,
-                "launch_bound": (host_us > gpu_us) if host_us == host_us and gpu_us == gpu_us else None,
-                "switch_ms_median": switch_ms,
-                "bytes": vb.total, "bytes_by_component": vb.as_dict(), "floor_ms": floor_ms,
-                "efficiency": floor_ms / med if med == med and med > 0 else float("nan"),
-                "overhead_ms": med - floor_ms, "allreduce_ms_modelled": ar_ms, "allreduce_source": ar_src,
-                "total_ms": total, "break_even": total / (decode + decode_ar) if decode == decode else float("nan"),
-                "pieces": dict(ops.pieces), "iters": len(times), "logits_rel_err_vs_first": check,
-            })
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        if s.json_path:  # after every provider, so a run stopped part-way still leaves its figures
-            try:
-                _write_json({"rows": rows, "meta": meta, "breakdown": breakdowns, "partial": True}, s.json_path)
-            except OSError as exc:  # the path was checked up front; keep measuring, the final write reports it
-                log.warning("verify-wall: partial --json write to %s failed: %s", s.json_path, exc)
+                host_us, gpu_us, check, times = float("nan"), float("nan"), float("nan"), []
+                try:
+                    if k in failed:
+                        raise failed[k]
+                    case = cases[k]
+                    logits = case.check_logits()  # correctness before timing: against the first provider's
+                    if k not in ref_logits:
+                        ref_logits[k] = logits.clone()
+                    else:
+                        check = float((logits - ref_logits[k]).norm() / ref_logits[k].norm())
+                    if use_graphs:
+                        tr = pool.time_replay(s.batch, k, iters=20)
+                        host_us, gpu_us = tr["host_us"], tr["gpu_us"]
+                    times = _time_calls(lambda: pool.replay(s.batch, k), s.warmup, s.iters, device)
+                except Exception as exc:
+                    notes.append(f"{provider} k={k} failed: {type(exc).__name__}: {exc}")
+                    log.exception("verify-wall %s k=%d failed", provider, k)
+                results[k] = (times, host_us, None, check, gpu_us)
+                step += 1
+                if progress:
+                    med = statistics.median(times) if times else float("nan")
+                    progress(step, total_steps, f"{provider} k={k}: {med:.3f} ms")
+                if s.breakdown and device.type == "cuda" and k in (1, 4) and times:
+                    breakdowns[f"{provider}/k={k}"] = breakdown(cases[k], device, lambda: pool.replay(s.batch, k))
+            if use_graphs:
+                meta.setdefault("graph_pools", {})[provider] = {
+                    "graphs": [g.as_dict() if hasattr(g, "as_dict") else g for g in pool.report()],
+                    "pool_bytes": pool.pool_bytes(), "largest_graph_bytes": pool.largest_graph_bytes()}
+            if s.switch and use_graphs and not failed:
+                # every k appears once per round, in a new order each round (seeded), so k changes on every pass
+                rng = __import__("random").Random(s.seed)
+                order = []
+                for _ in range(8):
+                    perm = list(ks)
+                    rng.shuffle(perm)
+                    if order and perm[0] == order[-1]:
+                        perm.reverse()
+                    order += perm
+                ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in order]
+                for kk, (a, b) in zip(order, ev):
+                    a.record()
+                    pool.replay(s.batch, kk)
+                    b.record()
+                torch.cuda.synchronize()
+                sw: dict = {}
+                for kk, (a, b) in zip(order, ev):
+                    sw.setdefault(kk, []).append(a.elapsed_time(b))
+                for k in ks:
+                    times, host_us, _, check, gpu_us = results[k]
+                    results[k] = (times, host_us, statistics.median(sw[k]), check, gpu_us)
+            pool.invalidate()
+            del pool, cases
+            decode = statistics.median(results[1][0]) if results.get(1) and results[1][0] else float("nan")
+            decode_ar, _ = modelled_allreduce_ms(s, cfg, layers, 1)
+            for k in ks:
+                res = results[k]
+                times, host_us, switch_ms, check, gpu_us = res
+                vb = verify_bytes(cfg, tp, k, context, s.batch, num_layers=layers)
+                floor_ms = vb.total / bandwidth * 1e3 if bandwidth == bandwidth else float("nan")
+                med = statistics.median(times) if times else float("nan")
+                ar_ms, ar_src = modelled_allreduce_ms(s, cfg, layers, k)
+                total = med + ar_ms
+                rows.append({
+                    "provider": provider, "k": k, "tree": s.tree if k > 1 else "decode",
+                    "verify_ms_median": med, "verify_ms_p20": _quantile(times, 0.2),
+                    "verify_ms_p80": _quantile(times, 0.8), "decode_ms": decode,
+                    "host_launch_us": host_us, "gpu_pass_us_back_to_back": gpu_us,
+                    "launch_bound": (host_us > gpu_us) if host_us == host_us and gpu_us == gpu_us else None,
+                    "switch_ms_median": switch_ms,
+                    "bytes": vb.total, "bytes_by_component": vb.as_dict(), "floor_ms": floor_ms,
+                    "efficiency": floor_ms / med if med == med and med > 0 else float("nan"),
+                    "overhead_ms": med - floor_ms, "allreduce_ms_modelled": ar_ms, "allreduce_source": ar_src,
+                    "total_ms": total, "break_even": total / (decode + decode_ar) if decode == decode else float("nan"),
+                    "pieces": dict(ops.pieces), "iters": len(times), "logits_rel_err_vs_first": check,
+                })
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            if s.json_path:  # after every provider, so a run stopped part-way still leaves its figures
+                try:
+                    _write_json({"rows": rows, "meta": meta, "breakdown": breakdowns, "partial": True}, s.json_path)
+                except OSError as exc:  # the path was checked up front; keep measuring, the final write reports it
+                    log.warning("verify-wall: partial --json write to %s failed: %s", s.json_path, exc)
+    finally:
+        gpu_log.close()
+    if gpu_log.available:
+        meta["gpu_state"] = gpu_log.summary()
     for r in rows:
         r.update({k2: meta[k2] for k2 in ("model", "tp", "batch", "context", "layers", "distinct_layers", "graph",
                                           "gpu", "commit", "date")})
@@ -725,6 +735,12 @@ def format_table(result: dict) -> str:
         lines.append(f"breakdown {name} ({b['mode']}): pass {b['pass_ms']:.3f} ms, components sum "
                      f"{b['sum_ms']:.3f} ms (gap {b['gap'] * 100:.1f}%; uncorrected {b['raw_sum_ms']:.3f} ms, "
                      f"{b['section_overhead_us']:.2f} us of event nodes per section subtracted): {comp}")
+    for name, g in result["meta"].get("gpu_state", {}).items():
+        if g.get("samples"):
+            f = {key: "n/a" if v is None else f"{v:.0f}" for key, v in g.items() if key != "throttle_reasons"}
+            lines.append(f"gpu state {name}: SM clock median {f['sm_mhz_median']} (min {f['sm_mhz_min']}) MHz, "
+                         f"memory {f['mem_mhz_median']} MHz, power max {f['power_w_max']} W, {f['temp_c_max']} C, "
+                         f"throttle reasons {', '.join(g['throttle_reasons']) or 'none'}")
     lines.append("break-even: tokens a pass at k must emit (accept length + 1) to match plain decoding, "
                  "total(k) / total(1), before draft cost")
     lines.append("rel err: ||logits - first provider's logits|| / ||first provider's logits||, same inputs, "

@@ -1,4 +1,4 @@
-"""Helpers the benchmarks share: config restore, the --ms parser and the random expert pool."""
+"""Helpers the benchmarks share: config restore, the --ms parser, the random expert pool, the GPU state log."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from specverify.benchmarking import dict_restorer, token_counts
+from specverify.benchmarking import GpuStateLog, dict_restorer, token_counts
 from specverify.reference.moe import random_expert_weights
 
 
@@ -42,3 +42,19 @@ def test_random_expert_weights_shapes_scale_and_seed():
     g = torch.Generator().manual_seed(4)
     assert torch.equal(random_expert_weights(3, 64, 16, generator=g, dtype=torch.float32)[0], w13)
     assert random_expert_weights(1, 8, 4)[0].dtype == torch.bfloat16
+
+
+def test_gpu_state_log_summarises_each_interval():
+    log = GpuStateLog.__new__(GpuStateLog)  # no nvidia-smi here: feed samples as its reader thread would
+    log.samples, log.marks, log._proc, log.available = [], [], None, True
+    log.marks = [(0.0, "first"), (10.0, "second")]
+    rows = [(1.0, "1980", "3201", "650.5", "61", "0x0"), (2.0, "1900", "3201", "699.0", "63", "0x4"),
+            (11.0, "1600", "3201", "[N/A]", "70", "0x4"), (12.0, "1700", "3201", "690.0", "71", "0x4")]
+    log.samples = [(t, list(v)) for t, *v in rows]
+    got = log.summary()
+    assert got["first"] == {"sm_mhz_median": 1940.0, "sm_mhz_min": 1900.0, "mem_mhz_median": 3201.0,
+                            "power_w_max": 699.0, "temp_c_max": 63.0, "throttle_reasons": ["0x0", "0x4"],
+                            "samples": 2}
+    assert got["second"]["sm_mhz_min"] == 1600.0 and got["second"]["power_w_max"] == 690.0  # "[N/A]" skipped
+    assert got["second"]["samples"] == 2
+    log.close()  # no process: nothing to stop

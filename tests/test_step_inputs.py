@@ -98,3 +98,31 @@ def test_wall_step_provider_refuses_gqa_models():
     m = VerifyModel("tiny-gqa", dtype=torch.float32, device="cpu")
     with pytest.raises(RuntimeError, match="MLA"):
         _wall_ops("sglang-step", m, 64)
+
+
+@pytest.mark.parametrize("tree_spec", ["chain", "topk:2"])
+def test_wall_step_case_does_the_verify_cases_work(tree_spec):
+    """verify-wall's sglang-step pass (adapted inputs, token-slot caches) accepts the same tokens and leaves the
+    same KV as its specverify pass on the same inputs (reference op tables: exact up to the RoPE table)."""
+    from specverify.verify_wall import StepCase, VerifyCase
+
+    g = torch.Generator().manual_seed(11)
+    m = VerifyModel("tiny-mla-moe", dtype=torch.float32, device="cpu", seed=3)
+    b, k, ps, ctx = 2, 4, 4, 10
+    table, _, pages = _paged(b, [ctx] * b, k, ps, g)
+    caches = m.allocate_kv(pages, ps)
+    for layer in caches:
+        for cache in layer:
+            cache.normal_(generator=g)
+    twin = [[cc.clone() for cc in layer] for layer in caches]
+    want = VerifyCase(m, caches, table, b, k, ctx, tree_spec, seed=5)
+    toks, acc = want.run()
+    c = m.config
+    m.ops = step.model_ops(Ops(), step.rope_table(c.rope_theta, c.qk_rope_head_dim, ctx + k), neox=True,
+                           sm_scale=1.0 / math.sqrt(c.qk_nope_head_dim + c.qk_rope_head_dim))
+    got = StepCase(m, twin, table, b, k, ctx, tree_spec, seed=5, page_size=ps)
+    toks2, acc2 = got.run()
+    assert torch.equal(acc2, acc) and torch.equal(toks2, toks)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-4 * float(want.logits.abs().max()))
+    for a, c in zip(twin, caches):
+        torch.testing.assert_close(a[0], c[0], rtol=1e-5, atol=1e-5)

@@ -1,7 +1,6 @@
-"""Sweep: the sampling-kernel variants of ``verify_sampling`` (and greedy), whole call and each launch alone.
+"""Sweep: the sampling-kernel sizes of ``verify_sampling`` (and greedy), whole call and each launch alone.
 
-Variants (``specverify.accept._VARIANT["sampling"]`` and ``_SELECT_CONFIG``): ``bisect`` (the first design: chunks
-of 4096 with 64 candidates, 33-probe bisections, bonus drawn after the walk) and ``select`` with several sizes
+Variants (overrides of ``specverify.accept._SELECT_CONFIG``): ``select`` (the defaults) and several sizes
 (vocabulary chunk / warps of launch 1, candidate slots per row, warps of launch 2, floor probes). Shapes: vocab
 32000 and 163840, batch 1 / 8 / 64, k = 4 and 8 (chain trees), bf16 ``randn * 4`` logits, temperature 1,
 top-p 0.9 (issue 8's target: vocab 163840, batch 1, k 4, <= 20 us).
@@ -24,18 +23,17 @@ import torch
 
 from specverify.benchmarking import run_meta, graph_us
 
-# name -> (variant, _SELECT_CONFIG overrides)
+# name -> _SELECT_CONFIG overrides
 VARIANTS = {
-    "bisect": ("bisect", {}),
-    "select": ("select", {}),
-    "select-c2048w2": ("select", dict(chunk=2048, chunk_warps=2)),
-    "select-c1024w1": ("select", dict(chunk=1024, chunk_warps=1)),
-    "select-c4096w4": ("select", dict(chunk=4096, chunk_warps=4)),
-    "select-rw16": ("select", dict(row_warps=16)),
-    "select-slots8k": ("select", dict(slots=8192)),
-    "select-fi8": ("select", dict(floor_iters=8)),
+    "select": {},
+    "select-c2048w2": dict(chunk=2048, chunk_warps=2),
+    "select-c1024w1": dict(chunk=1024, chunk_warps=1),
+    "select-c4096w4": dict(chunk=4096, chunk_warps=4),
+    "select-rw16": dict(row_warps=16),
+    "select-slots8k": dict(slots=8192),
+    "select-fi8": dict(floor_iters=8),
 }
-QUICK_VARIANTS = ("bisect", "select", "select-c2048w2", "select-c1024w1", "select-rw16")
+QUICK_VARIANTS = ("select", "select-c2048w2", "select-c1024w1", "select-rw16")
 TOP_P, TEMPERATURE = 0.9, 1.0
 
 
@@ -46,7 +44,7 @@ def run_shape(vocab: int, k: int, batch: int, names, timer, device, g, t_start: 
     from specverify.tree import BatchedDraftTree, DraftTree
 
     top_p, temperature = TOP_P, TEMPERATURE
-    restore = dict_restorer(acc._VARIANT, acc._SELECT_CONFIG)
+    restore = dict_restorer(acc._SELECT_CONFIG)
     rows = []
     trees = BatchedDraftTree.repeat(DraftTree.chain(k), batch)
     parents = trees.parents.to(device)
@@ -75,10 +73,8 @@ def run_shape(vocab: int, k: int, batch: int, names, timer, device, g, t_start: 
                  (("temperature", temperature, "f"), ("top_k", 0, "i"), ("top_p", top_p, "f"),
                   ("min_p", 0.0, "f")))
     for name in names:
-        variant, over = VARIANTS[name]
         restore()
-        acc._VARIANT["sampling"] = variant
-        acc._SELECT_CONFIG.update(over)
+        acc._SELECT_CONFIG.update(VARIANTS[name])
         try:
             def call():
                 return acc.verify_sampling(logits, trees, draft, uniform_samples=u, top_p=top_p,
@@ -87,7 +83,7 @@ def run_shape(vocab: int, k: int, batch: int, names, timer, device, g, t_start: 
             got = call()
             match = all(torch.equal(a, b) for a, b in zip(got, ref_s))
             whole = timer(call)
-            l1, l2 = acc._sampling_launches(logits, parents, draft, u, *pars, length, outs, None, None, variant)
+            l1, l2 = acc._sampling_launches(logits, parents, draft, u, *pars, length, outs, None, None)
             t1 = timer(l1)
             l1()
             t2 = timer(l2)
@@ -104,7 +100,7 @@ def run_shape(vocab: int, k: int, batch: int, names, timer, device, g, t_start: 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="target shapes (batch 1, k 4) and five variants")
+    ap.add_argument("--quick", action="store_true", help="target shapes (batch 1, k 4) and four variants")
     ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     ap.add_argument("--budget-s", type=float, default=420.0, help="start no new shape after this many seconds")
     args = ap.parse_args(argv)

@@ -10,27 +10,23 @@ Math (per row r = (request b, node n), scaled logits z = x / T_b, w = exp(z - M_
   Z_k = sum_{z >= tau_k} w. key() is the order-preserving int32 image of an fp32 value.
 * No sort: each chunk of CHUNK logits keeps (in registers) the elements with z >= floor_c, floor_c found by an
   in-register bisection so at most CAP survive; every element with z >= F = max_c floor_c is then a candidate,
-  so thresholds >= F are exact from the candidates (bisection over int keys); otherwise (flat rows, huge
-  top-k) the row program falls back to an exact bisection with passes over the whole row.
+  so thresholds >= F are exact from the candidates (snapped searches over int keys, below); otherwise (flat rows,
+  huge top-k) the row program falls back to an exact bisection with passes over the whole row.
 * Sampling walk: at the node at depth d the children are tried in node order; child j is accepted when
   u[b, d] < sum of q over the distinct tokens of the siblings tried so far (j included). The bonus is drawn by
   inverse CDF in vocabulary order with u[b, L-1] from q at the last accepted node with the tokens of all its
   children removed and the rest renormalised. T_b <= 0 makes request b greedy.
 
-Two sampling designs, chosen by ``specverify.accept._VARIANT["sampling"]``:
-
-* ``bisect`` (``_accept_chunk_kernel`` + ``_accept_sample_kernel``): chunks of 4096 with CAP = 64 candidates each,
-  thresholds by 33-probe bisections over int keys (two block reductions per probe), the bonus drawn after the walk.
-* ``select`` (``_accept_scan_kernel`` + ``_accept_select_kernel``, the default): the capacity per chunk adapts so
-  every row has about ``slots`` (4096) candidate slots (``cap = slots // S``: 51 per chunk of 2048 at V = 163840,
-  256 at V = 32000, a lower floor F than 64 per 4096 and so fewer fallbacks); unused slots hold z = -inf (no counts
-  to load first). Thresholds by *snapped* searches: each probe is one multi-operand reduction returning the sum
-  above the probe and the nearest candidate keys on both sides, and the interval snaps to those keys, so a search
-  ends when no candidate key lies strictly inside (about log2 of the distinct candidate keys: ~8 probes for bf16
-  logits instead of 33 x 2 reductions). Each row program also computes the acceptance mass q of its children's
-  tokens and its own bonus draw (inverse CDF over its candidates), so the walk after the counter loads a few
-  [k] vectors and never touches the logits (unless the kept set is not inside the candidates: then the walker
-  draws the bonus with passes over the row, as before).
+Sampling kernels (``_accept_scan_kernel`` + ``_accept_select_kernel``): the capacity per chunk adapts so every row
+has about ``slots`` (4096) candidate slots (``cap = slots // S``: 51 per chunk of 2048 at V = 163840, 256 at
+V = 32000), which keeps the floor F low and the full-row fallbacks rare; unused slots hold z = -inf (no counts to
+load first). Thresholds by *snapped* searches: each probe is one multi-operand reduction returning the sum above the
+probe and the nearest candidate keys on both sides, and the interval snaps to those keys, so a search ends when no
+candidate key lies strictly inside (about log2 of the distinct candidate keys: ~8 probes for bf16 logits, not the 33
+of a plain bisection over int32 keys). Each row program also computes the acceptance mass q of its children's tokens
+and its own bonus draw (inverse CDF over its candidates), so the walk after the counter loads a few [k] vectors and
+never touches the logits (unless the kept set is not inside the candidates: then the walker draws the bonus with
+passes over the row).
 
 Tensors (rows = batch * k, S = cdiv(V, CHUNK)):
 
@@ -46,13 +42,13 @@ Tensors (rows = batch * k, S = cdiv(V, CHUNK)):
 | uniforms        | [batch, L]     | fp32             | [:, d]: acceptance sample at depth d; [:, L-1] bonus   |
 | c_max, c_sum    | [rows, S]      | fp32             | chunk max of z, sum exp(z - c_max)                     |
 | c_arg           | [rows, S]      | int32            | first argmax in the chunk                              |
-| c_floor, c_cnt  | [rows, S]      | fp32, int32      | candidate floor and count of the chunk (no count: select)|
-| cand_z, cand_i  | [rows, S, CAP] | fp32, int32      | candidates (z, vocab id), in vocabulary order; select: |
-|                 |                |                  | slots past the count hold z = -inf                     |
-| r_max, r_norm   | [rows]         | fp32             | M_r and the kept mass sum w over the kept set          |
+| c_floor         | [rows, S]      | fp32             | candidate floor of the chunk                           |
+| cand_z, cand_i  | [rows, S, CAP] | fp32, int32      | candidates (z, vocab id), in vocabulary order; slots   |
+|                 |                |                  | past the count hold z = -inf                           |
+| r_max           | [rows]         | fp32             | M_r                                                    |
 | r_tau, r_arg    | [rows]         | int32            | key threshold tau_r, argmax                            |
 | r_full          | [rows]         | int32            | 1: every kept element is a candidate                   |
-| r_bonus, r_q    | [rows]         | int32, fp32      | select: bonus if the walk ends at the row's node; q of |
+| r_bonus, r_q    | [rows]         | int32, fp32      | bonus if the walk ends at the row's node; q of         |
 |                 |                |                  | the node's token under its parent (0 for node 0)       |
 | counter         | [batch]        | int32            | zero between launches; last row program walks, resets |
 | out_tokens      | [batch, L]     | int64            | accepted draft tokens, bonus at accept_len, then -1    |
@@ -64,11 +60,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-#: Default chunk of the vocabulary per program and candidate capacity per chunk.
+#: Default chunk of the vocabulary per program of the greedy argmax.
 CHUNK = 4096
-CAP = 64
-#: Bisection steps for the per-chunk candidate floor (over a 64-nat window: 64 / 2**14 nat resolution).
-FLOOR_ITERS = 14
 
 
 @triton.jit
@@ -106,55 +99,19 @@ def _request_params(b, temp_ptr, temp_s, topk_ptr, topk_s, topp_ptr, topp_s, min
     return t, inv_t, top_k, top_p, min_p
 
 
-@triton.jit(do_not_specialize=["V", "stride_row", "S", "K", "temp_s"])
-def _accept_chunk_kernel(logits_ptr, stride_row, V, S, K,
-                         temp_ptr, temp_s,
-                         c_max_ptr, c_arg_ptr, c_sum_ptr, c_floor_ptr, c_cnt_ptr, cand_z_ptr, cand_i_ptr,
-                         TEMP_T: tl.constexpr, SAMPLING: tl.constexpr, CHUNK: tl.constexpr, CAP: tl.constexpr,
-                         FLOOR_ITERS: tl.constexpr):
+@triton.jit(do_not_specialize=["V", "stride_row", "S"])
+def _accept_chunk_kernel(logits_ptr, stride_row, V, S, c_max_ptr, c_arg_ptr, CHUNK: tl.constexpr):
+    """Greedy: max and first argmax of each chunk of the row."""
     row = tl.program_id(0)
     c = tl.program_id(1)
     offs = c * CHUNK + tl.arange(0, CHUNK)
     valid = offs < V
-    x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + offs, mask=valid, other=float("-inf")).to(tl.float32)
-    if SAMPLING:
-        t = _load_param_f(temp_ptr, row // K, temp_s, TEMP_T)
-        inv_t = tl.where(t > 0.0, 1.0 / t, 1.0)
-        z = x * inv_t + 0.0
-    else:
-        z = x
+    z = tl.load(logits_ptr + row.to(tl.int64) * stride_row + offs, mask=valid, other=float("-inf")).to(tl.float32)
     m = tl.max(z, axis=0)
     arg = tl.min(tl.where(z == m, offs, 2147483647), axis=0)
     sidx = row * S + c
     tl.store(c_max_ptr + sidx, m)
     tl.store(c_arg_ptr + sidx, arg)
-    if SAMPLING:
-        fin = valid & (z > float("-inf"))
-        m_safe = tl.where(m > float("-inf"), m, 0.0)
-        s = tl.sum(tl.where(fin, tl.exp(z - m_safe), 0.0), axis=0)
-        n_fin = tl.sum(fin.to(tl.int32), axis=0)
-        # floor: the lowest value in [m - 64, m] (bisection) such that at most CAP elements lie at or above it
-        lo = m_safe - 64.0
-        hi = m_safe
-        c_lo = tl.sum((fin & (z >= lo)).to(tl.int32), axis=0)
-        hi = tl.where(c_lo <= CAP, lo, hi)
-        for _ in range(FLOOR_ITERS):
-            mid = (lo + hi) * 0.5
-            cnt = tl.sum((fin & (z >= mid)).to(tl.int32), axis=0)
-            ok = cnt <= CAP
-            hi = tl.where(ok, mid, hi)
-            lo = tl.where(ok, lo, mid)
-        c_hi = tl.sum((fin & (z >= hi)).to(tl.int32), axis=0)
-        floor = tl.where(c_hi <= CAP, hi, float("inf"))
-        floor = tl.where(n_fin <= CAP, float("-inf"), floor)
-        keep = fin & (z >= floor)
-        pos = tl.cumsum(keep.to(tl.int32), axis=0) - 1
-        base = sidx.to(tl.int64) * CAP
-        tl.store(cand_z_ptr + base + pos, z, mask=keep)
-        tl.store(cand_i_ptr + base + pos, offs, mask=keep)
-        tl.store(c_sum_ptr + sidx, s)
-        tl.store(c_floor_ptr + sidx, floor)
-        tl.store(c_cnt_ptr + sidx, tl.sum(keep.to(tl.int32), axis=0))
 
 
 @triton.jit
@@ -183,203 +140,6 @@ def _row_kept_mass(logits_ptr, row_off, V, inv_t, M, kthr, min_p, BLOCK: tl.cons
         sel = vm & (z > float("-inf")) & (_okey(z).to(tl.int64) >= kthr) & (w >= min_p)
         mass += tl.sum(tl.where(sel, w, 0.0), axis=0)
     return mass
-
-
-@triton.jit(do_not_specialize=["V", "stride_row", "S", "K", "L", "temp_s", "topk_s", "topp_s", "minp_s"])
-def _accept_sample_kernel(logits_ptr, stride_row, V, S, K, L,
-                          parents_ptr, draft_ptr, unif_ptr,
-                          temp_ptr, temp_s, topk_ptr, topk_s, topp_ptr, topp_s, minp_ptr, minp_s,
-                          c_max_ptr, c_arg_ptr, c_sum_ptr, c_floor_ptr, c_cnt_ptr, cand_z_ptr, cand_i_ptr,
-                          r_max_ptr, r_norm_ptr, r_tau_ptr, r_arg_ptr, r_full_ptr, counter_ptr,
-                          out_tokens_ptr, out_len_ptr, out_nodes_ptr,
-                          TEMP_T: tl.constexpr, TOPK_T: tl.constexpr, TOPP_T: tl.constexpr, MINP_T: tl.constexpr,
-                          S_BLOCK: tl.constexpr, CAP: tl.constexpr, K_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    b = row // K
-    t, inv_t, top_k, top_p, min_p = _request_params(b, temp_ptr, temp_s, topk_ptr, topk_s, topp_ptr, topp_s, minp_ptr,
-                                                    minp_s, TEMP_T, TOPK_T, TOPP_T, MINP_T)
-    row_off = row.to(tl.int64) * stride_row
-    NEG_KEY: tl.constexpr = -2147483649  # below every int32 key: "no threshold"
-
-    # ---- merge chunk statistics -------------------------------------------------------------------------------
-    cs = tl.arange(0, S_BLOCK)
-    cm_mask = cs < S
-    cmax = tl.load(c_max_ptr + row * S + cs, mask=cm_mask, other=float("-inf"))
-    carg = tl.load(c_arg_ptr + row * S + cs, mask=cm_mask, other=2147483647)
-    M = tl.max(cmax, axis=0)
-    arg = tl.min(tl.where(cmax == M, carg, 2147483647), axis=0)
-    tau = tl.zeros((), tl.int64) + NEG_KEY
-    norm = tl.zeros((), tl.float32) + 1.0
-    full = tl.zeros((), tl.int32)
-    if t > 0.0:
-        csum = tl.load(c_sum_ptr + row * S + cs, mask=cm_mask, other=0.0)
-        cfl = tl.load(c_floor_ptr + row * S + cs, mask=cm_mask, other=float("-inf"))
-        ccnt = tl.load(c_cnt_ptr + row * S + cs, mask=cm_mask, other=0)
-        Z = tl.sum(tl.where(cmax > float("-inf"), csum * tl.exp(cmax - M), 0.0), axis=0)
-        F = tl.max(cfl, axis=0)
-        all_cap = F == float("-inf")
-        kF = _okey(F).to(tl.int64)
-        # candidates as a [S_BLOCK, CAP] block
-        jj = tl.arange(0, CAP)
-        cvalid = cm_mask[:, None] & (jj[None, :] < ccnt[:, None])
-        cz = tl.load(cand_z_ptr + (row * S + cs[:, None]).to(tl.int64) * CAP + jj[None, :], mask=cvalid,
-                     other=float("-inf"))
-        cw = tl.where(cvalid, tl.exp(cz - M), 0.0)
-        ck = _okey(cz).to(tl.int64)
-        n_c = tl.sum(cvalid.to(tl.int32), axis=None)
-        kmin = tl.min(tl.where(cvalid, ck, 2147483647), axis=None)
-        kmax = tl.max(tl.where(cvalid, ck, -2147483648), axis=None)
-        ok = n_c >= 0
-        # top-k over candidates
-        tau_k = tl.zeros((), tl.int64) + NEG_KEY
-        k_on = (top_k > 0) & (top_k < V)
-        if k_on:
-            if n_c >= top_k:
-                lo = kmin
-                hi = kmax + 1
-                for _ in range(33):
-                    mid = lo + (hi - lo) // 2
-                    cnt = tl.sum((cvalid & (ck >= mid)).to(tl.int32), axis=None)
-                    go = cnt >= top_k
-                    lo = tl.where(go, mid, lo)
-                    hi = tl.where(go, hi, mid)
-                tau_k = lo
-                ok = ok & ((tau_k >= kF) | all_cap)
-            else:
-                ok = ok & all_cap
-        # top-p over candidates (on the top-k set)
-        tau_p = tl.zeros((), tl.int64) + NEG_KEY
-        p_on = top_p < 1.0
-        if p_on:
-            zk = tl.where(k_on, tl.sum(tl.where(ck >= tau_k, cw, 0.0), axis=None), Z)
-            target = top_p * zk
-            inset = cvalid & (ck >= tau_k)
-            m_lo = tl.sum(tl.where(inset, cw, 0.0), axis=None)
-            lo = kmin
-            hi = kmax + 1
-            for _ in range(33):
-                mid = lo + (hi - lo) // 2
-                sel = inset & (ck >= mid)
-                msum = tl.sum(tl.where(sel, cw, 0.0), axis=None)
-                go = (msum >= target) & (tl.sum(sel.to(tl.int32), axis=None) > 0)
-                lo = tl.where(go, mid, lo)
-                hi = tl.where(go, hi, mid)
-            tau_p = lo
-            ok = ok & (((m_lo >= target) & (tau_p >= kF)) | all_cap)
-        if ok:
-            tau = tl.maximum(tau_k, tau_p)
-            # every kept element is a candidate when the threshold or the min-p cut lies at or above F
-            full_b = all_cap | (tau >= kF) | (tl.exp(F - M) < min_p)
-            kept_c = cvalid & (ck >= tau) & (cw >= min_p)
-            norm = tl.where(full_b, tl.sum(tl.where(kept_c, cw, 0.0), axis=None), Z)
-            if (full_b == 0) & (min_p > 0.0):
-                norm = _row_kept_mass(logits_ptr, row_off, V, inv_t, M, tau, min_p, BLOCK)
-            full = full_b.to(tl.int32)
-        else:
-            # exact fallback: bisection with passes over the whole row
-            tau = _fallback_tau(logits_ptr, row_off, V, inv_t, M, top_k, k_on, top_p, p_on, BLOCK)
-            norm = _row_kept_mass(logits_ptr, row_off, V, inv_t, M, tau, min_p, BLOCK)
-            full = tl.zeros((), tl.int32)
-    tl.store(r_max_ptr + row, M)
-    tl.store(r_norm_ptr + row, norm)
-    tl.store(r_tau_ptr + row, tl.maximum(tau, -2147483648).to(tl.int32))
-    tl.store(r_arg_ptr + row, arg)
-    tl.store(r_full_ptr + row, full)
-
-    # ---- the last row program of request b walks the tree ---------------------------------------------------------
-    done = tl.atomic_add(counter_ptr + b, 1, sem="acq_rel")
-    if done == K - 1:
-        tl.atomic_xchg(counter_ptr + b, 0, sem="relaxed")
-        offs_k = tl.arange(0, K_BLOCK)
-        kmask = offs_k < K
-        par = tl.load(parents_ptr + b * K + offs_k, mask=kmask, other=-2).to(tl.int32)
-        tok = tl.load(draft_ptr + b * K + offs_k, mask=kmask, other=-1).to(tl.int32)
-        rows_b = b * K + offs_k
-        v_max = tl.load(r_max_ptr + rows_b, mask=kmask, other=0.0, volatile=True)
-        v_norm = tl.load(r_norm_ptr + rows_b, mask=kmask, other=1.0, volatile=True)
-        v_tau = tl.load(r_tau_ptr + rows_b, mask=kmask, other=0, volatile=True)
-        v_arg = tl.load(r_arg_ptr + rows_b, mask=kmask, other=0, volatile=True)
-        v_full = tl.load(r_full_ptr + rows_b, mask=kmask, other=0, volatile=True)
-        # earlier sibling with the same token (same parent): its mass was removed already
-        same = (tok[:, None] == tok[None, :]) & (par[:, None] == par[None, :]) & (offs_k[None, :] < offs_k[:, None])
-        dup = tl.max(same.to(tl.int32), axis=1) > 0
-        cur = tl.zeros((), tl.int32)
-        alive = tl.zeros((), tl.int32) + 1
-        acc = tl.zeros((), tl.int32)
-        nodes = tl.where(offs_k == 0, 0, -1)
-        toks = tl.zeros((K_BLOCK,), tl.int32) - 1
-        for d in range(1, L):
-            is_child = kmask & (par == tl.where(alive != 0, cur, -7))
-            sel_cur = offs_k == cur
-            if t <= 0.0:
-                want = tl.sum(tl.where(sel_cur, v_arg, 0), axis=0)
-                hit = is_child & (tok == want)
-            else:
-                u = tl.load(unif_ptr + b * L + d - 1)
-                m_c = tl.sum(tl.where(sel_cur, v_max, 0.0), axis=0)
-                n_c = tl.sum(tl.where(sel_cur, v_norm, 0.0), axis=0)
-                t_c = tl.sum(tl.where(sel_cur, v_tau, 0), axis=0)
-                zt = tl.load(logits_ptr + (b * K + cur).to(tl.int64) * stride_row + tok, mask=is_child,
-                             other=float("-inf")).to(tl.float32) * inv_t + 0.0
-                wt = tl.exp(zt - m_c)
-                kept = is_child & (~dup) & (zt > float("-inf")) & (_okey(zt) >= t_c) & (wt >= min_p)
-                q = tl.where(kept, wt / n_c, 0.0)
-                acc_q = tl.cumsum(q, axis=0)
-                hit = is_child & (u < acc_q)
-            first = tl.min(tl.where(hit, offs_k, K_BLOCK), axis=0)
-            found = first < K_BLOCK
-            ftok = tl.sum(tl.where(offs_k == first, tok, 0), axis=0)
-            nodes = tl.where(offs_k == d, tl.where(found, first, -1), nodes)
-            toks = tl.where(offs_k == d - 1, tl.where(found, ftok, -1), toks)
-            cur = tl.where(found, first, cur)
-            acc += found.to(tl.int32)
-            alive = alive * found.to(tl.int32)
-        # bonus at `cur`, with the tokens of all its children removed
-        if t <= 0.0:
-            bonus = tl.sum(tl.where(offs_k == cur, v_arg, 0), axis=0)
-        else:
-            ub = tl.load(unif_ptr + b * L + L - 1)
-            sel_cur = offs_k == cur
-            m_c = tl.sum(tl.where(sel_cur, v_max, 0.0), axis=0)
-            t_c = tl.sum(tl.where(sel_cur, v_tau, 0), axis=0)
-            f_c = tl.sum(tl.where(sel_cur, v_full, 0), axis=0)
-            crow = b * K + cur
-            rem = kmask & (par == cur)
-            bonus = tl.sum(tl.where(sel_cur, v_arg, 0), axis=0)
-            if f_c != 0:
-                cs = tl.arange(0, S_BLOCK)
-                jj = tl.arange(0, CAP)
-                ccnt = tl.load(c_cnt_ptr + crow * S + cs, mask=cs < S, other=0)
-                cvalid = (cs[:, None] < S) & (jj[None, :] < ccnt[:, None])
-                ptrs = (crow * S + cs[:, None]).to(tl.int64) * CAP + jj[None, :]
-                cz = tl.load(cand_z_ptr + ptrs, mask=cvalid, other=float("-inf"))
-                ci = tl.load(cand_i_ptr + ptrs, mask=cvalid, other=-1)
-                cw = tl.exp(cz - m_c)
-                keep = cvalid & (_okey(cz) >= t_c) & (cw >= min_p)
-                for j in range(K):
-                    pj = tl.load(parents_ptr + b * K + j).to(tl.int32)
-                    tj = tl.load(draft_ptr + b * K + j).to(tl.int32)
-                    keep = keep & (ci != tl.where((pj == cur) & (j > 0), tj, -5))
-                cw = tl.where(keep, cw, 0.0)
-                W = tl.sum(cw, axis=None)
-                target = ub * W
-                rsum = tl.sum(cw, axis=1)
-                rpre = tl.cumsum(rsum, axis=0) - rsum
-                pre = rpre[:, None] + tl.cumsum(cw, axis=1)
-                flat = cs[:, None] * CAP + jj[None, :]
-                hit = keep & (pre > target)
-                fh = tl.min(tl.where(hit, flat, 2147483647), axis=None)
-                lastpos = tl.max(tl.where(keep, flat, -1), axis=None)
-                pick = tl.where(fh < 2147483647, fh, lastpos)
-                bonus = tl.where(pick >= 0, tl.sum(tl.where(flat == pick, ci, 0), axis=None), bonus)
-            else:
-                bonus = _row_bonus_scan(logits_ptr, parents_ptr, draft_ptr, b, K, crow, stride_row, V, inv_t, m_c,
-                                        t_c, min_p, ub, bonus, BLOCK)
-        toks = tl.where(offs_k == acc, bonus, toks)
-        lmask = offs_k < L
-        tl.store(out_tokens_ptr + b * L + offs_k, toks.to(tl.int64), mask=lmask)
-        tl.store(out_nodes_ptr + b * L + offs_k, nodes.to(tl.int64), mask=lmask)
-        tl.store(out_len_ptr + b, acc.to(tl.int64))
 
 
 @triton.jit(do_not_specialize=["K", "L", "S"])
@@ -424,7 +184,7 @@ def _greedy_walk_kernel(parents_ptr, draft_ptr, target_ptr, c_max_ptr, c_arg_ptr
     tl.store(out_len_ptr + b, acc.to(tl.int64))
 
 
-# ==== "select" variant: adaptive candidate capacity, snapped threshold searches, per-row bonus =====================
+# ==== sampling: adaptive candidate capacity, snapped threshold searches, per-row bonus ===========================
 
 
 @triton.jit

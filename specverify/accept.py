@@ -242,10 +242,8 @@ def verify_greedy(draft_tokens: torch.Tensor, tree, *, logits: torch.Tensor | No
     rows = batch * k
     c_max = torch.empty(rows, splits, dtype=torch.float32, device=device)
     c_arg = torch.empty(rows, splits, dtype=torch.int32, device=device)
-    ka._accept_chunk_kernel[(rows, splits)](lg, lg.stride(1), vocab, splits, k, c_max, 1.0,
-                                            c_max, c_arg, c_max, c_max, c_arg, c_max, c_arg,
-                                            TEMP_T=False, SAMPLING=False, CHUNK=chunk, CAP=ka.CAP,
-                                            FLOOR_ITERS=ka.FLOOR_ITERS, num_warps=4 if chunk >= 2048 else 2)
+    ka._accept_chunk_kernel[(rows, splits)](lg, lg.stride(1), vocab, splits, c_max, c_arg, CHUNK=chunk,
+                                            num_warps=4 if chunk >= 2048 else 2)
     ka._greedy_walk_kernel[(batch,)](par_c, draft_c, draft_c, c_max, c_arg, k, length, splits,
                                      outs[0], outs[1], outs[2], HAS_TARGET=False, K_BLOCK=k_block,
                                      S_BLOCK=max(2, _pow2(splits)))
@@ -326,10 +324,8 @@ def verify_sampling(logits: torch.Tensor, tree, draft_tokens: torch.Tensor, *, t
     Two launches when ``uniform_samples`` is given: statistics and candidates per chunk of the vocabulary, then
     one program per row finds its thresholds exactly without sorting (snapped searches over the candidates, or a
     bisection over the row for flat distributions), the acceptance mass of its children's tokens and its bonus
-    draw, and the last row program of each request walks the tree. ``_VARIANT["sampling"] = "bisect"`` runs the
-    first design (benchmarks compare the two). Graph
-    capturable after one eager call on the device (which allocates the self-resetting counters); pass ``out``
-    for fixed output addresses.
+    draw, and the last row program of each request walks the tree. Graph capturable after one eager call on the
+    device (which allocates the self-resetting counters); pass ``out`` for fixed output addresses.
 
     Examples
     --------
@@ -380,24 +376,21 @@ def verify_sampling(logits: torch.Tensor, tree, draft_tokens: torch.Tensor, *, t
         outs[2].copy_(nodes)
         return outs
     for launch in _sampling_launches(logits, parents, draft_tokens, uniform_samples, temp, topk, topp, minp, length,
-                                     outs, _chunk, _cap, _VARIANT["sampling"]):
+                                     outs, _chunk, _cap):
         launch()
     return outs
 
 
-#: Which sampling kernels ``verify_sampling`` runs (benchmarks switch it): ``"select"`` (default: adaptive
-#: candidate capacity, snapped threshold searches, bonus drawn by every row program) or ``"bisect"`` (the first
-#: design: fixed capacity, 33-probe bisections, bonus drawn after the walk).
-_VARIANT: dict = {"sampling": "select"}
-#: Sizes of the "select" kernels: vocabulary chunk per program and its warps, the candidate slots per row (the
-#: capacity per chunk is ``slots // chunks``, at least 8 and at most chunk / 2), the row kernel's warps, and the
-#: floor probes per chunk (64 / 2**floor_iters nat resolution). Optional key "fused": multi-operand reductions (one
-#: barrier round each; default on CUDA, off under the interpreter, which runs custom combines element by element).
+#: Sizes of the sampling kernels ("select": adaptive candidate capacity, snapped threshold searches, bonus drawn by
+#: every row program): vocabulary chunk per program and its warps, the candidate slots per row (the capacity per
+#: chunk is ``slots // chunks``, at least 8 and at most chunk / 2), the row kernel's warps, and the floor probes per
+#: chunk (64 / 2**floor_iters nat resolution). Optional key "fused": multi-operand reductions (one barrier round
+#: each; default on CUDA, off under the interpreter, which runs custom combines element by element).
 _SELECT_CONFIG: dict = {"chunk": 2048, "chunk_warps": 4, "slots": 4096, "row_warps": 8, "floor_iters": 10}
 
 
 def _select_sizes(vocab: int, chunk: int | None, cap: int | None) -> tuple[int, int, int]:
-    """(chunk, chunks, capacity per chunk) of the "select" kernels."""
+    """(chunk, chunks, capacity per chunk) of the sampling kernels."""
     cfg = _SELECT_CONFIG
     c = chunk if chunk is not None else min(int(cfg["chunk"]), _pow2(vocab))
     splits = -(-vocab // c)
@@ -407,13 +400,11 @@ def _select_sizes(vocab: int, chunk: int | None, cap: int | None) -> tuple[int, 
 
 
 def _sampling_launches(logits, parents, draft_tokens, uniform_samples, temp, topk, topp, minp, length, outs,
-                       chunk, cap, variant: str):
+                       chunk, cap):
     """The two launches of the Triton sampling path as argument-free callables (buffers allocated here), so
     benchmarks can time each one alone. ``temp`` .. ``minp``: ``_param`` triples."""
     from specverify.kernels import accept as ka
 
-    if variant not in ("select", "bisect"):
-        raise ValueError(f"sampling variant must be 'select' or 'bisect', got {variant!r}")
     batch, k, vocab = logits.shape
     device = logits.device
     lg = logits if logits.stride(2) == 1 and logits.stride(0) == k * logits.stride(1) else logits.contiguous()
@@ -423,11 +414,7 @@ def _sampling_launches(logits, parents, draft_tokens, uniform_samples, temp, top
     par_c, draft_c, u_c = parents.contiguous(), draft_tokens.contiguous(), uniform_samples.contiguous()
     k_block = max(2, _pow2(max(k, length)))
     block = min(2048, max(16, _pow2(vocab)))
-    if variant == "bisect":
-        chunk, splits = _split(vocab, chunk)
-        cap = cap if cap is not None else ka.CAP
-    else:
-        chunk, splits, cap = _select_sizes(vocab, chunk, cap)
+    chunk, splits, cap = _select_sizes(vocab, chunk, cap)
     c_max = torch.empty(rows, splits, dtype=f32, device=device)
     c_sum = torch.empty(rows, splits, dtype=f32, device=device)
     c_floor = torch.empty(rows, splits, dtype=f32, device=device)
@@ -438,26 +425,6 @@ def _sampling_launches(logits, parents, draft_tokens, uniform_samples, temp, top
     params = (t_t, temp[1], topk[0] if topk[2] else c_arg, topk[1], topp[0] if topp[2] else c_max, topp[1],
               minp[0] if minp[2] else c_max, minp[1])
     flags = dict(TEMP_T=temp[2], TOPK_T=topk[2], TOPP_T=topp[2], MINP_T=minp[2])
-    if variant == "bisect":
-        c_cnt = torch.empty(rows, splits, dtype=i32, device=device)
-        r_f = torch.empty(2, rows, dtype=f32, device=device)
-        r_i = torch.empty(3, rows, dtype=i32, device=device)
-
-        def launch1():
-            ka._accept_chunk_kernel[(rows, splits)](lg, lg.stride(1), vocab, splits, k, t_t, temp[1],
-                                                    c_max, c_arg, c_sum, c_floor, c_cnt, cand_z, cand_i,
-                                                    TEMP_T=temp[2], SAMPLING=True, CHUNK=chunk, CAP=cap,
-                                                    FLOOR_ITERS=ka.FLOOR_ITERS, num_warps=4 if chunk >= 2048 else 2)
-
-        def launch2():
-            ka._accept_sample_kernel[(rows,)](
-                lg, lg.stride(1), vocab, splits, k, length, par_c, draft_c, u_c, *params,
-                c_max, c_arg, c_sum, c_floor, c_cnt, cand_z, cand_i,
-                r_f[0], r_f[1], r_i[0], r_i[1], r_i[2], counter, outs[0], outs[1], outs[2], **flags,
-                S_BLOCK=max(2, _pow2(splits)), CAP=cap, K_BLOCK=k_block, BLOCK=block,
-                num_warps=8 if splits * cap >= 2048 else 4)
-
-        return launch1, launch2
     cfg = _SELECT_CONFIG
     r_f = torch.empty(2, rows, dtype=f32, device=device)
     r_i = torch.empty(4, rows, dtype=i32, device=device)

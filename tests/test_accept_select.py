@@ -1,6 +1,6 @@
-"""The two sampling-kernel variants of ``verify_sampling`` ("select" default, "bisect" the first design) against the
-torch reference: exact integer outputs on the same uniforms, through the candidate fast path, the full-row
-fallback and the walker's full-row bonus; plus the candidate invariants of the "select" chunk kernel."""
+"""The sampling kernels of ``verify_sampling`` ("select") against the torch reference: exact integer outputs on the
+same uniforms, through the candidate fast path, the full-row fallback and the walker's full-row bonus; plus the
+candidate invariants of the chunk kernel."""
 from __future__ import annotations
 
 import pytest
@@ -21,12 +21,6 @@ _SETTINGS = dict(
     top_p=[1.0, 1.0, 0.9, 0.95, 1.0, 1.0],
     min_p=[0.0, 0.0, 0.0, 0.0, 0.2, 0.0],
 )
-
-
-@pytest.fixture
-def variant(monkeypatch):
-    monkeypatch.setattr(acc, "_VARIANT", dict(acc._VARIANT))  # a copy the test may edit; restored after it
-    return acc._VARIANT
 
 
 def _case(seed: int, integer_logits: bool):
@@ -51,14 +45,12 @@ def _case(seed: int, integer_logits: bool):
     return logits, trees, draft, u, params
 
 
-@pytest.mark.parametrize("name,cap,integer_logits", [
-    ("select", None, False),  # adaptive capacity (128 per chunk of 256): every filtered row on the candidate path
-    ("select", 32, True),     # ties at the cuts; some chunks keep fewer than their capacity
-    ("select", 4, False),     # capacity 4: thresholds fall below the floors, rows take the exact full-row fallback
-    ("bisect", 32, True),     # the first design stays selectable and exact
+@pytest.mark.parametrize("cap,integer_logits", [
+    (None, False),  # adaptive capacity (128 per chunk of 256): every filtered row on the candidate path
+    (32, True),     # ties at the cuts; some chunks keep fewer than their capacity
+    (4, False),     # capacity 4: thresholds fall below the floors, rows take the exact full-row fallback
 ])
-def test_variants_match_reference(name, cap, integer_logits, variant, device, poison):
-    variant["sampling"] = name
+def test_select_matches_reference(cap, integer_logits, device, poison):
     logits, trees, draft, u, params = _case(3 if integer_logits else 4, integer_logits)
     ref = verify_sampling_reference(logits, draft, trees.parents, u, max_depth=trees.max_depth, **params)
     batch, length = u.shape
@@ -68,7 +60,7 @@ def test_variants_match_reference(name, cap, integer_logits, variant, device, po
     res = verify_sampling(logits.to(device), trees, draft.to(device), uniform_samples=u.to(device), out=out,
                           impl="triton", _chunk=256, _cap=cap, **{n: v.to(device) for n, v in params.items()})
     for got, want in zip(res, ref):
-        assert torch.equal(got.cpu(), want), (name, cap)
+        assert torch.equal(got.cpu(), want), cap
 
 
 @pytest.fixture
@@ -81,9 +73,8 @@ def fused_config(monkeypatch):
     (37, None, None, 1),  # 37: prime, one partial chunk, no floor; k = 1: only the bonus
     (100, 32, 8, 3),      # 4 chunks of 32 (last one 4 long) with 8 candidates each
 ])
-def test_select_fused_reductions(vocab, chunk, cap, k, variant, fused_config, device):
+def test_select_fused_reductions(vocab, chunk, cap, k, fused_config, device):
     """The multi-operand reductions the GPU runs (the interpreter defaults to plain ones), at tiny sizes."""
-    variant["sampling"] = "select"
     fused_config["fused"] = True
     g = torch.Generator().manual_seed(9)
     batch = 3
@@ -139,18 +130,9 @@ def test_scan_kernel_candidates(fused, device):
                 assert int((fin & (seg >= c_floor[r, c] - 64 / 2 ** 10)).sum()) > cap
 
 
-def test_unknown_variant_rejected(variant, device):
-    variant["sampling"] = "sorted"
-    logits = torch.zeros(1, 2, 8, device=device)
-    draft = torch.zeros(1, 2, dtype=torch.int64, device=device)
-    with pytest.raises(ValueError, match="'select' or 'bisect'"):
-        verify_sampling(logits, torch.tensor([[-1, 0]], device=device), draft,
-                        uniform_samples=torch.zeros(1, 2, device=device), impl="triton")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("vocab", [32000, 163840])
-def test_variants_agree_large_vocab_gpu(vocab, variant):
+def test_select_large_vocab_gpu(vocab):
     g = torch.Generator().manual_seed(21)
     batch, k = 8, 4
     trees = BatchedDraftTree.repeat(DraftTree.chain(k), batch)
@@ -160,7 +142,5 @@ def test_variants_agree_large_vocab_gpu(vocab, variant):
     u = torch.rand(batch, k, generator=g)
     for kw in (dict(top_p=0.9), dict(top_k=50, top_p=0.95, temperature=0.7), dict(min_p=0.1), dict()):
         ref = verify_sampling_reference(logits.float(), draft, trees.parents, u, max_depth=trees.max_depth, **kw)
-        for name in ("select", "bisect"):
-            variant["sampling"] = name
-            res = verify_sampling(logits.cuda(), trees, draft.cuda(), uniform_samples=u.cuda(), impl="triton", **kw)
-            assert all(torch.equal(a.cpu(), b) for a, b in zip(res, ref)), (name, kw)
+        res = verify_sampling(logits.cuda(), trees, draft.cuda(), uniform_samples=u.cuda(), impl="triton", **kw)
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(res, ref)), kw

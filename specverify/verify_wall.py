@@ -410,6 +410,30 @@ def breakdown(case: VerifyCase, device, plain_fn, iters: int = 5) -> dict:
             "gap": abs(total - plain) / plain if plain else float("nan")}
 
 
+def section_floors(b: dict, vb, bandwidth: float, layers: int) -> dict:
+    """Adds to a :func:`breakdown` result each section's bytes (from :func:`~specverify.configs.verify_bytes`), its
+    floor (bytes / the run's copy bandwidth, ms) and its efficiency (floor / measured ms): ``section_bytes``,
+    ``section_floor_ms``, ``section_efficiency``. Sections: attention = attention weights + KV cache read,
+    moe_route = router weights, experts = routed experts (+ the shared expert when no ``shared_expert`` section
+    times it apart), dense_mlp, shared_expert, lm_head; the rest (norms, acceptance, compaction, embedding rows)
+    move almost no bytes and get 0. Also ``graph_nodes_per_layer`` where ``graph_nodes`` is known. Returns ``b``."""
+    comp = b["components_ms"]
+    shared_apart = "shared_expert" in comp
+    by = {"attention": vb.attention_weights + vb.kv_cache, "moe_route": vb.router,
+          "experts": vb.routed_experts + (0.0 if shared_apart else vb.shared_experts),
+          "shared_expert": vb.shared_experts if shared_apart else 0.0, "dense_mlp": vb.dense_mlp,
+          "lm_head": vb.lm_head}
+    sb = {n: float(by.get(n, 0.0)) for n in comp}
+    ok = bandwidth == bandwidth and bandwidth > 0
+    fl = {n: v / bandwidth * 1e3 if ok else float("nan") for n, v in sb.items()}
+    b["section_bytes"] = sb
+    b["section_floor_ms"] = fl
+    b["section_efficiency"] = {n: fl[n] / comp[n] if comp[n] > 0 and sb[n] > 0 else float("nan") for n in comp}
+    if b.get("graph_nodes"):
+        b["graph_nodes_per_layer"] = b["graph_nodes"] / layers
+    return b
+
+
 # ------------------------------------------------------------------------------------------------------------
 # allreduce model
 
@@ -593,6 +617,10 @@ def run_verify_wall(s: WallSettings, progress=None) -> dict:
             pool = VerifyGraphPool(forward, make_inputs, batch_buckets=[s.batch], draft_lengths=ks, capture="lazy",
                                    use_graphs=use_graphs, warmup_iters=2, device=device)
             failed: dict = {}
+
+            def nodes_of(k):
+                return next((g.get("node_count") for g in pool.report() if g.get("k") == k), None)
+
             for k in sorted(ks, reverse=True):  # largest first: smaller graphs reuse its pool memory
                 try:
                     pool.static_inputs(s.batch, k)
@@ -623,7 +651,10 @@ def run_verify_wall(s: WallSettings, progress=None) -> dict:
                     med = statistics.median(times) if times else float("nan")
                     progress(step, total_steps, f"{provider} k={k}: {med:.3f} ms")
                 if s.breakdown and device.type == "cuda" and k in (1, 4) and times:
-                    breakdowns[f"{provider}/k={k}"] = breakdown(cases[k], device, lambda: pool.replay(s.batch, k))
+                    b = breakdown(cases[k], device, lambda: pool.replay(s.batch, k))
+                    b["graph_nodes"] = nodes_of(k)
+                    breakdowns[f"{provider}/k={k}"] = section_floors(
+                        b, verify_bytes(cfg, tp, k, context, s.batch, num_layers=layers), bandwidth, layers)
             if use_graphs:
                 meta.setdefault("graph_pools", {})[provider] = {
                     "graphs": [g.as_dict() if hasattr(g, "as_dict") else g for g in pool.report()],
@@ -650,6 +681,7 @@ def run_verify_wall(s: WallSettings, progress=None) -> dict:
                 for k in ks:
                     times, host_us, _, check, gpu_us = results[k]
                     results[k] = (times, host_us, statistics.median(sw[k]), check, gpu_us)
+            nodes = {k: nodes_of(k) for k in ks} if use_graphs else {}
             pool.invalidate()
             del pool, cases
             decode = statistics.median(results[1][0]) if results.get(1) and results[1][0] else float("nan")
@@ -674,6 +706,7 @@ def run_verify_wall(s: WallSettings, progress=None) -> dict:
                     "overhead_ms": med - floor_ms, "allreduce_ms_modelled": ar_ms, "allreduce_source": ar_src,
                     "total_ms": total, "break_even": total / (decode + decode_ar) if decode == decode else float("nan"),
                     "pieces": dict(ops.pieces), "iters": len(times), "logits_rel_err_vs_first": check,
+                    "graph_nodes": nodes.get(k),
                 })
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -705,7 +738,7 @@ def format_table(result: dict) -> str:
             f"graph={'on' if meta['graph'] else 'off'} on {meta['gpu']}; copy bandwidth "
             f"{meta['copy_bandwidth_gbps']:.0f} GB/s")
     cols = ["provider", "k", "verify ms", "p20", "p80", "floor ms", "eff", "overhead", "AR ms", "total",
-            "break-even", "host us", "rel err"]
+            "break-even", "host us", "nodes", "rel err"]
     lines = [head, "  ".join(f"{c:>10}" for c in cols)]
     for r in rows:
         bound = "*" if r.get("launch_bound") else ""
@@ -713,7 +746,7 @@ def format_table(result: dict) -> str:
                 f"{r['verify_ms_p80']:.3f}", f"{r['floor_ms']:.3f}", f"{r['efficiency']:.2f}",
                 f"{r['overhead_ms']:.3f}", f"{r['allreduce_ms_modelled']:.3f}", f"{r['total_ms']:.3f}",
                 f"{r['break_even']:.2f}", f"{r['host_launch_us']:.0f}{bound}",
-                f"{r['logits_rel_err_vs_first']:.1e}"]
+                "-" if r.get("graph_nodes") is None else r["graph_nodes"], f"{r['logits_rel_err_vs_first']:.1e}"]
         lines.append("  ".join(f"{str(v):>10}" for v in vals))
     pieces = {}
     for r in rows:
@@ -731,10 +764,19 @@ def format_table(result: dict) -> str:
     if any(r.get("launch_bound") for r in rows):
         lines.append("* host launch time of one replay exceeds the pass's GPU time: launch-bound")
     for name, b in result.get("breakdown", {}).items():
-        comp = ", ".join(f"{k}={v:.3f}" for k, v in sorted(b["components_ms"].items(), key=lambda kv: -kv[1]))
+        eff = b.get("section_efficiency", {})
+        floor = b.get("section_floor_ms", {})
+
+        def part(n, v, eff=eff, floor=floor):
+            e = eff.get(n, float("nan"))
+            return f"{n}={v:.3f}" + (f" (floor {floor[n]:.3f}, {e * 100:.0f}%)" if e == e else "")
+
+        comp = ", ".join(part(n, v) for n, v in sorted(b["components_ms"].items(), key=lambda kv: -kv[1]))
+        nodes = b.get("graph_nodes")
+        per = f"; {nodes} graph nodes, {b['graph_nodes_per_layer']:.1f} a layer" if nodes else ""
         lines.append(f"breakdown {name} ({b['mode']}): pass {b['pass_ms']:.3f} ms, components sum "
                      f"{b['sum_ms']:.3f} ms (gap {b['gap'] * 100:.1f}%; uncorrected {b['raw_sum_ms']:.3f} ms, "
-                     f"{b['section_overhead_us']:.2f} us of event nodes per section subtracted): {comp}")
+                     f"{b['section_overhead_us']:.2f} us of event nodes per section subtracted{per}): {comp}")
     for name, g in result["meta"].get("gpu_state", {}).items():
         if g.get("samples"):
             f = {key: "n/a" if v is None else f"{v:.0f}" for key, v in g.items() if key != "throttle_reasons"}

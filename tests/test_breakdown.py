@@ -87,3 +87,24 @@ def test_calibration_records_a_plain_run_then_one_section_per_kernel():
     assert probe.item() == 2 * n  # the tiny kernel ran once per plain slot and once per section
     assert timer.counts() == {"__calibration__": n}
     assert vw._section_overhead_ms(timer.totals_ms(), plain) == pytest.approx(overhead)
+
+
+def test_section_floors_put_each_sections_bytes_against_its_time():
+    from specverify.configs import verify_bytes
+
+    vb = verify_bytes("kimi-k2", tp=8, tokens=4, context=4096, batch=1)
+    comp = {"attention": 3.0, "experts": 6.0, "moe_route": 0.6, "allreduce": 0.5, "lm_head": 0.08, "dense_mlp": 0.04}
+    b = vw.section_floors({"components_ms": dict(comp), "graph_nodes": 1220}, vb, 4.0e12, 61)
+    bw = 4.0e12
+    assert b["section_bytes"]["attention"] == vb.attention_weights + vb.kv_cache
+    assert b["section_bytes"]["experts"] == vb.routed_experts + vb.shared_experts  # shared expert fused in
+    assert b["section_bytes"]["allreduce"] == 0.0 and b["section_efficiency"]["allreduce"] != \
+        b["section_efficiency"]["allreduce"]  # no bytes: no efficiency (NaN)
+    assert b["section_floor_ms"]["moe_route"] == pytest.approx(vb.router / bw * 1e3)
+    assert b["section_efficiency"]["lm_head"] == pytest.approx(vb.lm_head / bw * 1e3 / 0.08)
+    assert sum(b["section_bytes"].values()) == pytest.approx(vb.total)  # every byte of the pass has a section
+    assert b["graph_nodes_per_layer"] == pytest.approx(1220 / 61)
+    apart = vw.section_floors({"components_ms": dict(comp, shared_expert=0.2)}, vb, bw, 61)
+    assert apart["section_bytes"]["experts"] == vb.routed_experts
+    assert apart["section_bytes"]["shared_expert"] == vb.shared_experts
+    assert "graph_nodes_per_layer" not in apart

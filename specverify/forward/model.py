@@ -298,7 +298,15 @@ class VerifyModel:
         return o.reshape(b, k, s.num_heads * d) @ w["wo"].t()
 
     def _mlp(self, w, h):
-        """MLP or MoE block on the already-normalised input ``h`` [b, k, H]."""
+        """MLP or MoE block on the already-normalised input ``h`` [b, k, H].
+
+        A MoE layer whose weight dict carries ``experts_fn`` runs its routed experts through that callable instead of
+        ``ops.experts``: ``experts_fn(hidden [M, H], ids int32 [M, top_k], weights fp32 [M, top_k], router_logits
+        [M, E]) -> [M, H]``, given this table's routing (``weights`` with ``routed_scaling_factor`` applied) and
+        owning its expert weights (the SGLang step hands a layer's quantised experts to SGLang's own module this
+        way). Routing, the shared expert and everything around them stay the table's; such a layer has no
+        ``w13_all``, so ``experts_with_shared`` does not serve it.
+        """
         ops = self.ops
         flat = h.reshape(-1, h.shape[-1])
         if w["dense"]:
@@ -311,7 +319,10 @@ class VerifyModel:
             with self.section("experts"):  # routed experts and the shared expert in one expert pass
                 return ops.experts_with_shared(flat, w["w13_all"], w["w2_all"], ids, weights).view_as(h)
         with self.section("experts"):
-            out = ops.experts(flat, w["w13"], w["w2"], ids, weights)
+            if "experts_fn" in w:  # the layer's own experts (see the docstring)
+                out = w["experts_fn"](flat, ids, weights, logits)
+            else:
+                out = ops.experts(flat, w["w13"], w["w2"], ids, weights)
         if "shared_gate_up" in w:
             with self.section("shared_expert"):
                 out = out + ops.silu_mul(flat @ w["shared_gate_up"].t()) @ w["shared_down"].t()

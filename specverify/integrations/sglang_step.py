@@ -1,4 +1,5 @@
-"""SGLang runs our whole verify step: a ``MegakernelSpec`` for ``DeepseekV3ForCausalLM`` (Kimi-K2, DeepSeek-V3).
+"""SGLang runs our whole verify step: a ``MegakernelSpec`` for ``DeepseekV3ForCausalLM`` (Kimi-K2, DeepSeek-V3) and
+``KimiK25ForConditionalGeneration`` (Kimi-K2.5, which wraps a ``DeepseekV3ForCausalLM`` as ``.language_model``).
 
 SGLang 0.5.23's ``--enable-nvidia-megakernel`` lets an external package replace a model's whole decode and
 target-verify step (``sglang.kernels.plugin_kernels.nvidia.spec``, wired in
@@ -24,10 +25,25 @@ Ours, for TARGET_VERIFY at the server's draft length (chains and trees) and deco
 its correction bias, routed experts with the shared expert, the dense MLP, the fused residual norms) and the LM
 head. SGLang's: every other forward mode (EXTEND / prefill, draft model), the sampler and the verify acceptance.
 
+Routed experts in a format we have no kernel for (a quantised ``FusedMoE``: Kimi-K2.5's W4A16 int4 experts through
+Marlin, FP8 block experts, ...) stay SGLang's: the layer's weight dict carries ``experts_fn``
+(:func:`sglang_experts_fn`), which hands our routing to the layer's own ``FusedMoE`` as a ``StandardTopKOutput``, so
+SGLang's quant method (``quant_method.apply``) runs those experts inside our forward while attention, routing, the
+shared expert and the norms stay ours. ``build_step(..., experts="sglang")`` sends every MoE layer that way (the
+CPU tests drive it over unquantised experts).
+
+Kimi-K2.5 (``KimiK25ForConditionalGeneration``): the step reads the weights and config of its
+``.language_model`` / ``hf_config.text_config`` and replaces the wrapper's forward, returning what it returns (the
+language model's ``LogitsProcessorOutput``). The vision tower and image embeddings are SGLang's: :meth:`VerifyStep.plan`
+gives every batch that carries multimodal inputs (``ForwardBatch.contains_mm_inputs()``) to SGLang's own forward.
+SGLang's wrapper reads those inputs only outside decode and TARGET_VERIFY (the prefix KV already holds the images),
+so a captured decode graph, which replays the decision made at capture, computes the same thing either way.
+
 Weights (:func:`read_weights`): every tensor our layout needs is a view of SGLang's parameter where the layouts
 agree, which is all of them except the expert stack with the shared expert appended (``w13_all`` / ``w2_all``),
 built only when the op table fuses the shared expert into the expert pass. That stack is copied once, and SGLang's
-routed-expert and shared-expert parameters are then re-pointed at views of it, so no memory is held twice.
+routed-expert and shared-expert parameters are then re-pointed at views of it, so no memory is held twice. The
+expert stacks of layers whose routed experts stay SGLang's are not read at all.
 
 RoPE and the softmax scale are the model's: DeepSeek-V3 / Kimi-K2 use YaRN (``deepseek_yarn``) rotary tables in
 the interleaved (GPT-J) layout and an mscale-corrected softmax scale, which the generic
@@ -38,8 +54,12 @@ with ``self_attn.scaling``.
 Limits of this release (each refused with one reason, see :func:`config_disable_reasons` and
 :func:`model_disable_reasons`; SGLang itself refuses every :class:`Feature` the spec does not list: DP attention,
 expert parallelism, context parallelism, LoRA, pipeline parallelism, ...): tensor parallel size 1; unquantised
-weights; a bf16/auto KV cache; the Triton-family attention backends (``triton``, ``specverify``), whose metadata
-gives the prefix KV ids. CUDA-graph capture is designed for (no host sync, fixed shapes per width) but not yet run.
+attention, dense-MLP, shared-expert and LM-head weights (routed experts in any format SGLang's ``FusedMoE`` runs on
+a standard top-k output are served, except with SGLang's shared-experts fusion over quantised stacks); a bf16/auto
+KV cache; the Triton-family attention backends (``triton``, ``specverify``), whose metadata gives the prefix KV ids.
+CUDA-graph capture is designed for (no host sync, fixed shapes per width) but not yet run; the quantised expert
+kernels (Marlin, FP8 block) have not run inside the step (the CPU tests run SGLang's unquantised expert path and a
+stand-in quant method through the same hook).
 """
 from __future__ import annotations
 
@@ -60,6 +80,14 @@ logger = logging.getLogger("specverify.sglang")
 
 #: The HF architecture the spec serves (Kimi-K2 and DeepSeek-V3 checkpoints name it).
 ARCHITECTURE = "DeepseekV3ForCausalLM"
+#: Wrappers of a DeepseekV3ForCausalLM the spec also serves: architecture -> the attribute holding the language model
+#: (its HF config is ``hf_config.text_config``).
+WRAPPERS = {"KimiK25ForConditionalGeneration": "language_model"}
+#: Every architecture :func:`register` registers the spec for.
+ARCHITECTURES = (ARCHITECTURE, *WRAPPERS)
+#: ``experts=`` values of :func:`build_step`: ``auto`` (ours where we have a kernel for the format, SGLang's module
+#: otherwise) or ``sglang`` (every MoE layer's routed experts through its SGLang module).
+EXPERTS = ("auto", "sglang")
 #: ``module:attribute`` SGLang's registry imports the spec from.
 SPEC_PATH = "specverify.integrations.sglang_step:SPEC"
 SPEC_NAME = "specverify-verify-step"
@@ -89,11 +117,13 @@ _MiB = 2 ** 20
 
 
 def register() -> None:
-    """Entry point ``nvidia_megakernel`` (group ``sglang.srt.plugins``): registers :data:`SPEC` for
-    :data:`ARCHITECTURE` in SGLang's megakernel registry (the spec module is imported only when SGLang asks)."""
+    """Entry point ``nvidia_megakernel`` (group ``sglang.srt.plugins``): registers :data:`SPEC` for every
+    architecture of :data:`ARCHITECTURES` in SGLang's megakernel registry (the spec module is imported only when
+    SGLang asks)."""
     from sglang.kernels.plugin_kernels.nvidia import spec as megakernel_spec
 
-    megakernel_spec.register(architecture=ARCHITECTURE, path=SPEC_PATH)
+    for architecture in ARCHITECTURES:
+        megakernel_spec.register(architecture=architecture, path=SPEC_PATH)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -107,17 +137,47 @@ def _attr(obj, name, default=None):
         return default
 
 
+def text_config(hf_config):
+    """The language model's HF config: ``hf_config.text_config`` for a wrapper (Kimi-K2.5), else ``hf_config``."""
+    return _attr(hf_config, "text_config") or hf_config
+
+
+def language_model(model):
+    """The ``DeepseekV2ForCausalLM`` the step reads: ``model`` itself, or the language model a wrapper of
+    :data:`WRAPPERS` holds (None for a wrapper without one, e.g. an encoder-only Kimi-K2.5)."""
+    attr = WRAPPERS.get(type(model).__name__)
+    return getattr(model, attr, None) if attr else model
+
+
+def _attention_left_unquantised(quant_config) -> bool:
+    """Whether a checkpoint's quantisation config names the attention layers among those it leaves unquantised
+    (compressed-tensors ``ignore``, HF ``modules_to_not_convert``, ModelOpt ``ignored_layers``), as the
+    experts-only checkpoints (Kimi-K2.5's W4A16 routed experts) do. A pre-check only: :func:`model_disable_reasons`
+    reads every module's quant method after load."""
+    if not isinstance(quant_config, dict):
+        return False
+    names = [n for key in ("ignore", "modules_to_not_convert", "ignored_layers") for n in quant_config.get(key) or ()]
+    return any("self_attn" in str(n) for n in names)
+
+
 def config_disable_reasons(cfg, hf_config) -> list[str]:
     """Before the weights load: what the resolved server settings and the HF config ask that the step cannot serve,
-    one reason each. (SGLang adds one reason per refused :class:`Feature` and per unmet :class:`Requirements`.)"""
+    one reason each. (SGLang adds one reason per refused :class:`Feature` and per unmet :class:`Requirements`.)
+    A wrapper's (Kimi-K2.5's) model fields are read from ``hf_config.text_config``."""
     reasons = []
-    quant = _attr(cfg, "quantization") or _attr(hf_config, "quantization_config")
-    if quant:
-        name = quant if isinstance(quant, str) else (quant.get("quant_method") if isinstance(quant, dict) else
-                                                     type(quant).__name__)
-        reasons.append(f"quantised checkpoint ({name}): the step reads unquantised weights only (quantised "
-                       "attention weights and expert formats without a specverify kernel are not served yet); "
-                       "use a bf16 checkpoint or drop --enable-nvidia-megakernel")
+    text = text_config(hf_config)
+    if _attr(hf_config, "encoder_only"):
+        reasons.append("config.encoder_only: the model holds no language model for the step to run")
+    checkpoint = _attr(hf_config, "quantization_config") or _attr(text, "quantization_config")
+    named = checkpoint.get("quant_method") if isinstance(checkpoint, dict) else \
+        (type(checkpoint).__name__ if checkpoint else None)
+    method = _attr(cfg, "quantization") or named
+    if method and not (method == named and _attention_left_unquantised(checkpoint)):
+        reasons.append(f"quantised checkpoint ({method}) whose quantisation does not leave the attention layers "
+                       "unquantised: the step reads unquantised attention, dense-MLP, shared-expert and LM-head "
+                       "weights (quantised routed experts are served: they run through SGLang's quant method); use "
+                       "a bf16 checkpoint or one quantised in its routed experts only (e.g. Kimi-K2.5's), or drop "
+                       "--enable-nvidia-megakernel")
     kv_dtype = str(_attr(cfg, "kv_cache_dtype") or "auto")
     if kv_dtype not in ("auto", "bfloat16", "bf16"):
         reasons.append(f"--kv-cache-dtype {kv_dtype}: the step's attention reads a bf16 latent KV cache; start "
@@ -135,23 +195,50 @@ def config_disable_reasons(cfg, hf_config) -> list[str]:
                        f"{sorted(SPEC_ALGORITHMS)}")
     if _attr(cfg, "enable_dp_lm_head"):
         reasons.append("--enable-dp-lm-head: the step's LM head is the tensor-parallel one")
-    if _attr(hf_config, "q_lora_rank") is None:
+    if _attr(text, "q_lora_rank") is None:
         reasons.append("config.q_lora_rank is None (no q_a projection, DeepSeek-V2-Lite style): the step needs "
                        "the fused q_a/kv_a projection")
-    router = (_attr(hf_config, "topk_method", "noaux_tc"), _attr(hf_config, "scoring_func", "sigmoid"))
+    router = (_attr(text, "topk_method", "noaux_tc"), _attr(text, "scoring_func", "sigmoid"))
     if router != ("noaux_tc", "sigmoid"):
         reasons.append(f"router {router[0]}/{router[1]}: the step routes DeepSeek-V3's noaux_tc sigmoid router only")
     return reasons
 
 
-def model_disable_reasons(model, hf_config) -> list[str]:
-    """After load, on each rank: what the loaded model holds that the step cannot read, one reason each."""
-    from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod, UnquantizedLinearMethod
+def sglang_experts_disable_reason(mlp) -> str | None:
+    """Why a ``DeepseekV2MoE`` layer's routed experts cannot run through its SGLang module on our routing
+    (:func:`sglang_experts_fn`), or None."""
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+    from sglang.srt.layers.moe.topk import TopKOutputFormat
+
+    experts = mlp.experts
+    if not isinstance(experts, FusedMoE):
+        return f"{type(experts).__name__} is not SGLang's FusedMoE"
+    fmt = getattr(getattr(mlp.topk, "topk_config", None), "output_format", None)
+    if fmt is not TopKOutputFormat.STANDARD:
+        name = getattr(fmt, "name", fmt)
+        return (f"its runner takes a {name} top-k output (it routes from the router logits itself), not our "
+                "routing; start with a --moe-runner-backend that takes standard top-k ids and weights (triton, "
+                "marlin)")
+    if mlp.num_fused_shared_experts:
+        return ("SGLang fused the shared expert into the expert stack (shared-experts fusion); start with "
+                "--disable-shared-experts-fusion")
+    return None
+
+
+def model_disable_reasons(model, hf_config) -> list[str]:
+    """After load, on each rank: what the loaded model holds that the step cannot read, one reason each. A wrapper
+    (:data:`WRAPPERS`) is checked through its language model."""
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+    from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod, UnquantizedLinearMethod
     from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV2MoE
 
-    if not isinstance(model, DeepseekV2ForCausalLM):
-        return [f"{type(model).__name__} is not SGLang's DeepseekV2ForCausalLM family; the step reads its modules"]
+    lm = language_model(model)
+    if lm is None:
+        return [f"{type(model).__name__} holds no language model (.{WRAPPERS[type(model).__name__]} is None: an "
+                "encoder-only config)"]
+    if not isinstance(lm, DeepseekV2ForCausalLM):
+        return [f"{type(model).__name__} is not SGLang's DeepseekV2ForCausalLM family (or a wrapper of one: "
+                f"{sorted(WRAPPERS)}); the step reads its modules"]
     reasons = []
 
     def quant(module):
@@ -161,7 +248,7 @@ def model_disable_reasons(model, hf_config) -> list[str]:
         return None if ok else name
 
     attn_q, mlp_q, expert_q, absorbed = [], [], [], []
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(lm.model.layers):
         attn = getattr(layer, "self_attn", None)
         if attn is None:
             continue
@@ -174,9 +261,12 @@ def model_disable_reasons(model, hf_config) -> list[str]:
             absorbed.append(i)
         mlp = layer.mlp
         if isinstance(mlp, DeepseekV2MoE):
-            qm = mlp.experts.quant_method
+            qm = getattr(mlp.experts, "quant_method", None)
             if not isinstance(mlp.experts, FusedMoE) or not isinstance(qm, UnquantizedFusedMoEMethod):
-                expert_q.append(f"layer {i}: {type(qm).__name__}")
+                # not a format we read: the experts run through SGLang's module, if they can
+                why = sglang_experts_disable_reason(mlp)
+                if why:
+                    expert_q.append(f"layer {i} ({type(qm).__name__}): {why}")
             if mlp.shared_experts is not None:
                 for name in ("gate_up_proj", "down_proj"):
                     q = quant(getattr(mlp.shared_experts, name))
@@ -197,16 +287,17 @@ def model_disable_reasons(model, hf_config) -> list[str]:
         reasons.append(f"layers {absorbed[:4]}{'...' if len(absorbed) > 4 else ''} hold no unscaled absorbed "
                        "W_UK / W_UV (self_attn.w_kc / w_vc; post_load_weights not run, or quantised kv_b_proj)")
     if expert_q:
-        reasons.append(f"quantised routed experts ({expert_q[0]}): expert formats without a specverify kernel do "
-                       "not run through the model's quant method inside the step yet")
+        reasons.append(f"routed experts the step can neither read nor hand to SGLang's experts module "
+                       f"({expert_q[0]}; {len(expert_q)} layers in all)")
     if mlp_q:
-        reasons.append(f"quantised MLP weights ({mlp_q[0]}): the step reads unquantised MLPs only")
-    if quant(model.lm_head):
-        reasons.append(f"quantised LM head ({quant(model.lm_head)})")
-    lp = model.logits_processor
+        reasons.append(f"quantised MLP weights ({mlp_q[0]}): the step reads unquantised dense and shared-expert "
+                       "MLPs only")
+    if quant(lm.lm_head):
+        reasons.append(f"quantised LM head ({quant(lm.lm_head)})")
+    lp = lm.logits_processor
     if getattr(lp, "logit_scale", None) is not None or getattr(lp, "final_logit_softcapping", None):
         reasons.append("logit scale / final logit softcapping: the step's LM head applies neither")
-    rope = getattr(model.model.layers[0].self_attn, "rotary_emb", None)
+    rope = getattr(lm.model.layers[0].self_attn, "rotary_emb", None)
     if rope is None or not hasattr(rope, "cos_sin_cache"):
         reasons.append("no rotary table (self_attn.rotary_emb.cos_sin_cache) to read")
     return reasons
@@ -265,13 +356,18 @@ def _stack_shared_expert(experts, shared, report: WeightReport):
     return w13_all, w2_all
 
 
-def read_weights(model, config: ModelConfig, *, stack_shared_expert: bool) -> tuple[dict, WeightReport]:
+def read_weights(model, config: ModelConfig, *, stack_shared_expert: bool,
+                 sglang_experts: dict | None = None) -> tuple[dict, WeightReport]:
     """Our per-layer weight dicts (the layout of :class:`~specverify.forward.model.VerifyModel`) read from SGLang's
     loaded ``DeepseekV2ForCausalLM``, as views of its parameters wherever the layouts agree.
 
     ``stack_shared_expert``: build ``w13_all`` / ``w2_all`` (the shared expert as expert E) for an op table whose
     expert pass runs the shared expert; SGLang's expert parameters then view those stacks. Otherwise the routed
     stacks and the shared MLP are SGLang's tensors as they are.
+
+    ``sglang_experts``: layer index -> the ``experts_fn`` (:func:`sglang_experts_fn`) of the MoE layers whose routed
+    experts stay SGLang's module; their expert stacks are not read (``w13`` / ``w2`` None, no ``w13_all``), their
+    shared expert is read as its own MLP.
     """
     from sglang.srt.models.deepseek_v2 import DeepseekV2MoE
 
@@ -292,7 +388,7 @@ def read_weights(model, config: ModelConfig, *, stack_shared_expert: bool) -> tu
     out = {"embed": share(model.model.embed_tokens.weight.data[:vocab]),
            "lm_head": share(model.lm_head.weight.data[:vocab]), "final_norm": share(model.model.norm.weight.data),
            "layers": []}
-    for layer in model.model.layers:
+    for layer_index, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         w = {"attn_norm": share(layer.input_layernorm.weight.data),
              "mlp_norm": share(layer.post_attention_layernorm.weight.data)}
@@ -317,7 +413,13 @@ def read_weights(model, config: ModelConfig, *, stack_shared_expert: bool) -> tu
             bias = mlp.gate.e_score_correction_bias
             w["bias"] = None if bias is None else share(bias.data)
             experts, shared = mlp.experts, mlp.shared_experts
-            if mlp.num_fused_shared_experts:  # SGLang already appended the shared expert(s) to the stacks
+            if layer_index in (sglang_experts or {}):  # the experts stay SGLang's module (quantised, or asked)
+                w["experts_fn"] = sglang_experts[layer_index]
+                w["w13"] = w["w2"] = None
+                if shared is not None:
+                    w["shared_gate_up"] = share(shared.gate_up_proj.weight.data)
+                    w["shared_down"] = share(shared.down_proj.weight.data)
+            elif mlp.num_fused_shared_experts:  # SGLang already appended the shared expert(s) to the stacks
                 w["w13_all"] = share(experts.w13_weight.data)
                 w["w2_all"] = share(experts.w2_weight.data)
                 if mlp.num_fused_shared_experts == 1:
@@ -339,9 +441,61 @@ def read_weights(model, config: ModelConfig, *, stack_shared_expert: bool) -> tu
     return out, report
 
 
+def sglang_experts_fn(mlp):
+    """The ``experts_fn`` (see :meth:`~specverify.forward.model.VerifyModel._mlp`) of a ``DeepseekV2MoE`` layer
+    whose routed experts stay SGLang's: our routing handed to the layer's own ``FusedMoE`` forward (dispatcher, then
+    ``quant_method.apply``, then combine) as the ``StandardTopKOutput`` SGLang's ``TopK`` would give it.
+
+    SGLang's convention for the routed scaling factor is the module's: the top-k weights carry it only where the
+    experts fuse it into the top-k (``routed_scaling_factor_fused_in_topk``), else the experts' runner applies it
+    (Triton, Marlin on CUDA) or ``DeepseekV2MoE.forward_normal`` multiplies afterwards (the CPU path, KTransformers);
+    ``maybe_fuse_routed_scale_and_shared_add`` scales for the MXFP4 methods that defer it. Our weights carry the
+    factor, so they are divided by it where the module expects them without, and the output gets the post-scale
+    ``forward_normal`` applies. A runner that may write its output over its input (``moe_runner_config.inplace``)
+    gets a copy: our shared expert reads the input afterwards.
+
+    Raises
+    ------
+    ValueError
+        The layer's experts cannot take our routing (:func:`sglang_experts_disable_reason` says why).
+    """
+    from sglang.srt.layers.moe.kt_ep_wrapper import KTEPWrapperMethod
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+    from sglang.srt.layers.quantization.mxfp4_flashinfer_trtllm_moe import maybe_fuse_routed_scale_and_shared_add
+    from sglang.srt.models import deepseek_v2 as dsv2
+
+    why = sglang_experts_disable_reason(mlp)
+    if why:
+        raise ValueError(f"layer {mlp.layer_id}'s routed experts cannot run through SGLang's module: {why}")
+    experts = mlp.experts
+    scale = float(mlp.routed_scaling_factor)
+    in_topk = bool(getattr(mlp, "routed_scaling_factor_fused_in_topk", False))
+    # the post-scale condition of DeepseekV2MoE.forward_normal (sglang/srt/models/deepseek_v2.py), on its flags
+    on = {name: bool(getattr(dsv2, name, False)) for name in ("_is_cuda", "_is_musa", "_is_xpu", "_use_aiter")}
+    post_scale = (not (on["_is_cuda"] or on["_is_musa"] or on["_is_xpu"]) and not (on["_use_aiter"] and in_topk)) \
+        or isinstance(experts.quant_method, KTEPWrapperMethod)
+    inplace = bool(experts.moe_runner_config.inplace)
+
+    def run(hidden, ids, weights, router_logits):
+        topk = StandardTopKOutput(topk_weights=weights if in_topk else weights / scale, topk_ids=ids,
+                                  router_logits=router_logits)
+        out = experts(hidden.clone() if inplace else hidden, topk)
+        if post_scale:
+            out = out * scale
+        return maybe_fuse_routed_scale_and_shared_add(experts, out, None, scale)
+
+    return run
+
+
 class VerifyStep:
     """The object :func:`build_step` returns (SGLang's ``BuiltMegakernel``): our verify forward over SGLang's
     weights, planned and run per step.
+
+    ``model`` is what SGLang wraps the forward of: a ``DeepseekV3ForCausalLM``, or a wrapper of :data:`WRAPPERS`
+    (Kimi-K2.5), whose language model (:func:`language_model`) and ``hf_config.text_config`` the step reads.
+    ``experts``: ``auto`` runs the routed experts ours where we read their format (unquantised) and through the
+    layer's SGLang module otherwise (:func:`sglang_experts_fn`); ``sglang`` sends every MoE layer's routed experts
+    through its SGLang module.
 
     Attributes
     ----------
@@ -350,29 +504,52 @@ class VerifyStep:
     calls : collections.Counter
         Steps run by mode (``target_verify``, ``decode``); tests read it to prove our forward ran.
     weights : WeightReport
+    sglang_expert_layers : dict[int, str]
+        MoE layers whose routed experts stay SGLang's module -> the name of its quant method.
     """
 
     draft_sampler = None
 
-    def __init__(self, model, hf_config, context, *, provider: str = "auto"):
+    def __init__(self, model, hf_config, context, *, provider: str = "auto", experts: str = "auto"):
+        from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod
+        from sglang.srt.models.deepseek_v2 import DeepseekV2MoE
+
         self.widths = tuple(context.widths)
         self.tokens = int(context.tokens_per_request)
         self.hf_config = hf_config
-        self._model = model
-        self.config = model_config_from_hf(hf_config)
-        attn = model.model.layers[0].self_attn
-        ref = model.model.embed_tokens.weight
+        self.architecture = type(model).__name__
+        lm = language_model(model)
+        if lm is None:
+            raise ValueError(f"{self.architecture} holds no language model (an encoder-only config); the step "
+                             "needs one")
+        self._model = lm
+        self.wrapped = lm is not model
+        # what the replaced forward takes after (input_ids, positions, forward_batch), by position
+        self._extra_args = ("get_embedding", "pp_proxy_tensors") if self.wrapped else ("input_embeds",
+                                                                                       "pp_proxy_tensors")
+        self.config = model_config_from_hf(text_config(hf_config))
+        attn = lm.model.layers[0].self_attn
+        ref = lm.model.embed_tokens.weight
         self.dtype, self.device = ref.dtype, ref.device
         if provider == "auto":
             provider = "specverify" if self.device.type == "cuda" else "reference"
         if provider not in ("reference", "specverify"):
             raise ValueError(f"provider must be 'auto', 'reference' or 'specverify', got {provider!r}")
-        self.provider = provider
+        if experts not in EXPERTS:
+            raise ValueError(f"experts must be one of {EXPERTS}, got {experts!r}")
+        self.provider, self.experts = provider, experts
         base, self.ops_note = provider_ops(provider, None)  # neither table reads the model
         ops = model_ops(base, attn.rotary_emb.cos_sin_cache, bool(attn.rotary_emb.is_neox_style),
                         float(attn.scaling))
-        weights, self.weights = read_weights(model, self.config,
-                                             stack_shared_expert=ops.experts_with_shared is not None)
+        fns, self.sglang_expert_layers = {}, {}
+        for i, layer in enumerate(lm.model.layers):
+            mlp = layer.mlp
+            if isinstance(mlp, DeepseekV2MoE) and (
+                    experts == "sglang" or not isinstance(mlp.experts.quant_method, UnquantizedFusedMoEMethod)):
+                fns[i] = sglang_experts_fn(mlp)
+                self.sglang_expert_layers[i] = type(mlp.experts.quant_method).__name__
+        weights, self.weights = read_weights(lm, self.config, stack_shared_expert=ops.experts_with_shared is not None,
+                                             sglang_experts=fns)
         self.verify_model = LoadedVerifyModel(self.config, weights, dtype=self.dtype, device=self.device, ops=ops)
         self.calls = collections.Counter()
 
@@ -381,18 +558,37 @@ class VerifyStep:
         w = self.weights
         steps = f"TARGET_VERIFY (k={self.tokens}, chains and trees)" if self.tokens > 1 else "decode"
         pieces = ", ".join(f"{k}={v}" for k, v in self.verify_model.ops.pieces.items())
-        return (f"ours: {steps}: embedding, {self.config.num_hidden_layers} layers (MLA tree attention, MoE routing "
-                f"+ experts + shared expert, dense MLP, norms), LM head; op table {self.provider} ({pieces}); "
-                f"SGLang's: every other forward mode, sampling, acceptance; weights: {w.shared_tensors} tensors "
+        theirs = ["every other forward mode", "sampling", "acceptance"]
+        experts = "experts + shared expert"
+        if self.sglang_expert_layers:
+            layers = sorted(self.sglang_expert_layers)
+            methods = ", ".join(sorted(set(self.sglang_expert_layers.values())))
+            theirs.append(f"the routed experts of {len(layers)} MoE layers ({layers[0]}..{layers[-1]}) on our "
+                          f"routing, through their FusedMoE ({methods})")
+            moe = sum(not layer["dense"] for layer in self.verify_model.layers)
+            experts = "shared expert" if len(layers) == moe else "the other layers' experts + shared expert"
+        if self.wrapped:
+            theirs.append("the vision tower and every batch carrying multimodal inputs")
+        return (f"ours ({self.architecture}): {steps}: embedding, {self.config.num_hidden_layers} layers (MLA tree "
+                f"attention, MoE routing + {experts}, dense MLP, norms), LM head; op table {self.provider} "
+                f"({pieces}); SGLang's: {', '.join(theirs)}; weights: {w.shared_tensors} tensors "
                 f"shared ({w.shared_bytes / _MiB:.1f} MiB), {w.copied_tensors} copied once "
                 f"({w.copied_bytes / _MiB:.1f} MiB, SGLang's parameters re-pointed at them), "
                 f"{w.held_extra_bytes / _MiB:.1f} MiB held extra")
 
     # plan (host only) ---------------------------------------------------------------------------------------
     def plan(self, input_ids, forward_batch, *args, **kwargs):
-        """Step("target_verify" | "decode", rows) for the steps we cover, None for SGLang's own forward."""
-        if args or kwargs.get("input_embeds") is not None or kwargs.get("pp_proxy_tensors") is not None:
+        """Step("target_verify" | "decode", rows) for the steps we cover, None for SGLang's own forward (also for
+        any extra input the replaced forward takes: input embeddings, pipeline proxies, an embedding request; and,
+        for a wrapper, a batch carrying multimodal inputs or input embeddings)."""
+        if len(args) > len(self._extra_args):
             return None
+        extra = {**dict(zip(self._extra_args, args)), **kwargs}
+        if any(v is not None and v is not False for v in extra.values()):
+            return None
+        if self.wrapped and (forward_batch.contains_mm_inputs() or
+                             getattr(forward_batch, "input_embeds", None) is not None):
+            return None  # image / video / audio embeddings are SGLang's (module notes)
         rows = int(input_ids.shape[0])
         mode = forward_batch.forward_mode
         if rows == 0 or rows > MAX_ROWS:
@@ -464,10 +660,10 @@ class VerifyStep:
                                      mm_input_embeds=getattr(forward_batch, "mm_input_embeds", None))
 
 
-def build_step(model, hf_config, context, *, provider: str = "auto") -> VerifyStep:
+def build_step(model, hf_config, context, *, provider: str = "auto", experts: str = "auto") -> VerifyStep:
     """SGLang's ``build``: our forward over the loaded model's weights (see :class:`VerifyStep`)."""
     start = time.perf_counter()
-    step = VerifyStep(model, hf_config, context, provider=provider)
+    step = VerifyStep(model, hf_config, context, provider=provider, experts=experts)
     logger.info("specverify verify step built in %.1f s: %s", time.perf_counter() - start, step.summary())
     return step
 

@@ -1,5 +1,7 @@
 """SGLang 0.5.23's real ``DeepseekV3ForCausalLM`` on the CPU, built from a tiny config, with a KV pool, the Triton
-attention backend and the EAGLE verify batches the step tests feed it (``tests/sglang/test_sglang_step.py``).
+attention backend and the EAGLE verify batches the step tests feed it (``tests/sglang/test_sglang_step.py``);
+``kimi=True`` builds SGLang's real ``KimiK25ForConditionalGeneration`` instead (the same tiny language model as its
+``text_config``, a one-layer MoonViT of width 32 as its vision tower).
 
 What it needs around SGLang's code on a machine without CUDA or ``sgl_kernel`` (each is a read or a set-up SGLang's
 own server would do, not a change of SGLang's behaviour):
@@ -55,6 +57,17 @@ def tiny_config(*, dtype="float32", layers=3, hidden=256, heads=4, experts=16, t
         "attention_bias": False, "tie_word_embeddings": False, "vocab_size": vocab, "bos_token_id": 0,
         "eos_token_id": 1, "num_nextn_predict_layers": 0,
     }
+
+
+def kimi_config(text: dict) -> dict:
+    """A Kimi-K2.5-shaped config.json dict around the language model config ``text``: a one-layer, 32-wide MoonViT
+    (``vt_hidden_size`` is read by SGLang's projector; the real configs carry it)."""
+    vision = dict(patch_size=14, init_pos_emb_height=4, init_pos_emb_width=4, init_pos_emb_time=1,
+                  num_attention_heads=2, num_hidden_layers=1, hidden_size=32, vt_hidden_size=32, intermediate_size=64,
+                  merge_kernel_size=[2, 2], text_hidden_size=text["hidden_size"])
+    return {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "text_config": text,
+            "vision_config": vision, "torch_dtype": text["torch_dtype"],
+            "media_placeholder_token_id": text["vocab_size"] - 1}
 
 
 @contextlib.contextmanager
@@ -152,7 +165,7 @@ def _runner_class():
             from sglang.srt.model_executor.graph_shared_output import GraphSharedOutput
             from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-            hf = model_config.hf_config
+            hf = model_config.hf_text_config  # a wrapper's (Kimi-K2.5's) language model config
             self.device, self.gpu_id, self.model, self.model_config = "cpu", 0, model, model_config
             self.dtype = self.kv_cache_dtype = model_config.dtype
             self.kv_cache_dtype_str = "auto"
@@ -185,10 +198,13 @@ def _runner_class():
 class Dsv3Harness:
     """SGLang's DeepseekV3ForCausalLM, its KV pool and Triton attention backend, and helpers that prefill request
     prefixes and build TARGET_VERIFY / DECODE batches. ``tokens``: draft tokens per request (None: no speculative
-    decoding, the server decodes one token a step). ``megakernel``: install the spec through SGLang's binding."""
+    decoding, the server decodes one token a step). ``megakernel``: install the spec through SGLang's binding.
+    ``kimi``: build KimiK25ForConditionalGeneration around the same language model (``model`` is then the wrapper,
+    ``lm`` its language model). ``prepare``: called with the loaded model before the spec is installed (a test swaps
+    a module's quant method there)."""
 
     def __init__(self, *, dtype=torch.float32, tokens=4, topk=2, requests=4, megakernel=True, seed=1,
-                 page_size=1, round_weights_to=None, **config):
+                 page_size=1, round_weights_to=None, kimi=False, prepare=None, **config):
         from sglang.srt.configs.device_config import DeviceConfig
         from sglang.srt.configs.load_config import LoadConfig
         from sglang.srt.configs.model_config import ModelConfig
@@ -205,7 +221,7 @@ class Dsv3Harness:
         self.cfg = tiny_config(dtype=name, **config)
         root = tempfile.mkdtemp(prefix="specverify_dsv3_")
         with open(os.path.join(root, "config.json"), "w") as f:
-            json.dump(self.cfg, f)
+            json.dump(kimi_config(self.cfg) if kimi else self.cfg, f)
         self.tokens, self.topk, self.page_size, self.dtype = tokens, topk, page_size, dtype
         sa = ServerArgs(model_path=root, device="cpu", attention_backend="triton", load_format="dummy", tp_size=1,
                         dtype=name, disable_cuda_graph=True, mem_fraction_static=0.5)
@@ -215,6 +231,9 @@ class Dsv3Harness:
             self.model = get_model(model_config=self.model_config, load_config=LoadConfig(load_format="dummy"),
                                    device_config=DeviceConfig("cpu"))
         _redraw(self.model, seed, round_weights_to)
+        self.lm = getattr(self.model, "language_model", self.model)  # the DeepseekV3ForCausalLM
+        if prepare is not None:
+            prepare(self.model)
         spec = dict(speculative_algorithm="EAGLE" if tokens else None,
                     speculative_num_draft_tokens=tokens, speculative_num_steps=(tokens - 1) if tokens else None,
                     speculative_eagle_topk=topk if tokens else None)
@@ -241,13 +260,13 @@ class Dsv3Harness:
         self._capturing = mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: False)
         self._capturing.start()
         self.layer_calls = 0
-        inner = self.model.model.forward
+        inner = self.lm.model.forward
 
         def counting(*args, **kwargs):  # DeepseekV2Model.forward: runs only when SGLang's own forward runs
             self.layer_calls += 1
             return inner(*args, **kwargs)
 
-        self.model.model.forward = counting
+        self.lm.model.forward = counting
 
     def install(self):
         from sglang.srt.kernel_plugins.nvidia import binding

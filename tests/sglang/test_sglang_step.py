@@ -11,6 +11,11 @@ Sizes and why: two requests with different prefixes (5 and 11 tokens; 13 with pa
 cross a page); 4 draft tokens (a tree with a sibling pair and a grandchild, and a chain); 3 layers (a dense layer
 0, two MoE layers with 16 experts, top-4, one shared expert); kv_lora_rank 64 (and Kimi-K2's 512); n_group 1 (and
 DeepSeek-V3's grouped routing, 4 groups, top-2). One harness lives at a time (SGLang's runtime context is global).
+
+Kimi-K2.5: SGLang's real ``KimiK25ForConditionalGeneration`` (a one-layer MoonViT, the same tiny language model as
+its ``text_config``) through the same binding. Routed experts that stay SGLang's: the unquantised ones forced through
+the layer's ``FusedMoE`` (``experts="sglang"``), and a stand-in quant method (the real Marlin / FP8 block kernels
+need CUDA) that delegates to the unquantised one and counts its ``apply`` calls.
 """
 from __future__ import annotations
 
@@ -53,14 +58,18 @@ def _close_last():
         _CURRENT.clear()
 
 
-def compare(h, fb, dtype_tag="fp32"):
-    """SGLang's forward, then ours (installed) on the same batch; returns (sglang_out, our_out, stats)."""
+def compare(h, fb, dtype_tag="fp32", count=None):
+    """SGLang's forward, then ours (installed) on the same batch; returns (sglang_out, our_out, stats).
+    ``count``: a callable counting something (SGLang expert calls); ``stats["counted"]`` is its increase during our
+    forward."""
     locs = fb.out_cache_loc.tolist()
     ref = h.run(fb, h.sglang_forward)
     kv_ref = h.kv_rows(locs)
     h.poison(locs)
     calls, layer_calls = sum(h.built.calls.values()), h.layer_calls
+    counted = count() if count else 0
     out = h.run(fb)
+    counted = (count() if count else 0) - counted
     assert h.layer_calls == layer_calls, "SGLang's own layer loop ran during the step: our forward did not replace it"
     assert sum(h.built.calls.values()) == calls + 1, "our verify forward did not run"
     kv = h.kv_rows(locs)
@@ -70,7 +79,7 @@ def compare(h, fb, dtype_tag="fp32"):
     scale = a.abs().max().item()
     stats = {"logits": (a - b).abs().max().item() / scale,
              "kv": (kv_ref.float() - kv.float()).abs().max().item() / kv_ref.float().abs().max().item(),
-             "greedy_mismatches": int((a.argmax(-1) != b.argmax(-1)).sum())}
+             "greedy_mismatches": int((a.argmax(-1) != b.argmax(-1)).sum()), "counted": counted}
     if ref.hidden_states is not None:
         assert out.hidden_states is not None and out.hidden_states.shape == ref.hidden_states.shape
         hs = ref.hidden_states.float()
@@ -100,8 +109,9 @@ def test_entry_point_registers_the_spec(sglang_loaded):
     assert eps.get(mk.ENTRY_POINT) == "specverify.integrations.sglang_step:register"
     assert eps.get("specverify") == "specverify.integrations.sglang:register"  # the attention-backend plugin stays
     assert binding.plugin_reasons() == []
-    found, why = mk.find_spec(architectures=["DeepseekV3ForCausalLM"], isa="sm_90")
-    assert found is step.SPEC, why
+    for architecture in ("DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration"):
+        found, why = mk.find_spec(architectures=[architecture], isa="sm_90")
+        assert found is step.SPEC, (architecture, why)
 
 
 def test_spec_declares_what_it_serves():
@@ -246,6 +256,130 @@ def test_bf16_error_is_within_twice_sglangs_own(sglang_loaded):
 
 
 # ------------------------------------------------------------------------------------------------------------
+# Kimi-K2.5: SGLang's KimiK25ForConditionalGeneration around the same language model
+
+
+def test_kimi_tree_verify_fp32_matches_sglang(sglang_loaded):
+    from sglang.srt.models.kimi_k25 import KimiK25ForConditionalGeneration
+
+    h = harness("kimi-tree", dtype=torch.float32, tokens=4, topk=2, kimi=True)
+    assert isinstance(h.model, KimiK25ForConditionalGeneration) and h.lm is h.model.language_model
+    assert h.built.wrapped and step.language_model(h.model) is h.lm
+    assert step.model_disable_reasons(h.model, h.model_config.hf_config) == []
+    assert "KimiK25ForConditionalGeneration" in h.built.summary() and "vision tower" in h.built.summary()
+    w = h.built.verify_model.layers[1]
+    assert w["qkv_a"].data_ptr() == h.lm.model.layers[1].self_attn.fused_qkv_a_proj_with_mqa.weight.data_ptr()
+    ref, out, _ = compare(h, h.verify_batch(PREFIX, TREES))
+    assert type(out) is type(ref) and out.hidden_states is not None  # what the wrapper's forward returns
+
+
+def test_kimi_eagle3_aux_hidden_states(sglang_loaded):
+    h = harness("kimi-tree", dtype=torch.float32, tokens=4, topk=2, kimi=True)
+    h.model.set_eagle3_layers_to_capture([0, 2])  # the wrapper hands it to its language model
+    try:
+        _, out, _ = compare(h, h.verify_batch(PREFIX, TREES, seed=5))
+        assert out.hidden_states.shape == (8, 2 * h.cfg["hidden_size"])
+    finally:
+        h.lm.capture_aux_hidden_states = False
+        h.lm.model.layers_to_capture = []
+
+
+def test_kimi_multimodal_batch_stays_sglangs(sglang_loaded):
+    from sglang.srt.managers.schedule_batch import Modality, MultimodalDataItem, MultimodalInputs
+
+    h = harness("kimi-tree", dtype=torch.float32, tokens=4, topk=2, kimi=True)
+    fb = h.verify_batch(PREFIX, TREES, seed=6)
+    assert h.built.plan(fb.input_ids, fb) is not None  # the batch without images is ours
+    assert h.built.plan(fb.input_ids, fb, False) is not None  # get_embedding=False, by position
+    assert h.built.plan(fb.input_ids, fb, get_embedding=True) is None  # an embedding request is SGLang's
+    # request 0 carries an image (its prefix holds the image tokens' KV); request 1 none
+    fb.mm_inputs = [MultimodalInputs(mm_items=[MultimodalDataItem(modality=Modality.IMAGE)]), None]
+    assert fb.contains_mm_inputs()
+    assert h.built.plan(fb.input_ids, fb) is None
+    calls, layer_calls = sum(h.built.calls.values()), h.layer_calls
+    out = h.run(fb)  # through the installed dispatch: SGLang's own wrapper forward runs
+    assert h.layer_calls == layer_calls + 1 and sum(h.built.calls.values()) == calls
+    assert out.next_token_logits.shape == (8, h.cfg["vocab_size"])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# routed experts that stay SGLang's: our routing through the layer's own FusedMoE and quant method
+
+
+def _count_expert_forwards(lm):
+    """A callable counting the forwards of every MoE layer's SGLang experts module (forward hooks)."""
+    runs = []
+    for layer in lm.model.layers:
+        if hasattr(layer.mlp, "experts"):
+            layer.mlp.experts.register_forward_hook(lambda *args: runs.append(1))
+    return lambda: len(runs)
+
+
+def test_sglang_experts_path_fp32_matches_sglang(sglang_loaded):
+    # unquantised experts forced through SGLang's FusedMoE (its CPU path, moe_forward_native) on our routing
+    import msgspec
+
+    spec = msgspec.structs.replace(step.SPEC, build=functools.partial(step.build_step, experts="sglang"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(step, "SPEC", spec)
+        h = harness("fp32-sglang-experts", dtype=torch.float32, tokens=4, topk=2)
+    built = h.built
+    assert built.experts == "sglang" and sorted(built.sglang_expert_layers) == [1, 2]
+    for i in (1, 2):
+        w = built.verify_model.layers[i]
+        assert "experts_fn" in w and "w13_all" not in w and w["w13"] is None and "shared_gate_up" in w
+    assert "layers (1..2) on our routing, through their FusedMoE (UnquantizedFusedMoEMethod)" in built.summary()
+    count = _count_expert_forwards(h.lm)
+    _, _, stats = compare(h, h.verify_batch(PREFIX, TREES), count=count)
+    assert stats["counted"] == 2, "SGLang's experts modules did not run inside our forward"
+    _, _, stats = compare(h, h.verify_batch(PREFIX, CHAIN, seed=1), count=count)
+    assert stats["counted"] == 2
+
+
+class _CountingMoEMethod(torch.nn.Module):
+    """Stands for a quantised FusedMoE method (Marlin W4A16, FP8 block; their kernels need CUDA): delegates to the
+    layer's unquantised method and counts its ``apply`` calls. Every other attribute is the wrapped method's."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.applied = 0
+
+    def apply(self, layer, dispatch_output):
+        self.applied += 1
+        return self.inner.apply(layer=layer, dispatch_output=dispatch_output)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("inner"), name)
+
+
+def _quantise_experts(model):
+    """``prepare`` for the harness: every MoE layer's quant method becomes a counting stand-in named as Kimi-K2.5's."""
+    lm = getattr(model, "language_model", model)
+    for layer in lm.model.layers:
+        if hasattr(layer.mlp, "experts"):
+            experts = layer.mlp.experts
+            experts.quant_method = type("CompressedTensorsWNA16MoEMethod", (_CountingMoEMethod,), {})(
+                experts.quant_method)
+
+
+def test_quantised_experts_run_through_their_quant_method(sglang_loaded):
+    h = harness("fp32-quant-experts", dtype=torch.float32, tokens=4, topk=2, prepare=_quantise_experts)
+    assert _model_reasons(h) == []  # no longer refused
+    built = h.built
+    assert built.experts == "auto"
+    assert built.sglang_expert_layers == {1: "CompressedTensorsWNA16MoEMethod", 2: "CompressedTensorsWNA16MoEMethod"}
+    assert "CompressedTensorsWNA16MoEMethod" in built.summary()
+    methods = [layer.mlp.experts.quant_method for layer in h.lm.model.layers[1:]]
+    _, _, stats = compare(h, h.verify_batch(PREFIX, TREES), count=lambda: sum(m.applied for m in methods))
+    assert stats["counted"] == 2, "the layers' quant methods did not run inside our forward"
+    assert built.weights.copied_bytes == 0
+
+
+# ------------------------------------------------------------------------------------------------------------
 # refusals: one reason each
 
 
@@ -276,6 +410,22 @@ def _hf(**overrides):
     return SimpleNamespace(**{**tiny_config(), **overrides})
 
 
+def _kimi_hf(**text_overrides):
+    """Kimi-K2.5's config as the refusal checks see it: the wrapper's architecture, the model in text_config."""
+    return SimpleNamespace(architectures=["KimiK25ForConditionalGeneration"], text_config=_hf(**text_overrides))
+
+
+#: Shaped like Kimi-K2.5's quantization_config: W4A16 int4 groups of 32 on every Linear except the ignored ones
+#: (attention, shared experts, dense MLPs, LM head, vision): the routed experts only.
+KIMI_K25_QUANT = {
+    "quant_method": "compressed-tensors", "format": "pack-quantized",
+    "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "group_size": 32,
+                                                                    "symmetric": True, "strategy": "group"}}},
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+               "re:vision_tower.*", "re:mm_projector.*"],
+}
+
+
 def _reasons(cfg, hf=None):
     from sglang.srt.kernel_plugins.nvidia import binding
 
@@ -286,6 +436,27 @@ def _reasons(cfg, hf=None):
 
 def test_served_setup_has_no_reason(sglang_loaded):
     assert _reasons(_server_cfg()) == []
+    assert _reasons(_server_cfg(), _kimi_hf()) == []
+
+
+def test_experts_only_quantised_checkpoint_passes_the_config_check(sglang_loaded):
+    # the routed experts run through SGLang's quant method; model_disable_reasons checks every module after load
+    assert _reasons(_server_cfg(), _kimi_hf(quantization_config=KIMI_K25_QUANT)) == []
+    assert _reasons(_server_cfg(), _hf(quantization_config=KIMI_K25_QUANT)) == []
+    assert _reasons(_server_cfg(quantization="compressed-tensors"), _hf(quantization_config=KIMI_K25_QUANT)) == []
+    # online fp8 over it quantises every linear layer
+    reasons = _reasons(_server_cfg(quantization="fp8"), _hf(quantization_config=KIMI_K25_QUANT))
+    assert len(reasons) == 1 and "quantised checkpoint (fp8)" in reasons[0], reasons
+
+
+@pytest.mark.parametrize("text, words", [
+    ({"q_lora_rank": None}, "q_lora_rank is None"),
+    ({"topk_method": "group_limited_greedy", "scoring_func": "softmax"}, "noaux_tc sigmoid router only"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "quantised checkpoint (fp8)"),
+])
+def test_kimi_config_refusal_reads_text_config(sglang_loaded, text, words):
+    reasons = _reasons(_server_cfg(), _kimi_hf(**text))
+    assert len(reasons) == 1 and words in reasons[0], reasons
 
 
 @pytest.mark.parametrize("overrides, hf, words", [
@@ -296,8 +467,10 @@ def test_served_setup_has_no_reason(sglang_loaded):
     ({"pp_size": 2}, {}, "pipeline parallelism"),
     ({"tp_size": 8}, {}, "tp_size 8"),
     ({"kv_cache_dtype": "fp8_e4m3"}, {}, "--kv-cache-dtype fp8_e4m3"),
-    ({"quantization": "fp8"}, {}, "quantised checkpoint (fp8)"),
+    ({"quantization": "fp8"}, {}, "quantised checkpoint (fp8)"),                       # online: every linear layer
     ({}, {"quantization_config": {"quant_method": "compressed-tensors"}}, "quantised checkpoint (compressed-tensors)"),
+    ({}, {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},  # DeepSeek-V3's FP8
+     "quantised checkpoint (fp8)"),
     ({"attention_backend": "fa3"}, {}, "--attention-backend fa3"),
     ({"speculative_algorithm": "NGRAM"}, {}, "--speculative-algorithm NGRAM"),
     ({"enable_dp_lm_head": True}, {}, "--enable-dp-lm-head"),
@@ -318,30 +491,48 @@ def _model_reasons(h):
 
 
 def test_model_refusals(sglang_loaded):
+    from sglang.srt.layers.moe.topk import TopKOutputFormat
+
     h = harness("fp32-tree", dtype=torch.float32, tokens=4, topk=2)
     assert _model_reasons(h) == []
     attn = h.model.model.layers[1].self_attn
     mlp = h.model.model.layers[1].mlp
+    quantised = (mlp.experts, "quant_method", type("CompressedTensorsWNA16MoEMethod", (_CountingMoEMethod,), {})(
+        mlp.experts.quant_method))
     cases = [
-        (attn.q_b_proj, "quant_method", type("Fp8LinearMethod", (_FakeQuant,), {})(), "quantised attention weights"),
-        (mlp.experts, "quant_method", type("CompressedTensorsWNA16MoEMethod", (torch.nn.Module,), {})(),
-         "quantised routed experts"),
-        (mlp.shared_experts.down_proj, "quant_method", type("Fp8LinearMethod", (_FakeQuant,), {})(),
+        ([(attn.q_b_proj, "quant_method", type("Fp8LinearMethod", (_FakeQuant,), {})())],
+         "quantised attention weights"),
+        ([quantised], None),  # quantised routed experts run through SGLang's quant method: no reason
+        ([quantised, (mlp.topk.topk_config, "output_format", TopKOutputFormat.BYPASSED)], "BYPASSED top-k output"),
+        ([quantised, (mlp, "num_fused_shared_experts", 1)], "--disable-shared-experts-fusion"),
+        ([(mlp.shared_experts.down_proj, "quant_method", type("Fp8LinearMethod", (_FakeQuant,), {})())],
          "quantised MLP weights"),
-        (attn, "w_kc", None, "absorbed W_UK / W_UV"),
+        ([(attn, "w_kc", None)], "absorbed W_UK / W_UV"),
     ]
-    for module, attr, value, words in cases:
+    for settings, words in cases:
         # set and restore by hand: MonkeyPatch would delete a submodule attribute on undo (not in __dict__)
-        old = getattr(module, attr)
-        setattr(module, attr, value)
+        old = [getattr(obj, attr) for obj, attr, _ in settings]
+        for obj, attr, value in settings:
+            setattr(obj, attr, value)
         try:
             reasons = _model_reasons(h)
         finally:
-            setattr(module, attr, old)
-        assert len(reasons) == 1 and words in reasons[0], (words, reasons)
+            for (obj, attr, _), value in zip(settings, old):
+                setattr(obj, attr, value)
+        if words is None:
+            assert reasons == [], reasons
+        else:
+            assert len(reasons) == 1 and words in reasons[0], (words, reasons)
     assert _model_reasons(h) == []
 
 
 def test_model_refusal_other_architecture(sglang_loaded):
     reasons = step.model_disable_reasons(torch.nn.Linear(2, 2), None)
     assert len(reasons) == 1 and "DeepseekV2ForCausalLM" in reasons[0]
+
+
+def test_model_refusal_wrapper_without_language_model(sglang_loaded):
+    wrapper = type("KimiK25ForConditionalGeneration", (torch.nn.Module,), {})()
+    wrapper.language_model = None  # an encoder-only Kimi-K2.5
+    reasons = step.model_disable_reasons(wrapper, None)
+    assert len(reasons) == 1 and "holds no language model" in reasons[0]

@@ -1,0 +1,104 @@
+"""Benchmark: the verify pass's projections at M = 1-8 rows, ours (``specverify.gemv``) and cuBLAS (``torch.matmul``)
+side by side, against the weight-bytes floor.
+
+Shapes: one tp-8 rank of Kimi-K2 and DeepSeek-V3 (q_a + kv_a 7168 -> 2112, q_b 1536 -> heads x 192, o_proj
+heads x 128 -> 7168, router 7168 -> experts, the LM head's vocabulary shard 7168 -> 20480).
+
+Timing: CUDA-graph replay of ``calls`` back-to-back projections, each over its own copy of the weight (copies
+enough to exceed 4x the L2 cache, so every call reads HBM as in the pass, where each layer has its own weights).
+``floor_us = N * K * bytes / copy_bw`` with ``copy_bw`` a device-to-device copy in the same run; ``bw_frac`` =
+floor / measured. Every row is checked against the fp32 reference first.
+
+Usage: ``python bench/bench_gemv.py [--quick] [--json PATH]`` (``--quick``: M = 1, 4, 8; about a minute).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from specverify.benchmarking import copy_bandwidth_gbps, run_meta, token_counts
+
+#: (model, projection) -> (N, K) for one tp-8 rank
+SHAPES = {
+    ("kimi-k2", "qkv_a"): (2112, 7168), ("kimi-k2", "q_b"): (8 * 192, 1536), ("kimi-k2", "o_proj"): (7168, 8 * 128),
+    ("kimi-k2", "router"): (384, 7168), ("kimi-k2", "lm_head"): (20480, 7168),
+    ("deepseek-v3", "q_b"): (16 * 192, 1536), ("deepseek-v3", "o_proj"): (7168, 16 * 128),
+    ("deepseek-v3", "router"): (256, 7168),
+}
+
+
+def _time_us(fn_list, x, outs, reps=5):
+    """µs per call: a graph of every weight copy's call, replayed; the best of ``reps``."""
+    for fn, o in zip(fn_list, outs):
+        fn(x, o)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for fn, o in zip(fn_list, outs):
+            fn(x, o)
+    g.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(5):
+            g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        best = min(best, a.elapsed_time(b) * 1e3 / (5 * len(fn_list)))
+    return best
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="M = 1, 4, 8")
+    ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    ap.add_argument("--ms", type=token_counts, help="comma-separated M (default 1, 2, 4, 8)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_gemv: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from specverify.gemv import gemv, gemv_config
+    from specverify.reference.gemv import gemv_reference
+
+    ms = args.ms or ([1, 4, 8] if args.quick else [1, 2, 4, 8])
+    bw = copy_bandwidth_gbps() * 1e9
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s; us per call (bw fraction)")
+    print(f"{'model':>12} {'proj':>8} {'M':>3} {'N':>6} {'K':>6} {'floor':>7} {'ours':>14} {'cuBLAS':>14}  ours/cuBLAS")
+    for (model, proj), (n, k) in SHAPES.items():
+        nbytes = n * k * 2
+        copies = max(2, -(-4 * l2 // nbytes))
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        floor = nbytes / bw * 1e6
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            want = gemv_reference(x, ws[0])
+            err = float((gemv(x, ws[0]).float() - want.float()).abs().max() / want.float().abs().max())
+            err_cublas = float(((x @ ws[0].t()).float() - want.float()).abs().max() / want.float().abs().max())
+            outs = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in ws]
+            ours = _time_us([lambda x_, o, w=w: gemv(x_, w, out=o) for w in ws], x, outs)
+            cublas = _time_us([lambda x_, o, w=w: torch.matmul(x_, w.t(), out=o) for w in ws], x, outs)
+            row = dict(model=model, proj=proj, m=m, n=n, k=k, floor_us=floor, ours_us=ours, cublas_us=cublas,
+                       ours_bw_frac=floor / ours, cublas_bw_frac=floor / cublas, ours_over_cublas=ours / cublas,
+                       max_rel_err=err, cublas_max_rel_err=err_cublas, config=gemv_config(m, n, k, sms),
+                       weight_copies=copies)
+            rows.append(row)
+            print(f"{model:>12} {proj:>8} {m:>3} {n:>6} {k:>6} {floor:7.2f} {ours:7.2f} ({floor / ours:4.0%}) "
+                  f"{cublas:7.2f} ({floor / cublas:4.0%})  {ours / cublas:5.2f}  err {err:.1e}")
+        del ws
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": run_meta(__file__, copy_bandwidth_gbps=bw / 1e9), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

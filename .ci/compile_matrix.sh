@@ -8,6 +8,8 @@
 #                        "--quick")
 #        MATRIX_OUT      folder for the per-version JSON and logs (default bench/out/compile_matrix)
 #        KEEP_VENVS=1    keep the scratch venvs (default: removed after each version)
+#        MATRIX_VENVS    folder of reusable venvs, one per version (kept; a venv that already has that Triton and
+#                        torch only gets specverify reinstalled): for re-runs while fixing a kernel
 # Exit:  non-zero when any version fails to install or its matrix fails (a version's failure does not stop the
 #        others; the summary at the end names each).
 set -u
@@ -20,15 +22,32 @@ OUT=${MATRIX_OUT:-$ROOT/bench/out/compile_matrix}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 SCRATCH=$(mktemp -d -t specverify-matrix.XXXXXX)
+VENVS=${MATRIX_VENVS:-$SCRATCH}
+[ -n "${MATRIX_VENVS:-}" ] && { mkdir -p "$VENVS"; KEEP_VENVS=1; }
 declare -A RESULT
 status=0
 for v in "${VERSIONS[@]}"; do
-  venv=$SCRATCH/triton-$v
+  venv=$VENVS/triton-$v
   log=$OUT/triton-$v.log
   echo "=== Triton $v: venv $venv" | tee "$log"
-  if ! { "$PY" -m venv "$venv" &&
-         "$venv/bin/pip" install -q "$TORCH_SPEC" "triton==$v" &&
-         "$venv/bin/pip" install -q --no-deps "$ROOT"; } >>"$log" 2>&1; then
+  # a kept venv that already has this Triton and the torch asked for skips the (large) installs
+  have=$("$venv/bin/python" -c "import importlib.metadata as m; print(m.version('triton'), m.version('torch'))" \
+         2>/dev/null)
+  want_torch=${TORCH_SPEC#torch==}
+  if [ "${have%% *}" = "$v" ] && [[ "${have#* }" == "$want_torch"* ]]; then
+    echo "reusing $venv (triton ${have%% *}, torch ${have#* })" >>"$log"
+    deps_ok=1
+  else
+    deps_ok=0
+  fi
+  # torch's CPU wheel needs no Triton, so both resolve together; where pip only finds a CUDA torch (which pins its
+  # own Triton) the Triton under test goes over it without dependencies (the matrix uses torch's fake tensors only)
+  if ! { { [ $deps_ok = 1 ] || { "$PY" -m venv --clear "$venv" &&
+                                 { "$venv/bin/pip" install -q "$TORCH_SPEC" "triton==$v" ||
+                                   { echo "joint install failed: torch first, then triton==$v --no-deps" &&
+                                     "$venv/bin/pip" install -q "$TORCH_SPEC" &&
+                                     "$venv/bin/pip" install -q --no-deps --force-reinstall "triton==$v"; }; }; }; } &&
+         "$venv/bin/pip" install -q --no-deps --force-reinstall "$ROOT"; } >>"$log" 2>&1; then
     echo "Triton $v: install failed (see $log)"; RESULT[$v]="install-failed"; status=1
   else
     # run from outside the checkout so the installed package (not the source tree) is imported
@@ -45,7 +64,7 @@ for v in "${VERSIONS[@]}"; do
   fi
   [ "${KEEP_VENVS:-0}" = 1 ] || rm -rf "$venv"
 done
-[ "${KEEP_VENVS:-0}" = 1 ] || rm -rf "$SCRATCH"
+{ [ "${KEEP_VENVS:-0}" = 1 ] && [ "$VENVS" = "$SCRATCH" ]; } || rm -rf "$SCRATCH"
 echo "=== compile matrix summary"
 for v in "${VERSIONS[@]}"; do echo "  triton $v: ${RESULT[$v]}"; done
 exit $status

@@ -7,17 +7,20 @@ target GPU (capability, SM count), and records each ``kernel[grid](...)`` launch
 tile configs, warp counts and constexprs are the ones the launchers choose on that GPU for these shapes: nothing is
 copied from the launchers. Each distinct launch is then compiled with ``triton.compile(ASTSource(...),
 target=GPUTarget("cuda", cc, 32))`` and its cubin read with the ``cuobjdump`` Triton ships
-(``triton/backends/nvidia/bin``): registers, local+stack bytes per thread (spills) and the shared memory Triton
-reserves (``metadata.shared``).
+(``triton/backends/nvidia/bin``) and ptxas's ``-v`` report (Triton prints it with ``dump_ptxas_log``):
+registers, spill stores (bytes per thread), the stack frame (local arrays, e.g. the slow path of ``sin``/``cos``'s
+range reduction: reported, not a failure) and the shared memory Triton reserves (``metadata.shared``).
 
 Shapes (Kimi-K2 at tp 8 per rank unless named): MLA 8 and 16 heads, kv_lora_rank 512 + rope 64, k 1, 2, 4, 8, 16,
-batch 1 / 4k (latency) and batch 64 / 4k (bandwidth); the Gluon wgmma MLA kernel (sm_90a only, where it imports);
+batch 1 / 4k (latency) and batch 64 / 4k (bandwidth), on the ``tl.dot`` kernel and as the plan's default picks
+(the capability gate, ``specverify.attention.mla_wgmma_support``: its answer per target goes into the JSON's
+``gate``); the Gluon wgmma MLA kernel (sm_90a only, skipped where this Triton lacks its Gluon API);
 GQA Llama 8:1 d 128 (8 q heads, 1 kv head per rank) at k 1, 4, 16; router 384 experts top-8 (sigmoid, bias) at
 M 1, 8, 64 with and without alignment; MoE 384 experts h 7168 inter 256 top-8 at M 1, 8, 64 (stream and aligned
 paths, the launcher decides); acceptance (greedy and sampling, vocab 163840, k 4 and 16, batch 1 and 64); fused ops
 (rmsnorm h 7168 with/without residual, MLA kv prep, GQA prep, silu_mul, absorb-q, up-v); KV compaction.
 
-Fails (exit 1) on a compile error, a spill (local+stack bytes > 0) or shared memory over the target's per-block
+Fails (exit 1) on a compile error, a spill (ptxas spill stores > 0) or shared memory over the target's per-block
 opt-in limit (sm_90: 232448 B; sm_120: 101376 B), except on targets named by ``--allow-fail`` (reported, exit 0).
 
 Usage: ``python bench/compile_matrix.py [--targets sm_90a,sm_120] [--only attn,moe,...] [--allow-fail sm_120]
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import io
 import json
 import math
 import os
@@ -76,6 +80,7 @@ class Row:
     regs: int | None = None
     smem_bytes: int | None = None
     spill_bytes: int | None = None
+    stack_bytes: int | None = None
     status: str = "ok"
     note: str = ""
     compile_s: float = 0.0
@@ -214,41 +219,63 @@ def _mask(k: int):
     return _cuda(*m.shape, dtype=m.dtype)
 
 
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    """``os.environ[name] = value`` for the block (the package reads its knobs live)."""
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = saved
+
+
 def scen_attn(quick: bool, target: str):
-    """MLA tree attention as ``tree_attention_mla`` plans and launches it (Kimi-K2 per rank)."""
+    """MLA tree attention as ``tree_attention_mla`` plans and launches it (Kimi-K2 per rank): the ``tl.dot`` kernel
+    (``SPECVERIFY_MLA_WGMMA=0``: on sm_90 it serves where the Gluon kernel is off), the plan's own choice (the
+    capability gate: the Gluon kernel on sm_90a where it compiles), and the Gluon wgmma kernel asked for explicitly
+    (sm_90a; skipped only where this Triton lacks its Gluon API)."""
     import specverify.attention as att
+
+    def mla(batch, ctx, k, heads, config=None):
+        pages, table, prefix = _paged(batch, ctx, k)
+        plan = att.plan_tree_attention_mla(max_batch=batch, num_draft_tokens=k, num_heads=heads, max_context=ctx,
+                                           device="cuda", config=config)
+        ql, qr = _cuda(batch, k, heads, 512), _cuda(batch, k, heads, 64)
+        kv = _cuda(batch * pages, 64, 576)
+        att.tree_attention_mla(ql, qr, kv, page_table=table, prefix_lens=prefix, tree_mask=_mask(k), sm_scale=0.1,
+                               plan=plan, validate=False, impl="triton")
 
     shapes = [(1, 4096, 4, 8), (64, 4096, 4, 8)] if quick else \
         [(b, 4096, k, h) for h in (8, 16) for k in (1, 2, 4, 8, 16) for b in (1, 64)]
     for batch, ctx, k, heads in shapes:
-        def run(batch=batch, ctx=ctx, k=k, heads=heads, config=None):
-            pages, table, prefix = _paged(batch, ctx, k)
-            plan = att.plan_tree_attention_mla(max_batch=batch, num_draft_tokens=k, num_heads=heads,
-                                               max_context=ctx, device="cuda", config=config)
-            ql, qr = _cuda(batch, k, heads, 512), _cuda(batch, k, heads, 64)
-            kv = _cuda(batch * pages, 64, 576)
-            att.tree_attention_mla(ql, qr, kv, page_table=table, prefix_lens=prefix, tree_mask=_mask(k),
-                                   sm_scale=0.1, plan=plan, validate=False, impl="triton")
+        def run(batch=batch, ctx=ctx, k=k, heads=heads):
+            with _env("SPECVERIFY_MLA_WGMMA", "0"):
+                mla(batch, ctx, k, heads)
         yield f"mla h{heads} b{batch} c{ctx} k{k}", run
-    # the Gluon wgmma kernel, asked for explicitly (the plan takes it by default only where the Triton is tested)
+    for batch, k in ((1, 4), (64, 4)):  # the default plan: whichever kernel the gate picks (rows merge with it)
+        yield f"mla-auto h8 b{batch} c4096 k{k}", lambda batch=batch, k=k: mla(batch, 4096, k, 8)
     if target == "sm_90a":
         for batch, k in ([(1, 4)] if quick else [(1, 1), (1, 4), (64, 4), (1, 16)]):
             def run_wg(batch=batch, k=k):
                 wg = att._wgmma_kernels()
-                if not getattr(wg, "AVAILABLE", False):
-                    import triton
-
-                    raise _Skip(f"Gluon wgmma kernel not available on Triton {triton.__version__} "
-                                f"(tested: {getattr(wg, 'TESTED_TRITON', '?')})")
-                pages, table, prefix = _paged(batch, 4096, k)
-                plan = att.plan_tree_attention_mla(max_batch=batch, num_draft_tokens=k, num_heads=8,
-                                                   max_context=4096, device="cuda",
-                                                   config=dict(wg.MLA_WGMMA_DEFAULT))
-                ql, qr = _cuda(batch, k, 8, 512), _cuda(batch, k, 8, 64)
-                kv = _cuda(batch * pages, 64, 576)
-                att.tree_attention_mla(ql, qr, kv, page_table=table, prefix_lens=prefix, tree_mask=_mask(k),
-                                       sm_scale=0.1, plan=plan, validate=False, impl="triton")
+                if not wg.AVAILABLE:
+                    raise _Skip(wg.UNAVAILABLE_REASON)
+                mla(batch, 4096, k, 8, config=dict(wg.MLA_WGMMA_DEFAULT))
             yield f"mla-wgmma h8 b{batch} c4096 k{k}", run_wg
+
+
+def gate(target: str) -> dict:
+    """What the MLA capability gate (``specverify.attention.mla_wgmma_support``) answers on the fake ``target``
+    GPU: its probe compile goes through the patched ``warmup``, so it compiles for ``target``."""
+    import specverify.attention as att
+
+    with fake_cuda(target, []):
+        ok, reason = att.mla_wgmma_support("cuda")
+    return dict(mla_wgmma=ok, reason=reason)
 
 
 def scen_gqa(quick: bool, target: str):
@@ -436,7 +463,8 @@ def launch_spec(fn, args, kw):
     sig, const, attrs = {}, {}, {}
     for i, name in enumerate(names):
         param = fn.params[i]
-        v = values[name] if name in values else param.default
+        # a kernel may take a launch option as a constexpr parameter (the Gluon kernel's num_warps)
+        v = values[name] if name in values else opts[name] if name in opts else param.default
         if param.is_constexpr:
             sig[name], const[name] = "constexpr", v
         elif v is None:
@@ -480,8 +508,47 @@ def ptxas_available() -> bool:
         return False
 
 
+_PTXAS_USAGE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def _ptxas_log_dir() -> str:
+    import triton
+
+    return os.path.join(triton.knobs.cache.dir, "specverify-ptxas")
+
+
+def _compile_logged(src, gpu, options: dict):
+    """``triton.compile`` with ptxas's ``-v`` report (Triton prints it with ``dump_ptxas_log``): (kernel, report).
+    A cache hit runs no ptxas, so the report is kept beside Triton's cache under the kernel's hash; a hit without
+    one compiles again."""
+    import triton
+
+    knobs = triton.knobs
+    saved = knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile
+    try:
+        for always in (False, True):
+            knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile = True, always
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                ck = triton.compile(src, target=gpu, options=options)
+            path = os.path.join(_ptxas_log_dir(), f"{ck.hash}.log")
+            if _PTXAS_USAGE.search(out.getvalue()):
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "w") as fh:
+                    fh.write(out.getvalue())
+                return ck, out.getvalue()
+            if os.path.exists(path):
+                with open(path) as fh:
+                    return ck, fh.read()
+    finally:
+        knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile = saved
+    return ck, ""
+
+
 def compile_launch(fn, sig, const, attrs, opts, target: str):
-    """Compile for ``target`` offline; returns (registers, spill bytes (local + stack per thread), shared bytes)."""
+    """Compile for ``target`` offline; returns dict(regs, spill (ptxas's spill stores, bytes per thread), stack
+    (ptxas's stack frame: local arrays such as the slow path of ``sin``/``cos``'s range reduction, not spills),
+    local (cuobjdump's local memory), smem (the shared memory Triton reserves))."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -493,8 +560,8 @@ def compile_launch(fn, sig, const, attrs, opts, target: str):
         from triton.experimental.gluon._runtime import GluonASTSource as src_cls
     backend = triton.compiler.make_backend(gpu)
     options = backend.parse_options(dict(opts))
-    ck = triton.compile(src_cls(fn=fn, signature=sig, constexprs=const, attrs=attrs), target=gpu,
-                        options=options.__dict__)
+    ck, report = _compile_logged(src_cls(fn=fn, signature=sig, constexprs=const, attrs=attrs), gpu,
+                                 options.__dict__)
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
         f.write(ck.asm["cubin"])
     try:
@@ -503,8 +570,13 @@ def compile_launch(fn, sig, const, attrs, opts, target: str):
     finally:
         os.unlink(f.name)
     regs = int(m.group(1)) if (m := re.search(r"REG:(\d+)", info)) else getattr(ck, "n_regs", -1)
-    spill = sum(int(x) for x in re.findall(r"(?:LOCAL|STACK):(\d+)", info))
-    return regs, spill, int(ck.metadata.shared)
+    local = sum(int(x) for x in re.findall(r"LOCAL:(\d+)", info))
+    usage = [tuple(int(x) for x in m) for m in _PTXAS_USAGE.findall(report)]
+    if usage:
+        stack, spill = max(u[0] for u in usage), sum(u[1] for u in usage)
+    else:  # no ptxas report: count every local and stack byte as a spill (the conservative reading)
+        stack, spill = 0, local + sum(int(x) for x in re.findall(r"STACK:(\d+)", info))
+    return dict(regs=regs, spill=spill, stack=stack, local=local, smem=int(ck.metadata.shared))
 
 
 _COMPILED: dict = {}
@@ -522,11 +594,10 @@ def compile_cached(fn, args, kw, target: str) -> dict:
     if key not in _COMPILED:
         t0 = time.time()
         try:
-            regs, spill, smem = compile_launch(fn, sig, const, attrs, opts, target)
-            res = dict(regs=regs, spill=spill, smem=smem, error=None)
+            res = dict(compile_launch(fn, sig, const, attrs, opts, target), error=None)
         except Exception as exc:  # noqa: BLE001 - reported by the caller
             msg = str(exc).strip().splitlines()
-            res = dict(regs=None, spill=None, smem=None,
+            res = dict(regs=None, spill=None, stack=None, local=None, smem=None,
                        error=f"{type(exc).__name__}: {(msg[-1] if msg else '')[:300]}")
         res["compile_s"] = round(time.time() - t0, 1)
         _COMPILED[key] = res
@@ -551,8 +622,8 @@ def build_rows(target: str, launches, problems) -> list[Row]:
         seen[key] = row
         rows.append(row)
         res = compile_cached(ln.fn, ln.args, ln.kw, target)
-        row.regs, row.spill_bytes, row.smem_bytes, row.compile_s = res["regs"], res["spill"], res["smem"], \
-            res["compile_s"]
+        row.regs, row.spill_bytes, row.stack_bytes, row.smem_bytes, row.compile_s = \
+            res["regs"], res["spill"], res["stack"], res["smem"], res["compile_s"]
         if res["error"]:
             row.status, row.note = "error", res["error"]
         else:
@@ -564,7 +635,7 @@ def build_rows(target: str, launches, problems) -> list[Row]:
             if bad:
                 row.status, row.note = "FAIL", "; ".join(bad)
         log(f"  [{target}] {kname:<34} {row.status:<6} regs {row.regs!s:>4} smem {row.smem_bytes!s:>7} "
-            f"spill {row.spill_bytes!s:>4}  {row.compile_s:.1f} s  {row.config}")
+            f"spill {row.spill_bytes!s:>4} stack {row.stack_bytes!s:>3}  {row.compile_s:.1f} s  {row.config}")
     for p in problems:
         rows.append(Row(f"<{p['group']}>", p["scenario"], target, [p["scenario"]],
                         status="skip" if p["status"] == "skip" else "error", note=p["note"]))
@@ -572,12 +643,15 @@ def build_rows(target: str, launches, problems) -> list[Row]:
 
 
 def print_table(rows) -> None:
-    print(f"{'kernel':<34} {'target':<7} {'regs':>5} {'smem B':>7} {'spill':>6} {'status':<6} config / note")
+    def cell(v):
+        return "-" if v is None else v
+
+    print(f"{'kernel':<34} {'target':<7} {'regs':>5} {'smem B':>7} {'spill':>6} {'stack':>5} {'status':<6} "
+          "config / note")
     for r in rows:
         tail = r.config + (f"  [{r.note}]" if r.note else "")
-        print(f"{r.kernel:<34} {r.target:<7} {r.regs if r.regs is not None else '-':>5} "
-              f"{r.smem_bytes if r.smem_bytes is not None else '-':>7} "
-              f"{r.spill_bytes if r.spill_bytes is not None else '-':>6} {r.status:<6} {tail}")
+        print(f"{r.kernel:<34} {r.target:<7} {cell(r.regs):>5} {cell(r.smem_bytes):>7} {cell(r.spill_bytes):>6} "
+              f"{cell(r.stack_bytes):>5} {r.status:<6} {tail}")
 
 
 def _git_commit() -> str:
@@ -617,9 +691,14 @@ def main(argv=None) -> int:
         return 2
     t_start = time.time()
     rows: list[Row] = []
+    gates: dict = {}
     for target in targets:
         log(f"== {target}: capturing launches ({', '.join(groups)})")
         launches, problems = capture(target, groups, args.quick)
+        if "attn" in groups:
+            gates[target] = gate(target)
+            log(f"== {target}: MLA gate: {'Gluon wgmma' if gates[target]['mla_wgmma'] else 'tl.dot'} "
+                f"({gates[target]['reason']})")
         if args.kernel:
             launches = [ln for ln in launches if any(k in ln.fn.__name__ for k in args.kernel)]
         log(f"== {target}: {len(launches)} launches, compiling the distinct ones")
@@ -640,7 +719,7 @@ def main(argv=None) -> int:
                            commit=_git_commit(), date=datetime.datetime.now().isoformat(timespec="seconds"),
                            wall_s=round(wall, 1), targets={t: dict(cc=TARGETS[t][0], smem_limit_bytes=TARGETS[t][1])
                                                              for t in targets},
-                           allow_fail=sorted(allow), summary=summary,
+                           allow_fail=sorted(allow), summary=summary, gate=gates,
                            rows=[r.__dict__ for r in rows]), fh, indent=1)
     return 1 if fatal else 0
 

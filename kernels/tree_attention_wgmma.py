@@ -42,20 +42,27 @@ from __future__ import annotations
 
 import triton
 
-#: Triton versions this kernel was compiled and run with (Gluon is experimental and renames its API between
-#: releases: Triton 3.9 replaced ``async_copy_global_to_shared`` by ``async_load``); others may not compile it.
-TESTED_TRITON = ("3.6.",)
-
+#: Whether this Triton has the Gluon API the kernel uses (``AVAILABLE``) and, where not, why
+#: (``UNAVAILABLE_REASON``). Only a capability: ``specverify.attention`` also compiles the kernel for the device's
+#: target before it takes it by default. Compiled offline for sm_90a with Triton 3.6, 3.7, 3.8 and 3.9
+#: (``bench/compile_matrix.py``); run on the H200 with 3.6.
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, warpgroup_mma,
                                                                   warpgroup_mma_wait)
-    AVAILABLE = triton.__version__.startswith(TESTED_TRITON)
-except ImportError:  # a Triton without Gluon's Hopper API: the launcher refuses KERNEL="mla_wgmma"
+    # cp.async of a tile into shared memory: ``async_copy_global_to_shared`` up to Triton 3.7, ``async_load`` from
+    # 3.8 on (3.9 keeps the old name only to raise); same arguments (smem, pointer, mask=)
+    _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+    # the CTA-wide barrier: ``thread_barrier`` in Triton 3.6, ``barrier`` (cluster=False by default) from 3.7 on
+    _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    AVAILABLE, UNAVAILABLE_REASON = True, ""
+except (ImportError, AttributeError) as _exc:  # the launcher refuses KERNEL="mla_wgmma" with this reason
     AVAILABLE = False
+    UNAVAILABLE_REASON = (f"Triton {triton.__version__} lacks the Gluon Hopper API this kernel uses "
+                          f"({type(_exc).__name__}: {_exc})")
 
-#: The MLA default where this kernel can run (CUDA sm_90, a tested Triton): ``specverify.attention`` plans with it.
+#: The MLA default where this kernel can run (CUDA sm_90 and it compiles there): ``specverify.attention`` plans with it.
 #: BLOCK_M (the row tile, wgmma N, a power of two 16..64) follows the rows; num_warps 4 (one warpgroup) holds a
 #: [512, 32] fp32 accumulator in 128 registers, 64 rows take 8 warps. PDL (programmatic dependent launch: the merge
 #: grid launches while the split grid runs) took batch 1 / 4k / k 4 from 10.33 to 9.90 us and k 1 from 7.88 to
@@ -88,8 +95,8 @@ if AVAILABLE:
         copies: the latent in one op (one op per buffer: copies into slices of one buffer made the compiler put a
         CTA barrier between them), the rope part in another; the caller commits the group."""
         m = valid[:, None]
-        async_copy.async_copy_global_to_shared(lat_buf, KV + row_off[:, None] + offs_d[None, :], mask=m)
-        async_copy.async_copy_global_to_shared(rope_buf, KV + row_off[:, None] + D + offs_c[None, :], mask=m)
+        _async_load(lat_buf, KV + row_off[:, None] + offs_d[None, :], mask=m)
+        _async_load(rope_buf, KV + row_off[:, None] + D + offs_c[None, :], mask=m)
 
     @gluon.jit
     def _tree_attention_mla_wgmma_kernel(
@@ -142,9 +149,9 @@ if AVAILABLE:
         qr_smem = gl.allocate_shared_memory(dtype, [BLOCK_R, DR], qr_sl)
         offs_d_ld = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
         q_ptr = Q + (b64 * stride_qb + q_tok * stride_qt + q_head * stride_qh)[:, None] + offs_d_ld[None, :]
-        async_copy.async_copy_global_to_shared(q_smem, q_ptr, mask=qm_valid[:, None])
+        _async_load(q_smem, q_ptr, mask=qm_valid[:, None])
         qr_ptr = QR + (b64 * stride_qrb + q_tok * stride_qrt + q_head * stride_qrh)[:, None] + offs_c[None, :]
-        async_copy.async_copy_global_to_shared(qr_smem, qr_ptr, mask=qm_valid[:, None])
+        _async_load(qr_smem, qr_ptr, mask=qm_valid[:, None])
 
         kv_lat = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, D], kv_sl)
         kv_rope = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, DR], kr_sl)
@@ -197,7 +204,7 @@ if AVAILABLE:
             page_nxt = gl.load(pt_row + pos_nxt // PAGE_SIZE, mask=pos_nxt < end, other=0)
             async_copy.wait_group(NUM_BUF - 1)  # this thread's copies of tile i have landed
             fence_async_shared()  # ... and are visible to the tensor cores' (async) reads
-            gl.thread_barrier()  # every thread's copies of tile i
+            _thread_barrier()  # every thread's copies of tile i
 
             k_lat = kv_lat.index(buf)
             s = warpgroup_mma(k_lat, q_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -227,7 +234,7 @@ if AVAILABLE:
             m_i = m_new
             p_smem.store(p.to(dtype))
             fence_async_shared()
-            gl.thread_barrier()
+            _thread_barrier()
             acc = acc * gl.convert_layout(alpha, col_o)[None, :]
             acc = warpgroup_mma(k_lat.permute((1, 0)), p_smem, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc, ))

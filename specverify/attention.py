@@ -7,6 +7,7 @@ Reference (the definition of correct): ``specverify/reference/attention.py``.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from dataclasses import dataclass, field
@@ -39,7 +40,7 @@ HEURISTIC_MAX_SPLITS = 128
 #: Keys a config may carry (see :func:`plan_tree_attention`).
 _CONFIG_KEYS = ("BLOCK_N", "BLOCK_DV", "BLOCK_M", "num_warps", "num_stages", "KERNEL", "PAGE_AHEAD", "PDL")
 #: Kernels a config may name with ``KERNEL``: the ``tl.dot`` kernel of ``kernels/tree_attention.py`` and the Gluon MLA
-#: kernel of ``kernels/tree_attention_wgmma.py`` (CUDA sm_90, Triton 3.6).
+#: kernel of ``kernels/tree_attention_wgmma.py`` (CUDA sm_90 where it compiles: :func:`mla_wgmma_support`).
 _KERNELS = ("default", "mla_wgmma")
 #: A split should read at least this many KV bytes per program, or the merge costs more than the split saves.
 MIN_SPLIT_BYTES = 64 * 1024
@@ -173,7 +174,7 @@ class TreeAttentionPlan:
 
 
 def _choose_config(*, mla: bool, rows: int, head_dim: int, head_dim_v: int, interpret: bool,
-                   config: dict | None, bandwidth: bool = False) -> dict:
+                   config: dict | None, bandwidth: bool = False, device: torch.device | None = None) -> dict:
     """The launch config: ``config`` if given, else the default for the kernel family (MLA: ``MLA_BANDWIDTH_CONFIG``
     when ``bandwidth``, i.e. the splits walk two or more KV tiles, else ``MLA_CONFIGS[0]``)."""
     kernels = _kernels()
@@ -196,7 +197,7 @@ def _choose_config(*, mla: bool, rows: int, head_dim: int, head_dim_v: int, inte
         raise ValueError(f"config KERNEL must be one of {_KERNELS}, got {kernel!r}")
     if kernel == "mla_wgmma":
         return _choose_wgmma_config(base, mla=mla, rows=rows, head_dim=head_dim, head_dim_v=head_dim_v,
-                                    interpret=interpret)
+                                    interpret=interpret, device=device)
     if base.get("PDL"):
         raise ValueError("config PDL is a key of KERNEL='mla_wgmma' (the Gluon MLA kernel and its split merge), got "
                          "it with the tl.dot kernel; drop PDL")
@@ -222,9 +223,10 @@ def _choose_config(*, mla: bool, rows: int, head_dim: int, head_dim_v: int, inte
 
 
 def _choose_wgmma_config(base: dict, *, mla: bool, rows: int, head_dim: int, head_dim_v: int,
-                         interpret: bool) -> dict:
+                         interpret: bool, device: torch.device | None = None) -> dict:
     """Geometry of the Gluon wgmma MLA kernel: 64 KV tokens (wgmma M) x BLOCK_M query rows (wgmma N, 16..64),
-    ``num_stages`` KV buffers (2: 188 KiB of shared memory at 32 rows)."""
+    ``num_stages`` KV buffers (2: 188 KiB of shared memory at 32 rows). Warps unless the config names them: 4 up
+    to 32 rows, 8 for 64; a 32-row tile takes 8 on a CUDA ``device`` where 4 spill (:func:`_wgmma_warps_32`)."""
     if not mla or head_dim != head_dim_v or head_dim % 64:
         raise ValueError("config KERNEL='mla_wgmma' is for tree_attention_mla with a kv_lora_rank that is a multiple "
                          f"of 64 (value = latent), got head_dim {head_dim}, head_dim_v {head_dim_v}; drop KERNEL")
@@ -233,10 +235,8 @@ def _choose_wgmma_config(base: dict, *, mla: bool, rows: int, head_dim: int, hea
                          "drop KERNEL under TRITON_INTERPRET=1")
     wg = _wgmma_kernels()
     if not wg.AVAILABLE:
-        import triton
-
-        raise ValueError(f"config KERNEL='mla_wgmma' is written in Gluon for Triton {'/'.join(wg.TESTED_TRITON)}x "
-                         f"(its API changes between releases), got Triton {triton.__version__}; drop KERNEL")
+        raise ValueError(f"config KERNEL='mla_wgmma' is written in Gluon for Triton's Hopper API, which cannot be "
+                         f"used here: {wg.UNAVAILABLE_REASON}; drop KERNEL")
     extra = {key for key in ("PAGE_AHEAD", "BLOCK_DV") if base.get(key)}
     if extra:
         raise ValueError(f"config KERNEL='mla_wgmma' does not take {sorted(extra)} (one value tile, its own "
@@ -253,7 +253,8 @@ def _choose_wgmma_config(base: dict, *, mla: bool, rows: int, head_dim: int, hea
         "BLOCK_N": block_n,
         "BLOCK_DV": head_dim,
         "DV_TILES": 1,
-        "num_warps": int(base.get("num_warps") or (4 if block_m <= 32 else 8)),
+        "num_warps": int(base.get("num_warps") or (8 if block_m > 32 else
+                                                    _wgmma_warps_32(device) if block_m == 32 else 4)),
         "num_stages": stages,
         "KERNEL": "mla_wgmma",
         "PAGE_AHEAD": False,
@@ -313,13 +314,20 @@ def _make_plan(*, max_batch, k, hq, hkv, d, dr, dv, max_context, device, dtype_b
     def plan_for(bandwidth: bool):
         """(config, split count) for the default or the bandwidth tile."""
         c = _choose_config(mla=dr > 0, rows=(hq // hkv) * k, head_dim=d, head_dim_v=dv, interpret=interpret,
-                           config=config, bandwidth=bandwidth)
+                           config=config, bandwidth=bandwidth, device=device)
         if config is None and dr > 0 and c["KERNEL"] == "default" and c["BLOCK_M"] > 16 and \
                 _small_shared_memory(device):
             # sm_120 (RTX PRO 6000, RTX 5090: 99 KiB a block): the [32, 512] query and accumulator tiles of the
             # tl.dot MLA kernel need more than that even at one stage (offline compile matrix); 16 rows a tile fit
             # (92-94 KiB), the rows go to more M tiles
             c = dict(c, BLOCK_M=16, M_TILES=_cdiv((hq // hkv) * k, 16))
+        if config is None and dr == 0 and not interpret and 64 < d <= 128 and c["num_warps"] == 4 and \
+                (c["BLOCK_M"] == 64 or (c["BLOCK_M"] == 32 and _small_shared_memory(device))):
+            # GQA d 128, 64 query rows a tile (Llama 8:1 at k >= 8; offline compile matrix, spill stores per thread
+            # at 255 registers on 4 warps -> 8 warps): sm_90a 0 / 192 / 300 / 328 B -> 0 on Triton 3.6 / 3.7 / 3.8
+            # / 3.9 (3.6: 220 -> 167 registers), sm_120 196 / 248 / 276 B -> 0 on 3.7 / 3.8 / 3.9; 32 rows (k 4)
+            # on sm_120 spilled 68 B on 3.7 (0 on 8 warps, 190 registers). Same tiles and shared memory.
+            c = dict(c, num_warps=8)
         if num_splits is not None:
             return c, num_splits
         return c, _choose_num_splits(batch=max_batch, programs_per_split=_programs_per_split(c, hkv),
@@ -332,6 +340,12 @@ def _make_plan(*, max_batch, k, hq, hkv, d, dr, dv, max_context, device, dtype_b
     if config is None and dr > 0 and not interpret and _splits_walk_tiles(
             max_prefix=max_prefix, num_splits=int(num_splits), block_n=cfg["BLOCK_N"]):
         cfg, num_splits = plan_for(True)
+        if cfg["PAGE_AHEAD"] and cfg["BLOCK_M"] == 32 and int(num_splits) == 1:
+            # the page-ahead tile with one split per request (batch >= SMs / row tiles: Kimi-K2 batch 64 at k 8 / 16,
+            # batch 132 at k 4) spilled 12 B/thread at 255 registers on Triton 3.9, sm_90a (4 B at k 4; 0 on 3.6-3.8,
+            # 252-255 registers); 32 KV tokens a tile keep the 3-stage pipeline: 0 B, 184-224 registers on 3.6-3.9
+            # (offline compile matrix). Only the tl.dot fallback on sm_90 (the Gluon kernel is the default there).
+            cfg = dict(cfg, BLOCK_N=32)
     cfg["BLOCK_K"] = _next_pow2(max(16, k))
     num_splits = int(num_splits)
     if not 1 <= num_splits <= MAX_SPLITS:
@@ -358,18 +372,103 @@ def _small_shared_memory(device: torch.device) -> bool:
 
 
 def _wgmma_default(device: torch.device, *, d: int, dr: int, dv: int) -> bool:
-    """True where an MLA plan without a config takes the Gluon wgmma kernel (``MLA_WGMMA_DEFAULT``): a CUDA sm_90
-    device, a Triton the kernel was tested with, a 64-dim rope part and a latent of whole 64-column blocks. H200
-    (run 31, Kimi-K2 rank, k 4): 84 us (84% of copy bandwidth) at batch 64 / 4k and batch 8 / 32k against 151-152 us
-    for the Triton page-ahead kernel; 11.3 against 13.4 us at batch 1 / 4k."""
-    if device.type != "cuda" or dr != 64 or d != dv or d % 64 or envvars.get("SPECVERIFY_MLA_WGMMA") == "0":
+    """True where an MLA plan without a config takes the Gluon wgmma kernel (``MLA_WGMMA_DEFAULT``): a 64-dim rope
+    part, a latent of whole 64-column blocks and :func:`mla_wgmma_support` says yes (a CUDA sm_90 device whose
+    Triton has the Gluon API and compiles the kernel for it). H200 (run 31, Kimi-K2 rank, k 4): 84 us (84% of copy
+    bandwidth) at batch 64 / 4k and batch 8 / 32k against 151-152 us for the Triton page-ahead kernel; 11.3 against
+    13.4 us at batch 1 / 4k."""
+    if dr != 64 or d != dv or d % 64:
         return False
+    return mla_wgmma_support(device)[0]
+
+
+def mla_wgmma_support(device) -> tuple[bool, str]:
+    """Whether the Gluon wgmma MLA kernel (``kernels/tree_attention_wgmma.py``) can be the default on ``device``,
+    and why (or why not), as ``(ok, reason)``.
+
+    A capability test, not a version list: the interpreter and CPUs say no; ``SPECVERIFY_MLA_WGMMA=0`` says no;
+    else Gluon's Hopper API must import in this Triton, the device must be sm_90 (wgmma: H100 / H200; sm_100 and
+    sm_120 have none) and the kernel must compile for the device's target (once per device, at Kimi-K2's sizes;
+    the answer is cached, like :mod:`specverify.fit`'s shared-memory check). Host only; it compiles, it launches
+    nothing.
+    """
+    device = torch.device(device)
+    if envvars.triton_interpret():
+        return False, "TRITON_INTERPRET=1 (Gluon has no CPU interpreter)"
+    if device.type != "cuda":
+        return False, f"no CUDA device (tensors on {device.type})"
+    if envvars.get("SPECVERIFY_MLA_WGMMA") == "0":
+        return False, "SPECVERIFY_MLA_WGMMA=0"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _wgmma_probe(index, tuple(torch.cuda.get_device_capability(index)))[:2]
+
+
+@functools.lru_cache(maxsize=None)
+def _wgmma_probe(index: int, capability: tuple[int, int]) -> tuple[bool, str, int]:
+    """The device part of :func:`mla_wgmma_support`, cached per (device index, capability): (ok, reason, warps of a
+    32-row tile)."""
+    import triton
+
     try:
-        if not _wgmma_kernels().AVAILABLE:
-            return False
-    except Exception:  # noqa: BLE001 - no Gluon in this Triton: the tl.dot kernels serve
-        return False
-    return torch.cuda.get_device_capability(device)[0] == 9
+        wg = _wgmma_kernels()
+    except Exception as exc:  # noqa: BLE001 - any import failure means no Gluon path
+        return False, f"the Gluon kernel does not import on Triton {triton.__version__} ({type(exc).__name__}: " \
+                      f"{exc})", 4
+    if not wg.AVAILABLE:
+        return False, wg.UNAVAILABLE_REASON, 4
+    arch = f"sm_{capability[0]}{capability[1]}"
+    if capability[0] != 9:
+        return False, f"{arch} has no wgmma (the Gluon kernel is for sm_90: H100 / H200)", 4
+    err, spill = _wgmma_compile(wg, index, num_warps=4)
+    if err:
+        return False, f"the Gluon kernel does not compile for {arch}a on Triton {triton.__version__} ({err})", 4
+    why = f"Triton {triton.__version__} has Gluon and the kernel compiles for {arch}a"
+    if spill:
+        # Triton 3.9 (offline compile matrix): a [512, 32] fp32 accumulator on one warpgroup spills 56 B/thread
+        # (255 registers); on two, 156 registers and no spill. Triton 3.6 (the H200 figures): 4 warps, no spill.
+        err8, spill8 = _wgmma_compile(wg, index, num_warps=8)
+        if not err8 and spill8 < spill:
+            return True, f"{why} (32-row tiles on 8 warps: 4 spill {spill} B/thread, 8 spill {spill8})", 8
+    return True, why, 4
+
+
+def _wgmma_warps_32(device: torch.device | None) -> int:
+    """Warps of the Gluon kernel's 32-row tile on ``device``: 4 (one warpgroup, the H200 figures), or 8 where this
+    Triton's 4-warp kernel spills registers on that device (the probe of :func:`mla_wgmma_support` compiled both)."""
+    if device is None or device.type != "cuda" or envvars.triton_interpret():
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _wgmma_probe(index, tuple(torch.cuda.get_device_capability(index)))[2]
+
+
+def _wgmma_compile(wg, index: int, *, num_warps: int) -> tuple[str, int]:
+    """Compile (``warmup``: no launch) the Gluon kernel for device ``index`` at the Kimi-K2 rank's sizes (8 heads,
+    k 4 = 32 query rows, latent 512 + rope 64, 64-token pages, 2 splits, a tree mask, PDL) with ``num_warps``:
+    ('', local bytes per thread (spills)) when it compiles, else (the error's last line, 0). The compiled kernel
+    stays in Triton's cache."""
+    heads, k, d, dr, ps, splits = 8, 4, 512, 64, 64, 2
+    cfg = dict(wg.MLA_WGMMA_DEFAULT)
+    # Triton compiles for the current device: make it ``index`` (only switched when it differs)
+    with torch.cuda.device(index) if index != torch.cuda.current_device() else contextlib.nullcontext():
+        buf = torch.empty(1 << 12, dtype=torch.float32, device="cuda")  # every pointer a 16-byte aligned view
+        q, i32, u8 = buf.view(torch.bfloat16), buf.view(torch.int32), buf.view(torch.uint8)
+        try:
+            compiled = wg._tree_attention_mla_wgmma_kernel.warmup(
+                q, q, q, i32, i32, u8, q, buf, buf, buf, 0.1,
+                k * heads * d, heads * d, d, k * heads * dr, heads * dr, dr, ps * (d + dr), d + dr,
+                64, 0, 1, k * heads * d, heads * d, d,
+                NUM_DRAFT=k, NUM_Q_HEADS=heads, PAGE_SIZE=ps, NUM_SPLITS=splits, D=d, DR=dr, BLOCK_R=heads * k,
+                BLOCK_N=cfg["BLOCK_N"], NUM_BUF=cfg["num_stages"], HAS_MASK=True, STORE_LSE=False, PDL=cfg["PDL"],
+                num_warps=num_warps, grid=(1, splits, 1))
+        except Exception as exc:  # noqa: BLE001 - a compile failure is the answer
+            lines = str(exc).strip().splitlines()
+            return f"{type(exc).__name__}: {(lines[-1] if lines else '')[:200]}", 0
+        try:  # the spill count is read when the kernel is loaded (on a GPU: no launch)
+            getattr(compiled, "_init_handles", lambda: None)()
+            spill = int(getattr(compiled, "n_spills", 0) or 0)
+        except Exception:  # noqa: BLE001 - unknown: keep the default warps
+            spill = 0
+    return "", spill
 
 
 def _splits_walk_tiles(*, max_prefix: int, num_splits: int, block_n: int) -> bool:
@@ -414,11 +513,13 @@ def plan_tree_attention(*, max_batch: int, num_draft_tokens: int, num_q_heads: i
         benchmarks (``GQA_CONFIGS`` / ``MLA_CONFIGS`` / ``MLA_BANDWIDTH_CONFIG`` in
         ``specverify/kernels/tree_attention.py``); for :func:`plan_tree_attention_mla` also ``KERNEL="mla_wgmma"``
         (the Gluon kernel of ``specverify/kernels/tree_attention_wgmma.py``: both products on wgmma with the KV
-        tokens as M; CUDA sm_90 and Triton 3.6 only; ``BLOCK_M`` 16/32/64, ``PDL``). Without a config an MLA plan
-        on an sm_90 GPU with Triton 3.6 takes ``MLA_WGMMA_DEFAULT`` (88-90% of copy bandwidth at Kimi-K2 batch 64 /
-        4k and batch 8 / 32k on the H200, 9.5 us at batch 1 / 4k / k 4; set ``SPECVERIFY_MLA_WGMMA=0`` to keep the
-        ``tl.dot`` kernel); elsewhere one whose splits walk two or more KV tiles takes ``MLA_BANDWIDTH_CONFIG`` (the
-        page ids one tile ahead, the KV tile multi-buffered), else
+        tokens as M; CUDA sm_90 (H100 / H200) only; ``BLOCK_M`` 16/32/64, ``PDL``). Without a config an MLA plan
+        on an sm_90 GPU where :func:`mla_wgmma_support` says yes (this Triton has Gluon's Hopper API and compiles the
+        kernel for the device: Triton 3.6-3.9 offline) takes ``MLA_WGMMA_DEFAULT`` (Triton 3.6 on the H200: 88-90%
+        of copy bandwidth at Kimi-K2 batch 64 / 4k and batch 8 / 32k, 9.5 us at batch 1 / 4k / k 4; set
+        ``SPECVERIFY_MLA_WGMMA=0`` to keep the ``tl.dot`` kernel); elsewhere (sm_80, sm_100, sm_120: ``tl.dot`` on
+        mma.sync; on sm_120's 99 KiB a block 16 query rows a tile) one whose splits walk two or more KV tiles takes
+        ``MLA_BANDWIDTH_CONFIG`` (the page ids one tile ahead, the KV tile multi-buffered), else
         ``MLA_CONFIGS[0]``.
 
     Returns
@@ -820,11 +921,13 @@ def tree_attention_mla(q_latent, q_rope, kv_cache, *, page_table, prefix_lens, t
 
     Notes
     -----
-    Graph safety as in :func:`tree_attention`. On an sm_90 GPU with Triton 3.6 the kernel is the Gluon wgmma one
+    Graph safety as in :func:`tree_attention`. On an sm_90 GPU where the Gluon kernel compiles
+    (:func:`mla_wgmma_support`; Triton 3.6-3.9) the kernel is the Gluon wgmma one
     (``specverify/kernels/tree_attention_wgmma.py``: s^T = K q^T and o^T += V^T p^T, so the 64 KV tokens of a tile
     are wgmma's M however few the query rows), launched with programmatic dependent launch before its split merge;
-    elsewhere (other GPUs, other Triton versions, the CPU interpreter, ``SPECVERIFY_MLA_WGMMA=0``) the ``tl.dot``
-    kernels of ``specverify/kernels/tree_attention.py``. Both read only the slots below each request's length.
+    elsewhere (other GPUs, a Triton without that Gluon API, the CPU interpreter, ``SPECVERIFY_MLA_WGMMA=0``) the
+    ``tl.dot`` kernels of ``specverify/kernels/tree_attention.py``. Both read only the slots below each request's
+    length.
 
     Examples
     --------

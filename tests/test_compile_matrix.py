@@ -1,8 +1,10 @@
-"""bench/compile_matrix.py: one small kernel captured from its real launcher and compiled offline for sm_90a.
+"""bench/compile_matrix.py: one small kernel captured from its real launcher and compiled offline for sm_90a, and the
+MLA capability gate on fake sm_90a / sm_120 GPUs.
 
 CPU only: the launch is captured on a fake CUDA device and compiled with the ptxas in Triton's wheel, in a
 subprocess without ``TRITON_INTERPRET`` (conftest sets it on CPU-only machines; the interpreter would change the
-launcher's config and compile nothing). Skipped where Triton's ptxas cannot run. A few seconds.
+launcher's config and compile nothing). Skipped where Triton's ptxas cannot run. Under a minute (the gate compiles
+the Gluon kernel once or twice).
 """
 import json
 import os
@@ -58,3 +60,26 @@ def test_unknown_target_is_a_usage_error(tmp_path):
     proc = subprocess.run([sys.executable, SCRIPT, "--targets", "sm_75"], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and "unknown target" in proc.stderr
+
+
+def test_mla_gate_compiles_the_gluon_kernel_for_sm90_only(tmp_path):
+    """The MLA capability gate on fake GPUs: on sm_90a it compiles the Gluon kernel (for that target, offline) and
+    says yes where this Triton has Gluon's Hopper API; on sm_120 it says no, naming why."""
+    _ptxas()
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import compile_matrix as cm; "
+            "print(json.dumps({t: cm.gate(t) for t in ('sm_90a', 'sm_120')}))")
+    proc = subprocess.run([sys.executable, "-c", code, os.path.dirname(SCRIPT)], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    gates = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert gates["sm_120"] == {"mla_wgmma": False, "reason": "sm_120 has no wgmma (the Gluon kernel is for sm_90: "
+                                                             "H100 / H200)"}
+    from specverify.kernels import tree_attention_wgmma as wg
+
+    if wg.AVAILABLE:
+        assert gates["sm_90a"]["mla_wgmma"], gates["sm_90a"]
+        assert "compiles for sm_90a" in gates["sm_90a"]["reason"]
+    else:
+        assert gates["sm_90a"] == {"mla_wgmma": False, "reason": wg.UNAVAILABLE_REASON}

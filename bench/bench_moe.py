@@ -9,7 +9,17 @@ Metrics: µs per call by ``triton.testing.do_bench`` (median, L2 flushed between
 ``floor_us = distinct_experts * (w13 + w2 bytes per expert) / copy_bw`` with ``copy_bw`` a device-to-device copy
 measured in the same run (``2 * bytes / time``), and ``floor_frac = floor_us / measured_us`` (1.0 = at the floor).
 
+Every provider's output is checked before it is timed: ours against the fp32 reference (M <= 16) and the router's
+ids; SGLang's experts against ours (``rel_err_vs_triton``) and the reference, its routing ids against the
+reference's. SGLang rows carry ``peer_not_sglang``: where the peer is not what SGLang itself runs at that shape
+(its Triton alignment beyond the one-launch kernel's gate, its Triton expert sum above 32 tokens, where SGLang calls
+``sgl_kernel``; its Triton activation instead of the JIT-CUDA one), starred in the table.
+
 Usage: ``python bench/bench_moe.py [--quick] [--json PATH]`` (``--quick``: M = 1, 4, 16, 64, fewer repeats).
+The SGLang comparison of issue 24 in one device call (M = 1-64, Kimi-K2 and DeepSeek-V3):
+``python bench/bench_moe.py --models kimi-k2,deepseek-v3 --providers triton,sglang --budget-s 420 --json PATH``
+(the JSON is rewritten after every (model, M), so a run cut by its time limit keeps what it measured; ``--budget-s``
+stops starting new cases in time and lists the ones left out).
 """
 from __future__ import annotations
 
@@ -38,13 +48,54 @@ def _peer():
     return load_sglang_peer(__file__)
 
 
+OPS = ("route+align", "experts")
+PROVIDERS = ("reference", "triton", "sglang")
+
+
+def _names(text: str, known: tuple, what: str) -> list:
+    got = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in got if t not in known]
+    if bad or not got:
+        raise argparse.ArgumentTypeError(f"--{what} takes a comma-separated subset of {','.join(known)}, got {text!r}")
+    return got
+
+
+def _rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def _peer_not_sglang(peer, op, m, e, top_k) -> list:
+    """Where the peer's call differs from what SGLang runs at this shape (see specverify.peers.sglang)."""
+    mods, _ = peer.pieces()
+    out = []
+    path = peer.align_path(m * top_k, e)
+    if path == "small_numel_outside_gate":
+        out.append("alignment: Triton moe_align_small_numel beyond its gate (more than 64 slots, or at most 64 "
+                   "experts), where SGLang calls sgl_kernel.moe_align_block_size (not installed)")
+    if op == "experts":
+        out.append("activation: act_and_mul_triton, not SGLang's JIT-CUDA silu_and_mul")
+        if top_k > 2 and m > 32 and mods["experts"].cuda_sum is None:
+            out.append("expert sum: moe_sum_reduce_triton above 32 tokens, where SGLang calls "
+                       "sgl_kernel.moe_sum_reduce")
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="M = 1, 4, 16, 64 and fewer repeats (< 90 s on H200)")
-    ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
-    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ",".join(MODELS))
+    ap.add_argument("--json", metavar="PATH", help="write the rows as JSON (rewritten after every model and M)")
+    ap.add_argument("--models", default=",".join(MODELS), type=lambda t: _names(t, tuple(MODELS), "models"),
+                    help="comma-separated subset of " + ",".join(MODELS))
     ap.add_argument("--ms", type=token_counts, help="comma-separated token counts M (default 1, 2, 4, 8, 16, 32, 64; "
                                                     "1, 4, 16, 64 with --quick)")
+    ap.add_argument("--ops", default=",".join(OPS), type=lambda t: _names(t, OPS, "ops"),
+                    help="comma-separated subset of " + ",".join(OPS) + " (default: both)")
+    ap.add_argument("--providers", default=",".join(PROVIDERS), type=lambda t: _names(t, PROVIDERS, "providers"),
+                    help="comma-separated subset of " + ",".join(PROVIDERS) + " (default: all; sglang when SGLang's "
+                         "kernels import)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no new (model, M) case after this many seconds (compilation included); the cases "
+                         "left out are printed and in the JSON's meta (default: no budget)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_moe: needs a CUDA GPU", file=sys.stderr)
@@ -53,7 +104,8 @@ def main(argv=None) -> int:
     from specverify.moe import fused_moe, moe_route
     from specverify.reference.moe import align_reference, fused_moe_reference, random_expert_weights, route_reference
 
-    peer, peer_why = _peer()
+    want_p = set(args.providers)
+    peer, peer_why = _peer() if "sglang" in want_p else (None, "not requested (--providers)")
     if peer is None:
         print(f"# sglang provider skipped: {peer_why}")
     ms_list = args.ms or ([1, 4, 16, 64] if args.quick else [1, 2, 4, 8, 16, 32, 64])
@@ -61,8 +113,16 @@ def main(argv=None) -> int:
     bw = copy_bandwidth_gbps()
     print(f"# measured D2D copy bandwidth: {bw:.0f} GB/s", flush=True)
     meta = run_meta(__file__, copy_gbps=bw)
+    meta.update(models=args.models, ms=ms_list, ops=args.ops, providers=args.providers,
+                sglang=peer.available().reason if peer is not None else peer_why, left_out=[])
     rows = []
-    for name in args.models.split(","):
+
+    def dump(partial):
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(meta=meta, rows=rows, partial=partial), f, indent=1)
+
+    for name in args.models:
         cfg = MODELS[name]
         e, h, inter, top_k = cfg["e"], cfg["h"], cfg["inter"], cfg["top_k"]
         gen = torch.Generator(device="cuda").manual_seed(0)
@@ -72,6 +132,10 @@ def main(argv=None) -> int:
         rkw = dict(top_k=top_k, scoring=cfg["scoring"], correction_bias=bias, n_group=cfg["n_group"],
                    topk_group=cfg["topk_group"], routed_scaling_factor=cfg["scale"])
         for m in ms_list:
+            if args.budget_s is not None and time.time() - t0 > args.budget_s:
+                meta["left_out"].append(f"{name} M={m}")
+                print(f"# {name} M={m} left out: --budget-s {args.budget_s:.0f} spent", flush=True)
+                continue
             logits = torch.randn(m, e, device="cuda", generator=gen).bfloat16()
             hidden = torch.randn(m, h, device="cuda", generator=gen).bfloat16()
             # correctness before timing
@@ -81,21 +145,20 @@ def main(argv=None) -> int:
             agree = (ids == rids).float().mean().item()
             out = fused_moe(hidden, w13, w2, ids, w, alignment=al, impl="triton")
             distinct = int(torch.unique(ids[ids >= 0]).numel())
-            if m <= 16:
-                ref = fused_moe_reference(hidden, w13, w2, ids, w)
-                rel = ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
-            else:
-                rel = float("nan")
+            ref = fused_moe_reference(hidden, w13, w2, ids, w) if m <= 16 else None
+            rel = _rel(out, ref) if ref is not None else float("nan")
             base = dict(model=name, m=m, distinct_experts=distinct, ids_agree=agree, moe_rel_err=rel)
 
-            def add(op, provider, fn, floor_us=None):
+            def add(op, provider, fn, floor_us=None, **extra):
+                if op not in args.ops or provider not in want_p:
+                    return
                 try:
                     us = bench_us(fn, args.quick)
                     gus = graph_us(fn)
                 except Exception as exc:  # a provider that fails is reported, not fatal
                     print(f"# {name} M={m} {op}/{provider} failed: {exc}")
                     return
-                row = dict(base, op=op, provider=provider, us=us, graph_us=gus)
+                row = dict(base, op=op, provider=provider, us=us, graph_us=gus, **extra)
                 if floor_us is not None:
                     row.update(floor_us=floor_us, floor_frac=floor_us / us)
                 rows.append(row)
@@ -104,38 +167,64 @@ def main(argv=None) -> int:
                       f"({time.time() - t0:.0f} s)", flush=True)
 
             add("route+align", "triton", lambda: moe_route(logits, block_size=BLOCK, impl="triton", **rkw))
-            if not args.quick or m <= 4:
+            if (not args.quick or m <= 4) and "route+align" in args.ops and "reference" in want_p:
                 rows.append(dict(base, op="route+align", provider="reference",
                                  us=bench_us(lambda: align_reference(route_reference(
                                      logits, top_k, cfg["scoring"], bias, cfg["n_group"], cfg["topk_group"], True,
                                      cfg["scale"])[0], e, BLOCK), args.quick), graph_us=float("nan")))
-            if peer is not None and hasattr(peer, "route_and_align"):
-                add("route+align", "sglang", lambda: peer.route_and_align(logits, bias, BLOCK, **{
-                    k: v for k, v in rkw.items() if k != "correction_bias"}))
+            peer_kw = {k: v for k, v in rkw.items() if k != "correction_bias"}
+            if peer is not None and "route+align" in args.ops:
+                try:
+                    pids, _ = peer.route(logits, bias, renormalize=True, **peer_kw)
+                    pagree = (torch.sort(pids.long(), 1).values == torch.sort(rids.long(), 1).values).float().mean()
+                    add("route+align", "sglang", lambda: peer.route_and_align(logits, bias, BLOCK, **peer_kw),
+                        ids_agree_peer=pagree.item(), peer_not_sglang=_peer_not_sglang(peer, "route+align", m, e,
+                                                                                       top_k))
+                except Exception as exc:
+                    print(f"# {name} M={m} route+align/sglang failed its check: {type(exc).__name__}: {exc}")
             floor_us = distinct * expert_bytes / (bw * 1e9) * 1e6
             add("experts", "triton", lambda: fused_moe(hidden, w13, w2, ids, w, alignment=al, out=out,
                                                        impl="triton"), floor_us)
             if m <= (4 if args.quick else 16):
                 add("experts", "reference", lambda: fused_moe_reference(hidden, w13, w2, ids, w,
                                                                         compute_dtype=torch.bfloat16), floor_us)
-            if peer is not None and hasattr(peer, "fused_experts"):
-                add("experts", "sglang", lambda: peer.fused_experts(hidden, w13, w2, w, ids), floor_us)
+            if peer is not None and "experts" in args.ops:
+                try:
+                    # SGLang's config resolved once, as its layer does; the call is alignment + 2 GEMMs + combine
+                    peer_fn = peer.prepare_fused_experts(hidden, w13, w2, w, ids)
+                    pout = peer_fn()
+                    checks = dict(rel_err_vs_triton=_rel(pout, out),
+                                  rel_err_vs_reference=_rel(pout, ref) if ref is not None else float("nan"))
+                    add("experts", "sglang", peer_fn, floor_us, **checks,
+                        peer_not_sglang=_peer_not_sglang(peer, "experts", m, e, top_k))
+                except Exception as exc:
+                    print(f"# {name} M={m} experts/sglang failed its check: {type(exc).__name__}: {exc}")
+            dump(partial=True)
         del w13, w2
         torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    dump(partial=False)
     hdr = f"{'model':<14} {'M':>3} {'op':<12} {'provider':<10} {'us':>9} {'graph_us':>9} {'floor_us':>9} " \
-          f"{'floor%':>7} {'experts':>7} {'ids_ok':>6}"
+          f"{'floor%':>7} {'experts':>7} {'ids_ok':>6} {'rel_err':>8}"
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
         fl = r.get("floor_us")
         fl_s = f"{fl:.2f}" if fl else "-"
         frac_s = f"{100 * r['floor_frac']:.0f}" if fl else "-"
-        print(f"{r['model']:<14} {r['m']:>3} {r['op']:<12} {r['provider']:<10} {r['us']:>9.2f} {r['graph_us']:>9.2f} "
-              f"{fl_s:>9} {frac_s:>7} "
-              f"{r['distinct_experts']:>7} {r['ids_agree']:>6.3f}")
+        star = "*" if any(not n.startswith("activation") for n in r.get("peer_not_sglang", ())) else ""
+        err = (r.get("rel_err_vs_triton", float("nan")) if r["provider"] == "sglang"
+               else r["moe_rel_err"] if (r["op"], r["provider"]) == ("experts", "triton") else float("nan"))
+        ids_ok = r.get("ids_agree_peer", r["ids_agree"])
+        print(f"{r['model']:<14} {r['m']:>3} {r['op']:<12} {r['provider'] + star:<10} {r['us']:>9.2f} "
+              f"{r['graph_us']:>9.2f} {fl_s:>9} {frac_s:>7} {r['distinct_experts']:>7} {ids_ok:>6.3f} {err:>8.1e}")
+    print("rel_err: experts output against the fp32 reference (ours, M <= 16) or against ours (sglang); ids_ok: "
+          "routing ids equal to the reference's (sglang: as sets per token)")
+    notes = sorted({n for r in rows for n in r.get("peer_not_sglang", ())})
+    if notes:
+        print("sglang rows are SGLang's Triton kernels as its layer calls them, except: " + "; ".join(notes)
+              + " (* = more than the activation differs)")
+    if meta["left_out"]:
+        print("left out (--budget-s): " + ", ".join(meta["left_out"]))
     return 0
 
 

@@ -12,14 +12,26 @@ Call paths (module : function, and the SGLang code whose call it reproduces)
 piece             SGLang kernel and how it is called
 ================  ================================================================================================
 tree attention    ``sglang.kernels.ops.attention.extend_attention : extend_attention_fwd``, called as
-                  ``TritonAttnBackend.forward_extend`` does for ``ForwardMode.TARGET_VERIFY``
+(k > 1)           ``TritonAttnBackend.forward_extend`` does for ``ForwardMode.TARGET_VERIFY``
                   (``srt/layers/attention/triton_backend.py``): ``qo_indptr = arange(0, (b+1)k, k)``,
                   ``kv_indptr = cumsum(prefix_lens)`` over the *prefix* only, token-level ``kv_indices`` (slot
                   ``page * page_size + offset``, SGLang's ``page_size = 1`` addressing), the draft tokens' K/V passed
-                  as ``k_extend``/``v_extend``, ``custom_mask`` a flat bool buffer of ``k * (prefix_b + k)`` entries
-                  per request (prefix columns true, draft columns the tree) with ``mask_indptr = cumsum``,
-                  ``is_causal = True``, ``max_len_extend = k``. MLA: ``k_buffer`` is the 576-wide latent+rope cache
-                  viewed ``[slots, 1, 576]``, ``v_buffer`` its first 512 columns, ``q = cat(q_latent, q_rope)``.
+                  as ``k_extend``/``v_extend``, ``custom_mask`` a flat uint8 buffer (its ``VerifyMask``, FULL_MASK
+                  layout) of ``k * (prefix_b + k)`` entries per request (prefix columns true, draft columns the
+                  tree; chains too get the mask, as on a GPU SGLang always reads it) with ``mask_indptr = cumsum``,
+                  ``is_causal = True``, ``max_len_extend = k``. Every step the whole mask buffer is memset to true
+                  and the draft cells rewritten (``speculative/eagle_utils.py : build_tree_kernel_efficient``, which
+                  SGLang runs before each verify); :class:`VerifyAttention` does that inside the pass. MLA:
+                  ``k_buffer`` is the 576-wide latent+rope cache viewed ``[slots, 1, 576]``, ``v_buffer`` its first
+                  512 columns, ``q = cat(q_latent, q_rope)``.
+decode attention  ``sglang.kernels.ops.attention.decode_attention : decode_attention_fwd``, called as
+(k = 1)           ``TritonAttnBackend.forward_decode`` does for ``ForwardMode.DECODE``: ``kv_indptr =
+                  cumsum(seq_lens)`` with ``seq_lens = prefix + 1`` (the token's KV is written first), token-level
+                  ``kv_indices``, persistent zeroed split-KV scratch ``attn_logits`` fp32 [b, H, max_kv_splits, Dv] /
+                  ``attn_lse`` fp32 [b, H, max_kv_splits], ``num_kv_splits`` int32 [b] from
+                  ``kernels/ops/attention/metadata.py : get_num_kv_splits_triton`` (SM count, heads, lengths) every
+                  step, ``max_kv_splits`` 8 (``--triton-attention-num-kv-splits``) raised for MLA by
+                  ``_mla_decode_kv_splits_cap`` (256 on an H200), ``has_mla`` for MLA, ``use_pdl`` on sm_90+.
 routing           ``sglang.kernels.ops.moe.moe_fused_gate : moe_fused_gate`` (its Triton router), which is what
                   ``srt/layers/moe/topk.py`` reaches on CUDA for Kimi-K2 (``biased_grouped_topk_gpu``, one group),
                   DeepSeek-V3 grouped routing when FlashInfer is absent, sigmoid ``fused_topk`` and softmax
@@ -53,10 +65,12 @@ SGLang's is patched: the MoE config lookup module is loaded privately from its f
 imports ``sgl_kernel`` on CUDA), and where SGLang's server context is not published its ``get_exec`` is replaced in
 that private copy only, by one reporting deterministic inference off (SGLang's default).
 
-Import chain of the experts piece: ``fused_moe_triton_kernels`` imports ``sglang.srt.layers.moe``, whose package
-``__init__`` reaches ``sglang.srt.configs`` and so ``transformers`` and ``torchvision``. Where those do not import
-(the GPU test machine has neither), the experts piece is reported missing with the exact error and
-:func:`specverify.forward.ops.sglang_ops` keeps specverify's reference experts, saying so in its note.
+Import chain of the experts piece: ``fused_moe_triton_kernels`` imports ``sglang.kernels.jit.utils`` (``tvm_ffi``,
+the ``apache-tvm-ffi`` wheel), ``dill``, and through ``sglang.srt.batch_invariant_ops`` reaches
+``sglang.srt.configs`` and so ``transformers`` and ``torchvision``. Where one of them does not import, the experts
+piece is reported missing with the exact error; :func:`specverify.forward.ops.sglang_ops` then keeps specverify's
+reference experts, names the gap in its note and marks its table incomplete (``pieces["incomplete"]``), so
+``verify-wall`` prints no total for a pass that is not SGLang's.
 
 Graph safety: the wrappers allocate with torch (captured into the graph's pool), never synchronise with the host
 and never branch on tensor values. SGLang's kernels are launched with ``launch_pdl`` on Hopper, as SGLang does.
@@ -158,6 +172,12 @@ def _load() -> dict:
             m = importlib.import_module("sglang.kernels.ops.attention.extend_attention")
             return types.SimpleNamespace(extend_attention_fwd=m.extend_attention_fwd)
 
+        def _decode():
+            m = importlib.import_module("sglang.kernels.ops.attention.decode_attention")
+            meta = importlib.import_module("sglang.kernels.ops.attention.metadata")
+            return types.SimpleNamespace(decode_attention_fwd=m.decode_attention_fwd,
+                                         get_num_kv_splits_triton=meta.get_num_kv_splits_triton)
+
         def _router():
             m = importlib.import_module("sglang.kernels.ops.moe.moe_fused_gate")
             return types.SimpleNamespace(moe_fused_gate=m.moe_fused_gate)
@@ -188,6 +208,7 @@ def _load() -> dict:
             return ns
 
         attempt("attention", _attn)
+        attempt("decode", _decode)
         attempt("router", _router)
         attempt("align", _align)
         attempt("experts", _experts)
@@ -220,7 +241,7 @@ def available() -> tuple[bool, str]:
         return False, why["sglang"]
     if mods.get("attention") is None:
         return False, f"sglang.kernels.ops.attention.extend_attention: {why.get('attention')}"
-    missing = [f"{p}: {why[p]}" for p in ("router", "align", "experts") if mods.get(p) is None]
+    missing = [f"{p}: {why[p]}" for p in ("decode", "router", "align", "experts") if mods.get(p) is None]
     text = f"sglang {mods.get('version')} Triton kernels importable"
     if missing:
         text += "; missing: " + "; ".join(missing)
@@ -233,8 +254,9 @@ def pieces() -> tuple[dict, dict]:
     Returns
     -------
     mods : dict
-        ``attention``, ``router``, ``align`` (``small``, ``limit``, ``large`` or None), ``experts`` (``cuda_sum``
-        or None, ...): a namespace, or None when the piece does not import; ``version``: SGLang's version.
+        ``attention`` (extend kernel), ``decode`` (decode kernel and its split-count kernel), ``router``,
+        ``align`` (``small``, ``limit``, ``large`` or None), ``experts`` (``cuda_sum`` or None, ...): a namespace,
+        or None when the piece does not import; ``version``: SGLang's version.
         Empty when SGLang itself does not import.
     why : dict
         piece (or ``sglang``) -> the import error of each missing one.
@@ -264,17 +286,21 @@ def _unpack_tree(tree_mask: torch.Tensor, k: int) -> torch.Tensor:
 
 
 class _AttnPlan:
-    """SGLang TARGET_VERIFY metadata for one (batch, k, page-table shape, page size, tree or chain), in static
-    buffers that :meth:`refresh` rewrites in place from the current page table, prefix lengths and tree mask.
+    """SGLang TARGET_VERIFY metadata for one (batch, k, page-table shape, page size), in static buffers that
+    :meth:`refresh` rewrites in place from the current page table, prefix lengths and tree mask.
 
     Buffers: ``qo_indptr`` int32 [b+1]; ``kv_indptr`` int32 [b+1] (prefix only); ``kv_indices`` int64
     [b * L + 1] (L = pages per row * page_size; the last entry is a dump slot for masked writes);
-    ``draft_slots`` int64 [b * k]; with a tree, ``custom_mask`` bool [b * k * (L + k) + 1] and ``mask_indptr``
-    int64 [b+1].
+    ``draft_slots`` int64 [b * k]; ``custom_mask`` uint8 [b * k * (L + k)] (SGLang's ``VerifyMask`` buffer in
+    FULL_MASK layout, sized for a captured batch of b and a context of L) and ``mask_indptr`` int64 [b+1].
+
+    A chain gets the full custom mask too (its draft block lower-triangular): on a GPU SGLang's Triton backend reads
+    the mask in FULL_MASK mode (``default_tree_mask_mode``), so ``build_tree_kernel_efficient`` builds one for
+    every verify, chains included (its QLEN_ONLY ``build_chain_tree`` path is for backends that do not read it).
     """
 
-    def __init__(self, batch, k, max_pages, page_size, tree, device):
-        self.b, self.k, self.page_size, self.tree = batch, k, page_size, tree
+    def __init__(self, batch, k, max_pages, page_size, device):
+        self.b, self.k, self.page_size = batch, k, page_size
         self.L = max_pages * page_size
         dev = device
         self.qo_indptr = torch.arange(0, (batch + 1) * k, k, dtype=torch.int32, device=dev)
@@ -283,19 +309,23 @@ class _AttnPlan:
         self.draft_slots = torch.zeros(batch * k, dtype=torch.int64, device=dev)
         self.pos = torch.arange(self.L, device=dev)
         self.jk = torch.arange(k, device=dev)
-        if tree:
-            self.cols = torch.arange(self.L + k, device=dev)
-            self.custom_mask = torch.zeros(batch * k * (self.L + k) + 1, dtype=torch.bool, device=dev)
-            self.mask_indptr = torch.zeros(batch + 1, dtype=torch.int64, device=dev)
-        else:
-            self.custom_mask = self.mask_indptr = None
+        self.chain = (self.jk.view(k, 1) >= self.jk.view(1, k)).to(torch.uint8)  # [k, k], draft i sees 0..i
+        self.custom_mask = torch.zeros(batch * k * (self.L + k), dtype=torch.uint8, device=dev)
+        self.mask_indptr = torch.zeros(batch + 1, dtype=torch.int64, device=dev)
         self.first_cache_ptr = None
 
     def _slots(self, page_table, positions):
         pages = torch.gather(page_table.long(), 1, positions // self.page_size)
         return pages * self.page_size + positions % self.page_size
 
-    def refresh(self, page_table, prefix_lens, tree_mask):
+    def refresh(self, page_table, prefix_lens, tree_mask, num_head=None, num_kv_head=None):
+        """One step's metadata, as SGLang rebuilds it every verify step (heads are not needed here).
+
+        ``kv_indptr`` / ``kv_indices`` over the prefix (``_update_target_verify_buffers``), ``mask_indptr`` the
+        cumsum of ``k * (prefix + k)``, and the mask itself: ``custom_mask.fill_(1)`` over the whole buffer (what
+        ``build_tree_kernel_efficient`` does with a preallocated FULL_MASK buffer, ``tree_mask.fill_(True)``), then
+        the ``k * k`` draft cells of each request written (SGLang's build-tree kernel writes them; here a scatter).
+        """
         b, k, L = self.b, self.k, self.L
         prefix = prefix_lens.long()
         starts = torch.cumsum(prefix, 0)
@@ -306,23 +336,17 @@ class _AttnPlan:
         self.kv_indices.scatter_(0, dest.reshape(-1), self._slots(page_table, pos).reshape(-1))
         dpos = prefix.view(b, 1) + self.jk.view(1, k)
         self.draft_slots.copy_(self._slots(page_table, dpos).reshape(-1))
-        if self.tree:
-            rowlen = prefix + k  # [b]
-            mstarts = torch.cumsum(k * rowlen, 0)
-            self.mask_indptr[1:].copy_(mstarts)
-            mbegin = (mstarts - k * rowlen).view(b, 1, 1)
-            cols = self.cols.view(1, 1, L + k)
-            rows = self.jk.view(1, k, 1)
-            dest = mbegin + rows * rowlen.view(b, 1, 1) + cols
-            valid = cols < rowlen.view(b, 1, 1)
-            dest = torch.where(valid, dest, torch.full_like(dest, b * k * (L + k)))
-            tree = _unpack_tree(tree_mask, k)
-            if tree.dim() == 2:
-                tree = tree.unsqueeze(0).expand(b, k, k)
-            rel = cols - prefix.view(b, 1, 1)  # draft index of each column
-            bits = torch.gather(tree, 2, rel.clamp(0, k - 1).expand(b, k, L + k))
-            val = (rel < 0) | bits  # prefix columns true, as SGLang's tree builder writes them
-            self.custom_mask.scatter_(0, dest.reshape(-1), val.reshape(-1))
+        rowlen = prefix + k  # [b]
+        mstarts = torch.cumsum(k * rowlen, 0)
+        self.mask_indptr[1:].copy_(mstarts)
+        self.custom_mask.fill_(1)  # the per-step memset of the whole buffer (prefix columns true)
+        tree = self.chain if tree_mask is None else _unpack_tree(tree_mask, k).to(torch.uint8)
+        if tree.dim() == 2:
+            tree = tree.unsqueeze(0).expand(b, k, k)
+        mbegin = (mstarts - k * rowlen).view(b, 1, 1)
+        cells = (mbegin + self.jk.view(1, k, 1) * rowlen.view(b, 1, 1) + prefix.view(b, 1, 1)
+                 + self.jk.view(1, 1, k))  # row i, draft column j of request b
+        self.custom_mask.scatter_(0, cells.reshape(-1), tree.reshape(-1))
 
     def run(self, q3, k_buffer, v_buffer, sm_scale, v_dim):
         """q3 [b*k, H, Lq]; k_buffer/v_buffer [slots, Hkv, *]; returns o [b*k, H, v_dim]."""
@@ -333,6 +357,113 @@ class _AttnPlan:
         fwd(q3, k_ext, v_ext, o, k_buffer, v_buffer, self.qo_indptr, self.kv_indptr, self.kv_indices,
             self.custom_mask, True, self.mask_indptr, self.k, 1.0, 1.0, sm_scale)
         return o
+
+
+#: SGLang's ``--triton-attention-num-kv-splits`` default (``srt/arg_groups/fields/exec_.py``)
+SGLANG_NUM_KV_SPLITS = 8
+_MLA_DECODE_MIN_BLOCK_KV = 32  # triton_backend.py's constant of the same name
+
+
+def _core_count(device) -> int:
+    """``get_device_core_count``: the SM count on CUDA, 0 elsewhere (SGLang then uses the static split count)."""
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_max_kv_splits(mla: bool, core_count: int, max_context_len: int) -> int:
+    """``TritonAttnBackend.max_kv_splits``: 8, and for MLA ``_mla_decode_kv_splits_cap`` (off XPU) raises it to
+    ``min(next_pow2(SMs), next_pow2(cdiv(max_context_len, 32)))`` when that is larger (256 on an H200 from a context
+    of 4065 tokens on)."""
+    base = SGLANG_NUM_KV_SPLITS
+    if not mla or core_count <= 0:
+        return base
+    import triton
+
+    sm_cap = triton.next_power_of_2(core_count)
+    ctx_cap = triton.next_power_of_2(-(-max_context_len // _MLA_DECODE_MIN_BLOCK_KV))
+    return max(base, min(sm_cap, ctx_cap))
+
+
+class _DecodePlan:
+    """SGLang decode metadata (``ForwardMode.DECODE``, one token per request) for one (batch, page-table shape, page
+    size, MLA or not), in static buffers :meth:`refresh` rewrites in place, as SGLang's Triton backend fills its
+    CUDA-graph buffers before every decode replay (``_apply_cuda_graph_metadata`` for decode).
+
+    Buffers: ``kv_indptr`` int32 [b+1] over ``seq_lens = prefix + 1`` (SGLang writes the token's KV before the
+    kernel, so the sequence includes it); ``kv_indices`` int64 [b * L + 1] token slots (last entry a dump slot);
+    ``seq_lens`` int32 [b]; ``num_kv_splits`` int32 [b] (``get_num_kv_splits``: the Triton
+    ``get_num_kv_splits_triton`` from the SM count, or ``max_kv_splits`` everywhere without one); ``uneven_batch``
+    int32 [1]; per (heads, Dv) the split-KV scratch ``attn_logits`` fp32 [b, H, max_kv_splits, Dv] and ``attn_lse``
+    fp32 [b, H, max_kv_splits], persistent and zero-initialised like ``cuda_graph_attn_logits`` /
+    ``cuda_graph_attn_lse``.
+    """
+
+    def __init__(self, batch, max_pages, page_size, device, *, mla, core_count=None, max_context_len=None):
+        self.b, self.k, self.page_size, self.mla = batch, 1, page_size, mla
+        self.L = max_pages * page_size
+        dev = device
+        self.core_count = _core_count(dev) if core_count is None else core_count
+        self.max_kv_splits = decode_max_kv_splits(mla, self.core_count, max_context_len or self.L)
+        self.kv_indptr = torch.zeros(batch + 1, dtype=torch.int32, device=dev)
+        self.kv_indices = torch.zeros(batch * self.L + 1, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.ones(batch, dtype=torch.int32, device=dev)
+        self.num_kv_splits = torch.full((batch,), self.max_kv_splits, dtype=torch.int32, device=dev)
+        self.uneven_batch = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.pos = torch.arange(self.L, device=dev)
+        self.scratch: dict = {}
+        # SGLang launches its decode kernels with PDL where the architecture has it (is_arch_support_pdl: sm_90+)
+        self.use_pdl = dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
+        self.first_cache_ptr = None
+
+    def refresh(self, page_table, prefix_lens, tree_mask=None, num_head=None, num_kv_head=None):
+        """One decode step's metadata: ``kv_indptr = cumsum(seq_lens)``, the token slots of positions
+        ``0 .. prefix`` (the token's own included), and ``num_kv_splits`` as ``TritonAttnBackend.get_num_kv_splits``
+        computes it (``num_head`` / ``num_kv_head`` are the layer's query and KV heads). ``tree_mask`` is unused: a
+        one-node tree is the token alone."""
+        b, L = self.b, self.L
+        seq = prefix_lens.long() + 1
+        self.seq_lens.copy_(seq)
+        starts = torch.cumsum(seq, 0)
+        self.kv_indptr[1:].copy_(starts)
+        begin = (starts - seq).view(b, 1)
+        pos = self.pos.view(1, L).expand(b, L)
+        dest = torch.where(pos < seq.view(b, 1), begin + pos, torch.full_like(pos, b * L))
+        pages = torch.gather(page_table.long(), 1, pos // self.page_size)
+        self.kv_indices.scatter_(0, dest.reshape(-1), (pages * self.page_size + pos % self.page_size).reshape(-1))
+        if self.core_count <= 0:  # SGLang: no device core count -> the static split count
+            self.num_kv_splits.fill_(self.max_kv_splits)
+            return
+        import triton
+
+        kern = _need("decode").get_num_kv_splits_triton
+        kern[(1,)](self.num_kv_splits, self.seq_lens, b, 1, num_head, num_kv_head, self.max_kv_splits,
+                   self.core_count, MAX_NUM_SEQ=256 if b < 256 else triton.next_power_of_2(b),
+                   uneven_batch_ptr=self.uneven_batch)
+
+    def run(self, q3, k_buffer, v_buffer, sm_scale, v_dim):
+        """q3 [b, H, Lq]; k_buffer/v_buffer [slots, Hkv, *]; returns o [b, H, v_dim] (``forward_decode``'s call)."""
+        fwd = _need("decode").decode_attention_fwd
+        heads = q3.shape[1]
+        scratch = self.scratch.get((heads, v_dim))
+        if scratch is None:
+            scratch = self.scratch[(heads, v_dim)] = (
+                torch.zeros(self.b, heads, self.max_kv_splits, v_dim, dtype=torch.float32, device=q3.device),
+                torch.zeros(self.b, heads, self.max_kv_splits, dtype=torch.float32, device=q3.device))
+        attn_logits, attn_lse = scratch
+        o = q3.new_empty((q3.shape[0], heads, v_dim))
+        fwd(q3, k_buffer, v_buffer, o, self.kv_indptr, self.kv_indices, attn_logits, attn_lse, self.num_kv_splits,
+            self.max_kv_splits, sm_scale, 1.0, 1.0, has_mla=self.mla and _mla_layout(k_buffer.shape[-1], v_dim),
+            use_pdl=self.use_pdl, page_size=1, uneven_batch=self.uneven_batch)
+        return o
+
+
+def _mla_layout(lk: int, lv: int) -> bool:
+    """Whether SGLang's MLA decode variant (``has_mla``: V read back from the K tile) fits this latent layout: its
+    stage 1 splits K into ``BLOCK_DMODEL`` + ``BLOCK_DPE`` only for 576 = 512 + 64 and 288 = 256 + 32, and V must be
+    that ``BLOCK_DMODEL``. Kimi-K2 and DeepSeek-V3 (576) always take it; other widths (the tiny test stand-ins) run
+    the same kernel's GQA variant with one KV head, V read from its view, as SGLang cannot run them otherwise."""
+    return (lk, lv) in ((576, 512), (288, 256))
 
 
 def _check_paged(op, page_table, prefix_lens, batch):
@@ -401,6 +532,8 @@ def prepare_tree_attention(kind, *tensors, page_table, prefix_lens, tree_mask=No
     -----
     Per call the callable gathers the draft tokens' K/V rows from the cache (SGLang hands the freshly projected
     K/V to the kernel instead; this is ``b * k`` rows) and, for MLA, concatenates ``q_latent`` and ``q_rope``.
+    The custom mask is SGLang's full ``[k, prefix + k]`` layout per request, for chains too (``tree_mask=None``
+    becomes the lower-triangular draft block), as SGLang's Triton backend receives it on a GPU.
     Graph-capturable after the first call.
     """
     if kind == "mla":
@@ -416,7 +549,7 @@ def prepare_tree_attention(kind, *tensors, page_table, prefix_lens, tree_mask=No
     op = f"sglang peer tree_attention ({kind})"
     _check_paged(op, page_table, prefix_lens, batch)
     _check_tree(op, tree_mask, batch, k)
-    plan = _AttnPlan(batch, k, page_table.shape[1], page_size, tree_mask is not None, page_table.device)
+    plan = _AttnPlan(batch, k, page_table.shape[1], page_size, page_table.device)
     plan.refresh(page_table, prefix_lens, tree_mask)
     if kind == "mla":
         def fn():
@@ -426,6 +559,72 @@ def prepare_tree_attention(kind, *tensors, page_table, prefix_lens, tree_mask=No
         def fn():
             q3, kb, vb, dv = _gqa_views(q, k_cache, v_cache)
             return plan.run(q3, kb, vb, sm_scale, dv).view(batch, k, q.shape[2], dv)
+    return fn
+
+
+def prepare_decode_attention(kind, *tensors, page_table, prefix_lens, sm_scale, core_count=None,
+                             max_context_len=None):
+    """Build SGLang's decode metadata once and return a zero-argument callable running its decode kernel.
+
+    Source: ``sglang.kernels.ops.attention.decode_attention : decode_attention_fwd`` (split-KV flash decoding, no
+    tree), called as ``TritonAttnBackend.forward_decode`` calls it, with the metadata of :class:`_DecodePlan`.
+
+    Parameters
+    ----------
+    kind : {"gqa", "mla"}
+    *tensors
+        As :func:`prepare_tree_attention` with ``k = 1``: ``gqa``: ``q`` [batch, 1, Hq, D], ``k_cache``,
+        ``v_cache`` [num_pages, page_size, Hkv, D]; ``mla``: ``q_latent`` [batch, 1, H, R], ``q_rope``
+        [batch, 1, H, Dr], ``kv_cache`` [num_pages, page_size, R + Dr].
+    page_table, prefix_lens
+        As :func:`prepare_tree_attention`; the token's own KV is at position ``prefix_lens[b]`` already, and it
+        attends to positions ``0 .. prefix_lens[b]``.
+    sm_scale : float
+    core_count : int, optional
+        SM count for SGLang's split heuristic (default: the device's; 0 off CUDA, where SGLang uses the static
+        split count). max_context_len: the context SGLang's MLA split cap is derived from (default: the page table's
+        span).
+
+    Returns
+    -------
+    callable
+        ``fn()`` returns [batch, 1, H, Dv]. Graph-capturable after the first call.
+
+    Raises
+    ------
+    ValueError
+        ``k != 1``, or malformed paged inputs.
+    """
+    if kind == "mla":
+        q_latent, q_rope, kv_cache = tensors
+        batch, k = q_latent.shape[:2]
+        page_size = kv_cache.shape[1]
+    elif kind == "gqa":
+        q, k_cache, v_cache = tensors
+        batch, k = q.shape[:2]
+        page_size = k_cache.shape[1]
+    else:
+        raise ValueError(f"prepare_decode_attention: kind must be 'gqa' or 'mla', got {kind!r}")
+    op = f"sglang peer decode_attention ({kind})"
+    if k != 1:
+        raise ValueError(f"{op}: decode takes one token per request, q of shape [batch, 1, H, D], got k = {k}; "
+                         "use prepare_tree_attention for k > 1")
+    _check_paged(op, page_table, prefix_lens, batch)
+    plan = _DecodePlan(batch, page_table.shape[1], page_size, page_table.device, mla=kind == "mla",
+                       core_count=core_count, max_context_len=max_context_len)
+    if kind == "mla":
+        plan.refresh(page_table, prefix_lens, None, q_latent.shape[2], 1)
+
+        def fn():
+            q3, kb, vb, r = _mla_views(q_latent, q_rope, kv_cache)
+            return plan.run(q3, kb, vb, sm_scale, r).view(batch, 1, q_latent.shape[2], r)
+    else:
+        plan.refresh(page_table, prefix_lens, None, q.shape[2], k_cache.shape[2])
+
+        def fn():
+            q3, kb, vb, dv = _gqa_views(q, k_cache, v_cache)
+            return plan.run(q3, kb, vb, sm_scale, dv).view(batch, 1, q.shape[2], dv)
+    fn.plan = plan
     return fn
 
 
@@ -682,37 +881,55 @@ def fused_experts(hidden, w13, w2, topk_weights, topk_ids):
 
 
 class VerifyAttention:
-    """Tree attention in the verify forward's op-table signature (``mla`` and ``gqa``, see
-    :mod:`specverify.forward.ops`): one :class:`_AttnPlan` per (shapes, page table, inputs), refreshed in place at
-    the first layer of every forward (detected by that layer's cache), so a captured graph refreshes it on every
-    replay from the current prefix lengths and tree mask."""
+    """Attention in the verify forward's op-table signature (``mla`` and ``gqa``, see :mod:`specverify.forward.ops`),
+    as SGLang's Triton attention backend runs each mode:
 
-    def __init__(self):
+    * ``k = 1`` (plain decode, ``ForwardMode.DECODE``): ``decode_attention_fwd`` with a :class:`_DecodePlan`
+      (split-KV buffers, ``num_kv_splits`` from SGLang's split heuristic);
+    * ``k > 1`` (``ForwardMode.TARGET_VERIFY``): ``extend_attention_fwd`` with an :class:`_AttnPlan` (the full
+      ``[k, prefix + k]`` custom mask, chains included).
+
+    One plan per (mode, shapes, page table, inputs), refreshed in place at the first layer of every forward (detected
+    by that layer's cache): the per-step work SGLang does before each replay (index fill, split counts, the mask's
+    memset and rebuild) is inside the pass, so a captured graph redoes it on every replay and a timed pass pays it.
+
+    Parameters
+    ----------
+    core_count : int, optional
+        SM count for the decode split heuristic (default: the device's). max_context_len: see
+        :func:`prepare_decode_attention`.
+    """
+
+    def __init__(self, *, core_count=None, max_context_len=None):
         self.plans: dict = {}
+        self.core_count, self.max_context_len = core_count, max_context_len
 
-    def plan(self, batch, k, cache, page_table, prefix_lens, tree_mask):
-        key = (batch, k, tuple(page_table.shape), page_table.data_ptr(), prefix_lens.data_ptr(),
+    def plan(self, kind, batch, k, cache, page_table, prefix_lens, tree_mask, num_head, num_kv_head):
+        key = (kind, batch, k, tuple(page_table.shape), page_table.data_ptr(), prefix_lens.data_ptr(),
                None if tree_mask is None else (tree_mask.data_ptr(), tuple(tree_mask.shape)), cache.shape[1],
                str(page_table.device))
         plan = self.plans.get(key)
         if plan is None:
-            plan = _AttnPlan(batch, k, page_table.shape[1], cache.shape[1], tree_mask is not None,
-                             page_table.device)
+            if k == 1:
+                plan = _DecodePlan(batch, page_table.shape[1], cache.shape[1], page_table.device, mla=kind == "mla",
+                                   core_count=self.core_count, max_context_len=self.max_context_len)
+            else:
+                plan = _AttnPlan(batch, k, page_table.shape[1], cache.shape[1], page_table.device)
             plan.first_cache_ptr = cache.data_ptr()
             self.plans[key] = plan
-            plan.refresh(page_table, prefix_lens, tree_mask)
+            plan.refresh(page_table, prefix_lens, tree_mask, num_head, num_kv_head)
         elif cache.data_ptr() == plan.first_cache_ptr:
-            plan.refresh(page_table, prefix_lens, tree_mask)
+            plan.refresh(page_table, prefix_lens, tree_mask, num_head, num_kv_head)
         return plan
 
     def mla(self, q_latent, q_rope, cache, page_table, prefix_lens, tree_mask, sm_scale):
         b, k, h, _ = q_latent.shape
-        plan = self.plan(b, k, cache, page_table, prefix_lens, tree_mask)
+        plan = self.plan("mla", b, k, cache, page_table, prefix_lens, tree_mask, h, 1)
         q3, kb, vb, r = _mla_views(q_latent, q_rope, cache)
         return plan.run(q3, kb, vb, sm_scale, r).view(b, k, h, r)
 
     def gqa(self, q, k_cache, v_cache, page_table, prefix_lens, tree_mask, sm_scale):
         b, k, h, _ = q.shape
-        plan = self.plan(b, k, k_cache, page_table, prefix_lens, tree_mask)
+        plan = self.plan("gqa", b, k, k_cache, page_table, prefix_lens, tree_mask, h, k_cache.shape[2])
         q3, kb, vb, dv = _gqa_views(q, k_cache, v_cache)
         return plan.run(q3, kb, vb, sm_scale, dv).view(b, k, h, dv)

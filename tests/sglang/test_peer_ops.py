@@ -233,6 +233,7 @@ def test_sglang_ops_forward_matches_reference_and_refreshes(name):
     caches, pt, pl, ids, depth, mask = _forward_case(model, gen, [7, 13])
     ops, note = sglang_ops(model)
     assert ops.pieces["attention"] == ops.pieces["moe_route"] == ops.pieces["experts"] == "sglang"
+    assert "incomplete" not in ops.pieces, ops.pieces  # every piece SGLang runs here is SGLang's
     assert "reference" in note and "acceptance" in note
     for prefix in ([7, 13], [10, 2]):  # the second pass changes prefix_lens in place: metadata must follow
         pl.copy_(torch.tensor(prefix, dtype=torch.int32))

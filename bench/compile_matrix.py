@@ -61,6 +61,21 @@ def log(msg: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ launch capture
+
+#: Spills accepted on one Triton release because the spilling config measured faster there than the spill-free one
+#: (kernel, "major.minor") -> why; the row is reported, not failed.
+KNOWN_SPILLS = {
+    ("_accept_select_kernel", "3.6"): "8 warps spill on Triton 3.6 yet measured faster than the spill-free 16 (H200, "
+                                      "bench/sweep_accept.py --quick, 2026-12-02: 18.98 against 19.74 us at vocab "
+                                      "163840, 17.21 against 18.59 at 32000, batch 1, k 4)",
+}
+
+
+def _triton_minor() -> str:
+    import triton
+
+    return ".".join(triton.__version__.split(".")[:2])
+
 @dataclass
 class Launch:
     fn: object            # the JITFunction (or GluonJITFunction)
@@ -628,7 +643,10 @@ def build_rows(target: str, launches, problems) -> list[Row]:
             row.status, row.note = "error", res["error"]
         else:
             bad = []
-            if row.spill_bytes:
+            known = KNOWN_SPILLS.get((kname, _triton_minor()))
+            if row.spill_bytes and known:
+                row.note = f"known spill {row.spill_bytes} B/thread: {known}"
+            elif row.spill_bytes:
                 bad.append(f"spills {row.spill_bytes} B/thread")
             if row.smem_bytes > smem_limit:
                 bad.append(f"shared {row.smem_bytes} B > {smem_limit} B")

@@ -326,8 +326,10 @@ def _make_plan(*, max_batch, k, hq, hkv, d, dr, dv, max_context, device, dtype_b
             # GQA d 128, 64 query rows a tile (Llama 8:1 at k >= 8; offline compile matrix, spill stores per thread
             # at 255 registers on 4 warps -> 8 warps): sm_90a 0 / 192 / 300 / 328 B -> 0 on Triton 3.6 / 3.7 / 3.8
             # / 3.9 (3.6: 220 -> 167 registers), sm_120 196 / 248 / 276 B -> 0 on 3.7 / 3.8 / 3.9; 32 rows (k 4)
-            # on sm_120 spilled 68 B on 3.7 (0 on 8 warps, 190 registers). Same tiles and shared memory.
-            c = dict(c, num_warps=8)
+            # on sm_120 spilled 68 B on 3.7 (0 on 8 warps, 190 registers). Same tiles and shared memory. Only where
+            # the 4-warp kernel spills (the launch compiles it first): on Triton 3.6 it does not, and 8 warps measured
+            # slower there (H200, GQA 8:1 b 64 / 4k / k 16: 158.0 us against 132.2 us on 4).
+            c = dict(c, SPILL_WARPS=8)
         if num_splits is not None:
             return c, num_splits
         return c, _choose_num_splits(batch=max_batch, programs_per_split=_programs_per_split(c, hkv),
@@ -703,7 +705,8 @@ def _launch(*, q, qr, kc, vc, k_strides, v_strides, page_table, prefix_lens, tre
                  M_TILES=cfg["M_TILES"], DV_TILES=cfg["DV_TILES"], HAS_MASK=tree_mask is not None, V_IS_K=v_is_k,
                  STORE_LSE=store_lse, DOT_FP32=q.device.type == "cpu", PAGE_AHEAD=cfg.get("PAGE_AHEAD", False),
                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
-            what="tree_attention_mla" if dr else "tree_attention")
+            what="tree_attention_mla" if dr else "tree_attention",
+            spill_fallback={"num_warps": cfg["SPILL_WARPS"]} if cfg.get("SPILL_WARPS") else None)
     if splits > 1:
         _launch_merge(kernels, ws_o, ws_lse, out, lse, batch=batch, k=k, hq=hq, dv=dv, splits=splits, pdl=pdl)
 

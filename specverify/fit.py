@@ -46,8 +46,16 @@ def shared_memory_limit_bytes(device: torch.device | str | int) -> int:
     return _limit(_index(device))
 
 
+def _spill_bytes(compiled) -> int:
+    """Spill stores per thread of a compiled kernel (``n_spills``, read once its module is loaded; 0 if unknown)."""
+    init = getattr(compiled, "_init_handles", None)
+    if init is not None:
+        init()
+    return int(getattr(compiled, "n_spills", 0) or 0)
+
+
 def first_fitting(kernel, grid, args: Sequence, candidates: Sequence[dict], *, device: torch.device,
-                  key: Hashable, what: str) -> dict:
+                  key: Hashable, what: str, avoid_spills: bool = False) -> dict:
     """The first of ``candidates`` (launch keyword arguments, best first) whose compiled kernel fits the shared
     memory of ``device``.
 
@@ -67,6 +75,10 @@ def first_fitting(kernel, grid, args: Sequence, candidates: Sequence[dict], *, d
         What determines the choice besides the device (the shape class); the choice is cached under it.
     what : str
         The op, for the error message.
+    avoid_spills : bool
+        Also skip candidates whose compiled kernel spills registers (the first fitting one is still taken when every
+        fitting candidate spills): a tile that spills on one Triton release and not on another is then chosen by
+        what this Triton compiles, not by a version.
 
     Raises
     ------
@@ -81,14 +93,19 @@ def first_fitting(kernel, grid, args: Sequence, candidates: Sequence[dict], *, d
     if hit is not None:
         return hit
     limit = _limit(index)
-    seen = []
+    seen, fitting = [], None
     for cand in candidates:
         compiled = kernel.warmup(*args, grid=grid, **cand)
         shared = int(getattr(getattr(compiled, "metadata", None), "shared", 0) or 0)
         if shared <= limit:
-            _CHOSEN[cache_key] = dict(cand)
-            return _CHOSEN[cache_key]
+            if not avoid_spills or _spill_bytes(compiled) == 0:
+                _CHOSEN[cache_key] = dict(cand)
+                return _CHOSEN[cache_key]
+            fitting = fitting or dict(cand)
         seen.append(f"{cand}: {shared} B")
+    if fitting is not None:
+        _CHOSEN[cache_key] = fitting
+        return fitting
     raise ValueError(f"{what}: no launch config fits the {limit} B of shared memory a block may use on "
                      f"{_device_name(index)} ({'; '.join(seen)}); report this shape")
 
@@ -100,17 +117,24 @@ def _device_name(index: int) -> str:
         return f"cuda:{index}"
 
 
-def launch_fitting(kernel, grid, args: Sequence, kwargs: dict, *, what: str):
+def launch_fitting(kernel, grid, args: Sequence, kwargs: dict, *, what: str, spill_fallback: dict | None = None):
     """``kernel[grid](*args, **kwargs)`` with the pipeline depth lowered where the compiled kernel would not fit
     the device's shared memory (``num_stages`` from the asked value down to 1; tiles and results are unchanged,
-    only how many loads are in flight). The choice is cached per kernel, constexprs and tensor dtypes
-    (:func:`first_fitting`). Raises ValueError naming ``what`` when even one stage does not fit."""
+    only how many loads are in flight). ``spill_fallback`` (e.g. ``{"num_warps": 8}``): launch keywords tried at
+    each depth when the asked ones compile to a kernel that spills registers. The choice is cached per kernel,
+    constexprs and tensor dtypes (:func:`first_fitting`). Raises ValueError naming ``what`` when even one stage
+    does not fit."""
     dev = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
     if dev is None or dev.type != "cuda" or envvars.triton_interpret():
         return kernel[grid](*args, **kwargs)
     key = (getattr(kernel, "__name__", None) or repr(kernel), tuple(sorted(kwargs.items())),
            tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
     stages = int(kwargs.get("num_stages", 3))
-    cands = [dict(kwargs, num_stages=s) for s in range(stages, 0, -1)]
-    cfg = first_fitting(kernel, grid, args, cands, device=dev, key=key, what=what)
+    cands = []
+    for s in range(stages, 0, -1):
+        cands.append(dict(kwargs, num_stages=s))
+        if spill_fallback:
+            cands.append(dict(kwargs, **spill_fallback, num_stages=s))
+    cfg = first_fitting(kernel, grid, args, cands, device=dev, key=key, what=what,
+                        avoid_spills=bool(spill_fallback))
     return kernel[grid](*args, **cfg)

@@ -64,3 +64,34 @@ def test_cpu_tensors_launch_unchanged():
     kern = FakeKernel(lambda kw: 10 ** 9)
     fit.launch_fitting(kern, (1,), (torch.zeros(1),), {"num_stages": 3}, what="op")
     assert kern.launched == [{"num_stages": 3}] and kern.compiles == []
+
+
+class SpillingKernel(FakeKernel):
+    """Fits everywhere; spills ``spills(candidate)`` bytes a thread (read after the module loads)."""
+
+    def __init__(self, spills):
+        super().__init__(lambda kw: 1024)
+        self.spills = spills
+
+    def warmup(self, *args, grid, **kw):
+        compiled = super().warmup(*args, grid=grid, **kw)
+        compiled._init_handles = lambda: None
+        compiled.n_spills = self.spills(kw)
+        return compiled
+
+
+def test_spill_fallback_only_where_the_asked_tile_spills(gpu_like, monkeypatch):
+    x = types.SimpleNamespace(device=gpu_like, dtype=torch.bfloat16)
+    monkeypatch.setattr(fit.torch, "Tensor", types.SimpleNamespace)
+    spills_on_4 = SpillingKernel(lambda kw: 192 if kw["num_warps"] == 4 else 0)  # a Triton where 4 warps spill
+    fit.launch_fitting(spills_on_4, (4,), (x,), {"num_warps": 4, "num_stages": 3}, what="op",
+                       spill_fallback={"num_warps": 8})
+    assert spills_on_4.launched == [{"num_warps": 8, "num_stages": 3}]
+    clean = SpillingKernel(lambda kw: 0)  # a Triton where 4 warps do not spill: the asked tile stays
+    fit.launch_fitting(clean, (4,), (x,), {"num_warps": 4, "num_stages": 3}, what="op2",
+                       spill_fallback={"num_warps": 8})
+    assert clean.launched == [{"num_warps": 4, "num_stages": 3}] and len(clean.compiles) == 1
+    always = SpillingKernel(lambda kw: 64)  # every candidate spills: the first fitting one is still launched
+    fit.launch_fitting(always, (4,), (x,), {"num_warps": 4, "num_stages": 2}, what="op3",
+                       spill_fallback={"num_warps": 8})
+    assert always.launched == [{"num_warps": 4, "num_stages": 2}]

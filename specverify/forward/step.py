@@ -16,9 +16,11 @@ Every function here is capturable in a CUDA graph: fixed shapes per width, fixed
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from specverify.configs import ModelConfig
+from specverify.configs import ModelConfig, RankShapes
 from specverify.forward.model import VerifyModel
 from specverify.forward.ops import Ops
 from specverify.tree import pack_mask
@@ -103,23 +105,90 @@ def model_ops(base: Ops, cos_sin: torch.Tensor, neox: bool, sm_scale: float) -> 
 
 
 class LoadedVerifyModel(VerifyModel):
-    """:class:`~specverify.forward.model.VerifyModel` over given weights (no dummy weights drawn), tp = 1.
+    """:class:`~specverify.forward.model.VerifyModel` over given weights (no dummy weights drawn), at tp = 1 or as
+    one rank of a tensor-parallel group whose collectives the engine owns.
 
     ``weights``: ``{"embed", "lm_head", "final_norm", "layers": [per-layer dicts]}`` in VerifyModel's layout
     (SGLang's come from :func:`specverify.integrations.sglang_step.read_weights`). :meth:`forward_captured`
     counts its calls (the tests' proof that ours ran).
+
+    Tensor parallel (``tp > 1``): the weights are this rank's shards (heads of ``q_b`` / ``w_uk`` / ``w_uv`` /
+    ``o``, the intermediate dimension of the dense MLP, the shared expert and the routed experts, a vocabulary
+    shard of ``embed`` / ``lm_head``), the rest replicated. ``weights["vocab_range"] = (start, end)`` names the token
+    ids whose rows ``embed[: end - start]`` holds, any further rows being padding (an engine may pad its vocabulary, so
+    the shards need not be ``ceil(vocab / tp)``); ``lm_head`` is the rank's whole (padded) shard, and the gathered
+    logits are cut to the config's vocabulary, which assumes the engine pads at the end (SGLang's
+    ``VocabParallelEmbedding`` does).
+    ``collectives`` does every collective, so the engine's own paths (custom all-reduce, graph-capture buffers)
+    serve ours: ``collectives.all_reduce(x) -> x summed over the group`` (in place or a new tensor) and
+    ``collectives.all_gather(x, dim) -> the ranks' x concatenated along dim`` (SGLang's
+    ``tensor_model_parallel_all_reduce`` / ``tensor_model_parallel_all_gather``, or its TP ``GroupCoordinator``).
+    The forward all-reduces the embedding, each attention output and each MLP / MoE output (routed plus shared
+    expert, summed before the reduce) and all-gathers the logits. :attr:`shapes` are read from the shards.
+
+    Raises
+    ------
+    ValueError
+        ``tp > 1`` without ``collectives`` or ``vocab_range``, or ``rank`` outside ``[0, tp)``.
     """
 
-    def __init__(self, config: ModelConfig, weights: dict, *, dtype, device, ops: Ops):
+    def __init__(self, config: ModelConfig, weights: dict, *, dtype, device, ops: Ops, tp: int = 1, rank: int = 0,
+                 collectives=None):
+        tp, rank = int(tp), int(rank)
+        if tp < 1 or not 0 <= rank < tp:
+            raise ValueError(f"tp must be >= 1 and rank in [0, tp), got tp={tp}, rank={rank}")
+        if tp > 1 and (collectives is None or weights.get("vocab_range") is None):
+            raise ValueError("tp > 1 needs collectives (all_reduce, all_gather: the engine's TP group) and "
+                             "weights['vocab_range'] (the token ids of this rank's embedding rows), got "
+                             f"collectives={collectives!r}, vocab_range={weights.get('vocab_range')!r}")
         self._given = weights
-        super().__init__(config, tp=1, dtype=dtype, device=device, ops=ops)
+        super().__init__(config, tp=1, dtype=dtype, device=device, ops=ops)  # the shards need no shape table
+        self.tp, self.rank, self.collectives = tp, rank, collectives
+        if tp > 1:
+            self.shapes = self._shard_shapes()
         self.calls = 0
 
     def _build_weights(self):
         w = self._given
         self.embed, self.lm_head, self.final_norm = w["embed"], w["lm_head"], w["final_norm"]
+        self.vocab_range = w.get("vocab_range")
         self.layers = list(w["layers"])
         self._sets = {("layer", i): lw for i, lw in enumerate(self.layers)}
+
+    def _shard_shapes(self) -> RankShapes:
+        """This rank's shapes, read from the shards (an engine's padding may differ from ``per_rank_shapes``)."""
+        s, c = self.shapes, self.config
+        first = self.layers[0]
+        heads = first["q_b"].shape[0] if c.attention == "mla" else s.num_heads // self.tp
+        dense = next((w for w in self.layers if w["dense"]), None)
+        moe = next((w for w in self.layers if not w["dense"]), None)
+        inter = dense["down"].shape[1] if dense is not None else 0
+        moe_inter = shared = 0
+        if moe is not None:
+            moe_inter = moe["w13"].shape[1] // 2 if moe.get("w13") is not None else -(-c.moe_intermediate_size //
+                                                                                      self.tp)
+            shared = moe["shared_down"].shape[1] if moe.get("shared_down") is not None else 0
+        return dataclasses.replace(s, tp=self.tp, num_heads=heads, intermediate_size=inter,
+                                   moe_intermediate_size=moe_inter, shared_intermediate_size=shared,
+                                   vocab_size=self.lm_head.shape[0])
+
+    # collectives: the engine's ------------------------------------------------------------------------------
+    def allreduce(self, x):
+        return self.collectives.all_reduce(x) if self.tp > 1 else x
+
+    def _gather_vocab(self, logits):
+        if self.tp == 1:
+            return logits
+        return self.collectives.all_gather(logits.contiguous(), -1)[..., : self.config.vocab_size]
+
+    def embed_tokens(self, input_ids):
+        if self.tp == 1:
+            return self.embed[input_ids]
+        start, end = self.vocab_range
+        local = input_ids - start
+        ok = (input_ids >= start) & (input_ids < end)  # ids of other ranks' rows (and padding) look up zeros
+        x = self.embed[local.clamp(0, self.embed.shape[0] - 1)] * ok.unsqueeze(-1).to(self.embed.dtype)
+        return self.allreduce(x)
 
     def forward_captured(self, input_ids, positions, kv_caches, page_table, prefix_lens, tree_mask=None,
                          capture_layers=()):

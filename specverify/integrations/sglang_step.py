@@ -51,9 +51,24 @@ the interleaved (GPT-J) layout and an mscale-corrected softmax scale, which the 
 ``cos_sin_cache`` (a shared tensor; still one fused launch with the Triton op table) and calls ``attention_mla``
 with ``self_attn.scaling``.
 
+Tensor parallel (:data:`TP_SIZES`): at SGLang's TP size > 1 each rank builds the forward over its own shards, which
+SGLang's parameters already are: ``q_b`` / ``kv_b`` (hence ``w_kc`` / ``w_vc``) / ``o_proj`` split by heads, the dense
+MLP, the shared expert and the routed experts on the intermediate dimension, the embedding and LM head on SGLang's
+padded vocabulary (:func:`read_weights` takes this rank's rows from ``VocabParallelEmbedding.shard_indices``); the
+fused q_a/kv_a projection, the norms and the router are replicated. The collectives are SGLang's own calls
+(:func:`sglang_collectives`: ``tensor_model_parallel_all_reduce`` / ``tensor_model_parallel_all_gather`` on its TP
+group, so its custom all-reduce and graph-capture handling apply), where SGLang's DeepseekV2 makes them: one
+all-reduce of the embedding, of each attention output (``o_proj`` does not reduce; SGLang's layer boundary does) and
+of each MLP / MoE output (routed plus shared expert, summed before the reduce), and the logits all-gather cut to the
+vocabulary. Attention TP must equal TP and the shared expert and dense MLP must be TP-split: DP attention and EP are
+refused by SGLang, an all-to-all MoE backend, a replicated shared expert (``SGLANG_SHARED_EXPERT_TP1``) or dense MLP
+(``--moe-dense-tp-size 1``) and shapes the TP size does not divide by :func:`config_disable_reasons` /
+:func:`model_disable_reasons`.
+
 Limits of this release (each refused with one reason, see :func:`config_disable_reasons` and
 :func:`model_disable_reasons`; SGLang itself refuses every :class:`Feature` the spec does not list: DP attention,
-expert parallelism, context parallelism, LoRA, pipeline parallelism, ...): tensor parallel size 1; unquantised
+expert parallelism, context parallelism, LoRA, pipeline parallelism, ...): tensor parallel sizes 1, 2, 4, 8 (tested
+at 2 on the CPU over gloo, not yet over NCCL or SGLang's custom all-reduce); unquantised
 attention, dense-MLP, shared-expert and LM-head weights (routed experts in any format SGLang's ``FusedMoE`` runs on
 a standard top-k output are served, except with SGLang's shared-experts fusion over quantised stacks); a bf16/auto
 KV cache; the Triton-family attention backends (``triton``, ``specverify``), whose metadata gives the prefix KV ids.
@@ -97,6 +112,9 @@ MAX_ROWS = 1024
 ATTENTION_BACKENDS = frozenset({"triton", "specverify"})
 #: Speculative algorithms whose verify input is an ``EagleVerifyInput`` (the tree links the step reads).
 SPEC_ALGORITHMS = frozenset({"EAGLE", "EAGLE3", "NEXTN"})
+#: Tensor-parallel sizes served (``SPEC.requires.tp_sizes``; SGLang refuses the others itself): every rank runs our
+#: forward over its own shards, the collectives through SGLang's TP group (:func:`sglang_collectives`).
+TP_SIZES = frozenset({1, 2, 4, 8})
 
 #: Declared agreement with SGLang's own forward on the same batch, measured by tests/sglang/test_sglang_step.py on
 #: SGLang's real DeepseekV3ForCausalLM (tiny config, CPU, 2 requests x 4 draft tokens, 3 layers): max |difference|
@@ -195,6 +213,18 @@ def config_disable_reasons(cfg, hf_config) -> list[str]:
                        f"{sorted(SPEC_ALGORITHMS)}")
     if _attr(cfg, "enable_dp_lm_head"):
         reasons.append("--enable-dp-lm-head: the step's LM head is the tensor-parallel one")
+    tp = int(_attr(cfg, "tp_size", 1) or 1)
+    if tp in TP_SIZES:  # SGLang refuses a size outside TP_SIZES itself
+        why = tp_shape_disable_reason(text, tp)
+        if why:
+            reasons.append(why)
+    a2a = _attr(cfg, "moe_a2a_backend")
+    if a2a is not None and str(a2a) not in ("none", "None"):
+        reasons.append(f"--moe-a2a-backend {a2a}: the step's experts take the tokens of their own rank (plain MoE "
+                       "tensor parallelism); start without --moe-a2a-backend")
+    if tp > 1 and _attr(cfg, "moe_dense_tp_size") == 1:
+        reasons.append("--moe-dense-tp-size 1 at tp_size > 1: the step's dense MLP is tensor-parallel (sharded and "
+                       "all-reduced), not replicated; start without --moe-dense-tp-size")
     if _attr(text, "q_lora_rank") is None:
         reasons.append("config.q_lora_rank is None (no q_a projection, DeepSeek-V2-Lite style): the step needs "
                        "the fused q_a/kv_a projection")
@@ -202,6 +232,22 @@ def config_disable_reasons(cfg, hf_config) -> list[str]:
     if router != ("noaux_tc", "sigmoid"):
         reasons.append(f"router {router[0]}/{router[1]}: the step routes DeepSeek-V3's noaux_tc sigmoid router only")
     return reasons
+
+
+def tp_shape_disable_reason(text, tp: int) -> str | None:
+    """Why the model's shapes cannot be split ``tp`` ways as SGLang splits them (heads, the dense, shared-expert
+    and routed-expert intermediate sizes), or None. The vocabulary is padded by SGLang and needs no divisibility."""
+    sizes = {"num_attention_heads": _attr(text, "num_attention_heads"),
+             "intermediate_size": _attr(text, "intermediate_size"),
+             "moe_intermediate_size": _attr(text, "moe_intermediate_size")}
+    bad = [f"{k} {v} is not divisible by it" for k, v in sizes.items() if isinstance(v, int) and v % tp]
+    experts = _attr(text, "n_routed_experts")
+    if isinstance(experts, int) and experts < tp:
+        bad.append(f"n_routed_experts {experts} is smaller")
+    if not bad:
+        return None
+    return (f"tp_size {tp}: {', '.join(bad)}; each rank holds whole heads and an equal share of every intermediate "
+            f"dimension; start with a tp_size of {sorted(TP_SIZES)} that divides them")
 
 
 def sglang_experts_disable_reason(mlp) -> str | None:
@@ -294,12 +340,44 @@ def model_disable_reasons(model, hf_config) -> list[str]:
                        "MLPs only")
     if quant(lm.lm_head):
         reasons.append(f"quantised LM head ({quant(lm.lm_head)})")
+    reasons += _tp_model_disable_reasons(lm)
     lp = lm.logits_processor
     if getattr(lp, "logit_scale", None) is not None or getattr(lp, "final_logit_softcapping", None):
         reasons.append("logit scale / final logit softcapping: the step's LM head applies neither")
     rope = getattr(lm.model.layers[0].self_attn, "rotary_emb", None)
     if rope is None or not hasattr(rope, "cos_sin_cache"):
         reasons.append("no rotary table (self_attn.rotary_emb.cos_sin_cache) to read")
+    return reasons
+
+
+def _tp_model_disable_reasons(lm) -> list[str]:
+    """At SGLang's TP size > 1: what is not split the way our forward reduces it (each rank's attention heads,
+    dense MLP and shared expert sharded on the TP group, their outputs summed by one all-reduce each)."""
+    from sglang.srt.models.deepseek_v2 import DeepseekV2MoE
+    from sglang.srt.runtime_context import get_parallel
+
+    tp = int(get_parallel().tp_size)
+    if tp == 1:
+        return []
+    reasons = []
+    for i, layer in enumerate(lm.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        if getattr(attn, "num_local_heads", None) is not None and attn.num_local_heads * tp != attn.num_heads:
+            reasons.append(f"layer {i}: {attn.num_local_heads} attention heads on this rank of {attn.num_heads} "
+                           f"at tp_size {tp} (attention TP differs from TP: DP attention)")
+            break
+        if isinstance(mlp, DeepseekV2MoE):
+            if getattr(mlp, "_shared_expert_tp1", False):
+                reasons.append(f"layer {i}: the shared expert is replicated (SGLANG_SHARED_EXPERT_TP1 or an "
+                               "all-to-all MoE backend), the step's is tensor-parallel; unset SGLANG_SHARED_EXPERT_TP1")
+                break
+        elif mlp.gate_up_proj.output_size_per_partition * tp != mlp.gate_up_proj.output_size:
+            reasons.append(f"layer {i}: the dense MLP is not split on the TP group (--moe-dense-tp-size); the step's "
+                           "is tensor-parallel")
+            break
+    if getattr(lm.model.embed_tokens, "tp_size", tp) != tp or getattr(lm.lm_head, "tp_size", tp) != tp:
+        reasons.append("the embedding or LM head is not split on the TP group (--enable-dp-lm-head); the step's "
+                       "are vocabulary-parallel over the TP group")
     return reasons
 
 
@@ -385,9 +463,22 @@ def read_weights(model, config: ModelConfig, *, stack_shared_expert: bool,
     c = config
     vocab = c.vocab_size
     qk = c.qk_nope_head_dim + c.qk_rope_head_dim
-    out = {"embed": share(model.model.embed_tokens.weight.data[:vocab]),
-           "lm_head": share(model.lm_head.weight.data[:vocab]), "final_norm": share(model.model.norm.weight.data),
-           "layers": []}
+    embed, lm_head = model.model.embed_tokens, model.lm_head
+    if getattr(embed, "tp_size", 1) > 1:
+        # this rank's shard of SGLang's padded vocabulary: rows [0, end - start) hold token ids [start, end)
+        # (VocabParallelEmbedding.shard_indices; no added vocabulary), the rest padding (read whole: a rank may hold
+        # padding only); the LM head keeps its whole padded shard, whose gathered logits SGLang (and
+        # LoadedVerifyModel) cut to the vocabulary
+        idx = embed.shard_indices
+        if idx.num_added_elements:
+            raise ValueError(f"the embedding holds {idx.num_added_elements} added (LoRA) vocabulary rows on this "
+                             "rank; the step reads the original vocabulary only")
+        vocab_range = (int(idx.org_vocab_start_index), int(idx.org_vocab_end_index))
+        out = {"embed": share(embed.weight.data),
+               "lm_head": share(lm_head.weight.data), "vocab_range": vocab_range}
+    else:
+        out = {"embed": share(embed.weight.data[:vocab]), "lm_head": share(lm_head.weight.data[:vocab])}
+    out.update(final_norm=share(model.model.norm.weight.data), layers=[])
     for layer_index, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         w = {"attn_norm": share(layer.input_layernorm.weight.data),
@@ -487,6 +578,21 @@ def sglang_experts_fn(mlp):
     return run
 
 
+def sglang_collectives():
+    """The collectives :class:`~specverify.forward.step.LoadedVerifyModel` calls at TP > 1: SGLang's own
+    ``tensor_model_parallel_all_reduce`` / ``tensor_model_parallel_all_gather`` (its TP ``GroupCoordinator``, so
+    its custom all-reduce, PyNccl / symmetric-memory paths and graph-capture handling serve ours), the calls
+    SGLang's DeepseekV2 makes at the same places: after attention (its ``o_proj`` does not reduce; the layer
+    boundary does), after the MoE (routed plus shared expert, one reduce), in the vocabulary-parallel embedding and
+    in the logits processor's gather."""
+    from types import SimpleNamespace
+
+    from sglang.srt.distributed import tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
+
+    return SimpleNamespace(all_reduce=tensor_model_parallel_all_reduce,
+                           all_gather=lambda x, dim: tensor_model_parallel_all_gather(x, dim))
+
+
 class VerifyStep:
     """The object :func:`build_step` returns (SGLang's ``BuiltMegakernel``): our verify forward over SGLang's
     weights, planned and run per step.
@@ -550,7 +656,16 @@ class VerifyStep:
                 self.sglang_expert_layers[i] = type(mlp.experts.quant_method).__name__
         weights, self.weights = read_weights(lm, self.config, stack_shared_expert=ops.experts_with_shared is not None,
                                              sglang_experts=fns)
-        self.verify_model = LoadedVerifyModel(self.config, weights, dtype=self.dtype, device=self.device, ops=ops)
+        from sglang.srt.runtime_context import get_parallel
+
+        parallel = get_parallel()
+        self.tp_size, self.tp_rank = int(parallel.tp_size), int(parallel.tp_rank)
+        # TP: this rank's shards (read_weights), SGLang's TP group for every collective (sglang_collectives)
+        self.verify_model = LoadedVerifyModel(self.config, weights, dtype=self.dtype, device=self.device, ops=ops,
+                                              tp=self.tp_size, rank=self.tp_rank,
+                                              collectives=sglang_collectives() if self.tp_size > 1 else None)
+        if self.tp_size > 1:  # our loop's collectives (the op table's allreduce is not called)
+            ops.pieces["allreduce"] = "SGLang's TP group (tensor_model_parallel_all_reduce / all_gather)"
         self.calls = collections.Counter()
 
     def summary(self) -> str:
@@ -569,7 +684,8 @@ class VerifyStep:
             experts = "shared expert" if len(layers) == moe else "the other layers' experts + shared expert"
         if self.wrapped:
             theirs.append("the vision tower and every batch carrying multimodal inputs")
-        return (f"ours ({self.architecture}): {steps}: embedding, {self.config.num_hidden_layers} layers (MLA tree "
+        return (f"ours ({self.architecture}, TP {self.tp_size}, rank {self.tp_rank}): {steps}: embedding, "
+                f"{self.config.num_hidden_layers} layers (MLA tree "
                 f"attention, MoE routing + {experts}, dense MLP, norms), LM head; op table {self.provider} "
                 f"({pieces}); SGLang's: {', '.join(theirs)}; weights: {w.shared_tensors} tensors "
                 f"shared ({w.shared_bytes / _MiB:.1f} MiB), {w.copied_tensors} copied once "
@@ -671,7 +787,7 @@ def build_step(model, hf_config, context, *, provider: str = "auto", experts: st
 #: The spec SGLang's registry imports (:data:`SPEC_PATH`).
 SPEC = MegakernelSpec(
     name=SPEC_NAME,
-    requires=Requirements(isas=frozenset({"sm_90", "sm_120"}), tp_sizes=frozenset({1}),
+    requires=Requirements(isas=frozenset({"sm_90", "sm_120"}), tp_sizes=TP_SIZES,
                           dtypes=frozenset({"bfloat16"})),
     features=frozenset({Feature.SPECULATIVE_DECODING}),
     numerics=Numerics(kind=NumericsKind.TOLERANCE, tolerances=TOLERANCES),

@@ -116,29 +116,39 @@ def interpreter_bf16_dot():
         yield
 
 
-def _publish(server_args):
-    """World-size-1 gloo group (once per process) and SGLang's runtime context for ``server_args``."""
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29641"), ("RANK", "0"), ("WORLD_SIZE", "1"),
-                       ("LOCAL_RANK", "0")):
+def _publish(server_args, tp_size=1, tp_rank=0):
+    """A gloo world of ``tp_size`` ranks (once per process; this process is ``tp_rank``) and SGLang's runtime
+    context for ``server_args`` (whose ``tp_size`` sets the TP group ``initialize_model_parallel`` builds)."""
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29641"), ("RANK", str(tp_rank)),
+                       ("WORLD_SIZE", str(tp_size)), ("LOCAL_RANK", str(tp_rank))):
         os.environ.setdefault(key, value)
     from sglang.srt.distributed import parallel_state as ps
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
 
     if not torch.distributed.is_initialized():
-        ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
+        ps.init_distributed_environment(world_size=tp_size, rank=tp_rank, local_rank=tp_rank, backend="gloo")
     if ps.model_parallel_is_initialized():  # a later harness: the fresh context needs the groups written again
         ps.destroy_model_parallel()
     reset_context()
-    publish(server_args, role="test", ranks=SpawnRanks(world_rank=0))
+    publish(server_args, role="test", ranks=SpawnRanks(world_rank=tp_rank))
     get_parallel().override_permanently(world_group=ps._WORLD)
     ps.initialize_model_parallel(backend="gloo")
 
 
-def _redraw(model, seed, round_to=None):
+#: Parameters SGLang replicates on every TP rank (the rest are per-rank shards).
+_REPLICATED = ("fused_qkv_a_proj_with_mqa", "norm", "mlp.gate.weight", "correction_bias")
+
+
+def _redraw(model, seed, round_to=None, tp_size=1, tp_rank=0):
     """Unit-scale weights from ``seed``; ``round_to`` (a dtype) rounds them through it first, so an fp32 model can
-    hold exactly the weights of a bf16 one (the correction bias stays fp32, as SGLang keeps it)."""
+    hold exactly the weights of a bf16 one (the correction bias stays fp32, as SGLang keeps it). Under TP every
+    rank draws the replicated parameters alike and its shards from a seed of its own (``tp_rank``), so a shard read
+    from the wrong place shows; at TP 1 one generator draws them all, as before."""
     g = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
+    for index, (name, p) in enumerate(model.named_parameters()):
+        if tp_size > 1:
+            own = 0 if any(part in name for part in _REPLICATED) else 1 + tp_rank
+            g = torch.Generator().manual_seed(seed * 100003 + 7919 * own + index)
         if p.dim() >= 2:
             w = torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5
         elif "norm" in name:
@@ -204,7 +214,7 @@ class Dsv3Harness:
     a module's quant method there)."""
 
     def __init__(self, *, dtype=torch.float32, tokens=4, topk=2, requests=4, megakernel=True, seed=1,
-                 page_size=1, round_weights_to=None, kimi=False, prepare=None, **config):
+                 page_size=1, round_weights_to=None, kimi=False, prepare=None, tp_size=1, tp_rank=0, **config):
         from sglang.srt.configs.device_config import DeviceConfig
         from sglang.srt.configs.load_config import LoadConfig
         from sglang.srt.configs.model_config import ModelConfig
@@ -223,14 +233,15 @@ class Dsv3Harness:
         with open(os.path.join(root, "config.json"), "w") as f:
             json.dump(kimi_config(self.cfg) if kimi else self.cfg, f)
         self.tokens, self.topk, self.page_size, self.dtype = tokens, topk, page_size, dtype
-        sa = ServerArgs(model_path=root, device="cpu", attention_backend="triton", load_format="dummy", tp_size=1,
-                        dtype=name, disable_cuda_graph=True, mem_fraction_static=0.5)
-        _publish(sa)
+        sa = ServerArgs(model_path=root, device="cpu", attention_backend="triton", load_format="dummy",
+                        tp_size=tp_size, dtype=name, disable_cuda_graph=True, mem_fraction_static=0.5)
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+        _publish(sa, tp_size, tp_rank)
         self.model_config = ModelConfig.from_server_args(sa)
         with _vllm_rope_import_standin():
             self.model = get_model(model_config=self.model_config, load_config=LoadConfig(load_format="dummy"),
                                    device_config=DeviceConfig("cpu"))
-        _redraw(self.model, seed, round_weights_to)
+        _redraw(self.model, seed, round_weights_to, tp_size, tp_rank)
         self.lm = getattr(self.model, "language_model", self.model)  # the DeepseekV3ForCausalLM
         if prepare is not None:
             prepare(self.model)
@@ -244,7 +255,7 @@ class Dsv3Harness:
             enable_nvidia_megakernel=megakernel, attention_backend="triton", chunked_prefill_size=-1,
             cuda_graph_config=graphs, disable_chunked_prefix_cache=True, disable_radix_cache=False, dp_size=1,
             enable_deterministic_inference=False, is_embedding=False, kv_cache_dtype="auto",
-            max_running_requests=None, pp_size=1, tp_size=1, triton_attention_num_kv_splits=8,
+            max_running_requests=None, pp_size=1, tp_size=tp_size, triton_attention_num_kv_splits=8,
             triton_attention_split_tile_size=None, page_size=page_size, **spec)
         self.runner = _runner_class()(model=self.model, model_config=self.model_config,
                                       server_args={"installed": override.install(), **spec}, requests=requests,

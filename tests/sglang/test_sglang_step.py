@@ -16,10 +16,19 @@ Kimi-K2.5: SGLang's real ``KimiK25ForConditionalGeneration`` (a one-layer MoonVi
 its ``text_config``) through the same binding. Routed experts that stay SGLang's: the unquantised ones forced through
 the layer's ``FusedMoE`` (``experts="sglang"``), and a stand-in quant method (the real Marlin / FP8 block kernels
 need CUDA) that delegates to the unquantised one and counts its ``apply`` calls.
+
+Tensor parallel: two processes (``tp_worker.py``), each SGLang's real model at TP 2 over a gloo world on the CPU (its
+own shards drawn from a seed of its rank, the replicated weights alike), SGLang's forward and ours compared on each
+rank, and every collective of ours counted on SGLang's TP group coordinator.
 """
 from __future__ import annotations
 
 import functools
+import json
+import os
+import socket
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -119,7 +128,7 @@ def test_spec_declares_what_it_serves():
 
     s = step.SPEC
     assert s.features == frozenset({Feature.SPECULATIVE_DECODING})
-    assert s.requires.isas == {"sm_90", "sm_120"} and s.requires.tp_sizes == {1}
+    assert s.requires.isas == {"sm_90", "sm_120"} and s.requires.tp_sizes == {1, 2, 4, 8} == step.TP_SIZES
     assert s.requires.dtypes == {"bfloat16"}
     assert s.numerics.kind is NumericsKind.TOLERANCE and s.numerics.tolerances == step.TOLERANCES
 
@@ -380,6 +389,88 @@ def test_quantised_experts_run_through_their_quant_method(sglang_loaded):
 
 
 # ------------------------------------------------------------------------------------------------------------
+# tensor parallel: two ranks, each SGLang's real model over its shards (tests/sglang/tp_worker.py)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _run_tp(tmp_path, world=2, timeout_s=600, **opts):
+    """``world`` processes of tp_worker.py (a gloo world over 127.0.0.1); their result dicts by rank."""
+    worker = os.path.join(os.path.dirname(__file__), "tp_worker.py")
+    port = str(_free_port())
+    args = [f"{k}={v}" for k, v in opts.items()]
+    procs, logs = [], []
+    for rank in range(world):
+        logs.append(open(tmp_path / f"rank{rank}.log", "w"))
+        procs.append(subprocess.Popen([sys.executable, worker, str(rank), str(world), port,
+                                       str(tmp_path / f"rank{rank}.json"), *args],
+                                      stdout=logs[-1], stderr=subprocess.STDOUT))
+    try:
+        codes = [p.wait(timeout=timeout_s) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for f in logs:
+            f.close()
+    tails = {r: (tmp_path / f"rank{r}.log").read_text()[-3000:] for r, c in enumerate(codes) if c}
+    assert not tails, tails
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.mark.parametrize("tag, opts", [
+    ("fp32", dict(dtype="float32", topk=2)),                                       # a tree server, reference ops
+    ("bf16", dict(dtype="bfloat16", topk=2, provider="specverify")),               # our Triton kernels, the
+                                                                                   # shared expert stacked per rank
+    ("fp32", dict(dtype="float32", topk=1, experts="sglang")),                     # a chain server, the routed
+                                                                                   # experts through SGLang's FusedMoE
+], ids=["fp32-tree", "bf16-specverify", "fp32-chain-sglang-experts"])
+def test_tp2_verify_matches_sglang(sglang_loaded, tmp_path, tag, opts):
+    # vocab 500: SGLang pads it to 512 (a multiple of 64), so rank 1 holds 244 token rows and 12 padding rows
+    results = _run_tp(tmp_path, world=2, vocab=500, **opts)
+    layers = results[0]["layers"]
+    tol = step.TOLERANCES
+    for rank, r in enumerate(results):
+        print(f"measured ({tag}, TP 2, rank {rank}):", {k: r[k] for k in ("logits", "hidden", "kv", "counts")})
+        assert r["built"] == "VerifyStep" and r["tp"] == 2 and r["rank_of_model"] == rank, r
+        assert not r["sglang_layer_loop_ran"], "SGLang's own layer loop ran during the step"
+        assert r["ours_ran"] == 1, "our verify forward did not run"
+        assert r["shape"] == r["sglang_shape"] == [8, 500] and not r["kv_nan"], r
+        assert r["logits"] <= tol[f"logits_max_rel_{tag}"] and r["kv"] <= tol[f"logits_max_rel_{tag}"], r
+        if tag == "fp32":
+            assert r["hidden"] <= tol["hidden_max_rel_fp32"], r
+            assert r["greedy"] == r["sglang_greedy"], r
+        # every collective of ours went through SGLang's TP group coordinator: the embedding, each layer's attention
+        # and MLP outputs; the logits gather
+        assert r["counts"] == {"all_reduce": 1 + 2 * layers, "all_gather": 1}, r["counts"]
+        assert "TP 2" in r["summary"] and f"rank {rank}" in r["summary"]
+        assert r["model_reasons"] == [], r["model_reasons"]
+        assert len(r["shared_tp1_reasons"]) == 1 and "shared expert is replicated" in r["shared_tp1_reasons"][0]
+        if opts.get("provider") == "specverify":
+            assert r["provider"] == "specverify" and r["copied_tensors"] == 4  # each rank stacks its own shards
+        if opts.get("experts") == "sglang":
+            assert r["sglang_expert_layers"] == [1, 2]
+    assert [r["vocab_range"] for r in results] == [[0, 256], [256, 500]]
+    assert results[0]["embed_rows"] == results[1]["embed_rows"] == 256
+    assert results[0]["greedy"] == results[1]["greedy"]
+
+
+def test_loaded_model_at_tp_needs_the_engines_collectives():
+    from specverify.forward.step import LoadedVerifyModel
+
+    with pytest.raises(ValueError, match="collectives"):
+        LoadedVerifyModel(step.model_config_from_hf(_hf()), {"layers": []}, dtype=torch.float32, device="cpu",
+                          ops=None, tp=2, rank=0)
+    with pytest.raises(ValueError, match="rank in"):
+        LoadedVerifyModel(step.model_config_from_hf(_hf()), {"layers": []}, dtype=torch.float32, device="cpu",
+                          ops=None, tp=2, rank=2)
+
+
+# ------------------------------------------------------------------------------------------------------------
 # refusals: one reason each
 
 
@@ -465,7 +556,10 @@ def test_kimi_config_refusal_reads_text_config(sglang_loaded, text, words):
     ({"attn_cp_size": 2}, {}, "context parallelism"),
     ({"enable_lora": True}, {}, "LoRA"),
     ({"pp_size": 2}, {}, "pipeline parallelism"),
-    ({"tp_size": 8}, {}, "tp_size 8"),
+    ({"tp_size": 16}, {}, "tp_size 16 is not one of"),                                 # SGLang's own check
+    ({"tp_size": 8}, {}, "num_attention_heads 4"),                                     # served size, 4 heads
+    ({"tp_size": 2, "moe_dense_tp_size": 1}, {}, "--moe-dense-tp-size 1"),
+    ({"moe_a2a_backend": "deepep"}, {}, "--moe-a2a-backend deepep"),
     ({"kv_cache_dtype": "fp8_e4m3"}, {}, "--kv-cache-dtype fp8_e4m3"),
     ({"quantization": "fp8"}, {}, "quantised checkpoint (fp8)"),                       # online: every linear layer
     ({}, {"quantization_config": {"quant_method": "compressed-tensors"}}, "quantised checkpoint (compressed-tensors)"),

@@ -8,8 +8,9 @@ measured 0.76x-15x cuBLAS's time here (faster only at q_b, M = 1) and was remove
 Shapes: one tp-8 rank of Kimi-K2 and DeepSeek-V3 (q_a + kv_a 7168 -> 2112, q_b 1536 -> heads x 192, o_proj
 heads x 128 -> 7168, router 7168 -> experts, the LM head's vocabulary shard 7168 -> 20480).
 
-Timing: CUDA-graph replay of ``calls`` back-to-back projections, each over its own copy of the weight (copies
-enough to exceed 4x the L2 cache, so every call reads HBM as in the pass, where each layer has its own weights).
+Timing: :func:`specverify.benchmarking.graph_us` over one CUDA graph of back-to-back projections, each over its own
+copy of the weight (copies enough to exceed 4x the L2 cache, so every call reads HBM as in the pass, where each
+layer has its own weights).
 ``floor_us = N * K * bytes / copy_bw`` with ``copy_bw`` a device-to-device copy in the same run; ``bw_frac`` =
 floor / measured. Every row is checked against the fp32 reference first.
 
@@ -18,12 +19,13 @@ Usage: ``python bench/bench_gemv.py [--quick] [--json PATH]`` (``--quick``: M = 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 
 import torch
 
-from specverify.benchmarking import copy_bandwidth_gbps, run_meta, token_counts
+from specverify.benchmarking import copy_bandwidth_gbps, graph_us, run_meta, token_counts
 
 #: (model, projection) -> (N, K) for one tp-8 rank
 SHAPES = {
@@ -32,29 +34,6 @@ SHAPES = {
     ("deepseek-v3", "q_b"): (16 * 192, 1536), ("deepseek-v3", "o_proj"): (7168, 16 * 128),
     ("deepseek-v3", "router"): (256, 7168),
 }
-
-
-def _time_us(fn_list, x, outs, reps=5):
-    """µs per call: a graph of every weight copy's call, replayed; the best of ``reps``."""
-    for fn, o in zip(fn_list, outs):
-        fn(x, o)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for fn, o in zip(fn_list, outs):
-            fn(x, o)
-    g.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(5):
-            g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / (5 * len(fn_list)))
-    return best
 
 
 def main(argv=None) -> int:
@@ -81,8 +60,9 @@ def main(argv=None) -> int:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             want = (x.float() @ ws[0].float().t()).to(torch.bfloat16)
             err = float(((x @ ws[0].t()).float() - want.float()).abs().max() / want.float().abs().max())
-            outs = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in ws]
-            cublas = _time_us([lambda x_, o, w=w: torch.matmul(x_, w.t(), out=o) for w in ws], x, outs)
+            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            cycle = itertools.cycle(ws)  # each captured call reads the next copy: HBM, as in the pass
+            cublas = graph_us(lambda: torch.matmul(x, next(cycle).t(), out=out), calls=len(ws), replays=5, repeats=5)
             rows.append(dict(model=model, proj=proj, m=m, n=n, k=k, floor_us=floor, cublas_us=cublas,
                              cublas_bw_frac=floor / cublas, max_rel_err_vs_fp32=err, weight_copies=copies))
             print(f"{model:>12} {proj:>8} {m:>3} {n:>6} {k:>6} {floor:7.2f} {cublas:7.2f} ({floor / cublas:4.0%})")

@@ -109,3 +109,22 @@ def install() -> None:
             continue
         sys.meta_path.append(_StandinFinder())
         break
+
+
+def transformers_sees_no_torchvision() -> None:
+    """Tell ``transformers`` that torchvision is not there when only the stand-in is: SGLang's fused-MoE kernels
+    import ``sglang.srt.configs``, which imports ``transformers``, which parses torchvision's installed version and
+    fails on a module that has none. Test environments only; call it before importing SGLang's MoE kernels."""
+    import importlib
+    import importlib.metadata
+
+    try:
+        importlib.metadata.version("torchvision")
+        return
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        iu = importlib.import_module("transformers.utils.import_utils")
+    except Exception:
+        return
+    iu.is_torchvision_greater_or_equal = lambda *args, **kwargs: False

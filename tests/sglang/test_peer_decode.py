@@ -8,8 +8,6 @@ before each call, so a value the kernel does not write cannot pass.
 """
 from __future__ import annotations
 
-import importlib
-import importlib.metadata
 import os
 
 import pytest
@@ -23,22 +21,9 @@ interpreter = pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("T
                                  reason="CPU-tensor interpreter check: set TRITON_INTERPRET=1 to run it here")
 
 
-def _transformers_sees_no_torchvision():
-    """Test environment only (as in test_peer_ops.py): the import-only torchvision stand-in has no version for
-    transformers to parse; tell transformers torchvision is not there."""
-    try:
-        importlib.metadata.version("torchvision")
-        return
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    try:
-        iu = importlib.import_module("transformers.utils.import_utils")
-    except Exception:
-        return
-    iu.is_torchvision_greater_or_equal = lambda *args, **kwargs: False
+import standins  # noqa: E402  (tests/sglang is on sys.path: conftest.py)
 
-
-_transformers_sees_no_torchvision()
+standins.transformers_sees_no_torchvision()
 
 from specverify.peers import sglang as peer  # noqa: E402
 from specverify.reference.attention import tree_attention_mla_reference, tree_attention_reference  # noqa: E402

@@ -7,8 +7,6 @@ floor; routing ids and the alignment must match exactly, routing weights within 
 """
 from __future__ import annotations
 
-import importlib
-import importlib.metadata
 import os
 
 import pytest
@@ -19,28 +17,14 @@ pytest.importorskip("sglang", reason="SGLang is not installed: run in the venv m
 pytestmark = pytest.mark.sglang
 
 # These checks run SGLang's kernels on CPU tensors under the interpreter; on a GPU machine run them with
-# TRITON_INTERPRET=1 (the GPU check is test_sglang_ops_forward_captures_in_a_cuda_graph).
+# TRITON_INTERPRET=1 (the GPU check is test_peer_decode.py::test_sglang_ops_capture_and_replay_each_mode).
 interpreter = pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="CPU-tensor interpreter check: set TRITON_INTERPRET=1 to run it here")
 
 
-def _transformers_sees_no_torchvision():
-    """Test environment only. ``tests/sglang/standins.py`` registers an import-only ``torchvision``; SGLang's fused-MoE
-    kernels import ``sglang.srt.configs``, which imports ``transformers``, which parses torchvision's installed
-    version and fails on a module that has none. Tell transformers torchvision is not there (it is not)."""
-    try:
-        importlib.metadata.version("torchvision")
-        return
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    try:
-        iu = importlib.import_module("transformers.utils.import_utils")
-    except Exception:
-        return
-    iu.is_torchvision_greater_or_equal = lambda *args, **kwargs: False
+import standins  # noqa: E402  (tests/sglang is on sys.path: conftest.py)
 
-
-_transformers_sees_no_torchvision()
+standins.transformers_sees_no_torchvision()
 
 from specverify.peers import sglang as peer  # noqa: E402
 from specverify.reference.attention import tree_attention_mla_reference, tree_attention_reference  # noqa: E402
@@ -244,35 +228,3 @@ def test_sglang_ops_forward_matches_reference_and_refreshes(name):
         out = model.forward(ids, pos, caches, pt, pl, mask).double()
         # fp16 end to end through two layers: a few fp16 ulps of the logits' scale
         assert (out - ref).abs().max().item() <= 4e-3 * max(1.0, ref.abs().max().item()), prefix
-
-
-@pytest.mark.gpu
-def test_sglang_ops_forward_captures_in_a_cuda_graph():
-    from specverify.forward.model import VerifyModel
-    from specverify.forward.ops import Ops, sglang_ops
-
-    dev = torch.device("cuda")
-    gen = torch.Generator().manual_seed(9)
-    model = VerifyModel("tiny-mla-moe", dtype=torch.bfloat16, num_layers=2, device=dev)
-    caches, pt, pl, ids, depth, mask = (t.to(dev) if isinstance(t, torch.Tensor) else t
-                                        for t in _forward_case(model, gen, [7, 13]))
-    caches = model.allocate_kv(16, PAGE)
-    pos = pl.long().unsqueeze(1) + depth
-    model.ops, _ = sglang_ops(model)
-    eager = model.forward(ids, pos, caches, pt, pl, mask)
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        model.forward(ids, pos, caches, pt, pl, mask)
-    torch.cuda.current_stream().wait_stream(stream)
-    with torch.cuda.graph(graph):
-        captured = model.forward(ids, pos, caches, pt, pl, mask)
-    graph.replay()
-    torch.testing.assert_close(captured, eager, rtol=0, atol=0)
-    pl.copy_(torch.tensor([10, 2], dtype=torch.int32, device=dev))  # mutate inputs in place, replay
-    pos.copy_(pl.long().unsqueeze(1) + depth)
-    graph.replay()
-    model.ops = Ops()
-    ref = model.forward(ids, pos, caches, pt, pl, mask)
-    assert (captured.float() - ref.float()).abs().max().item() <= 3e-2 * max(1.0, ref.abs().max().item())

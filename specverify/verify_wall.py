@@ -12,8 +12,9 @@ provider, and reports:
 * ``efficiency = floor_ms / verify_ms`` and ``overhead_ms = verify_ms - floor_ms``;
 * with ``tp > 1`` on one GPU, the allreduces one rank would make (``2 * layers + 1`` of ``batch * k * hidden``
   elements) are modelled from :mod:`specverify.comm.cost_model` and added: ``total_ms = verify_ms + allreduce_ms``;
-* ``break_even = total_ms(k) / total_ms(1)``: the tokens a pass must emit (accept length + 1) for speculation
-  at this k to match plain decoding, before draft cost.
+* ``break_even = total_ms(k) / total_ms(1)``: the tokens a cycle must emit for speculation at this k to match
+  plain decoding, before draft cost: SGLang's logged accept length (accepted drafts + the bonus token);
+  ``break_even_accepted_drafts = break_even - 1`` the same in accepted draft tokens.
 
 Providers: ``reference`` (the torch path), ``specverify`` (our kernels where they exist, the reference elsewhere; the
 ``pieces`` column says which), ``sglang`` (SGLang's own Triton kernels composed as SGLang composes them, where they
@@ -714,6 +715,8 @@ def run_verify_wall(s: WallSettings, progress=None) -> dict:
                     "efficiency": floor_ms / med if med == med and med > 0 else float("nan"),
                     "overhead_ms": med - floor_ms, "allreduce_ms_modelled": ar_ms, "allreduce_source": ar_src,
                     "total_ms": total, "break_even": total / (decode + decode_ar) if decode == decode else float("nan"),
+                    "break_even_accepted_drafts": (total / (decode + decode_ar) - 1.0) if decode == decode
+                    else float("nan"),
                     "pieces": dict(ops.pieces), "iters": len(times), "logits_rel_err_vs_first": check,
                     "graph_nodes": nodes.get(k),
                 })
@@ -792,8 +795,9 @@ def format_table(result: dict) -> str:
             lines.append(f"gpu state {name}: SM clock median {f['sm_mhz_median']} (min {f['sm_mhz_min']}) MHz, "
                          f"memory {f['mem_mhz_median']} MHz, power max {f['power_w_max']} W, {f['temp_c_max']} C, "
                          f"throttle reasons {', '.join(g['throttle_reasons']) or 'none'}")
-    lines.append("break-even: tokens a pass at k must emit (accept length + 1) to match plain decoding, "
-                 "total(k) / total(1), before draft cost")
+    lines.append("break-even: total(k) / total(1), before draft cost: the tokens a cycle at k must emit to match "
+                 "plain decoding, i.e. the accept length as SGLang logs it (accepted drafts + the bonus token); in "
+                 "accepted drafts, break-even - 1 (JSON: break_even, break_even_accepted_drafts)")
     lines.append("rel err: ||logits - first provider's logits|| / ||first provider's logits||, same inputs, "
                  "first 2 layers + LM head")
     for note in meta["notes"]:

@@ -33,6 +33,9 @@ def test_verify_wall_runs_on_this_machine(tmp_path):
                                                               for k in (1, 3)}
     for row in rows:
         assert row["bytes"] > 0 and row["verify_ms_median"] > 0
+        # accept length both ways: tokens a cycle as SGLang logs it, and accepted drafts
+        assert row["break_even_accepted_drafts"] == pytest.approx(row["break_even"] - 1.0)
+    assert "accept length as SGLang logs it" in r.stdout
     import torch
 
     if not torch.cuda.is_available():

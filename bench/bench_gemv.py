@@ -1,5 +1,6 @@
-"""Benchmark: the verify pass's projections at M = 1-8 rows through cuBLAS (``torch.matmul``, what the pass runs
-today), against the weight-bytes floor: the baseline a GEMV kernel of ours must beat (issue 22).
+"""Benchmark: the verify pass's projections at M = 1-8 rows, cuBLAS (``torch.matmul``, what the pass runs today) and
+our candidate (``specverify.gemv``: swap-AB ``tl.dot`` tiles, split K, one launch) side by side, against the
+weight-bytes floor (issue 22).
 
 A first kernel of ours (one program per weight-row tile, broadcast products reduced with ``tl.sum``, no split-K)
 measured 0.76x-15x cuBLAS's time here (faster only at q_b, M = 1) and was removed; its rows are in
@@ -50,7 +51,10 @@ def main(argv=None) -> int:
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
     rows = []
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s; us per call (bw fraction)")
-    print(f"{'model':>12} {'proj':>8} {'M':>3} {'N':>6} {'K':>6} {'floor':>7} {'cuBLAS':>14}")
+    from specverify.gemv import gemv, gemv_split
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"{'model':>12} {'proj':>8} {'M':>3} {'N':>6} {'K':>6} {'floor':>7} {'ours':>14} {'cuBLAS':>14}  ours/cuBLAS")
     for (model, proj), (n, k) in SHAPES.items():
         nbytes = n * k * 2
         copies = max(2, -(-4 * l2 // nbytes))
@@ -58,14 +62,20 @@ def main(argv=None) -> int:
         floor = nbytes / bw * 1e6
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            want = (x.float() @ ws[0].float().t()).to(torch.bfloat16)
-            err = float(((x @ ws[0].t()).float() - want.float()).abs().max() / want.float().abs().max())
+            want = (x.float() @ ws[0].float().t()).to(torch.bfloat16).float()
+            scale = float(want.abs().max())
+            err = float(((x @ ws[0].t()).float() - want).abs().max()) / scale
+            err_ours = float((gemv(x, ws[0]).float() - want).abs().max()) / scale
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             cycle = itertools.cycle(ws)  # each captured call reads the next copy: HBM, as in the pass
             cublas = graph_us(lambda: torch.matmul(x, next(cycle).t(), out=out), calls=len(ws), replays=5, repeats=5)
-            rows.append(dict(model=model, proj=proj, m=m, n=n, k=k, floor_us=floor, cublas_us=cublas,
-                             cublas_bw_frac=floor / cublas, max_rel_err_vs_fp32=err, weight_copies=copies))
-            print(f"{model:>12} {proj:>8} {m:>3} {n:>6} {k:>6} {floor:7.2f} {cublas:7.2f} ({floor / cublas:4.0%})")
+            ours = graph_us(lambda: gemv(x, next(cycle), out=out), calls=len(ws), replays=5, repeats=5)
+            rows.append(dict(model=model, proj=proj, m=m, n=n, k=k, floor_us=floor, cublas_us=cublas, ours_us=ours,
+                             cublas_bw_frac=floor / cublas, ours_bw_frac=floor / ours, ours_over_cublas=ours / cublas,
+                             max_rel_err_vs_fp32=err, ours_max_rel_err_vs_fp32=err_ours, weight_copies=copies,
+                             split=gemv_split(n, k, sms)))
+            print(f"{model:>12} {proj:>8} {m:>3} {n:>6} {k:>6} {floor:7.2f} {ours:7.2f} ({floor / ours:4.0%}) "
+                  f"{cublas:7.2f} ({floor / cublas:4.0%})  {ours / cublas:5.2f}  err {err_ours:.1e}")
         del ws
         torch.cuda.empty_cache()
     if args.json:

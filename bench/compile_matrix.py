@@ -53,7 +53,7 @@ TARGETS = {
     "sm_90a": (90, 232448, 132, "NVIDIA H200 (fake, offline)"),
     "sm_120": (120, 101376, 188, "NVIDIA RTX PRO 6000 Blackwell (fake, offline)"),
 }
-GROUPS = ("attn", "gqa", "route", "moe", "accept", "fused", "kv")
+GROUPS = ("attn", "gqa", "route", "moe", "accept", "fused", "kv", "gemv")
 
 
 def log(msg: str) -> None:
@@ -424,8 +424,18 @@ def scen_kv(quick: bool, target: str):
         yield f"compact_kv gqa b{batch} k{k}", lambda f=run: f(mla=False)
 
 
+def scen_gemv(quick: bool, target: str):
+    """The skinny-GEMM candidate at the pass's projections (Kimi-K2 rank): one row-tile config, split K."""
+    from specverify.gemv import gemv
+
+    shapes = ((2112, 7168),) if quick else ((2112, 7168), (1536, 1536), (7168, 1024), (384, 7168))
+    for n, k in shapes:
+        for m in (1,) if quick else (1, 8):
+            yield f"gemv m{m} {k}->{n}", lambda m=m, n=n, k=k: gemv(_cuda(m, k), _cuda(n, k), impl="triton")
+
+
 SCENARIOS = dict(attn=scen_attn, gqa=scen_gqa, route=scen_route, moe=scen_moe, accept=scen_accept,
-                 fused=scen_fused, kv=scen_kv)
+                 fused=scen_fused, kv=scen_kv, gemv=scen_gemv)
 
 
 class _Skip(Exception):

@@ -1,0 +1,57 @@
+"""Skinny GEMM for the verify pass's projections, ``Y[M, N] = X[M, K] @ W[N, K]^T`` at M <= 16 rows: a candidate
+against cuBLAS (``bench/bench_gemv.py`` times both; not wired into the pass until it measures faster).
+
+At 1-8 tokens a rank a projection reads its weight once and does almost no arithmetic: it costs the weight bytes
+over the bandwidth it reaches. The weight rows take the MMA's M side and the few tokens its N side ("swap AB": 64
+weight rows x 16 token columns a tile, the tokens zero-padded), so a tile is one ``tl.dot``, and K is split so the
+grid covers every SM about twice (N of 384-7168 gives only 6-112 row tiles)::
+
+    program (n, s):  P[s, :, n0:n0+BLOCK_N] = sum over k in slice s of  X[:, k] * W[n0 + j, k]      fp32
+    last program of row tile n (a self-resetting ticket per tile):  Y[:, n0:n0+BLOCK_N] = sum_s P[s]  (x's dtype)
+
+One launch: the partials go to an fp32 workspace [SPLIT_K, BLOCK_M, N] and the tile's last program (its ticket,
+acquire-release) reduces them and resets the ticket, so the launch is graph-replayable with no memset.
+
+Tensors: X [M, K] (unit stride on K), W [N, K] (torch's Linear layout), Y [M, N]; bf16 / fp16; P fp32; TICKET
+int32 [row tiles], zero between launches.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gemv_splitk_kernel(X, W, Y, P, TICKET, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        SPLIT_K: tl.constexpr, DOT_FP32: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    nmask = rn < N
+    mmask = rm < M
+    k_lo = pid_s * k_per_split
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        kmask = rk < K
+        w = tl.load(W + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :], mask=nmask[:, None] & kmask[None, :],
+                    other=0.0)
+        xt = tl.load(X + rm[None, :] * stride_xm + rk[:, None], mask=mmask[None, :] & kmask[:, None], other=0.0)
+        if DOT_FP32:  # the CPU interpreter (its bf16 dot is not exact)
+            acc += tl.dot(w.to(tl.float32), xt.to(tl.float32))
+        else:
+            acc += tl.dot(w, xt)
+    out_mask = nmask[:, None] & mmask[None, :]
+    if SPLIT_K == 1:
+        tl.store(Y + rm[None, :] * stride_ym + rn[:, None], acc.to(Y.dtype.element_ty), mask=out_mask)
+    else:
+        p_tile = P + (pid_s * BLOCK_M + rm[None, :]) * N + rn[:, None]
+        tl.store(p_tile, acc, mask=out_mask)
+        tl.debug_barrier()  # this program's partial precedes its ticket
+        ticket = tl.atomic_add(TICKET + pid_n, 1, sem="acq_rel")
+        if ticket == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for s in range(0, SPLIT_K):
+                total += tl.load(P + (s * BLOCK_M + rm[None, :]) * N + rn[:, None], mask=out_mask, other=0.0)
+            tl.store(Y + rm[None, :] * stride_ym + rn[:, None], total.to(Y.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(TICKET + pid_n, 0)

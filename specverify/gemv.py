@@ -1,0 +1,101 @@
+"""Skinny GEMM for the verify pass's projections (``x @ w.T`` at M <= 16 rows): see :mod:`specverify.kernels.gemv`.
+
+A candidate against cuBLAS, timed by ``bench/bench_gemv.py``; the verify forward still runs ``torch.matmul``.
+Graph capturable after one eager call per (device, N) (which allocates the workspace and the self-resetting
+tickets); ``impl="reference"`` runs :func:`specverify.reference.gemv.gemv_reference`; ``auto`` uses Triton on
+CUDA tensors (or under ``TRITON_INTERPRET=1``).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from specverify.fused_ops import _use_triton, triton_next_pow2
+
+_FLOAT = (torch.bfloat16, torch.float16)
+#: Largest M the kernel serves (the MMA's N side, 16 token columns); callers use torch.matmul above it.
+MAX_M = 16
+BLOCK_N, BLOCK_K = 64, 128
+_BUFFERS: dict = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def gemv_split(n: int, k: int, sms: int) -> tuple[int, int]:
+    """(split count, K elements a split): splits of whole ``BLOCK_K`` chunks, as long as at least ``2 * sms``
+    programs over the ``ceil(n / 64)`` row tiles need (at most one chunk a split when even that falls short)."""
+    tiles = -(-n // BLOCK_N)
+    chunks = -(-k // BLOCK_K)
+    want = max(1, -(-2 * sms // tiles))
+    per = max(1, chunks // want) * BLOCK_K
+    return -(-k // per), per
+
+
+def _buffers(device, n, split):
+    key = (device, n)
+    buf = _BUFFERS.get(key)
+    if buf is None or buf[0].shape[0] < split:
+        buf = (torch.empty(split, MAX_M, n, dtype=torch.float32, device=device),
+               torch.zeros(-(-n // BLOCK_N), dtype=torch.int32, device=device))
+        _BUFFERS[key] = buf
+    return buf
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None = None, impl: str = "auto") -> torch.Tensor:
+    """``x @ w.T`` for skinny ``x``.
+
+    Parameters
+    ----------
+    x : Tensor [M, K], M in [1, 16], unit stride on K; bf16 / fp16.
+    w : Tensor [N, K] (a Linear weight), unit stride on K, x's dtype.
+    out : Tensor [M, N] of x's dtype with unit stride on N, or None (allocated).
+
+    Returns ``out`` [M, N] in x's dtype (fp32 accumulation, one rounding).
+
+    Raises
+    ------
+    TypeError
+        Non-bf16/fp16 or mismatched dtypes.
+    ValueError
+        Shapes that disagree, M outside [1, 16] (use ``torch.matmul``), a strided K dimension.
+    """
+    from specverify.reference.gemv import gemv_reference
+
+    op = "gemv"
+    for name, t in (("x", x), ("w", w)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
+        if t.dtype not in _FLOAT or t.dim() != 2:
+            raise TypeError(f"{op}: {name} must be a 2-d bf16/fp16 tensor, got {t.dtype} {list(t.shape)}")
+    if w.dtype != x.dtype:
+        raise TypeError(f"{op}: w must have x's dtype {x.dtype}, got {w.dtype}")
+    m, k = x.shape
+    n = w.shape[0]
+    if w.shape[1] != k:
+        raise ValueError(f"{op}: w must be [N, K = {k}] (x is [{m}, {k}]), got {list(w.shape)}")
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"{op}: x must have 1..{MAX_M} rows, got {m}; use torch.matmul for wider inputs")
+    if x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError(f"{op}: x and w need a unit stride on K; pass .contiguous() tensors")
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    elif tuple(out.shape) != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(f"{op}: out must be {x.dtype} [{m}, {n}] with unit stride, got {out.dtype} "
+                         f"{list(out.shape)}")
+    if not _use_triton(impl, x, w):
+        out.copy_(gemv_reference(x, w))
+        return out
+    from specverify.kernels.gemv import _gemv_splitk_kernel
+
+    sms = _sm_count(x.device.index or 0) if x.is_cuda else 4
+    split, per = gemv_split(n, k, sms)
+    part, ticket = _buffers(x.device, n, split)
+    grid = (-(-n // BLOCK_N), split)
+    _gemv_splitk_kernel[grid](x, w, out, part, ticket, m, n, k, x.stride(0), w.stride(0), out.stride(0), per,
+                              BLOCK_M=max(16, triton_next_pow2(m)), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=split,
+                              DOT_FP32=not x.is_cuda, num_warps=4, num_stages=3)
+    return out

@@ -1,0 +1,49 @@
+"""The skinny GEMM candidate (``specverify.gemv``) against its fp32 reference, its split rule and its bad inputs."""
+import pytest
+import torch
+
+from specverify import gemv as gemv_mod
+from specverify.gemv import gemv, gemv_split
+from specverify.reference.gemv import gemv_reference
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 40, 96), (3, 130, 300), (8, 64, 512), (16, 5, 33)])  # partial tiles
+def test_gemv_matches_reference(device, m, n, k):
+    g = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
+    dtype = torch.bfloat16
+    x = torch.randn(m, k, generator=g).to(dtype).to(device)
+    w = torch.randn(n, k, generator=g).to(dtype).to(device)
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
+    for _ in range(2):  # the second call finds the tickets reset by the first
+        got = gemv(x, w, out=out, impl="triton")
+        assert got.data_ptr() == out.data_ptr()
+        want = gemv_reference(x, w)
+        # one bf16 rounding of the output plus fp32 summation-order noise over k unit-variance products
+        eps = torch.finfo(dtype).eps
+        torch.testing.assert_close(got, want, rtol=2 * eps, atol=2 * eps * float(want.abs().max()) + 1e-5 * k ** 0.5)
+        out.fill_(float("nan"))
+
+
+def test_gemv_splits_k_where_the_row_tiles_are_few(device, monkeypatch):
+    monkeypatch.setattr(gemv_mod, "_sm_count", lambda index: 4)
+    split, per = gemv_split(384, 7168, 132)
+    assert split * -(-384 // 64) >= 2 * 132 and per % 128 == 0 and (split - 1) * per < 7168
+    assert gemv_split(7168, 1024, 132)[0] * 112 >= 264
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 1024, generator=g).to(torch.bfloat16).to(device)
+    w = torch.randn(64, 1024, generator=g).to(torch.bfloat16).to(device)  # one row tile, 8 splits (4 "SMs")
+    torch.testing.assert_close(gemv(x, w, impl="triton"), gemv_reference(x, w), rtol=1e-2, atol=1e-2 * 32)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(x=torch.zeros(17, 8, dtype=torch.bfloat16)), "1..16 rows"),
+    (dict(w=torch.zeros(4, 9, dtype=torch.bfloat16)), r"\[N, K = 8\]"),
+    (dict(w=torch.zeros(4, 8, dtype=torch.float16)), "x's dtype"),
+    (dict(x=torch.zeros(2, 8)), "bf16/fp16"),
+    (dict(x=torch.zeros(8, 2, dtype=torch.bfloat16).t()), "unit stride"),
+])
+def test_gemv_bad_input(bad, match):
+    args = dict(x=torch.zeros(2, 8, dtype=torch.bfloat16), w=torch.zeros(4, 8, dtype=torch.bfloat16))
+    args.update(bad)
+    with pytest.raises((TypeError, ValueError), match=match):
+        gemv(args["x"], args["w"])

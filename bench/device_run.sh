@@ -3,7 +3,8 @@
 # writing logs and JSON under $OUT. Usage: bash bench/device_run.sh STEP [STEP ...]
 # Steps: env, tests-<name>, gpu-<name> (GPU-marked tests of tests/test_<name>.py), par-<name> (the same in $SHARDS
 # parallel processes on the one GPU, round-robin over the test ids: compilation is what takes the time), bench-<name>, script-<name>
-# (bench/<name>.py with $ARGS_<name>), cmd-<name> (bash -c "$CMD_<name>", for arguments with spaces), sweep-<group>[+<group>...], wall-<name> ($WALL_ARGS_<name>, else $WALL_ARGS), peer, sglang-tests,
+# (bench/<name>.py with $ARGS_<name>), cmd-<name> (bash -c "$CMD_<name>", for arguments with spaces), sweep-<group>[+<group>...], wall-<name> ($WALL_ARGS_<name>, else $WALL_ARGS), sglwall-<name> (the same with SGLang's import-only stand-ins installed
+# first: torchvision, IPython; for --impl ...,sglang with .whl/ carried), peer, sglang-tests,
 # pack (tar everything under $OUT into results.tgz: the device tool brings back at most 8 files)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -37,6 +38,7 @@ for step in "$@"; do
     tests-*) n=${step#tests-}; run "tests_$n" python3 -P -m pytest -q -p no:cacheprovider -x --rootdir=. tests/test_$n*.py ;;
     bench-*) n=${step#bench-}; run "bench_$n" python3 bench/bench_$n.py --quick --json "$OUT/bench_$n.json" ${BENCH_ARGS:-} ;;
     wall-*) n=${step#wall-}; a="WALL_ARGS_$n"; run "wall_$n" python3 -P -m specverify bench verify-wall ${!a:-${WALL_ARGS:-}} --json "$OUT/wall_$n.json" --plot "$OUT/wall_$n.png" ;;
+    sglwall-*) n=${step#sglwall-}; a="WALL_ARGS_$n"; run "sglwall_$n" python3 -P -c "import sys; sys.path.insert(0, 'tests/sglang'); import standins; standins.install(); standins.transformers_sees_no_torchvision(); from specverify.cli import main; sys.exit(main(['bench', 'verify-wall', *sys.argv[1:]]))" ${!a:-${WALL_ARGS:-}} --json "$OUT/sglwall_$n.json" ;;
     sweep-*) n=${step#sweep-}; run "sweep_$n" python3 bench/sweep_verify_kernels.py --only "${n//+/,}" --json "$OUT/sweep_$n.json" ${SWEEP_ARGS:-} ;;
     script-*) n=${step#script-}; a="ARGS_$n"; run "$n" python3 bench/$n.py --json "$OUT/$n.json" ${!a:-} ;;
     gpu-*) n=${step#gpu-}; a="ARGS_$n"; run "gpu_$n" python3 -P -m pytest -q -p no:cacheprovider --rootdir=. -m gpu tests/test_$n.py ${!a:-} ;;

@@ -206,6 +206,10 @@ class VerifyCase:
         self.flat_caches = [c for layer in caches for c in layer]
         self.validate = True
 
+    def pass_inputs(self):
+        """(caches, flat caches, page table, tree mask) the pass runs on: the case's own buffers."""
+        return self.caches, self.flat_caches, self.page_table, self.mask
+
     def check_logits(self, layers: int = 2):
         """Logits of a pass through the first ``layers`` layers only: deep enough to exercise every piece, shallow
         enough that bf16 rounding cannot flip MoE routing decisions across many layers and hide a real error."""
@@ -213,19 +217,20 @@ class VerifyCase:
         saved = m.num_layers
         m.num_layers = min(layers, saved)
         try:
+            caches, _, table, mask = self.pass_inputs()
             positions = self.prefix.long().unsqueeze(1) + self.depth.long()
-            return m.forward(self.draft, positions, self.caches, self.page_table, self.prefix, self.mask).float()
+            return m.forward(self.draft, positions, caches, table, self.prefix, mask).float()
         finally:
             m.num_layers = saved
 
     def run(self):
         m = self.model
-        nodes, acc, toks, self.logits = m.verify(self.draft, self.parents, self.depth, self.mask, self.caches,
-                                                 self.page_table, self.prefix, self.tree.max_depth,
-                                                 validate=self.validate)
+        caches, flat, table, mask = self.pass_inputs()
+        nodes, acc, toks, self.logits = m.verify(self.draft, self.parents, self.depth, mask, caches, table,
+                                                 self.prefix, self.tree.max_depth, validate=self.validate)
         self.validate = False  # checked once; the timed passes carry no host synchronisation
         with m.section("kv_compaction"):
-            m.ops.compact_kv(self.flat_caches, self.page_table, self.prefix, nodes, acc)
+            m.ops.compact_kv(flat, table, self.prefix, nodes, acc)
         return toks, acc
 
 
@@ -244,38 +249,20 @@ class StepCase(VerifyCase):
                                                                                        page_size)
         self.slot_caches = step_inputs.token_slot_caches(caches)
         self.flat_slot_caches = [c for layer in self.slot_caches for c in layer]
-        self.width = -(-(context + k) // 64) * 64
+        self.width = step_inputs.slot_table_width(context + k)
         _, nt, ns = self.tree.retrieve_links()
         self.next_token = nt.expand(batch, k).contiguous().to(model.device)
         self.next_sibling = ns.expand(batch, k).contiguous().to(model.device)
 
-    def _adapt(self):
-        table = step_inputs.page_table_from_metadata(self.kv_indptr, self.kv_indices, self.out_cache_loc, self.prefix,
-                                                     self.tree.num_nodes, self.width)
-        mask = None if self.tree.is_chain else step_inputs.tree_mask_from_links(self.next_token, self.next_sibling)
-        return table, mask
-
-    def check_logits(self, layers: int = 2):
-        m = self.model
-        saved = m.num_layers
-        m.num_layers = min(layers, saved)
-        try:
-            table, mask = self._adapt()
-            positions = self.prefix.long().unsqueeze(1) + self.depth.long()
-            return m.forward(self.draft, positions, self.slot_caches, table, self.prefix, mask).float()
-        finally:
-            m.num_layers = saved
-
-    def run(self):
-        m = self.model
-        with m.section("step_inputs"):
-            table, mask = self._adapt()
-        nodes, acc, toks, self.logits = m.verify(self.draft, self.parents, self.depth, mask, self.slot_caches, table,
-                                                 self.prefix, self.tree.max_depth, validate=self.validate)
-        self.validate = False
-        with m.section("kv_compaction"):
-            m.ops.compact_kv(self.flat_slot_caches, table, self.prefix, nodes, acc)
-        return toks, acc
+    def pass_inputs(self):
+        """The token-slot caches, and the page table and tree mask the adapter makes from SGLang's inputs (inside
+        the pass: its cost is the ``step_inputs`` section)."""
+        with self.model.section("step_inputs"):
+            table = step_inputs.page_table_from_metadata(self.kv_indptr, self.kv_indices, self.out_cache_loc,
+                                                         self.prefix, self.tree.num_nodes, self.width)
+            mask = None if self.tree.is_chain else step_inputs.tree_mask_from_links(self.next_token,
+                                                                                    self.next_sibling)
+        return self.slot_caches, self.flat_slot_caches, table, mask
 
 
 class SectionTimer:

@@ -65,6 +65,26 @@ class _ParamFactory:
         return torch.ones(shape, device=self.device, dtype=self.dtype)
 
 
+class _GroupCollectives:
+    """``all_reduce`` / ``all_gather`` over a ``torch.distributed`` group of ``tp`` ranks."""
+
+    def __init__(self, group, tp: int):
+        self.group, self.tp = group, tp
+
+    def all_reduce(self, x):
+        import torch.distributed as dist
+
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x, dim):
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(x) for _ in range(self.tp)]
+        dist.all_gather(parts, x, group=self.group)
+        return torch.cat(parts, dim)
+
+
 class VerifyModel:
     """A model's verify forward on one tensor-parallel rank, with dummy weights.
 
@@ -73,7 +93,9 @@ class VerifyModel:
     config : ModelConfig or str
     tp, rank : int
         Tensor-parallel degree and this rank. ``group``: a ``torch.distributed`` group of ``tp`` ranks, or None
-        (collectives skipped; one process stands in for one rank).
+        (collectives skipped; one process stands in for one rank). The collectives go through
+        :attr:`collectives` (``all_reduce(x)``, ``all_gather(x, dim)``; the group's, or an engine's in
+        :class:`~specverify.forward.step.LoadedVerifyModel`).
     num_layers : int, optional
         Layers to run (default: the model's).
     distinct_layers : int, optional
@@ -95,6 +117,7 @@ class VerifyModel:
         self.config = get_config(config)
         self.shapes: RankShapes = per_rank_shapes(self.config, tp)
         self.tp, self.rank, self.group = tp, rank, group
+        self.collectives = _GroupCollectives(group, tp) if group is not None else None
         self.num_layers = self.config.num_hidden_layers if num_layers is None else int(num_layers)
         if self.num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
@@ -231,20 +254,20 @@ class VerifyModel:
 
     # collectives -------------------------------------------------------------------------------------------
     def allreduce(self, x):
-        if self.group is not None and self.tp > 1:
-            import torch.distributed as dist
-
-            dist.all_reduce(x, group=self.group)
-        return x
+        return self.collectives.all_reduce(x) if self.collectives is not None and self.tp > 1 else x
 
     def _gather_vocab(self, logits):
-        if self.group is not None and self.tp > 1:
-            import torch.distributed as dist
+        if self.collectives is None or self.tp == 1:
+            return logits
+        return self.collectives.all_gather(logits.contiguous(), -1)[..., : self.config.vocab_size]
 
-            parts = [torch.empty_like(logits) for _ in range(self.tp)]
-            dist.all_gather(parts, logits.contiguous(), group=self.group)
-            return torch.cat(parts, -1)[..., : self.config.vocab_size]
-        return logits
+    def _vocab_shard(self) -> tuple[int, int] | None:
+        """(start, end): the token ids of this rank's embedding rows ``embed[: end - start]`` when the vocabulary
+        is sharded over real collectives; None at tp 1 or for one rank standing in without them."""
+        if self.collectives is None or self.tp == 1:
+            return None
+        vr = self.shapes.vocab_size
+        return self.rank * vr, (self.rank + 1) * vr
 
     @contextmanager
     def section(self, name):
@@ -256,14 +279,14 @@ class VerifyModel:
 
     # forward ----------------------------------------------------------------------------------------------
     def embed_tokens(self, input_ids):
-        vr = self.shapes.vocab_size
         if self.tp == 1:
             return self.embed[input_ids]
-        if self.group is None:  # one rank standing in: look up in the local shard
-            return self.embed[input_ids % vr]
-        local = input_ids - self.rank * vr
-        ok = (local >= 0) & (local < vr)
-        x = self.embed[local.clamp(0, vr - 1)] * ok.unsqueeze(-1).to(self.dtype)
+        shard = self._vocab_shard()
+        if shard is None:  # one rank standing in: look up in the local shard
+            return self.embed[input_ids % self.shapes.vocab_size]
+        start, end = shard
+        ok = (input_ids >= start) & (input_ids < end)  # other ranks' ids (and padding rows) look up zeros
+        x = self.embed[(input_ids - start).clamp(0, self.embed.shape[0] - 1)] * ok.unsqueeze(-1).to(self.dtype)
         return self.allreduce(x)
 
     def _mla(self, w, x, positions, cache, page_table, prefix_lens, tree_mask):

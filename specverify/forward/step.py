@@ -71,6 +71,12 @@ def page_table_from_metadata(kv_indptr, kv_indices, out_cache_loc, prefix_lens, 
     return table.to(torch.int32)
 
 
+def slot_table_width(tokens: int) -> int:
+    """Columns of a token-slot page table for requests of up to ``tokens`` tokens: rounded up to a multiple of 64,
+    so eager steps of growing requests reuse a few shapes."""
+    return -(-max(tokens, 1) // 64) * 64
+
+
 def model_ops(base: Ops, cos_sin: torch.Tensor, neox: bool, sm_scale: float) -> Ops:
     """``base`` with the model's RoPE in ``mla_prep`` and ``attention_mla`` at the model's softmax scale.
 
@@ -172,23 +178,9 @@ class LoadedVerifyModel(VerifyModel):
                                    moe_intermediate_size=moe_inter, shared_intermediate_size=shared,
                                    vocab_size=self.lm_head.shape[0])
 
-    # collectives: the engine's ------------------------------------------------------------------------------
-    def allreduce(self, x):
-        return self.collectives.all_reduce(x) if self.tp > 1 else x
-
-    def _gather_vocab(self, logits):
-        if self.tp == 1:
-            return logits
-        return self.collectives.all_gather(logits.contiguous(), -1)[..., : self.config.vocab_size]
-
-    def embed_tokens(self, input_ids):
-        if self.tp == 1:
-            return self.embed[input_ids]
-        start, end = self.vocab_range
-        local = input_ids - start
-        ok = (input_ids >= start) & (input_ids < end)  # ids of other ranks' rows (and padding) look up zeros
-        x = self.embed[local.clamp(0, self.embed.shape[0] - 1)] * ok.unsqueeze(-1).to(self.embed.dtype)
-        return self.allreduce(x)
+    def _vocab_shard(self):
+        """The engine's vocabulary shard (``weights["vocab_range"]``; its padding need not follow ours)."""
+        return self.vocab_range if self.tp > 1 else None
 
     def forward_captured(self, input_ids, positions, kv_caches, page_table, prefix_lens, tree_mask=None,
                          capture_layers=()):

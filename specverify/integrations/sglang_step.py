@@ -47,9 +47,9 @@ expert stacks of layers whose routed experts stay SGLang's are not read at all.
 
 RoPE and the softmax scale are the model's: DeepSeek-V3 / Kimi-K2 use YaRN (``deepseek_yarn``) rotary tables in
 the interleaved (GPT-J) layout and an mscale-corrected softmax scale, which the generic
-:class:`~specverify.forward.model.VerifyModel` does not model. :func:`~specverify.forward.step.model_ops` makes ``mla_prep`` read SGLang's
-``cos_sin_cache`` (a shared tensor; still one fused launch with the Triton op table) and calls ``attention_mla``
-with ``self_attn.scaling``.
+:class:`~specverify.forward.model.VerifyModel` does not model. :func:`~specverify.forward.step.model_ops` makes
+``mla_prep`` read SGLang's ``cos_sin_cache`` (a shared tensor; still one fused launch with the Triton op table) and
+calls ``attention_mla`` with ``self_attn.scaling``.
 
 Tensor parallel (:data:`TP_SIZES`): at SGLang's TP size > 1 each rank builds the forward over its own shards, which
 SGLang's parameters already are: ``q_b`` / ``kv_b`` (hence ``w_kc`` / ``w_vc``) / ``o_proj`` split by heads, the dense
@@ -89,7 +89,8 @@ from sglang.kernels.plugin_kernels.nvidia.spec import (MEGAKERNEL_API_VERSION, F
                                                        NumericsKind, Requirements, Step)
 from specverify.configs import ModelConfig
 from specverify.forward.ops import RouteParams, provider_ops
-from specverify.forward.step import LoadedVerifyModel, model_ops, page_table_from_metadata, tree_mask_from_links
+from specverify.forward.step import (LoadedVerifyModel, model_ops, page_table_from_metadata, slot_table_width,
+                                     tree_mask_from_links)
 
 logger = logging.getLogger("specverify.sglang")
 
@@ -720,6 +721,16 @@ class VerifyStep:
         return None
 
     # forward -------------------------------------------------------------------------------------------------
+    def _latent_caches(self, pool):
+        """Per layer, the pool's latent buffer [slots, 1, kv_lora + rope] as our one-cache list; built once per
+        pool (the buffers live as long as it), not on every eager step."""
+        if getattr(self, "_caches_pool", None) is not pool:
+            # KvPoolView offers no accessor for MLA latent buffers (see module notes): the pool's own
+            bufs = (pool.get_key_buffer(layer) for layer in range(self.config.num_hidden_layers))
+            self._caches = [[buf.view(buf.shape[0], 1, buf.shape[-1])] for buf in bufs]
+            self._caches_pool = pool
+        return self._caches
+
     def _inputs(self, step, input_ids, positions, forward_batch):
         view = step.view
         k = self.tokens if step.mode == "target_verify" else 1
@@ -732,14 +743,9 @@ class VerifyStep:
             longest = int(cpu[:b].max()) + (k if step.mode == "target_verify" else 0)
         else:  # a graph: the widest request the attention metadata can describe
             longest = int(meta.kv_indices.numel()) + k
-        width = -(-max(longest, 1) // 64) * 64  # rounded, so eager steps reuse a few shapes
         table = page_table_from_metadata(meta.kv_indptr, meta.kv_indices, forward_batch.out_cache_loc[: b * k],
-                                         prefix, k, width)
-        pool = view.kv_pool.pool  # KvPoolView offers no accessor for MLA latent buffers (see module notes)
-        caches = []
-        for layer in range(self.config.num_hidden_layers):
-            buf = pool.get_key_buffer(layer)  # [slots, 1, kv_lora + rope]
-            caches.append([buf.view(buf.shape[0], 1, buf.shape[-1])])
+                                         prefix, k, slot_table_width(longest))
+        caches = self._latent_caches(view.kv_pool.pool)
         tree_mask = None
         if step.mode == "target_verify" and int(forward_batch.spec_info.topk) > 1:
             spec = forward_batch.spec_info

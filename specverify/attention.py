@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specverify import envvars
-from specverify.fit import launch_fitting, shared_memory_limit_bytes
+from specverify.fit import launch_fitting, shared_memory_limit_bytes, sm_count, spill_bytes
 from specverify.validation import capturing, check_tree_mask
 
 logger = logging.getLogger("specverify")
@@ -64,14 +64,6 @@ def _desc(t: torch.Tensor) -> str:
 @functools.lru_cache(maxsize=None)
 def _log_once(message: str) -> None:
     logger.info(message)
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_type: str, index: int | None) -> int:
-    if device_type == "cuda":
-        return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()
-                                                ).multi_processor_count
-    return 4  # the CPU interpreter: keep grids tiny
 
 
 @functools.lru_cache(maxsize=1)
@@ -336,7 +328,7 @@ def _make_plan(*, max_batch, k, hq, hkv, d, dr, dv, max_context, device, dtype_b
                                      small_programs=c["BLOCK_M"] <= 16 and c["KERNEL"] != "mla_wgmma",
                                      max_prefix=max_prefix,
                                      bytes_per_token=(d + dr + (0 if v_is_k else dv)) * dtype_bytes,
-                                     block_n=c["BLOCK_N"], num_sms=_num_sms(device.type, device.index))
+                                     block_n=c["BLOCK_N"], num_sms=sm_count(device.type, device.index))
 
     cfg, num_splits = plan_for(False)
     if config is None and dr > 0 and not interpret and _splits_walk_tiles(
@@ -466,8 +458,7 @@ def _wgmma_compile(wg, index: int, *, num_warps: int) -> tuple[str, int]:
             lines = str(exc).strip().splitlines()
             return f"{type(exc).__name__}: {(lines[-1] if lines else '')[:200]}", 0
         try:  # the spill count is read when the kernel is loaded (on a GPU: no launch)
-            getattr(compiled, "_init_handles", lambda: None)()
-            spill = int(getattr(compiled, "n_spills", 0) or 0)
+            spill = spill_bytes(compiled)
         except Exception:  # noqa: BLE001 - unknown: keep the default warps
             spill = 0
     return "", spill

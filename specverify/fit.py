@@ -17,7 +17,7 @@ import torch
 
 from specverify import envvars
 
-__all__ = ["first_fitting", "launch_fitting", "shared_memory_limit_bytes"]
+__all__ = ["first_fitting", "launch_fitting", "shared_memory_limit_bytes", "sm_count", "spill_bytes"]
 
 _CHOSEN: dict[tuple, dict] = {}
 
@@ -33,6 +33,16 @@ def _limit(device_index: int) -> int:
     return int(driver.active.utils.get_device_properties(device_index)["max_shared_mem"])
 
 
+@functools.lru_cache(maxsize=None)
+def sm_count(device_type: str, index: int | None) -> int:
+    """Streaming multiprocessors of CUDA device ``index`` (None: the current one), for grids sized to the GPU; 4 off
+    CUDA (the CPU interpreter: keep grids tiny)."""
+    if device_type == "cuda":
+        return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()
+                                                ).multi_processor_count
+    return 4
+
+
 def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
@@ -46,8 +56,9 @@ def shared_memory_limit_bytes(device: torch.device | str | int) -> int:
     return _limit(_index(device))
 
 
-def _spill_bytes(compiled) -> int:
-    """Spill stores per thread of a compiled kernel (``n_spills``, read once its module is loaded; 0 if unknown)."""
+def spill_bytes(compiled) -> int:
+    """Spill stores per thread of a compiled kernel (``n_spills``, read once its module is loaded on the device; no
+    launch; 0 where Triton does not report it)."""
     init = getattr(compiled, "_init_handles", None)
     if init is not None:
         init()
@@ -98,7 +109,7 @@ def first_fitting(kernel, grid, args: Sequence, candidates: Sequence[dict], *, d
         compiled = kernel.warmup(*args, grid=grid, **cand)
         shared = int(getattr(getattr(compiled, "metadata", None), "shared", 0) or 0)
         if shared <= limit:
-            if not avoid_spills or _spill_bytes(compiled) == 0:
+            if not avoid_spills or spill_bytes(compiled) == 0:
                 _CHOSEN[cache_key] = dict(cand)
                 return _CHOSEN[cache_key]
             fitting = fitting or dict(cand)

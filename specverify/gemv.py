@@ -7,10 +7,9 @@ CUDA tensors (or under ``TRITON_INTERPRET=1``).
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from specverify.fit import sm_count
 from specverify.fused_ops import _use_triton, triton_next_pow2
 
 _FLOAT = (torch.bfloat16, torch.float16)
@@ -18,11 +17,6 @@ _FLOAT = (torch.bfloat16, torch.float16)
 MAX_M = 16
 BLOCK_N, BLOCK_K = 64, 128
 _BUFFERS: dict = {}
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def gemv_split(n: int, k: int, sms: int) -> tuple[int, int]:
@@ -91,7 +85,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None = None, i
         return out
     from specverify.kernels.gemv import _gemv_splitk_kernel
 
-    sms = _sm_count(x.device.index or 0) if x.is_cuda else 4
+    sms = sm_count(x.device.type, x.device.index)
     split, per = gemv_split(n, k, sms)
     part, ticket = _buffers(x.device, n, split)
     grid = (-(-n // BLOCK_N), split)

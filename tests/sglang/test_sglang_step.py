@@ -166,15 +166,17 @@ def test_hidden_states_last_and_null(sglang_loaded):
     assert ref.hidden_states is None and out.hidden_states is None
 
 
-def test_eagle3_aux_hidden_states(sglang_loaded):
-    h = harness("fp32-tree", dtype=torch.float32, tokens=4, topk=2)
-    h.model.set_eagle3_layers_to_capture([0, 2])  # the embedding and layer 2's input
+@pytest.mark.parametrize("key, kimi", [("fp32-tree", False), ("kimi-tree", True)])
+def test_eagle3_aux_hidden_states(sglang_loaded, key, kimi):
+    h = harness(key, dtype=torch.float32, tokens=4, topk=2, **({"kimi": True} if kimi else {}))
+    # the embedding and layer 2's input (a Kimi-K2.5 wrapper hands the request to its language model)
+    h.model.set_eagle3_layers_to_capture([0, 2])
     try:
-        ref, out, stats = compare(h, h.verify_batch(PREFIX, TREES, seed=5))
+        _, out, _ = compare(h, h.verify_batch(PREFIX, TREES, seed=5))
         assert out.hidden_states.shape == (8, 2 * h.cfg["hidden_size"])
     finally:
-        h.model.capture_aux_hidden_states = False
-        h.model.model.layers_to_capture = []
+        h.lm.capture_aux_hidden_states = False
+        h.lm.model.layers_to_capture = []
 
 
 def test_extend_stays_sglangs(sglang_loaded):
@@ -280,17 +282,6 @@ def test_kimi_tree_verify_fp32_matches_sglang(sglang_loaded):
     assert w["qkv_a"].data_ptr() == h.lm.model.layers[1].self_attn.fused_qkv_a_proj_with_mqa.weight.data_ptr()
     ref, out, _ = compare(h, h.verify_batch(PREFIX, TREES))
     assert type(out) is type(ref) and out.hidden_states is not None  # what the wrapper's forward returns
-
-
-def test_kimi_eagle3_aux_hidden_states(sglang_loaded):
-    h = harness("kimi-tree", dtype=torch.float32, tokens=4, topk=2, kimi=True)
-    h.model.set_eagle3_layers_to_capture([0, 2])  # the wrapper hands it to its language model
-    try:
-        _, out, _ = compare(h, h.verify_batch(PREFIX, TREES, seed=5))
-        assert out.hidden_states.shape == (8, 2 * h.cfg["hidden_size"])
-    finally:
-        h.lm.capture_aux_hidden_states = False
-        h.lm.model.layers_to_capture = []
 
 
 def test_kimi_multimodal_batch_stays_sglangs(sglang_loaded):

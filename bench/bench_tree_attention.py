@@ -4,8 +4,9 @@ Providers: ``reference`` (torch, small shapes only), ``triton`` (specverify), ``
 extend-attention kernel with a custom mask, through ``bench/sglang_peer.py`` when that module and SGLang import:
 it must offer ``tree_attention(q, k_cache, v_cache, *, page_table, prefix_lens, tree_mask, sm_scale)`` and/or
 ``tree_attention_mla(q_latent, q_rope, kv_cache, ...)`` with our semantics, or ``prepare_tree_attention(kind,
-**same)`` returning a zero-argument callable so set-up stays out of the timing), ``flashinfer`` (its paged prefill
-wrapper with a dense custom mask, GQA only, when importable).
+**same)`` returning a zero-argument callable so set-up stays out of the timing), ``flashinfer`` (when importable:
+MLA chains and decode through ``BatchMLAPagedAttentionWrapper`` planned as SGLang's flashinfer MLA backend plans it,
+GQA through its paged prefill wrapper with a dense custom mask).
 
 Shapes: Kimi-K2 per rank (MLA, 8 heads, 512 + 64), DeepSeek-V3 per rank (MLA, 16 heads), Llama-3.1-8B (GQA 32/8,
 d 128), a GQA 8:1 case (8/1, d 128); batch 1, 8, 64; context 1k, 4k, 32k; k = 1, 2, 4, 8, 16 as chains, and
@@ -42,6 +43,8 @@ PAGE_SIZE = 64
 QUICK_SHAPES = [
     ("kimi-k2", 1, 4096, 4, True),
     ("kimi-k2", 1, 4096, 1, False),
+    ("kimi-k2", 1, 4096, 4, False),  # chains: what FlashInfer's MLA wrapper (SGLang's flashinfer backend) serves
+    ("kimi-k2", 64, 4096, 4, False),
     ("kimi-k2", 64, 4096, 4, True),
     ("kimi-k2", 8, 32768, 4, True),
     ("deepseek-v3", 8, 4096, 8, True),
@@ -155,9 +158,16 @@ def sglang_fn(peer, cfg, tensors, meta):
 
 
 def flashinfer_fn(fi, cfg, tensors, meta, batch, k, ctx):
-    """FlashInfer paged prefill with a dense custom mask [k, ctx] per request (GQA only)."""
-    if cfg["kind"] != "gqa":
-        return None, "flashinfer: MLA with a tree mask is not offered"
+    """FlashInfer: MLA chains and decode through ``BatchMLAPagedAttentionWrapper`` as SGLang's flashinfer MLA
+    backend plans it (:mod:`specverify.peers.flashinfer`; it takes no tree mask), GQA through its paged prefill
+    with a dense custom mask [k, ctx] per request."""
+    if cfg["kind"] == "mla":
+        if meta["tree_mask"] is not None:
+            return None, "flashinfer: its MLA wrapper takes no tree mask (chains only)"
+        from specverify.peers.flashinfer import prepare_mla_attention
+
+        fn = prepare_mla_attention(*_positional(cfg, tensors), **meta, module=fi)
+        return fn, f"BatchMLAPagedAttentionWrapper backend {fn.backend}"
     from specverify.reference.attention import _visible
 
     table = meta["page_table"]
@@ -173,7 +183,7 @@ def flashinfer_fn(fi, cfg, tensors, meta, batch, k, ctx):
                  kv_data_type=torch.bfloat16)
     q = tensors["q"].reshape(batch * k, cfg["hq"], cfg["d"])
     kv = (tensors["k_cache"], tensors["v_cache"])
-    return (lambda: wrapper.run(q, kv).view(batch, k, cfg["hq"], cfg["d"])), ""
+    return (lambda: wrapper.run(q, kv).view(batch, k, cfg["hq"], cfg["d"])), "paged prefill, custom mask"
 
 
 def max_err(a, b) -> float:
@@ -233,11 +243,12 @@ def main(argv=None) -> int:
                     print(f"# sglang skipped for {model}: {why}")
             except Exception as exc:
                 print(f"# sglang failed on {model} b{batch} ctx{ctx} k{k}: {exc.__class__.__name__}: {exc}")
-        if fi is not None and cfg["kind"] == "gqa":
+        if fi is not None:
             try:
-                ff, _ = flashinfer_fn(fi, cfg, tensors, meta, batch, k, ctx)
-                err = max_err(ff(), got)
-                providers.append(("flashinfer", ff, f"max|diff| vs triton {err:.3g}"))
+                ff, fnote = flashinfer_fn(fi, cfg, tensors, meta, batch, k, ctx)
+                if ff is not None:
+                    err = max_err(ff(), got)
+                    providers.append(("flashinfer", ff, f"max|diff| vs triton {err:.3g}; {fnote}"))
             except Exception as exc:
                 print(f"# flashinfer failed on {model} b{batch} ctx{ctx} k{k}: {exc.__class__.__name__}: {exc}")
         if args.sweep and (model, batch, ctx, k, tree) in QUICK_SHAPES:

@@ -1,7 +1,7 @@
 """Skinny GEMM for the verify pass's projections (``x @ w.T`` at M <= 16 rows): see :mod:`specverify.kernels.gemv`.
 
-A candidate against cuBLAS, timed by ``bench/bench_gemv.py``; the verify forward still runs ``torch.matmul``.
-Graph capturable after one eager call per (device, N) (which allocates the workspace and the self-resetting
+Timed against cuBLAS by ``bench/bench_gemv.py``; the verify forward calls :func:`linear`, which runs it only at
+the shapes where it measured faster (bench/RESULTS.md, "Projections"). Graph capturable after one eager call per (device, N) (which allocates the workspace and the self-resetting
 tickets); ``impl="reference"`` runs :func:`specverify.reference.gemv.gemv_reference`; ``auto`` uses Triton on
 CUDA tensors (or under ``TRITON_INTERPRET=1``).
 """
@@ -37,6 +37,33 @@ def _buffers(device, n, split):
                torch.zeros(-(-n // BLOCK_N), dtype=torch.int32, device=device))
         _BUFFERS[key] = buf
     return buf
+
+
+#: Where :func:`gemv` beat cuBLAS on the H200 (bench_gemv, 2026-12-02): M <= 8 rows, N >= 2048 outputs and K >= 7168
+#: (Kimi-K2 / DeepSeek-V3 qkv_a 7168 -> 2112: 0.85-0.88x cuBLAS's time; LM head 7168 -> 20480: 0.88-0.90x).
+#: It lost at small N (router 7168 -> 384 / 256: 2.2-2.5x), small K (o_proj 1024 / 2048 -> 7168: 1.2-1.4x) and
+#: q_b 1536 -> 1536 / 3072 (0.96-1.2x): cuBLAS keeps those.
+LINEAR_MAX_M, LINEAR_MIN_N, LINEAR_MIN_K = 8, 2048, 7168
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` for the verify pass's projections: :func:`gemv` where it measured faster than cuBLAS
+    (:data:`LINEAR_MAX_M` rows or fewer, ``N >= LINEAR_MIN_N``, ``K >= LINEAR_MIN_K``, bf16 / fp16 with unit stride
+    on K, on CUDA or under the interpreter), ``torch.matmul`` otherwise.
+
+    x [..., K]; w [N, K]. Returns [..., N] in x's dtype. Graph capturable after one eager call per (device, N)
+    (see :func:`gemv`); no validation beyond the shape rule (the verify forward's own tensors).
+    """
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    n = w.shape[0]
+    if (1 <= m <= LINEAR_MAX_M and n >= LINEAR_MIN_N and k >= LINEAR_MIN_K and x.dtype in _FLOAT
+            and w.dtype == x.dtype and w.dim() == 2 and w.shape[1] == k and w.stride(1) == 1
+            and _use_triton("auto", x, w)):
+        flat = x.reshape(m, k)
+        if flat.stride(1) == 1:
+            return gemv(flat, w).view(*x.shape[:-1], n)
+    return x @ w.t()
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None = None, impl: str = "auto") -> torch.Tensor:

@@ -932,13 +932,14 @@ def register_cli(bench_sub) -> None:
     p.add_argument("--distinct-layers", type=int, default=None,
                    help="weight sets cycled over the layers (default: as many as fit in 45%% of free memory)")
     p.add_argument("--impl", default="reference,specverify,sglang",
-                   help="comma-separated providers: reference, specverify, sglang, sglang-step (default: the first "
-                        "three; sglang is skipped with its reason when SGLang's kernels cannot be imported, and "
-                        "when a piece SGLang runs for the pass (its decode or extend attention, router, alignment, "
+                   help="comma-separated providers: reference, specverify, sglang, sglang-flashinfer, sglang-step "
+                        "(default: the first three; sglang is skipped with its reason when SGLang's kernels cannot "
+                        "be imported, and when a piece SGLang runs for the pass (its decode or extend attention, router, alignment, "
                         "fused MoE) cannot be had: the table then notes \"sglang: not SGLang's whole pass (<piece>: "
                         "<why>); no total\" instead of timing a mix; pieces ours by design (acceptance, KV "
-                        "compaction, small ops) are named in the sglang note; "
-                        "sglang-step is specverify's forward fed as SGLang's whole-step plugin feeds it: CSR "
+                        "compaction, small ops) are named in the sglang note; sglang-flashinfer is the same pass "
+                        "with SGLang's flashinfer MLA attention backend (FlashInfer's MLA wrapper; chains and "
+                        "decode, MLA models; needs flashinfer importable); sglang-step is specverify's forward fed as SGLang's whole-step plugin feeds it: CSR "
                         "token-slot metadata and tree links adapted every pass, MLA models only)")
     p.add_argument("--graph", choices=["on", "off"], default="on",
                    help="time CUDA-graph replay (on) or eager launches (default: on)")

@@ -35,6 +35,36 @@ def test_gemv_splits_k_where_the_row_tiles_are_few(device, monkeypatch):
     torch.testing.assert_close(gemv(x, w, impl="triton"), gemv_reference(x, w), rtol=1e-2, atol=1e-2 * 32)
 
 
+def test_linear_takes_the_gemv_only_where_it_measured_faster(device, monkeypatch):
+    """The verify forward's projection: our kernel at M <= 8 with N >= 2048 and K >= 7168 (qkv_a, the LM head), cuBLAS
+    elsewhere; both give x @ w.T. The thresholds are lowered here so the interpreter runs the kernel at small sizes."""
+    calls = []
+    real = gemv_mod.gemv
+    monkeypatch.setattr(gemv_mod, "gemv", lambda x, w, **kw: (calls.append((x.shape[0], w.shape[0])), real(x, w))[1])
+    monkeypatch.setattr(gemv_mod, "LINEAR_MIN_N", 96)
+    monkeypatch.setattr(gemv_mod, "LINEAR_MIN_K", 256)
+    g = torch.Generator().manual_seed(9)
+    dtype = torch.bfloat16
+    w = torch.randn(96, 256, generator=g).to(dtype).to(device)
+    eps = torch.finfo(dtype).eps
+    for shape, taken in (((2, 3, 256), True),  # M = 6 rows over two leading dims
+                         ((1, 8, 256), True),
+                         ((3, 3, 256), False),  # M = 9 > 8: cuBLAS
+                         ((4, 256), True)):
+        x = torch.randn(*shape, generator=g).to(dtype).to(device)
+        before = len(calls)
+        got = gemv_mod.linear(x, w)
+        assert (len(calls) > before) == taken, shape
+        assert got.shape == (*shape[:-1], 96)
+        want = (x.float() @ w.float().t()).to(dtype)
+        torch.testing.assert_close(got, want, rtol=2 * eps, atol=2 * eps * float(want.abs().max()) + 1e-5 * 16)
+    before = len(calls)
+    gemv_mod.linear(torch.randn(2, 256, generator=g).to(dtype).to(device), w[:64])  # N = 64 < 96
+    gemv_mod.linear(torch.randn(2, 128, generator=g).to(dtype).to(device), w[:, :128])  # K = 128 < 256
+    gemv_mod.linear(torch.randn(2, 256, generator=g).double().to(device), w.double())  # fp64: cuBLAS / torch
+    assert len(calls) == before
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(x=torch.zeros(17, 8, dtype=torch.bfloat16)), "1..16 rows"),
     (dict(w=torch.zeros(4, 9, dtype=torch.bfloat16)), r"\[N, K = 8\]"),

@@ -293,7 +293,7 @@ class VerifyModel:
         s, c, ops = self.shapes, self.config, self.ops
         b, k, _ = x.shape
         heads = s.num_heads
-        qkv = x @ w["qkv_a"].t()  # [b, k, q_lora + kv_lora + rope]: q_a and kv_a in one GEMM
+        qkv = ops.linear(x, w["qkv_a"])  # [b, k, q_lora + kv_lora + rope]: q_a and kv_a in one GEMM
         q = ops.rmsnorm(qkv[..., : c.q_lora_rank], w["q_a_norm"], c.rms_norm_eps)
         q = torch.einsum("bkr,hdr->bkhd", q, w["q_b"]).contiguous()  # [b, k, heads, nope + rope]
         kv = qkv[..., c.q_lora_rank:]  # [b, k, kv_lora + rope]
@@ -384,7 +384,7 @@ class VerifyModel:
             with self.section("allreduce"):
                 h, residual = ops.add_rmsnorm(self.allreduce(m), residual, nxt, eps)
         with self.section("lm_head"):
-            logits = h @ self.lm_head.t()
+            logits = self.ops.linear(h, self.lm_head)
             logits = logits if logits.dtype == torch.float64 else logits.float()
             logits = self._gather_vocab(logits)
         return logits, h, aux

@@ -52,7 +52,7 @@ from specverify.reference.kv import compact_kv_reference, write_draft_kv
 from specverify.reference.moe import fused_moe_reference, route_reference
 
 #: Provider names, in the order ``verify-wall`` runs them by default.
-PROVIDERS = ("reference", "specverify", "sglang")
+PROVIDERS = ("reference", "specverify", "sglang", "sglang-flashinfer")
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -63,6 +63,10 @@ def _torch_dtype(t: torch.Tensor):
     """Attention accumulation of the torch path: fp32 on a GPU (what a plain torch verify pass computes in, the
     timing baseline), the batch-invariant fp64 definition elsewhere (CPU exactness tests)."""
     return torch.float32 if t.device.type == "cuda" else None
+
+
+def _matmul(x, w):
+    return x @ w.t()
 
 
 def _torch_attention_mla(q_latent, q_rope, kv_cache, page_table, prefix_lens, tree_mask, sm_scale, **kw):
@@ -95,6 +99,7 @@ class Ops:
     experts_with_shared: Callable = None  # (hidden, w13_all, w2_all, ids, weights): expert E is the shared one
     mla_absorb_q: Callable = mla_absorb_q_reference  # (q, w_uk, nope) -> q_latent [b, k, h, R]
     mla_up_v: Callable = mla_up_v_reference  # (o_latent, w_uv) -> [b, k, h * V]
+    linear: Callable = None  # (x [..., K], w [N, K]) -> x @ w.T: the projections that may leave cuBLAS
     pieces: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -104,6 +109,8 @@ class Ops:
             self.mla_prep = mla_kv_prep_reference
         if self.gqa_prep is None:
             self.gqa_prep = gqa_prep_reference
+        if self.linear is None:
+            self.linear = _matmul
         for name in ("attention", "moe_route", "experts", "acceptance", "kv_compaction", "allreduce",
                      "small_ops"):
             self.pieces.setdefault(name, "reference")
@@ -237,6 +244,12 @@ def specverify_ops(model):
         ops.pieces["small_ops"] = "triton"
     else:
         missing.append(why)
+    fns, why = _try("specverify.gemv", "linear")
+    if fns:
+        ops.linear = fns[0]
+        ops.pieces["projections"] = "triton gemv where faster, else cuBLAS"
+    else:
+        missing.append(why)
     note = ("reference used for: " + "; ".join(missing)) if missing else ""
     return ops, note
 
@@ -245,7 +258,7 @@ def specverify_ops(model):
 # sglang
 
 
-def sglang_ops(model):
+def sglang_ops(model, attention: str = "triton"):
     """An :class:`Ops` table running what SGLang runs for each mode (see :mod:`specverify.peers.sglang`).
 
     Parameters
@@ -253,6 +266,10 @@ def sglang_ops(model):
     model : specverify.forward.model.VerifyModel
         Read for its config (whether it has routed experts: then SGLang's router, alignment and fused MoE are
         pieces of its pass).
+    attention : {"triton", "flashinfer"}
+        SGLang's attention backend: ``triton`` (its default on sm_120, and the kernels below) or ``flashinfer``
+        (its ``flashinfer`` MLA backend, an sm_90 choice: FlashInfer's ``BatchMLAPagedAttentionWrapper`` for
+        decode and chain verify, see :mod:`specverify.peers.flashinfer`; MLA models only, trees refused).
 
     Returns
     -------
@@ -276,23 +293,29 @@ def sglang_ops(model):
     ok, why = sglang_peer.available()
     if not ok:
         raise RuntimeError(why)
+    if attention not in ("triton", "flashinfer"):
+        raise ValueError(f"sglang_ops: attention must be 'triton' or 'flashinfer', got {attention!r}")
     mods, why = sglang_peer.pieces()
     ops = Ops()
     used, ref, subs, missing = [], [], [], []
-    attn = sglang_peer.VerifyAttention()
-    ops.attention_mla, ops.attention_gqa = attn.mla, attn.gqa
-    ops.pieces["attention"] = "sglang"
-    used.append("attention: decode_attention_fwd at k = 1 (split-KV decode; kv indices and num_kv_splits from "
-                "get_num_kv_splits_triton refreshed once per forward, persistent attn_logits / attn_lse) and "
-                "extend_attention_fwd for k > 1 (TARGET_VERIFY with the full [k, prefix + k] custom mask, chains "
-                "included; once per forward the whole mask buffer is memset and the draft cells rewritten, as "
-                "build_tree_kernel_efficient does every step)")
-    subs.append("attention inputs: draft K/V rows gathered from the cache per layer (SGLang passes the projected "
-                "K/V); the mask's draft cells written by a torch scatter (SGLang: its build-tree kernel); the mask "
-                "buffer spans this batch and page table, SGLang's its captured batch and the model's context")
-    if mods.get("decode") is None:
-        missing.append(f"decode attention (k = 1): {why.get('decode')}")
     cfg = model.config
+    if attention == "flashinfer":
+        _flashinfer_attention(ops, cfg, used, subs, missing)
+    else:
+        attn = sglang_peer.VerifyAttention()
+        ops.attention_mla, ops.attention_gqa = attn.mla, attn.gqa
+        ops.pieces["attention"] = "sglang"
+        used.append("attention: decode_attention_fwd at k = 1 (split-KV decode; kv indices and num_kv_splits from "
+                    "get_num_kv_splits_triton refreshed once per forward, persistent attn_logits / attn_lse) and "
+                    "extend_attention_fwd for k > 1 (TARGET_VERIFY with the full [k, prefix + k] custom mask, chains "
+                    "included; once per forward the whole mask buffer is memset and the draft cells rewritten, as "
+                    "build_tree_kernel_efficient does every step)")
+        subs.append("attention inputs: draft K/V rows gathered from the cache per layer (SGLang passes the "
+                    "projected K/V); the mask's draft cells written by a torch scatter (SGLang: its build-tree "
+                    "kernel); the mask buffer spans this batch and page table, SGLang's its captured batch and the "
+                    "model's context")
+        if mods.get("decode") is None:
+            missing.append(f"decode attention (k = 1): {why.get('decode')}")
     moe = bool(getattr(cfg, "n_routed_experts", 0))
     if mods.get("router") is not None:
         def route(logits, p):
@@ -336,6 +359,29 @@ def sglang_ops(model):
     return ops, note
 
 
+def _flashinfer_attention(ops, cfg, used, subs, missing):
+    """Fill ``ops``' attention with SGLang's ``flashinfer`` MLA backend (FlashInfer's MLA wrapper), or name what
+    is missing."""
+    from specverify.peers import flashinfer as fi_peer  # noqa: PLC0415 - FlashInfer is optional
+
+    if cfg.attention != "mla":
+        missing.append(f"attention: SGLang's flashinfer backend for {cfg.attention} models (FlashInfer's paged "
+                       "prefill with a custom mask) is not wired into this provider")
+        return
+    ok, version = fi_peer.available()
+    if not ok:
+        missing.append(f"attention (FlashInfer's MLA wrapper): {version}")
+        return
+    attn = fi_peer.MLAChainAttention()
+    ops.attention_mla = attn.mla
+    ops.pieces["attention"] = f"flashinfer {version}"
+    used.append(f"attention: flashinfer {version} BatchMLAPagedAttentionWrapper (backend auto), planned as SGLang's "
+                "flashinfer MLA backend plans it: page size 1 token slots, kv_len = prefix + k, causal for k > 1, "
+                "decode planning at k = 1; chains only (trees refused, as that backend refuses topk > 1)")
+    subs.append("FlashInfer plan: made at the first layer of each eager forward and replayed by the graph (SGLang "
+                "re-plans on the host before every replay, CPU time outside the GPU pass)")
+
+
 # ------------------------------------------------------------------------------------------------------------
 # by name
 
@@ -349,4 +395,6 @@ def provider_ops(provider: str, model):
         return specverify_ops(model)
     if provider == "sglang":
         return sglang_ops(model)
-    raise RuntimeError(f"unknown provider {provider!r}; expected reference, specverify or sglang")
+    if provider == "sglang-flashinfer":
+        return sglang_ops(model, attention="flashinfer")
+    raise RuntimeError(f"unknown provider {provider!r}; expected one of {', '.join(PROVIDERS)}")

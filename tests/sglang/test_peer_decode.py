@@ -375,3 +375,39 @@ def test_sglang_ops_capture_and_replay_each_mode(name, k):
     assert (captured.float() - ref.float()).abs().max().item() <= 3e-2 * max(1.0, ref.abs().max().item())
     plans = list(ops.attention_mla.__self__.plans.values())
     assert len(plans) == 1 and (k == 1) == isinstance(plans[0], peer._DecodePlan)
+
+
+# ------------------------------------------------------------------------------------------------ flashinfer attention
+
+@interpreter
+def test_sglang_flashinfer_table_runs_flashinfer_for_chains(monkeypatch):
+    """``sglang-flashinfer``: SGLang's pass with FlashInfer's MLA wrapper as attention (a CPU stand-in computing
+    FlashInfer's semantics from the planned metadata); the forward matches the reference at k = 1 (decode planning)
+    and k = 4 (causal verify planning), trees are refused, GQA models are marked incomplete."""
+    _piece("experts")
+    import flashinfer_standin  # tests/ is on sys.path (its conftest.py)
+    from specverify.forward.model import VerifyModel
+    from specverify.forward.ops import Ops, provider_ops
+
+    monkeypatch.setitem(__import__("sys").modules, "flashinfer", flashinfer_standin.module())
+    flashinfer_standin.BatchMLAPagedAttentionWrapper.instances.clear()
+    gen = torch.Generator().manual_seed(23)
+    model = VerifyModel("tiny-mla-moe", dtype=torch.float16, num_layers=2)
+    ops, note = provider_ops("sglang-flashinfer", model)
+    assert "incomplete" not in ops.pieces and ops.pieces["attention"].startswith("flashinfer")
+    assert "BatchMLAPagedAttentionWrapper" in note and "moe_fused_gate" in note
+    for k in (1, 4):
+        caches, pt, pl, ids = _forward_inputs(model, gen, [9, 20], k)
+        pos = pl.long().unsqueeze(1) + torch.arange(k)
+        model.ops = Ops()
+        ref = model.forward(ids, pos, caches, pt, pl).double()
+        model.ops = ops
+        runs = sum(w.runs for w in flashinfer_standin.BatchMLAPagedAttentionWrapper.instances)
+        out = model.forward(ids, pos, caches, pt, pl).double()
+        assert sum(w.runs for w in flashinfer_standin.BatchMLAPagedAttentionWrapper.instances) - runs == 2
+        assert (out - ref).abs().max().item() <= 4e-3 * max(1.0, ref.abs().max().item()), k
+        with pytest.raises(ValueError, match="no tree mask"):
+            model.forward(ids, pos, caches, pt, pl, _TREE4)
+    gqa_ops, gqa_note = provider_ops("sglang-flashinfer", VerifyModel("tiny-gqa-moe", dtype=torch.float16,
+                                                                       num_layers=1))
+    assert "not wired" in gqa_ops.pieces["incomplete"] and "MISSING" in gqa_note

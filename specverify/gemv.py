@@ -1,9 +1,10 @@
 """Skinny GEMM for the verify pass's projections (``x @ w.T`` at M <= 16 rows): see :mod:`specverify.kernels.gemv`.
 
 Timed against cuBLAS by ``bench/bench_gemv.py``; the verify forward calls :func:`linear`, which runs it only at
-the shapes where it measured faster (bench/RESULTS.md, "Projections"). Graph capturable after one eager call per (device, N) (which allocates the workspace and the self-resetting
-tickets); ``impl="reference"`` runs :func:`specverify.reference.gemv.gemv_reference`; ``auto`` uses Triton on
-CUDA tensors (or under ``TRITON_INTERPRET=1``).
+the shapes where it measured faster (bench/RESULTS.md, "Projections"). Graph capturable after one eager call per
+(device, N) (which allocates the workspace and the self-resetting tickets); ``impl="reference"`` runs
+:func:`specverify.reference.gemv.gemv_reference`; ``auto`` uses Triton on CUDA tensors (or under
+``TRITON_INTERPRET=1``).
 """
 from __future__ import annotations
 
@@ -39,17 +40,22 @@ def _buffers(device, n, split):
     return buf
 
 
-#: Where :func:`gemv` beat cuBLAS on the H200 (bench_gemv, 2026-12-02): M <= 8 rows, N >= 2048 outputs and K >= 7168
-#: (Kimi-K2 / DeepSeek-V3 qkv_a 7168 -> 2112: 0.85-0.88x cuBLAS's time; LM head 7168 -> 20480: 0.88-0.90x).
-#: It lost at small N (router 7168 -> 384 / 256: 2.2-2.5x), small K (o_proj 1024 / 2048 -> 7168: 1.2-1.4x) and
-#: q_b 1536 -> 1536 / 3072 (0.96-1.2x): cuBLAS keeps those.
-LINEAR_MAX_M, LINEAR_MIN_N, LINEAR_MIN_K = 8, 2048, 7168
+#: Where :func:`gemv` beat cuBLAS on the H200 (bench_gemv, 2026-12-02), as (max M, N range, K range), bounds
+#: inclusive: M <= 8 rows, N >= 2048, K >= 7168 (Kimi-K2 / DeepSeek-V3 qkv_a 7168 -> 2112: 0.85-0.88x cuBLAS's time;
+#: LM head 7168 -> 20480: 0.88-0.90x). Everywhere else cuBLAS keeps the projection: it was faster at the router
+#: (7168 -> 384 / 256), o_proj (1024 / 2048 -> 7168) and q_b (1536 -> 1536 / 3072) when last measured.
+LINEAR_RULES = ((8, (2048, 1 << 30), (7168, 1 << 30)),)
+
+
+def gemv_is_faster(m: int, n: int, k: int) -> bool:
+    """Whether :data:`LINEAR_RULES` give this ``[m, k] @ [n, k].T`` projection to :func:`gemv`."""
+    return any(m <= mm and nlo <= n <= nhi and klo <= k <= khi for mm, (nlo, nhi), (klo, khi) in LINEAR_RULES)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` for the verify pass's projections: :func:`gemv` where it measured faster than cuBLAS
-    (:data:`LINEAR_MAX_M` rows or fewer, ``N >= LINEAR_MIN_N``, ``K >= LINEAR_MIN_K``, bf16 / fp16 with unit stride
-    on K, on CUDA or under the interpreter), ``torch.matmul`` otherwise.
+    (:func:`gemv_is_faster`; bf16 / fp16 with unit stride on K, on CUDA or under the interpreter), ``torch.matmul``
+    otherwise.
 
     x [..., K]; w [N, K]. Returns [..., N] in x's dtype. Graph capturable after one eager call per (device, N)
     (see :func:`gemv`); no validation beyond the shape rule (the verify forward's own tensors).
@@ -57,9 +63,8 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     k = x.shape[-1]
     m = x.numel() // k if k else 0
     n = w.shape[0]
-    if (1 <= m <= LINEAR_MAX_M and n >= LINEAR_MIN_N and k >= LINEAR_MIN_K and x.dtype in _FLOAT
-            and w.dtype == x.dtype and w.dim() == 2 and w.shape[1] == k and w.stride(1) == 1
-            and _use_triton("auto", x, w)):
+    if (m >= 1 and gemv_is_faster(m, n, k) and x.dtype in _FLOAT and w.dtype == x.dtype and w.dim() == 2
+            and w.shape[1] == k and w.stride(1) == 1 and _use_triton("auto", x, w)):
         flat = x.reshape(m, k)
         if flat.stride(1) == 1:
             return gemv(flat, w).view(*x.shape[:-1], n)
@@ -118,5 +123,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None = None, i
     grid = (-(-n // BLOCK_N), split)
     _gemv_splitk_kernel[grid](x, w, out, part, ticket, m, n, k, x.stride(0), w.stride(0), out.stride(0), per,
                               BLOCK_M=max(16, triton_next_pow2(m)), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=split,
+                              SPLIT_PAD=triton_next_pow2(split),
                               DOT_FP32=not x.is_cuda, num_warps=4, num_stages=3)
     return out

@@ -36,13 +36,12 @@ def test_gemv_splits_k_where_the_row_tiles_are_few(device, monkeypatch):
 
 
 def test_linear_takes_the_gemv_only_where_it_measured_faster(device, monkeypatch):
-    """The verify forward's projection: our kernel at M <= 8 with N >= 2048 and K >= 7168 (qkv_a, the LM head), cuBLAS
-    elsewhere; both give x @ w.T. The thresholds are lowered here so the interpreter runs the kernel at small sizes."""
+    """The verify forward's projection: our kernel where LINEAR_RULES say it measured faster, cuBLAS elsewhere; both
+    give x @ w.T. The rule is lowered here so the interpreter runs the kernel at small sizes."""
     calls = []
     real = gemv_mod.gemv
     monkeypatch.setattr(gemv_mod, "gemv", lambda x, w, **kw: (calls.append((x.shape[0], w.shape[0])), real(x, w))[1])
-    monkeypatch.setattr(gemv_mod, "LINEAR_MIN_N", 96)
-    monkeypatch.setattr(gemv_mod, "LINEAR_MIN_K", 256)
+    monkeypatch.setattr(gemv_mod, "LINEAR_RULES", ((8, (96, 1 << 30), (256, 1 << 30)),))
     g = torch.Generator().manual_seed(9)
     dtype = torch.bfloat16
     w = torch.randn(96, 256, generator=g).to(dtype).to(device)
@@ -63,6 +62,9 @@ def test_linear_takes_the_gemv_only_where_it_measured_faster(device, monkeypatch
     gemv_mod.linear(torch.randn(2, 128, generator=g).to(dtype).to(device), w[:, :128])  # K = 128 < 256
     gemv_mod.linear(torch.randn(2, 256, generator=g).double().to(device), w.double())  # fp64: cuBLAS / torch
     assert len(calls) == before
+    monkeypatch.undo()
+    assert gemv_mod.gemv_is_faster(1, 2112, 7168) and gemv_mod.gemv_is_faster(8, 20480, 7168)  # qkv_a, LM head
+    assert not gemv_mod.gemv_is_faster(9, 2112, 7168) and not gemv_mod.gemv_is_faster(1, 7168, 1024)  # M, o_proj
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -295,7 +295,8 @@ class VerifyModel:
         heads = s.num_heads
         qkv = ops.linear(x, w["qkv_a"])  # [b, k, q_lora + kv_lora + rope]: q_a and kv_a in one GEMM
         q = ops.rmsnorm(qkv[..., : c.q_lora_rank], w["q_a_norm"], c.rms_norm_eps)
-        q = torch.einsum("bkr,hdr->bkhd", q, w["q_b"]).contiguous()  # [b, k, heads, nope + rope]
+        q_b = w["q_b"]  # [heads, nope + rope, q_lora]
+        q = ops.linear(q, q_b.reshape(-1, q_b.shape[-1])).view(b, k, heads, q_b.shape[1])  # [b, k, heads, nope + rope]
         kv = qkv[..., c.q_lora_rank:]  # [b, k, kv_lora + rope]
         # latent norm, rope of key and query rope part, KV written into the cache
         ops.mla_prep(q, kv, positions, w["kv_a_norm"], cache[0], page_table, prefix_lens, c.rms_norm_eps,
@@ -304,7 +305,7 @@ class VerifyModel:
         q_pe = q[..., c.qk_nope_head_dim:]  # a view: the attention kernels take strided queries
         sm_scale = 1.0 / math.sqrt(c.qk_nope_head_dim + c.qk_rope_head_dim)
         o_latent = ops.attention_mla(q_latent, q_pe, cache[0], page_table, prefix_lens, tree_mask, sm_scale)
-        return ops.mla_up_v(o_latent, w["w_uv"]) @ w["o"].t()
+        return ops.linear(ops.mla_up_v(o_latent, w["w_uv"]), w["o"])
 
     def _gqa(self, w, x, positions, cache, page_table, prefix_lens, tree_mask):
         s, c, ops = self.shapes, self.config, self.ops
@@ -336,7 +337,7 @@ class VerifyModel:
             with self.section("dense_mlp"):
                 return (ops.silu_mul(flat @ w["gate_up"].t()) @ w["down"].t()).view_as(h)
         with self.section("moe_route"):
-            logits = flat @ w["router"].t()
+            logits = ops.linear(flat, w["router"])
             ids, weights = ops.route(logits, w["route"])
         if "w13_all" in w and ops.experts_with_shared is not None:
             with self.section("experts"):  # routed experts and the shared expert in one expert pass

@@ -7,8 +7,8 @@ weight rows x 16 token columns a tile, the tokens zero-padded), so a tile is one
 grid covers every SM about twice (N of 384-7168 gives only 6-112 row tiles)::
 
     program (n, s):  P[s, :, n0:n0+BLOCK_N] = sum over k in slice s of  X[:, k] * W[n0 + j, k]      fp32
-    last program of row tile n (a self-resetting ticket per tile):  Y[m, n0:n0+BLOCK_N] = sum_s P[s, m]  (x's dtype),
-        one [SPLIT_PAD, BLOCK_N] load and tree sum per token row m
+    last program of row tile n (a self-resetting ticket per tile):  Y[m, n0:n0+BLOCK_N] = sum_s P[s, m]  (x's dtype):
+        at M = 1 one [SPLIT_PAD, BLOCK_N] load and tree sum (WIDE_REDUCE), else split by split
 
 One launch: the partials go to an fp32 workspace [SPLIT_K, BLOCK_M, N] and the tile's last program (its ticket,
 acquire-release) reduces them and resets the ticket, so the launch is graph-replayable with no memset.
@@ -23,7 +23,8 @@ import triton.language as tl
 @triton.jit
 def _gemv_splitk_kernel(X, W, Y, P, TICKET, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        SPLIT_K: tl.constexpr, SPLIT_PAD: tl.constexpr, DOT_FP32: tl.constexpr):
+                        SPLIT_K: tl.constexpr, SPLIT_PAD: tl.constexpr, WIDE_REDUCE: tl.constexpr,
+                        DOT_FP32: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -51,12 +52,19 @@ def _gemv_splitk_kernel(X, W, Y, P, TICKET, M, N, K, stride_xm, stride_wn, strid
         tl.debug_barrier()  # this program's partial precedes its ticket
         ticket = tl.atomic_add(TICKET + pid_n, 1, sem="acq_rel")
         if ticket == SPLIT_K - 1:
-            # one wide load of every split's partial per token row (not SPLIT_K dependent loads in a row: at the
-            # router's 56 splits those serial L2 round trips cost more than the weight stream itself)
-            rs = tl.arange(0, SPLIT_PAD)
-            smask = rs < SPLIT_K
-            for m in range(0, M):
-                part = tl.load(P + (rs[:, None] * BLOCK_M + m) * N + rn[None, :], mask=smask[:, None] & nmask[None, :],
-                               other=0.0)
-                tl.store(Y + m * stride_ym + rn, tl.sum(part, axis=0).to(Y.dtype.element_ty), mask=nmask)
+            if WIDE_REDUCE:
+                # one wide load of every split's partial per token row; at one token this beats the split-by-split
+                # loop below (router 7168 -> 384 on the H200: 5.9 against 16.1 us), at 4-8 tokens the row loop
+                # loses to it (qkv_a at 8 tokens 15.0 against 11.4 us), so the launcher sets it for M = 1 only
+                rs = tl.arange(0, SPLIT_PAD)
+                smask = rs < SPLIT_K
+                for m in range(0, M):
+                    part = tl.load(P + (rs[:, None] * BLOCK_M + m) * N + rn[None, :],
+                                   mask=smask[:, None] & nmask[None, :], other=0.0)
+                    tl.store(Y + m * stride_ym + rn, tl.sum(part, axis=0).to(Y.dtype.element_ty), mask=nmask)
+            else:
+                total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                for s in range(0, SPLIT_K):
+                    total += tl.load(P + (s * BLOCK_M + rm[None, :]) * N + rn[:, None], mask=out_mask, other=0.0)
+                tl.store(Y + rm[None, :] * stride_ym + rn[:, None], total.to(Y.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(TICKET + pid_n, 0)

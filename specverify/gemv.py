@@ -41,10 +41,16 @@ def _buffers(device, n, split):
 
 
 #: Where :func:`gemv` beat cuBLAS on the H200 (bench_gemv, 2026-12-02), as (max M, N range, K range), bounds
-#: inclusive: M <= 8 rows, N >= 2048, K >= 7168 (Kimi-K2 / DeepSeek-V3 qkv_a 7168 -> 2112: 0.85-0.88x cuBLAS's time;
-#: LM head 7168 -> 20480: 0.88-0.90x). Everywhere else cuBLAS keeps the projection: it was faster at the router
-#: (7168 -> 384 / 256), o_proj (1024 / 2048 -> 7168) and q_b (1536 -> 1536 / 3072) when last measured.
-LINEAR_RULES = ((8, (2048, 1 << 30), (7168, 1 << 30)),)
+#: inclusive; cuBLAS keeps every other projection:
+#:
+#: * M <= 8, N >= 2048, K >= 7168: qkv_a 7168 -> 2112 (0.84-0.88x cuBLAS's time) and the LM head 7168 -> 20480
+#:   (0.88-0.90x);
+#: * M = 1, N <= 512, K >= 7168: the router 7168 -> 384 / 256 (0.80 / 0.73x; at 4-8 tokens 1.1-1.6x);
+#: * M = 1, N <= 1536, K <= 1536: Kimi-K2's q_b 1536 -> 1536 (0.85x; DeepSeek-V3's 1536 -> 3072 is 1.17x).
+#:
+#: o_proj (1024 / 2048 -> 7168) lost at every M (1.18-1.81x).
+_INF = 1 << 62
+LINEAR_RULES = ((8, (2048, _INF), (7168, _INF)), (1, (1, 512), (7168, _INF)), (1, (1, 1536), (1, 1536)))
 
 
 def gemv_is_faster(m: int, n: int, k: int) -> bool:
@@ -123,6 +129,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None = None, i
     grid = (-(-n // BLOCK_N), split)
     _gemv_splitk_kernel[grid](x, w, out, part, ticket, m, n, k, x.stride(0), w.stride(0), out.stride(0), per,
                               BLOCK_M=max(16, triton_next_pow2(m)), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=split,
-                              SPLIT_PAD=triton_next_pow2(split),
+                              SPLIT_PAD=triton_next_pow2(split), WIDE_REDUCE=m == 1,
                               DOT_FP32=not x.is_cuda, num_warps=4, num_stages=3)
     return out

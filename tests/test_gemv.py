@@ -24,15 +24,17 @@ def test_gemv_matches_reference(device, m, n, k):
         out.fill_(float("nan"))
 
 
-def test_gemv_splits_k_where_the_row_tiles_are_few(device, monkeypatch):
+@pytest.mark.parametrize("m", [1, 2])  # one token takes the wide final reduce, more tokens the split-by-split one
+def test_gemv_splits_k_where_the_row_tiles_are_few(device, monkeypatch, m):
     monkeypatch.setattr(gemv_mod, "sm_count", lambda device_type, index: 4)
     split, per = gemv_split(384, 7168, 132)
     assert split * -(-384 // 64) >= 2 * 132 and per % 128 == 0 and (split - 1) * per < 7168
     assert gemv_split(7168, 1024, 132)[0] * 112 >= 264
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(2, 1024, generator=g).to(torch.bfloat16).to(device)
-    w = torch.randn(64, 1024, generator=g).to(torch.bfloat16).to(device)  # one row tile, 8 splits (4 "SMs")
-    torch.testing.assert_close(gemv(x, w, impl="triton"), gemv_reference(x, w), rtol=1e-2, atol=1e-2 * 32)
+    x = torch.randn(m, 1024, generator=g).to(torch.bfloat16).to(device)
+    w = torch.randn(70, 1024, generator=g).to(torch.bfloat16).to(device)  # two row tiles (one partial), 4 splits
+    out = torch.full((m, 70), float("nan"), dtype=torch.bfloat16, device=device)
+    torch.testing.assert_close(gemv(x, w, out=out, impl="triton"), gemv_reference(x, w), rtol=1e-2, atol=1e-2 * 32)
 
 
 def test_linear_takes_the_gemv_only_where_it_measured_faster(device, monkeypatch):
@@ -65,6 +67,8 @@ def test_linear_takes_the_gemv_only_where_it_measured_faster(device, monkeypatch
     monkeypatch.undo()
     assert gemv_mod.gemv_is_faster(1, 2112, 7168) and gemv_mod.gemv_is_faster(8, 20480, 7168)  # qkv_a, LM head
     assert not gemv_mod.gemv_is_faster(9, 2112, 7168) and not gemv_mod.gemv_is_faster(1, 7168, 1024)  # M, o_proj
+    assert gemv_mod.gemv_is_faster(1, 384, 7168) and not gemv_mod.gemv_is_faster(2, 384, 7168)  # the router
+    assert gemv_mod.gemv_is_faster(1, 1536, 1536) and not gemv_mod.gemv_is_faster(1, 3072, 1536)  # q_b
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -7,6 +7,9 @@
 # (bench/<name>.py with $ARGS_<name>), cmd-<name> (bash -c "$CMD_<name>", for arguments with spaces), sweep-<group>[+<group>...], wall-<name> ($WALL_ARGS_<name>, else $WALL_ARGS), sglwall-<name> (the same with SGLang's import-only stand-ins installed
 # first: torchvision, IPython; for --impl ...,sglang with .whl/ carried), peer, sglang-tests,
 # pack (tar everything under $OUT into results.tgz: the device tool brings back at most 8 files)
+# Peer wheels: .whl/ is read in the folder this runs from (`cd .export && ...`: carry .export/.whl). The SGLang set
+# and the FlashInfer set (../shared/tools/gpu-wheels.sh [--flashinfer]) go in two calls back to back: both stay
+# installed in /tmp/peersite while the machine is warm, so the second call's steps see both.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

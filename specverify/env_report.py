@@ -7,6 +7,7 @@ Cheap to import: torch, Triton and the kernels are imported only inside :func:`c
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import platform
 
 
@@ -71,6 +72,8 @@ def collect_env() -> dict:
         backends["sglang peer kernels"] = True
     except Exception:
         backends["sglang peer kernels"] = False
+    # found, not imported (FlashInfer imports slowly and JIT-compiles at first use): verify-wall's sglang-flashinfer
+    backends["flashinfer MLA peer (installed)"] = importlib.util.find_spec("flashinfer") is not None
     info["backends"] = backends
     info["kernels"] = kernel_choices()
     info["cache_dir"] = str(envvars.cache_dir())

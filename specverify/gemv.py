@@ -43,14 +43,15 @@ def _buffers(device, n, split):
 #: Where :func:`gemv` beat cuBLAS on the H200 (bench_gemv, 2026-12-02), as (max M, N range, K range), bounds
 #: inclusive; cuBLAS keeps every other projection:
 #:
-#: * M <= 8, N >= 2048, K >= 7168: qkv_a 7168 -> 2112 (0.84-0.88x cuBLAS's time) and the LM head 7168 -> 20480
+#: * M <= 8, N >= 2048, K = 7168: qkv_a 7168 -> 2112 (0.84-0.88x cuBLAS's time) and the LM head 7168 -> 20480
 #:   (0.88-0.90x);
-#: * M = 1, N <= 512, K >= 7168: the router 7168 -> 384 / 256 (0.80 / 0.73x; at 4-8 tokens 1.1-1.6x);
-#: * M = 1, N <= 1536, K <= 1536: Kimi-K2's q_b 1536 -> 1536 (0.85x; DeepSeek-V3's 1536 -> 3072 is 1.17x).
+#: * M = 1, N <= 512, K = 7168: the router 7168 -> 384 / 256 (0.80 / 0.73x; at 4-8 tokens 1.1-1.6x);
+#: * M = 1, N = K = 1536: Kimi-K2's q_b 1536 -> 1536 (0.85x; DeepSeek-V3's 1536 -> 3072 is 1.17x).
 #:
 #: o_proj (1024 / 2048 -> 7168) lost at every M (1.18-1.81x).
 _INF = 1 << 62
-LINEAR_RULES = ((8, (2048, _INF), (7168, _INF)), (1, (1, 512), (7168, _INF)), (1, (1, 1536), (1, 1536)))
+#: K is bounded by what was measured (7168, the hidden size): a K = 8192 o_proj (DeepSeek-V3 at tp 2) stays cuBLAS's.
+LINEAR_RULES = ((8, (2048, _INF), (7168, 7168)), (1, (1, 512), (7168, 7168)), (1, (1536, 1536), (1536, 1536)))
 
 
 def gemv_is_faster(m: int, n: int, k: int) -> bool:

@@ -49,7 +49,8 @@ class BatchMLAPagedAttentionWrapper:
             q0, q1 = int(p["qo"][b]), int(p["qo"][b + 1])
             k0, k1 = int(p["kv"][b]), int(p["kv"][b + 1])
             assert k1 - k0 == int(p["lens"][b])
-            idx = p["idx"][k0:k1].long()
+            # graph mode reads the fixed index buffer at run time (the plan copied the offsets and lengths only)
+            idx = (self.buffers[2] if self.use_cuda_graph else p["idx"])[k0:k1].long()
             c = ckv_cache[idx, 0].double()  # [L, R]
             kr = kpe_cache[idx, 0].double()
             qn, qp = q_nope[q0:q1].double(), q_pe[q0:q1].double()  # [q, H, *]

@@ -41,29 +41,48 @@ def test_chain_matches_reference(standin, k, prefix):
     attn = fi_peer.MLAChainAttention(module=standin)
     got = attn.mla(q_latent, q_rope, cache, table, lens, None, scale)
     ref = tree_attention_mla_reference(q_latent, q_rope, cache, table, lens, None, scale)
-    # both round an fp64 result once to fp16: at most one fp16 ulp apart
-    assert (got.double() - ref.double()).abs().max().item() <= 2 ** -10 * max(1.0, ref.abs().max().item())
+    assert _close(got, ref)
     (w,) = flashinfer_standin.BatchMLAPagedAttentionWrapper.instances
     assert w.use_cuda_graph and w.backend == "auto"
     assert w.plans[-1]["causal"] == (k > 1) and w.plans[-1]["page_size"] == 1
     assert torch.equal(w.plans[-1]["lens"], lens + k)
 
 
-def test_replans_once_per_forward_and_follows_new_lengths(standin):
+def _close(got, ref):
+    # both round an fp64 result once to fp16: at most one fp16 ulp apart
+    return (got.double() - ref.double()).abs().max().item() <= 2 ** -10 * max(1.0, ref.abs().max().item())
+
+
+def test_replans_when_the_metadata_changes_and_only_then(standin):
     gen = torch.Generator().manual_seed(7)
     k = 3
     q_latent, q_rope, cache, table, lens = _inputs(gen, [6, 2], k)
     other_layer = torch.randn(cache.shape, generator=gen).to(cache.dtype)
     attn = fi_peer.MLAChainAttention(module=standin)
-    for prefix in ([6, 2], [1, 7]):  # the second step changes the lengths in place, as a serving loop does
+    for prefix in ([6, 2], [6, 2], [1, 7]):  # a step with the same lengths, then lengths changed in place
         lens.copy_(torch.tensor(prefix, dtype=torch.int32))
-        for layer_cache in (cache, other_layer, cache):  # a forward: layer 0, layer 1, ... then the next forward
+        for layer_cache in (cache, other_layer):  # a forward: layer 0, layer 1
             got = attn.mla(q_latent, q_rope, layer_cache, table, lens, None, 0.2)
-            ref = tree_attention_mla_reference(q_latent, q_rope, layer_cache, table, lens, None, 0.2)
-            assert (got.double() - ref.double()).abs().max().item() <= 2 ** -10 * max(1.0, ref.abs().max().item())
+            assert _close(got, tree_attention_mla_reference(q_latent, q_rope, layer_cache, table, lens, None, 0.2))
     (w,) = flashinfer_standin.BatchMLAPagedAttentionWrapper.instances
-    # planned when first seen, then at every first-layer call (the layer-0 cache), never for other layers
-    assert len(w.plans) == 4 and w.runs == 6
+    assert len(w.plans) == 2 and w.runs == 6  # planned when first seen and when the lengths changed
+    # the page table's contents change under the same pointer (pages swapped), and the caches are reallocated
+    table.copy_(table.flip(1))
+    fresh = torch.randn(cache.shape, generator=gen).to(cache.dtype)
+    got = attn.mla(q_latent, q_rope, fresh, table, lens, None, 0.2)
+    assert _close(got, tree_attention_mla_reference(q_latent, q_rope, fresh, table, lens, None, 0.2))
+    assert len(w.plans) == 3 and len(attn.plans) == 1  # one plan per shape, not one per tensor
+
+
+def test_prepared_attention_plans_once(standin):
+    gen = torch.Generator().manual_seed(11)
+    q_latent, q_rope, cache, table, lens = _inputs(gen, [3, 8], 4)
+    fn = fi_peer.prepare_mla_attention(q_latent, q_rope, cache, page_table=table, prefix_lens=lens, sm_scale=0.3,
+                                       module=standin)
+    for _ in range(2):
+        assert _close(fn(), tree_attention_mla_reference(q_latent, q_rope, cache, table, lens, None, 0.3))
+    (w,) = flashinfer_standin.BatchMLAPagedAttentionWrapper.instances
+    assert len(w.plans) == 1 and w.runs == 2 and fn.backend == "standin"
 
 
 def test_tree_mask_is_refused(standin):

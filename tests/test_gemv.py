@@ -69,6 +69,7 @@ def test_linear_takes_the_gemv_only_where_it_measured_faster(device, monkeypatch
     assert not gemv_mod.gemv_is_faster(9, 2112, 7168) and not gemv_mod.gemv_is_faster(1, 7168, 1024)  # M, o_proj
     assert gemv_mod.gemv_is_faster(1, 384, 7168) and not gemv_mod.gemv_is_faster(2, 384, 7168)  # the router
     assert gemv_mod.gemv_is_faster(1, 1536, 1536) and not gemv_mod.gemv_is_faster(1, 3072, 1536)  # q_b
+    assert not gemv_mod.gemv_is_faster(1, 7168, 8192)  # an o_proj at K = 8192: never measured, cuBLAS
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -275,7 +275,9 @@ def sglang_ops(model, attention: str = "triton"):
     -------
     ops : Ops
         ``attention_mla`` / ``attention_gqa`` (SGLang's decode kernel at k = 1, its extend kernel with the full custom
-        mask for k > 1; metadata, split counts and the mask refreshed inside every forward), ``route`` (SGLang's
+        mask for k > 1; metadata, split counts and the mask refreshed inside every forward; with ``attention=
+        "flashinfer"`` FlashInfer's MLA wrapper, planned on the host in eager forwards, so a graph replay is valid
+        only for the last eager forward's page table and lengths), ``route`` (SGLang's
         router), ``experts`` (SGLang's alignment and fused-MoE kernels). Acceptance, KV compaction and the small ops
         stay specverify's reference by design (SGLang runs CUDA / ``sgl_kernel`` ops there, which cannot be
         installed beside the GPU machine's torch); ``note`` names them. ``ops.pieces`` names the SGLang pieces, and
@@ -378,8 +380,9 @@ def _flashinfer_attention(ops, cfg, used, subs, missing):
     used.append(f"attention: flashinfer {version} BatchMLAPagedAttentionWrapper (backend auto), planned as SGLang's "
                 "flashinfer MLA backend plans it: page size 1 token slots, kv_len = prefix + k, causal for k > 1, "
                 "decode planning at k = 1; chains only (trees refused, as that backend refuses topk > 1)")
-    subs.append("FlashInfer plan: made at the first layer of each eager forward and replayed by the graph (SGLang "
-                "re-plans on the host before every replay, CPU time outside the GPU pass)")
+    subs.append("FlashInfer plan: made in eager forwards (again when the page table or lengths change) and replayed "
+                "by the graph, valid for the last eager forward's inputs (SGLang re-plans on the host before every "
+                "replay, CPU time outside the GPU pass)")
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -22,9 +22,11 @@ DECODE (k = 1)    the same wrapper class planned with ``qo_indptr = arange(b + 1
 ================  ================================================================================================
 
 SGLang plans on the host before every step (before each graph replay: ``fast_mla_prefill_plan`` from host-side
-lengths); that is CPU time beside the GPU pass. Here a plan is made when a shape is first seen and again at the
-first layer of every eager forward (where the page table or lengths may have changed); a captured graph replays
+lengths); that is CPU time beside the GPU pass. Here a plan is made when a shape is first seen and again in any
+eager call whose page table or lengths differ from the planned ones (compared on the host); a captured graph replays
 the plan of the last eager forward, so the timed GPU pass holds FlashInfer's kernels only, as SGLang's replay does.
+A replay is therefore right only for the page table and lengths of that last eager forward (what a benchmark
+replays); a serving loop would have to re-plan on the host before each replay, as SGLang does.
 Planning needs host copies of the lengths, so it cannot run inside a capture: the first forward of a shape must be
 eager (verify-wall's graph pool warms up eagerly), else :meth:`MLAChainAttention.mla` raises.
 
@@ -84,10 +86,16 @@ class _Plan:
         self.pos = torch.arange(self.L, device=device)
         self.wrapper = cls(workspace, use_cuda_graph=True, qo_indptr=self.qo_indptr, kv_indptr=self.kv_indptr,
                            kv_indices=self.kv_indices, kv_len_arr=self.kv_len, backend="auto")
-        self.first_cache_ptr = None
+        self.planned = None  # (page table, lengths) the plan was made for
+
+    def planned_for(self, page_table, prefix_lens) -> bool:
+        """Whether the plan was made for these page-table and length values (host sync)."""
+        pt, pl = self.planned
+        return torch.equal(pt, page_table) and torch.equal(pl, prefix_lens)
 
     def refresh(self, page_table, prefix_lens, heads, kv_lora_rank, rope_dim, sm_scale, q_dtype, kv_dtype):
         """Rewrite the CSR buffers from the page table and lengths (device ops), then plan (host sync)."""
+        self.planned = (page_table.clone(), prefix_lens.clone())
         b, L = self.b, self.L
         lens = prefix_lens.long() + self.k  # the draft tokens' KV is in the cache before attention
         starts = torch.cumsum(lens, 0)
@@ -142,8 +150,8 @@ class MLAChainAttention:
                              "EAGLE topk = 1 only); use a chain (tree_mask=None) or the sglang provider")
         b, k, h, r = q_latent.shape
         dr = q_rope.shape[-1]
-        key = (b, k, tuple(page_table.shape), page_table.data_ptr(), prefix_lens.data_ptr(), cache.shape[1], h,
-               str(page_table.device))
+        # one plan per shape; it depends on the page table and lengths only (not on the layer's cache)
+        key = (b, k, tuple(page_table.shape), cache.shape[1], h, str(page_table.device))
         capturing = cache.is_cuda and torch.cuda.is_current_stream_capturing()
         plan = self.plans.get(key)
         if plan is None:
@@ -155,10 +163,11 @@ class MLAChainAttention:
                 ws = self._workspace[cache.device] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8,
                                                                  device=cache.device)
             plan = _Plan(self._cls(), ws, b, k, page_table.shape[1], cache.shape[1], cache.device)
-            plan.first_cache_ptr = cache.data_ptr()
             self.plans[key] = plan
             plan.refresh(page_table, prefix_lens, h, r, dr, sm_scale, q_latent.dtype, cache.dtype)
-        elif cache.data_ptr() == plan.first_cache_ptr and not capturing:
+        elif not capturing and not plan.planned_for(page_table, prefix_lens):
+            # eager: re-plan when the page table or the lengths differ from the planned ones (a host comparison,
+            # as planning itself reads them on the host); the first layer of a new step does it, later layers match
             plan.refresh(page_table, prefix_lens, h, r, dr, sm_scale, q_latent.dtype, cache.dtype)
         return plan
 

@@ -40,6 +40,8 @@ import warnings
 
 import torch
 
+from specverify.peers.sglang import csr_token_slots
+
 __all__ = ["available", "MLAChainAttention", "prepare_mla_attention", "FLASHINFER_VERSION"]
 
 FLASHINFER_VERSION = "0.7.2.post1"  # the version these call paths were read from
@@ -96,16 +98,10 @@ class _Plan:
     def refresh(self, page_table, prefix_lens, heads, kv_lora_rank, rope_dim, sm_scale, q_dtype, kv_dtype):
         """Rewrite the CSR buffers from the page table and lengths (device ops), then plan (host sync)."""
         self.planned = (page_table.clone(), prefix_lens.clone())
-        b, L = self.b, self.L
         lens = prefix_lens.long() + self.k  # the draft tokens' KV is in the cache before attention
-        starts = torch.cumsum(lens, 0)
-        self.kv_indptr[1:].copy_(starts)
         self.kv_len.copy_(lens)
-        pos = self.pos.view(1, L).expand(b, L)
-        dest = torch.where(pos < lens.view(b, 1), (starts - lens).view(b, 1) + pos, torch.full_like(pos, b * L))
-        pages = torch.gather(page_table.long(), 1, pos // self.page_size)
-        slots = pages * self.page_size + pos % self.page_size  # page size 1 addressing, as SGLang's pool
-        self.kv_indices.scatter_(0, dest.reshape(-1), slots.to(torch.int32).reshape(-1))
+        # token slots (page size 1 addressing, as SGLang's pool), packed as SGLang's Triton backend packs them
+        self.kv_indptr[1:].copy_(csr_token_slots(page_table, lens, self.page_size, self.pos, self.kv_indices))
         with warnings.catch_warnings():  # SGLang's flat-argument plan form is deprecated in 0.7
             warnings.simplefilter("ignore", DeprecationWarning)
             self.wrapper.plan(qo_indptr=self.qo_indptr, kv_indptr=self.kv_indptr, kv_indices=self.kv_indices,

@@ -85,8 +85,11 @@ import types
 
 import torch
 
-__all__ = ["available", "pieces", "prepare_tree_attention", "tree_attention", "tree_attention_mla", "route",
-           "route_and_align", "align", "prepare_fused_experts", "fused_experts", "VerifyAttention", "SGLANG_VERSION"]
+from specverify.reference.attention import gather_positions
+
+__all__ = ["available", "pieces", "csr_token_slots", "prepare_tree_attention", "tree_attention", "tree_attention_mla",
+           "route", "route_and_align", "align", "prepare_fused_experts", "fused_experts", "VerifyAttention",
+           "SGLANG_VERSION"]
 
 SGLANG_VERSION = "0.5.23"  # the version these call paths were read from
 
@@ -285,6 +288,23 @@ def _unpack_tree(tree_mask: torch.Tensor, k: int) -> torch.Tensor:
     return ((byte >> (j % 8)) & 1).bool()
 
 
+def csr_token_slots(page_table, lengths, page_size, pos, out):
+    """Token-level ``kv_indices`` as SGLang's backends build them: request b's positions ``0 .. lengths[b] - 1``, each
+    as slot ``page * page_size + offset`` (:func:`~specverify.reference.attention.gather_positions`), packed back to
+    back into ``out`` from ``starts[b] - lengths[b]``.
+
+    page_table int [b, W]; lengths int64 [b] (at most W * page_size); pos int64 ``arange(W * page_size)``; out any
+    integer dtype [b * W * page_size + 1], whose last entry is the dump slot the positions past a length are written
+    to. Returns ``starts = cumsum(lengths)`` int64 [b]. Device ops only (graph capturable, no host sync).
+    """
+    b, L = page_table.shape[0], pos.numel()
+    starts = torch.cumsum(lengths, 0)
+    p = pos.view(1, L).expand(b, L)
+    dest = torch.where(p < lengths.view(b, 1), (starts - lengths).view(b, 1) + p, torch.full_like(p, b * L))
+    out.scatter_(0, dest.reshape(-1), gather_positions(page_table, p, page_size).to(out.dtype).reshape(-1))
+    return starts
+
+
 class _AttnPlan:
     """SGLang TARGET_VERIFY metadata for one (batch, k, page-table shape, page size), in static buffers that
     :meth:`refresh` rewrites in place from the current page table, prefix lengths and tree mask.
@@ -314,10 +334,6 @@ class _AttnPlan:
         self.mask_indptr = torch.zeros(batch + 1, dtype=torch.int64, device=dev)
         self.first_cache_ptr = None
 
-    def _slots(self, page_table, positions):
-        pages = torch.gather(page_table.long(), 1, positions // self.page_size)
-        return pages * self.page_size + positions % self.page_size
-
     def refresh(self, page_table, prefix_lens, tree_mask, num_head=None, num_kv_head=None):
         """One step's metadata, as SGLang rebuilds it every verify step (heads are not needed here).
 
@@ -326,16 +342,11 @@ class _AttnPlan:
         ``build_tree_kernel_efficient`` does with a preallocated FULL_MASK buffer, ``tree_mask.fill_(True)``), then
         the ``k * k`` draft cells of each request written (SGLang's build-tree kernel writes them; here a scatter).
         """
-        b, k, L = self.b, self.k, self.L
+        b, k = self.b, self.k
         prefix = prefix_lens.long()
-        starts = torch.cumsum(prefix, 0)
-        self.kv_indptr[1:].copy_(starts)
-        begin = (starts - prefix).view(b, 1)
-        pos = self.pos.view(1, L).expand(b, L)
-        dest = torch.where(pos < prefix.view(b, 1), begin + pos, torch.full_like(pos, b * L))
-        self.kv_indices.scatter_(0, dest.reshape(-1), self._slots(page_table, pos).reshape(-1))
+        self.kv_indptr[1:].copy_(csr_token_slots(page_table, prefix, self.page_size, self.pos, self.kv_indices))
         dpos = prefix.view(b, 1) + self.jk.view(1, k)
-        self.draft_slots.copy_(self._slots(page_table, dpos).reshape(-1))
+        self.draft_slots.copy_(gather_positions(page_table, dpos, self.page_size).reshape(-1))
         rowlen = prefix + k  # [b]
         mstarts = torch.cumsum(k * rowlen, 0)
         self.mask_indptr[1:].copy_(mstarts)
@@ -421,16 +432,10 @@ class _DecodePlan:
         ``0 .. prefix`` (the token's own included), and ``num_kv_splits`` as ``TritonAttnBackend.get_num_kv_splits``
         computes it (``num_head`` / ``num_kv_head`` are the layer's query and KV heads). ``tree_mask`` is unused: a
         one-node tree is the token alone."""
-        b, L = self.b, self.L
+        b = self.b
         seq = prefix_lens.long() + 1
         self.seq_lens.copy_(seq)
-        starts = torch.cumsum(seq, 0)
-        self.kv_indptr[1:].copy_(starts)
-        begin = (starts - seq).view(b, 1)
-        pos = self.pos.view(1, L).expand(b, L)
-        dest = torch.where(pos < seq.view(b, 1), begin + pos, torch.full_like(pos, b * L))
-        pages = torch.gather(page_table.long(), 1, pos // self.page_size)
-        self.kv_indices.scatter_(0, dest.reshape(-1), (pages * self.page_size + pos % self.page_size).reshape(-1))
+        self.kv_indptr[1:].copy_(csr_token_slots(page_table, seq, self.page_size, self.pos, self.kv_indices))
         if self.core_count <= 0:  # SGLang: no device core count -> the static split count
             self.num_kv_splits.fill_(self.max_kv_splits)
             return

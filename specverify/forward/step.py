@@ -23,6 +23,7 @@ import torch
 from specverify.configs import ModelConfig, RankShapes
 from specverify.forward.model import VerifyModel
 from specverify.forward.ops import Ops
+from specverify.reference.attention import gather_positions
 from specverify.tree import pack_mask
 
 
@@ -214,7 +215,7 @@ def csr_metadata(page_table: torch.Tensor, prefix_lens: torch.Tensor, k: int, pa
     for i in range(b):
         n = int(lens[i])
         pos = torch.arange(n + k)
-        slots = pt[i, pos // page_size] * page_size + pos % page_size
+        slots = gather_positions(pt[i:i + 1], pos.view(1, -1), page_size)[0]
         rows.append(slots[:n])
         draft.append(slots[n:])
     dev = page_table.device

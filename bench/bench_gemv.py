@@ -15,13 +15,21 @@ layer has its own weights).
 ``floor_us = N * K * bytes / copy_bw`` with ``copy_bw`` a device-to-device copy in the same run; ``bw_frac`` =
 floor / measured. Every row is checked against the fp32 reference first.
 
+Each row also times ours with programmatic dependent launch off (``SPECVERIFY_PDL=0``: each call waits for the
+previous one) and with PDL but without the L2 prefetch of the weight slice (``ours_no_prefetch_us``); the default
+(PDL with prefetch on sm_90+) is ``ours_us``. q_b rows add RMSNorm + q_b (q_a's norm, K = 1536): RMSNorm then
+cuBLAS (``norm_cublas_us``, the pass before), RMSNorm then ours (``norm_ours_us``) and the norm in our GEMV's
+prologue (``norm_fused_us``, one launch).
+
 Usage: ``python bench/bench_gemv.py [--quick] [--json PATH]`` (``--quick``: M = 1, 4, 8; about a minute).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
+import os
 import sys
 
 import torch
@@ -35,6 +43,31 @@ SHAPES = {
     ("deepseek-v3", "q_b"): (16 * 192, 1536), ("deepseek-v3", "o_proj"): (7168, 16 * 128),
     ("deepseek-v3", "router"): (256, 7168),
 }
+
+
+@contextlib.contextmanager
+def _pdl_off():
+    """Calls made (and captured) inside launch without PDL."""
+    old = os.environ.get("SPECVERIFY_PDL")
+    os.environ["SPECVERIFY_PDL"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["SPECVERIFY_PDL"]
+        else:
+            os.environ["SPECVERIFY_PDL"] = old
+
+
+@contextlib.contextmanager
+def _no_prefetch():
+    from specverify import gemv as gemv_mod
+
+    gemv_mod._CONFIG["PREFETCH"] = False
+    try:
+        yield
+    finally:
+        gemv_mod._CONFIG["PREFETCH"] = True
 
 
 def main(argv=None) -> int:
@@ -70,12 +103,36 @@ def main(argv=None) -> int:
             cycle = itertools.cycle(ws)  # each captured call reads the next copy: HBM, as in the pass
             cublas = graph_us(lambda: torch.matmul(x, next(cycle).t(), out=out), calls=len(ws), replays=5, repeats=5)
             ours = graph_us(lambda: gemv(x, next(cycle), out=out), calls=len(ws), replays=5, repeats=5)
-            rows.append(dict(model=model, proj=proj, m=m, n=n, k=k, floor_us=floor, cublas_us=cublas, ours_us=ours,
-                             cublas_bw_frac=floor / cublas, ours_bw_frac=floor / ours, ours_over_cublas=ours / cublas,
-                             max_rel_err_vs_fp32=err, ours_max_rel_err_vs_fp32=err_ours, weight_copies=copies,
-                             split=gemv_split(n, k, sms)))
+            with _pdl_off():
+                ours_nopdl = graph_us(lambda: gemv(x, next(cycle), out=out), calls=len(ws), replays=5, repeats=5)
+            with _no_prefetch():
+                ours_nopf = graph_us(lambda: gemv(x, next(cycle), out=out), calls=len(ws), replays=5, repeats=5)
+            row = dict(model=model, proj=proj, m=m, n=n, k=k, floor_us=floor, cublas_us=cublas, ours_us=ours,
+                       ours_no_pdl_us=ours_nopdl, ours_no_prefetch_us=ours_nopf,
+                       cublas_bw_frac=floor / cublas, ours_bw_frac=floor / ours, ours_over_cublas=ours / cublas,
+                       max_rel_err_vs_fp32=err, ours_max_rel_err_vs_fp32=err_ours, weight_copies=copies,
+                       split=gemv_split(n, k, sms))
+            extra = ""
+            if proj == "q_b":  # q_a's RMSNorm before it: two launches against the fused one
+                from specverify.fused_ops import rmsnorm
+
+                nw = (torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16)
+                want_n = (rmsnorm(x, nw, 1e-6).float() @ ws[0].float().t())
+                err_f = float((gemv(x, ws[0], norm_weight=nw).float() - want_n).abs().max()) / float(
+                    want_n.abs().max())
+                row["norm_cublas_us"] = graph_us(lambda: torch.matmul(rmsnorm(x, nw, 1e-6), next(cycle).t(), out=out),
+                                                 calls=len(ws), replays=5, repeats=5)
+                row["norm_ours_us"] = graph_us(lambda: gemv(rmsnorm(x, nw, 1e-6), next(cycle), out=out),
+                                               calls=len(ws), replays=5, repeats=5)
+                row["norm_fused_us"] = graph_us(lambda: gemv(x, next(cycle), out=out, norm_weight=nw),
+                                                calls=len(ws), replays=5, repeats=5)
+                row["norm_fused_max_rel_err"] = err_f
+                extra = (f"  norm+q_b: cuBLAS {row['norm_cublas_us']:.2f} ours {row['norm_ours_us']:.2f} "
+                         f"fused {row['norm_fused_us']:.2f}")
+            rows.append(row)
             print(f"{model:>12} {proj:>8} {m:>3} {n:>6} {k:>6} {floor:7.2f} {ours:7.2f} ({floor / ours:4.0%}) "
-                  f"{cublas:7.2f} ({floor / cublas:4.0%})  {ours / cublas:5.2f}  err {err_ours:.1e}")
+                  f"{cublas:7.2f} ({floor / cublas:4.0%})  {ours / cublas:5.2f}  err {err_ours:.1e}  "
+                  f"no-PDL {ours_nopdl:.2f} no-prefetch {ours_nopf:.2f}{extra}")
         del ws
         torch.cuda.empty_cache()
     if args.json:

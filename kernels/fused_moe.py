@@ -189,8 +189,9 @@ def _load_w_gather(w_ptr, e, rows, cols, e_mask, row_mask, col_mask, stride_e, s
 def _moe_stream_gate_up_kernel(hidden_ptr, w13_ptr, act_ptr, ids_ptr, stride_hm, stride_we, stride_wn, stride_am,
                                E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
                                R: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # the down kernel may launch now: it gathers w2 first and waits (gdc_wait) before reading act
-        gdc_launch_dependents()
+    if PDL:  # the down kernel may launch now: it gathers w2 first and waits (gdc_wait) before reading act; this
+        gdc_launch_dependents()  # kernel itself waits for the routing (ids) and the norm (hidden)
+        gdc_wait()
     pid = tl.program_id(0)
     NT: tl.constexpr = (I + R - 1) // R
     slot = pid // NT

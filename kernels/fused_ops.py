@@ -27,6 +27,9 @@ launches per layer is what matters.
 
    fp32 accumulation, one rounding to the activation dtype; each weight element is loaded once per call.
 
+``PDL`` (every kernel here; programmatic dependent launch, sm_90+): the grid may start while the previous kernel
+finishes; it loads only constant weights before ``gdc_wait`` and lets the next kernel launch at once.
+
 Tensors (T = batch * k tokens):
 
 | name        | shape                         | dtype      | meaning                                      |
@@ -43,14 +46,19 @@ Tensors (T = batch * k tokens):
 """
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
 def _rmsnorm_kernel(X, R, W, Y, RES_OUT, stride_x, stride_r, stride_y, stride_ro, N, eps,
-                    HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
+    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)  # a weight: before the wait
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
@@ -58,7 +66,6 @@ def _rmsnorm_kernel(X, R, W, Y, RES_OUT, stride_x, stride_r, stride_y, stride_ro
         tl.store(RES_OUT + row * stride_ro + offs, s, mask=mask)
         x = s.to(tl.float32)
     var = tl.sum(x * x, axis=0) / N
-    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
     y = x * tl.rsqrt(var + eps) * w
     tl.store(Y + row * stride_y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
@@ -92,18 +99,21 @@ def _mla_kv_prep_kernel(KV, W, Q, POS, PAGE_TABLE, PREFIX, CACHE, COS_SIN,
                         k, page_size, num_heads, eps, log2_theta,
                         R: tl.constexpr, DR: tl.constexpr, NOPE: tl.constexpr,
                         BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, TABLE: tl.constexpr,
-                        INTERLEAVED: tl.constexpr):
+                        INTERLEAVED: tl.constexpr, PDL: tl.constexpr = False):
     t = tl.program_id(0)
     b = t // k
     i = t % k
     HALF: tl.constexpr = DR // 2
-    pos = tl.load(POS + t)
-    # latent: RMSNorm
     offs = tl.arange(0, BLOCK_R)
     rmask = offs < R
+    w = tl.load(W + offs, mask=rmask, other=0.0).to(tl.float32)  # a weight: before the wait
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    pos = tl.load(POS + t)
+    # latent: RMSNorm
     lat = tl.load(KV + t * stride_kv + offs, mask=rmask, other=0.0).to(tl.float32)
     var = tl.sum(lat * lat, axis=0) / R
-    w = tl.load(W + offs, mask=rmask, other=0.0).to(tl.float32)
     lat = lat * tl.rsqrt(var + eps) * w
     # rope pairs: (2j, 2j + 1) interleaved (GPT-J layout), else (j, j + DR / 2) (rotate-half)
     j = tl.arange(0, HALF)
@@ -153,9 +163,12 @@ def _gqa_prep_kernel(Q, K, V, QW, KW, POS, PAGE_TABLE, PREFIX, K_CACHE, V_CACHE,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_pt,
                      stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch,
                      k, page_size, num_q_heads, eps, log2_theta,
-                     D: tl.constexpr, QK_NORM: tl.constexpr):
+                     D: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr = False):
     t = tl.program_id(0)
     head = tl.program_id(1)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     HALF: tl.constexpr = D // 2
     j = tl.arange(0, HALF)
     pos = tl.load(POS + t)
@@ -181,7 +194,10 @@ def _gqa_prep_kernel(Q, K, V, QW, KW, POS, PAGE_TABLE, PREFIX, K_CACHE, V_CACHE,
 
 
 @triton.jit
-def _silu_mul_kernel(GU, ACT, stride_gu, stride_act, inter, BLOCK: tl.constexpr):
+def _silu_mul_kernel(GU, ACT, stride_gu, stride_act, inter, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     t = tl.program_id(0)
     blk = tl.program_id(1)
     offs = blk * BLOCK + tl.arange(0, BLOCK)
@@ -195,7 +211,7 @@ def _silu_mul_kernel(GU, ACT, stride_gu, stride_act, inter, BLOCK: tl.constexpr)
 @triton.jit
 def _head_matmul_kernel(A, W, OUT, T, stride_at, stride_ah, stride_wh, stride_wk, stride_ot, stride_oh,
                         KDIM: tl.constexpr, NDIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                        UPCAST: tl.constexpr):
+                        UPCAST: tl.constexpr, PDL: tl.constexpr = False):
     """OUT[t, h, n] = sum_j A[t, h, j] * W[h, j, n] for one head and one tile of n (item 5 of the docstring).
     UPCAST (fp32 inputs, and the interpreter, whose bf16 ``tl.dot`` returns garbage) multiplies in full fp32."""
     h = tl.program_id(0)
@@ -205,6 +221,9 @@ def _head_matmul_kernel(A, W, OUT, T, stride_at, stride_ah, stride_wh, stride_wk
     w = tl.load(W + h * stride_wh + offs_k[:, None] * stride_wk + offs_n[None, :])
     if UPCAST:
         w = w.to(tl.float32)
+    if PDL:  # the weight tile above is constant: loaded while the previous kernel finishes
+        gdc_launch_dependents()
+        gdc_wait()
     for t0 in range(0, T, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
         tm = offs_t < T

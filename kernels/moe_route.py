@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # order-preserving int32 image of -inf: bits 0xFF800000 with the magnitude bits flipped (see _order_key)
 _NEG_INF_ORDERED = tl.constexpr(-2139095041)
@@ -257,11 +258,14 @@ def _moe_route_align_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr, sort
                             GSIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, SOFTMAX: tl.constexpr,
                             HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, DO_ROUTE: tl.constexpr,
                             DO_ALIGN: tl.constexpr, EA: tl.constexpr, EAP: tl.constexpr, B: tl.constexpr,
-                            CHUNK: tl.constexpr):
+                            CHUNK: tl.constexpr, PDL: tl.constexpr = False):
     """Routing of ROWS rows per program (DO_ROUTE) and/or the alignment (DO_ALIGN; the last program finishes it).
 
     Without DO_ROUTE the grid must be (1,): the one program ranks every slot itself.
     """
+    if PDL:  # logits (and the workspace) belong to earlier kernels
+        gdc_launch_dependents()
+        gdc_wait()
     pid = tl.program_id(0)
     if DO_ROUTE:
         _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, pid * ROWS, M, stride_lm, scale,
@@ -468,7 +472,7 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
                                  EA: tl.constexpr, EAP: tl.constexpr, B: tl.constexpr, SP: tl.constexpr,
                                  ONE: tl.constexpr, PJ: tl.constexpr, CHUNK: tl.constexpr,
                                  RELOAD: tl.constexpr = False, SORTED: tl.constexpr = False,
-                                 MASK: tl.constexpr = False):
+                                 MASK: tl.constexpr = False, PDL: tl.constexpr = False):
     """ONE: grid (1,), ROWS >= M (routing) or SP >= S (alignment only). Not ONE: routing on, grid (ceil(M/ROWS),),
     SP >= S; the ticket (and, without SORTED, the workspace counters) are zero on entry and left at zero.
 
@@ -477,6 +481,9 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
     the routing programs set their row's bit in each chosen expert's int64 row mask (``count_ptr``, zero between
     calls); the last one loads masks and ids once and aligns from them (_align_masks: exact slot order). Otherwise:
     atomic ranks in the routing programs, and the last program scans the counters and scatters."""
+    if PDL:  # logits (and the workspace) belong to earlier kernels
+        gdc_launch_dependents()
+        gdc_wait()
     pid = tl.program_id(0)
     if ONE:
         if DO_ROUTE:
@@ -532,9 +539,12 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
 
 @triton.jit(do_not_specialize=["M", "shared_id"])
 def _append_shared_kernel(ids_ptr, w_ptr, out_ids_ptr, out_w_ptr, M, shared_id, stride_ids, stride_w,
-                          TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+                          TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """out_ids[m] = [ids[m, :TOP_K], shared_id], out_w[m] = [w[m, :TOP_K], 1.0]: the shared expert as one more slot
     of every token, so one expert pass serves routed and shared experts."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * (TOP_K + 1)
     row = offs // (TOP_K + 1)

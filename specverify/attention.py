@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specverify import envvars
-from specverify.fit import launch_fitting, shared_memory_limit_bytes, sm_count, spill_bytes
+from specverify.fit import launch_fitting, pdl_launch, shared_memory_limit_bytes, sm_count, spill_bytes
 from specverify.validation import capturing, check_tree_mask
 
 logger = logging.getLogger("specverify")
@@ -660,9 +660,9 @@ def _launch(*, q, qr, kc, vc, k_strides, v_strides, page_table, prefix_lens, tre
         smb, smt = (0, tree_mask.stride(0)) if tree_mask.dim() == 2 else (tree_mask.stride(0), tree_mask.stride(1))
     else:
         smb, smt = 0, 0
-    # programmatic dependent launch (the Gluon kernel's config): only on CUDA (the interpreter has no grid dependency
-    # control)
-    pdl = {"launch_pdl": True} if cfg.get("PDL", False) and q.device.type == "cuda" else {}
+    # programmatic dependent launch (the Gluon kernel's config): only on CUDA sm_90+ with SPECVERIFY_PDL on (the
+    # interpreter has no grid dependency control)
+    pdl = {"launch_pdl": True} if cfg.get("PDL", False) and pdl_launch(q.device) else {}
     if splits > 1:
         ws_o, ws_lse = plan.workspace_out, plan.workspace_lse
         if ws_o is None:  # a plan made without allocation (no plan passed): the graph pool serves this under capture

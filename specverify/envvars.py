@@ -26,6 +26,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("SPECVERIFY_DISABLE_TRITON", "0", "`1` makes `impl=\"auto\"` choose the torch reference everywhere (debugging)."),
     EnvVar("SPECVERIFY_LOG_LEVEL", "WARNING", "Logging level of the `specverify` logger."),
     EnvVar("SPECVERIFY_MLA_WGMMA", "1", "`0` keeps MLA tree attention on the `tl.dot` kernels where the Gluon wgmma kernel would be the default (CUDA sm_90, a Triton with Gluon where the kernel compiles: 3.6-3.9)."),
+    EnvVar("SPECVERIFY_PDL", "1", "`0` launches no kernel of the verify pass as a programmatic dependent (PDL, sm_90+): each waits for the previous one to finish before it starts."),
     EnvVar("SPECVERIFY_SGLANG_ALLREDUCE", "1", "SGLang plugin: replace SGLang's custom-allreduce class with ours where eligible."),
     EnvVar("SPECVERIFY_SGLANG_ATTENTION", "1", "SGLang plugin: register the `specverify` attention backend."),
     EnvVar("SPECVERIFY_SGLANG_GRAPH_POOL", "0", "SGLang plugin (experimental): one verify graph runner per draft length."),

@@ -17,7 +17,7 @@ import torch
 
 from specverify import envvars
 
-__all__ = ["first_fitting", "launch_fitting", "shared_memory_limit_bytes", "sm_count", "spill_bytes"]
+__all__ = ["first_fitting", "launch_fitting", "pdl_launch", "shared_memory_limit_bytes", "sm_count", "spill_bytes"]
 
 _CHOSEN: dict[tuple, dict] = {}
 
@@ -41,6 +41,22 @@ def sm_count(device_type: str, index: int | None) -> int:
         return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()
                                                 ).multi_processor_count
     return 4
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def pdl_launch(device: torch.device) -> bool:
+    """Whether the verify pass's kernels launch as programmatic dependents (PDL) on ``device``: CUDA sm_90+ and
+    ``SPECVERIFY_PDL`` on. Such a kernel is given ``PDL=True`` and ``launch_pdl=True``: it may start while the
+    previous kernel of the stream finishes, prefetches only constant data (weights) and calls ``gdc_wait`` before
+    it reads or writes anything else, so every kernel of the chain waits for all before it. Captured in a CUDA
+    graph as programmatic edges. Off the GPU (the interpreter) always False."""
+    if device.type != "cuda" or not envvars.get_flag("SPECVERIFY_PDL"):
+        return False
+    return _capability_major(_index(device)) >= 9
 
 
 def _index(device: torch.device) -> int:

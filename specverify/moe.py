@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from specverify import envvars
-from specverify.fit import launch_fitting
+from specverify.fit import launch_fitting, pdl_launch
 
 __all__ = ["MoEAlignment", "MoEQuant", "moe_route", "fused_moe", "max_num_tokens_padded", "append_shared_expert"]
 
@@ -132,8 +132,14 @@ def _next_pow2(n: int) -> int:
 
 def _pdl(flag, dev: torch.device) -> bool:
     """Whether a kernel configured with PDL ``flag`` is launched as a programmatic dependent on ``dev``: CUDA sm_90+
-    only (elsewhere the flag is ignored)."""
-    return bool(flag) and dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
+    with ``SPECVERIFY_PDL`` on (:func:`specverify.fit.pdl_launch`; elsewhere the flag is ignored)."""
+    return bool(flag) and pdl_launch(dev)
+
+
+def _pdl_kwargs(dev: torch.device) -> dict:
+    """``PDL`` and ``launch_pdl`` for a kernel whose only PDL duty is to wait first (routing, the shared-expert
+    append)."""
+    return {"PDL": True, "launch_pdl": True} if pdl_launch(dev) else {"PDL": False}
 
 
 def _workspace(device: torch.device) -> torch.Tensor:
@@ -266,6 +272,7 @@ def _launch_route_align(logits, bias, top_k, softmax, n_group, topk_group, renor
     rows = 1  # one token row per program: the top-k reductions stay inside one row
     grid = (_cdiv(m, rows),) if do_route else (1,)
     launch = {"num_warps": _ROUTE_CONFIG["num_warps"]} if dev.type == "cuda" else {}
+    launch.update(_pdl_kwargs(dev))
     if m == 0 or (not do_route and not do_align):
         pass
     else:
@@ -341,6 +348,7 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
         grid = (_cdiv(m, rows),)
         warps = cfg["wide_warps"] if s > cfg["wide_slots"] and not mask_align else cfg["num_warps"]
     extra = {"num_warps": warps} if on_gpu else {}
+    extra.update(_pdl_kwargs(dev))
     bias_arg = bias if bias is not None else (logits if do_route else ids)
     _moe_route_align_fast_kernel[grid](
         logits if do_route else ids, bias_arg, ids, weights, rank, sorted_ids, expert_ids, npad, count, offs,
@@ -519,7 +527,7 @@ def append_shared_expert(topk_ids, topk_weights, shared_id: int, *, impl: str = 
     block = 256
     _append_shared_kernel[(_cdiv(m * (k + 1), block),)](topk_ids, topk_weights, ids, w, m, shared_id,
                                                          topk_ids.stride(0), topk_weights.stride(0), TOP_K=k,
-                                                         BLOCK=block)
+                                                         BLOCK=block, **_pdl_kwargs(topk_ids.device))
     return ids, w
 
 
@@ -787,7 +795,8 @@ def _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, out):
     pdl = _pdl(cfg["PDL"], dev)
     launch1 = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]} if on_gpu else {}
     launch2 = {"num_warps": cfg["down_warps"], "num_stages": 1} if on_gpu else {}
-    if pdl:
+    if pdl:  # both launches: gate/up waits for the routing, down for gate/up
+        launch1["launch_pdl"] = True
         launch2["launch_pdl"] = True
     act = torch.empty((s, inter), dtype=hidden.dtype, device=dev)
     nt = _cdiv(inter, cfg["R"])

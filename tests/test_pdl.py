@@ -1,0 +1,66 @@
+"""Programmatic dependent launch (PDL) across the verify pass: when it is on, and that it changes no bit.
+
+Every kernel of the chain waits (``gdc_wait``) before it reads or writes anything but its weights, so a pass with
+PDL must give exactly the logits, tokens and KV of the same pass without it (the kernels are deterministic). A
+kernel that read its input before the wait would race with its predecessor and differ here.
+"""
+import pytest
+import torch
+
+from specverify import fit
+
+
+def test_pdl_launch_needs_cuda_sm90_and_the_knob(monkeypatch):
+    monkeypatch.setattr(fit, "_capability_major", lambda index: 9)
+    monkeypatch.setattr(fit, "_index", lambda device: 0)
+    monkeypatch.delenv("SPECVERIFY_PDL", raising=False)
+    assert fit.pdl_launch(torch.device("cuda", 0))
+    assert not fit.pdl_launch(torch.device("cpu"))  # the interpreter: no grid dependency control
+    monkeypatch.setenv("SPECVERIFY_PDL", "0")
+    assert not fit.pdl_launch(torch.device("cuda", 0))
+    monkeypatch.setenv("SPECVERIFY_PDL", "1")
+    monkeypatch.setattr(fit, "_capability_major", lambda index: 8)  # Ampere has no griddepcontrol
+    assert not fit.pdl_launch(torch.device("cuda", 0))
+
+
+def test_the_fused_ops_launch_without_pdl_off_the_gpu():
+    from specverify.fused_ops import pdl_kwargs
+
+    assert pdl_kwargs(torch.device("cpu")) == {"PDL": False}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["kimi-k2", "deepseek-v3"])  # 8 / 16 heads a rank; 4 layers: dense and MoE
+def test_the_chained_pass_equals_the_unchained_one(monkeypatch, name):
+    """Graph replays with PDL against eager calls without it, at k = 1 and 4, batch 1 and 4, then again after the
+    inputs changed in place: logits argmax tokens and accept lengths identical, and the forward's logits bitwise."""
+    from specverify.configs import get_config
+    from specverify.forward.model import build_verify_model
+    from specverify.graph_pool import VerifyGraphPool
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs sm_90+")
+    ad = build_verify_model(get_config(name), tp=8, num_layers=4, device="cuda", dtype=torch.bfloat16)
+    monkeypatch.setenv("SPECVERIFY_PDL", "1")
+    pool = VerifyGraphPool(ad.verify, ad.make_inputs, batch_buckets=[1, 4], draft_lengths=[1, 4], capture="eager")
+    model = ad.model
+    for b, k in pool.keys():
+        for trial in range(2):
+            static = pool.static_inputs(b, k)
+            inputs = {n: t.clone() for n, t in static.items()}
+            if trial:  # new draft tokens: the replay must read them, not the captured ones
+                inputs["draft"] = torch.randint_like(inputs["draft"], model.config.vocab_size)
+            monkeypatch.setenv("SPECVERIFY_PDL", "1")
+            got = {n: t.clone() for n, t in pool.run(inputs, k).items()}
+            monkeypatch.setenv("SPECVERIFY_PDL", "0")
+            want = ad.verify({n: t.clone() for n, t in inputs.items()}, k)
+            for n in want:
+                assert torch.equal(got[n], want[n]), f"{n} differs at (batch {b}, k {k}, trial {trial})"
+    # the forward's logits, eager with and without PDL
+    inputs = ad.make_inputs(4, 4)
+    pos = inputs["prefix"].long()[:, None] + torch.arange(4, device="cuda")
+    out = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("SPECVERIFY_PDL", flag)
+        out[flag] = model.forward(inputs["draft"], pos, ad.caches, inputs["page_table"], inputs["prefix"])
+    assert torch.equal(out["1"], out["0"])

@@ -18,8 +18,9 @@ _FLOAT = (torch.bfloat16, torch.float16)
 MAX_M = 16
 BLOCK_N, BLOCK_K = 64, 128
 _BUFFERS: dict = {}
-#: ``PREFETCH``: with PDL, each program prefetches its weight slice into L2 before ``gdc_wait``
-_CONFIG = {"PREFETCH": True}
+#: ``PDL``: launch as a programmatic dependent where :func:`~specverify.fit.pdl_launch` allows; ``PREFETCH``: with
+#: PDL, each program prefetches its weight slice into L2 before ``gdc_wait``
+_CONFIG = {"PDL": True, "PREFETCH": True}
 
 
 def gemv_split(n: int, k: int, sms: int) -> tuple[int, int]:
@@ -180,7 +181,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None = None, n
     split, per = gemv_split(n, k, sms)
     part, ticket = _buffers(x.device, n, split)
     grid = (-(-n // BLOCK_N), split)
-    pdl = pdl_launch(x.device)
+    pdl = _CONFIG["PDL"] and pdl_launch(x.device)
     nw = norm_weight if norm_weight is not None else w
     _gemv_splitk_kernel[grid](x, w, out, part, ticket, nw, m, n, k, x.stride(0), w.stride(0), out.stride(0), per,
                               float(eps), BLOCK_M=max(16, triton_next_pow2(m)), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,

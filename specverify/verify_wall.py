@@ -74,6 +74,7 @@ class WallSettings:
     iters: int = 30
     page_size: int = 64
     breakdown: bool = False
+    kernels: bool = False
     switch: bool = False
     seed: int = 0
     json_path: str | None = None
@@ -398,6 +399,64 @@ def breakdown(case: VerifyCase, device, plain_fn, iters: int = 5) -> dict:
             "gap": abs(total - plain) / plain if plain else float("nan")}
 
 
+def kernel_profile(plain_fn, layers: int, iters: int = 5) -> dict:
+    """Every kernel of one verify pass (``plain_fn``: a graph replay), from the CUDA activity of torch.profiler
+    over ``iters`` replays, each its own profiled pass (synchronised between). Per kernel name: launches a pass,
+    ``exclusive_us`` a pass (from the later of its start and the previous kernel's end to its end: with PDL a
+    kernel starts while its predecessor runs, and that overlap is the predecessor's), the mean exclusive µs a
+    launch; per pass: ``span_us`` (first start to last end), ``busy_us`` (the union of kernel intervals) and
+    ``idle_us`` (span - busy: the bubbles between kernels). Medians over the passes; ``per_layer`` divides the
+    launch counts by ``layers``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    plain_fn()
+    torch.cuda.synchronize()
+    passes = []
+    for _ in range(iters):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            plain_fn()
+            torch.cuda.synchronize()
+        ev = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                    if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+        if ev:
+            passes.append(ev)
+    if not passes:
+        return {"error": "the profiler saw no CUDA kernels (CUPTI unavailable?)"}
+    return kernel_table(passes, layers)
+
+
+def kernel_table(passes: list, layers: int) -> dict:
+    """:func:`kernel_profile`'s figures from ``passes``: one list per pass of (start_us, end_us, name), sorted by
+    start (one stream: kernels run in launch order)."""
+    per_name: dict = {}
+    spans, busys, counts = [], [], []
+    for ev in passes:
+        busy, prev_end, seen = 0.0, ev[0][0], {}
+        for start, end, name in ev:
+            excl = max(0.0, end - max(start, prev_end))
+            busy += excl
+            prev_end = max(prev_end, end)
+            c = seen.setdefault(name, [0, 0.0])
+            c[0] += 1
+            c[1] += excl
+        for name, (n, t) in seen.items():
+            per_name.setdefault(name, []).append((n, t))
+        spans.append(prev_end - ev[0][0])
+        busys.append(busy)
+        counts.append(len(ev))
+    rows = []
+    for name, vals in per_name.items():
+        n = statistics.median(v[0] for v in vals)
+        t = statistics.median(v[1] for v in vals)
+        rows.append({"name": name[:120], "launches": n, "per_layer": n / layers, "exclusive_us": t,
+                     "mean_us": t / n if n else 0.0})
+    rows.sort(key=lambda r: -r["exclusive_us"])
+    span, busy = statistics.median(spans), statistics.median(busys)
+    return {"passes": len(passes), "span_us": span, "busy_us": busy, "idle_us": span - busy,
+            "kernels_per_pass": statistics.median(counts), "kernels_per_layer": statistics.median(counts) / layers,
+            "kernels": rows}
+
+
 def section_floors(b: dict, vb, bandwidth: float, layers: int) -> dict:
     """Adds to a :func:`breakdown` result each section's bytes (from :func:`~specverify.configs.verify_bytes`), its
     floor (bytes / the run's copy bandwidth, ms) and its efficiency (floor / measured ms): ``section_bytes``,
@@ -485,6 +544,8 @@ def cpu_notes(s: WallSettings) -> list[str]:
             notes.append(f"no GPU: {flag} {_flag_value(old)} -> {_flag_value(new)} ({why[name]})")
     if s.breakdown:
         notes.append("no GPU: --breakdown needs CUDA events; ignored")
+    if s.kernels:
+        notes.append("no GPU: --kernels needs CUDA kernel activity; ignored")
     if s.switch:
         notes.append("no GPU: --switch needs CUDA-graph replay; ignored")
     return notes
@@ -533,7 +594,7 @@ def run_verify_wall(s: WallSettings, progress=None) -> dict:
                 notes.append(f"--layers {layers} ignored: the stand-in has {cfg.num_hidden_layers}")
             layers = None
         notes += cpu_notes(s)
-        s = dataclasses.replace(s, **_cpu_changes(s), breakdown=False, switch=False)
+        s = dataclasses.replace(s, **_cpu_changes(s), breakdown=False, kernels=False, switch=False)
     elif s.switch and not s.graph:
         notes.append("--switch times CUDA-graph replays and needs --graph on; ignored")
     tp = s.tp
@@ -568,7 +629,7 @@ def run_verify_wall(s: WallSettings, progress=None) -> dict:
             "weight_bytes": model.weight_bytes(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "commit": commit, "gpu": env.get("gpu"), "versions": {k: env.get(k) for k in (
                 "specverify", "torch", "triton", "cuda_runtime", "cupy", "nccl")}}
-    rows, breakdowns = [], {}
+    rows, breakdowns, kernel_profiles = [], {}, {}
     ref_logits: dict = {}  # k -> logits of the first provider, the correctness yardstick of the others
     total_steps = len(s.impl) * len(ks)
     step = 0
@@ -652,6 +713,8 @@ def run_verify_wall(s: WallSettings, progress=None) -> dict:
                     b["graph_nodes"] = nodes_of(k)
                     breakdowns[f"{provider}/k={k}"] = section_floors(
                         b, verify_bytes(cfg, tp, k, context, s.batch, num_layers=layers), bandwidth, layers)
+                if s.kernels and device.type == "cuda" and k in (1, 4) and times:
+                    kernel_profiles[f"{provider}/k={k}"] = kernel_profile(lambda: pool.replay(s.batch, k), layers)
             if use_graphs:
                 meta.setdefault("graph_pools", {})[provider] = {
                     "graphs": [g.as_dict() if hasattr(g, "as_dict") else g for g in pool.report()],
@@ -711,7 +774,7 @@ def run_verify_wall(s: WallSettings, progress=None) -> dict:
                 torch.cuda.empty_cache()
             if s.json_path:  # after every provider, so a run stopped part-way still leaves its figures
                 try:
-                    _write_json({"rows": rows, "meta": meta, "breakdown": breakdowns, "partial": True}, s.json_path)
+                    _write_json({"rows": rows, "meta": meta, "breakdown": breakdowns, "kernel_profiles": kernel_profiles, "partial": True}, s.json_path)
                 except OSError as exc:  # the path was checked up front; keep measuring, the final write reports it
                     log.warning("verify-wall: partial --json write to %s failed: %s", s.json_path, exc)
     finally:
@@ -722,7 +785,7 @@ def run_verify_wall(s: WallSettings, progress=None) -> dict:
         r.update({k2: meta[k2] for k2 in ("model", "tp", "batch", "context", "layers", "distinct_layers", "graph",
                                           "gpu", "commit", "date")})
         r["versions"] = meta["versions"]
-    return {"rows": rows, "meta": meta, "breakdown": breakdowns}
+    return {"rows": rows, "meta": meta, "breakdown": breakdowns, "kernel_profiles": kernel_profiles}
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -776,6 +839,15 @@ def format_table(result: dict) -> str:
         lines.append(f"breakdown {name} ({b['mode']}): pass {b['pass_ms']:.3f} ms, components sum "
                      f"{b['sum_ms']:.3f} ms (gap {b['gap'] * 100:.1f}%; uncorrected {b['raw_sum_ms']:.3f} ms, "
                      f"{b['section_overhead_us']:.2f} us of event nodes per section subtracted{per}): {comp}")
+    for name, kp in result.get("kernel_profiles", {}).items():
+        if "error" in kp:
+            lines.append(f"kernels {name}: {kp['error']}")
+            continue
+        top = "; ".join(f"{r['name'][:48]} {r['per_layer']:.2f}/layer {r['exclusive_us']:.0f} us ({r['mean_us']:.2f})"
+                        for r in kp["kernels"][:12])
+        lines.append(f"kernels {name}: {kp['kernels_per_pass']:.0f} a pass ({kp['kernels_per_layer']:.1f} a layer), "
+                     f"span {kp['span_us']:.0f} us, busy {kp['busy_us']:.0f}, idle {kp['idle_us']:.0f}; by exclusive "
+                     f"time (launches a layer, us a pass, mean us): {top}")
     for name, g in result["meta"].get("gpu_state", {}).items():
         if g.get("samples"):
             f = {key: "n/a" if v is None else f"{v:.0f}" for key, v in g.items() if key != "throttle_reasons"}
@@ -847,7 +919,8 @@ def _cmd(args) -> int:
                      draft_tokens=args.draft_tokens, tree=args.tree, layers=args.layers,
                      distinct_layers=args.distinct_layers, impl=[p for p in args.impl.split(",") if p],
                      graph=args.graph == "on", warmup=args.warmup, iters=args.iters, page_size=args.page_size,
-                     breakdown=args.breakdown, switch=args.switch, seed=args.seed, json_path=args.json,
+                     breakdown=args.breakdown, kernels=args.kernels, switch=args.switch, seed=args.seed,
+                     json_path=args.json,
                      plot_path=args.plot, link=args.link)
     # every check before any work: a run of many minutes must not end in a traceback at its last step
     try:
@@ -947,6 +1020,9 @@ def register_cli(bench_sub) -> None:
     p.add_argument("--iters", type=int, default=30, help="timed passes per provider and k (default: 30)")
     p.add_argument("--page-size", type=int, default=64, help="KV cache page size in tokens (default: 64)")
     p.add_argument("--breakdown", action="store_true", help="GPU time per component at k = 1 and 4")
+    p.add_argument("--kernels", action="store_true",
+                   help="every kernel of the pass at k = 1 and 4 from torch.profiler: launches a layer, exclusive "
+                        "time, idle time between kernels")
     p.add_argument("--switch", action="store_true", help="also time replays that change k every pass")
     p.add_argument("--link", choices=["nvlink", "pcie"], default="nvlink",
                    help="link of the modelled tp allreduce (default: nvlink)")

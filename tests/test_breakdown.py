@@ -108,3 +108,19 @@ def test_section_floors_put_each_sections_bytes_against_its_time():
     assert apart["section_bytes"]["experts"] == vb.routed_experts
     assert apart["section_bytes"]["shared_expert"] == vb.shared_experts
     assert "graph_nodes_per_layer" not in apart
+
+
+def test_kernel_table_gives_overlap_to_the_predecessor_and_counts_bubbles():
+    """--kernels: with PDL a kernel starts before its predecessor ends; the overlap is the predecessor's time, a gap
+    between two kernels is idle, and the figures are medians over passes."""
+    from specverify.verify_wall import kernel_table
+
+    one = [(0.0, 10.0, "gemv"), (8.0, 12.0, "norm"), (15.0, 20.0, "gemv")]  # norm starts 2 us early; a 3 us bubble
+    two = [(0.0, 12.0, "gemv"), (12.0, 14.0, "norm"), (14.0, 20.0, "gemv")]
+    t = kernel_table([one, two, one], layers=2)
+    assert t["passes"] == 3 and t["kernels_per_pass"] == 3 and t["kernels_per_layer"] == 1.5
+    assert t["span_us"] == 20.0 and t["busy_us"] == 17.0 and t["idle_us"] == 3.0
+    rows = {r["name"]: r for r in t["kernels"]}
+    assert rows["gemv"]["launches"] == 2 and rows["gemv"]["exclusive_us"] == 15.0  # 10 + 5 in the median pass
+    assert rows["norm"]["exclusive_us"] == 2.0 and rows["norm"]["mean_us"] == 2.0
+    assert [r["name"] for r in t["kernels"]] == ["gemv", "norm"]  # by exclusive time

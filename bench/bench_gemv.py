@@ -16,7 +16,7 @@ layer has its own weights).
 floor / measured. Every row is checked against the fp32 reference first.
 
 Each row also times ours with programmatic dependent launch off (``SPECVERIFY_PDL=0``: each call waits for the
-previous one) and with PDL but without the L2 prefetch of the weight slice (``ours_no_prefetch_us``); the default
+previous one) and with PDL but without the L2 prefetch of the weight's first columns (``ours_no_prefetch_us``); the default
 (PDL with prefetch on sm_90+) is ``ours_us``. q_b rows add RMSNorm + q_b (q_a's norm, K = 1536): RMSNorm then
 cuBLAS (``norm_cublas_us``, the pass before), RMSNorm then ours (``norm_ours_us``) and the norm in our GEMV's
 prologue (``norm_fused_us``, one launch).
@@ -63,11 +63,12 @@ def _pdl_off():
 def _no_prefetch():
     from specverify import gemv as gemv_mod
 
-    gemv_mod._CONFIG["PREFETCH"] = False
+    old = gemv_mod._CONFIG["PREFETCH_BYTES"]
+    gemv_mod._CONFIG["PREFETCH_BYTES"] = 0
     try:
         yield
     finally:
-        gemv_mod._CONFIG["PREFETCH"] = True
+        gemv_mod._CONFIG["PREFETCH_BYTES"] = old
 
 
 def main(argv=None) -> int:

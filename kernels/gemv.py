@@ -18,7 +18,8 @@ of K (K = 1536 for q_b: 3 KiB a row from L2), then multiplies ``bf16(x * rstd * 
 would have stored, so the norm costs no launch of its own.
 
 ``PDL`` (programmatic dependent launch, sm_90+): the grid may start while the previous kernel finishes; with
-``PREFETCH`` each program first issues ``prefetch.global.L2`` for its weight slice (constant data), then lets the
+``PREFETCH`` each program first issues ``prefetch.global.L2`` for the first ``k_prefetch`` columns of its weight
+slice (constant data; the launcher bounds the grid's total, so a large weight does not thrash L2), then lets the
 next kernel launch (``gdc_launch_dependents``) and waits (``gdc_wait``) before it touches X, the workspace or Y.
 
 Tensors: X [M, K] (unit stride on K), W [N, K] (torch's Linear layout), Y [M, N]; bf16 / fp16; P fp32; TICKET
@@ -37,7 +38,8 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
-def _gemv_splitk_kernel(X, W, Y, P, TICKET, NW, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split, eps,
+def _gemv_splitk_kernel(X, W, Y, P, TICKET, NW, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split, k_prefetch,
+                        eps,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLIT_K: tl.constexpr, SPLIT_PAD: tl.constexpr, WIDE_REDUCE: tl.constexpr,
                         DOT_FP32: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
@@ -49,9 +51,9 @@ def _gemv_splitk_kernel(X, W, Y, P, TICKET, NW, M, N, K, stride_xm, stride_wn, s
     mmask = rm < M
     k_lo = pid_s * k_per_split
     if PDL:
-        if PREFETCH:  # the weight slice is constant: stream it into L2 while the previous kernel finishes
-            lines = tl.arange(0, BLOCK_K // 64)  # 64 bf16 / fp16 elements = one 128-byte line
-            for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
+        if PREFETCH:  # the weight is constant: the slice's first k_prefetch columns go to L2 while the previous
+            lines = tl.arange(0, BLOCK_K // 64)  # kernel finishes (64 bf16 / fp16 elements = one 128-byte line)
+            for k0 in range(k_lo, k_lo + k_prefetch, BLOCK_K):
                 lk = k0 + lines * 64
                 pmask = nmask[:, None] & (lk < K)[None, :]
                 _prefetch_l2(tl.where(pmask, W + rn.to(tl.int64)[:, None] * stride_wn + lk[None, :], W))

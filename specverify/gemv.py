@@ -18,9 +18,19 @@ _FLOAT = (torch.bfloat16, torch.float16)
 MAX_M = 16
 BLOCK_N, BLOCK_K = 64, 128
 _BUFFERS: dict = {}
-#: ``PDL``: launch as a programmatic dependent where :func:`~specverify.fit.pdl_launch` allows; ``PREFETCH``: with
-#: PDL, each program prefetches its weight slice into L2 before ``gdc_wait``
-_CONFIG = {"PDL": True, "PREFETCH": True}
+#: ``PDL``: launch as a programmatic dependent where :func:`~specverify.fit.pdl_launch` allows; ``PREFETCH_BYTES``:
+#: with PDL, the grid prefetches up to this much of the weight into L2 before ``gdc_wait`` (whole ``BLOCK_K``
+#: chunks a program, at least one; 0: none)
+_CONFIG = {"PDL": True, "PREFETCH_BYTES": 8 << 20}
+
+
+def prefetch_columns(programs: int, per: int, elem_bytes: int) -> int:
+    """K columns of its slice (``per`` wide) each of ``programs`` programs prefetches under ``PREFETCH_BYTES``."""
+    budget = _CONFIG["PREFETCH_BYTES"]
+    if budget <= 0:
+        return 0
+    chunk = BLOCK_N * BLOCK_K * elem_bytes
+    return min(per, max(1, budget // (programs * chunk)) * BLOCK_K)
 
 
 def gemv_split(n: int, k: int, sms: int) -> tuple[int, int]:
@@ -183,10 +193,11 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None = None, n
     grid = (-(-n // BLOCK_N), split)
     pdl = _CONFIG["PDL"] and pdl_launch(x.device)
     nw = norm_weight if norm_weight is not None else w
+    k_prefetch = prefetch_columns(grid[0] * grid[1], per, x.element_size()) if pdl else 0
     _gemv_splitk_kernel[grid](x, w, out, part, ticket, nw, m, n, k, x.stride(0), w.stride(0), out.stride(0), per,
-                              float(eps), BLOCK_M=max(16, triton_next_pow2(m)), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                              k_prefetch, float(eps), BLOCK_M=max(16, triton_next_pow2(m)), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                               SPLIT_K=split, SPLIT_PAD=triton_next_pow2(split), WIDE_REDUCE=m == 1,
                               DOT_FP32=not x.is_cuda, NORM=norm_weight is not None, PDL=pdl,
-                              PREFETCH=pdl and _CONFIG["PREFETCH"], num_warps=4, num_stages=3,
+                              PREFETCH=k_prefetch > 0, num_warps=4, num_stages=3,
                               **({"launch_pdl": True} if pdl else {}))
     return out

@@ -16,10 +16,9 @@ layer has its own weights).
 floor / measured. Every row is checked against the fp32 reference first.
 
 Each row also times ours with programmatic dependent launch off (``SPECVERIFY_PDL=0``: each call waits for the
-previous one) and with PDL but without the L2 prefetch of the weight's first columns (``ours_no_prefetch_us``); the default
-(PDL with prefetch on sm_90+) is ``ours_us``. q_b rows add RMSNorm + q_b (q_a's norm, K = 1536): RMSNorm then
-cuBLAS (``norm_cublas_us``, the pass before), RMSNorm then ours (``norm_ours_us``) and the norm in our GEMV's
-prologue (``norm_fused_us``, one launch).
+previous one) and with PDL but without the L2 prefetch of the weight's first columns (``ours_no_prefetch_us``);
+the default (PDL with prefetch on sm_90+) is ``ours_us``. A variant with q_a's RMSNorm in the q_b GEMV's prologue
+measured slower than RMSNorm + GEMV with PDL and was removed (bench/RESULTS.md, "Verify pass").
 
 Usage: ``python bench/bench_gemv.py [--quick] [--json PATH]`` (``--quick``: M = 1, 4, 8; about a minute).
 """
@@ -113,27 +112,10 @@ def main(argv=None) -> int:
                        cublas_bw_frac=floor / cublas, ours_bw_frac=floor / ours, ours_over_cublas=ours / cublas,
                        max_rel_err_vs_fp32=err, ours_max_rel_err_vs_fp32=err_ours, weight_copies=copies,
                        split=gemv_split(n, k, sms))
-            extra = ""
-            if proj == "q_b":  # q_a's RMSNorm before it: two launches against the fused one
-                from specverify.fused_ops import rmsnorm
-
-                nw = (torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16)
-                want_n = (rmsnorm(x, nw, 1e-6).float() @ ws[0].float().t())
-                err_f = float((gemv(x, ws[0], norm_weight=nw).float() - want_n).abs().max()) / float(
-                    want_n.abs().max())
-                row["norm_cublas_us"] = graph_us(lambda: torch.matmul(rmsnorm(x, nw, 1e-6), next(cycle).t(), out=out),
-                                                 calls=len(ws), replays=5, repeats=5)
-                row["norm_ours_us"] = graph_us(lambda: gemv(rmsnorm(x, nw, 1e-6), next(cycle), out=out),
-                                               calls=len(ws), replays=5, repeats=5)
-                row["norm_fused_us"] = graph_us(lambda: gemv(x, next(cycle), out=out, norm_weight=nw),
-                                                calls=len(ws), replays=5, repeats=5)
-                row["norm_fused_max_rel_err"] = err_f
-                extra = (f"  norm+q_b: cuBLAS {row['norm_cublas_us']:.2f} ours {row['norm_ours_us']:.2f} "
-                         f"fused {row['norm_fused_us']:.2f}")
             rows.append(row)
             print(f"{model:>12} {proj:>8} {m:>3} {n:>6} {k:>6} {floor:7.2f} {ours:7.2f} ({floor / ours:4.0%}) "
                   f"{cublas:7.2f} ({floor / cublas:4.0%})  {ours / cublas:5.2f}  err {err_ours:.1e}  "
-                  f"no-PDL {ours_nopdl:.2f} no-prefetch {ours_nopf:.2f}{extra}")
+                  f"no-PDL {ours_nopdl:.2f} no-prefetch {ours_nopf:.2f}")
         del ws
         torch.cuda.empty_cache()
     if args.json:

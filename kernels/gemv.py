@@ -13,17 +13,13 @@ grid covers every SM about twice (N of 384-7168 gives only 6-112 row tiles)::
 One launch: the partials go to an fp32 workspace [SPLIT_K, BLOCK_M, N] and the tile's last program (its ticket,
 acquire-release) reduces them and resets the ticket, so the launch is graph-replayable with no memset.
 
-``NORM``: X is an RMSNorm's input and NW [K] its weight: every program first computes its rows' ``1 / rms`` over all
-of K (K = 1536 for q_b: 3 KiB a row from L2), then multiplies ``bf16(x * rstd * nw)``, the row a separate RMSNorm
-would have stored, so the norm costs no launch of its own.
-
 ``PDL`` (programmatic dependent launch, sm_90+): the grid may start while the previous kernel finishes; with
 ``PREFETCH`` each program first issues ``prefetch.global.L2`` for the first ``k_prefetch`` columns of its weight
 slice (constant data; the launcher bounds the grid's total, so a large weight does not thrash L2), then lets the
 next kernel launch (``gdc_launch_dependents``) and waits (``gdc_wait``) before it touches X, the workspace or Y.
 
 Tensors: X [M, K] (unit stride on K), W [N, K] (torch's Linear layout), Y [M, N]; bf16 / fp16; P fp32; TICKET
-int32 [row tiles], zero between launches; NW [K] (NORM only), X's dtype.
+int32 [row tiles], zero between launches.
 """
 import triton
 import triton.language as tl
@@ -38,11 +34,10 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
-def _gemv_splitk_kernel(X, W, Y, P, TICKET, NW, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split, k_prefetch,
-                        eps,
+def _gemv_splitk_kernel(X, W, Y, P, TICKET, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split, k_prefetch,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLIT_K: tl.constexpr, SPLIT_PAD: tl.constexpr, WIDE_REDUCE: tl.constexpr,
-                        DOT_FP32: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                        DOT_FP32: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -59,14 +54,6 @@ def _gemv_splitk_kernel(X, W, Y, P, TICKET, NW, M, N, K, stride_xm, stride_wn, s
                 _prefetch_l2(tl.where(pmask, W + rn.to(tl.int64)[:, None] * stride_wn + lk[None, :], W))
         gdc_launch_dependents()
         gdc_wait()  # x (and the workspace) belong to earlier kernels: nothing is read or written before this
-    if NORM:  # x is RMSNorm's input: each program recomputes its rows' 1 / rms over all of K
-        ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            xk = tl.load(X + rm[None, :] * stride_xm + rk[:, None], mask=mmask[None, :] & (rk < K)[:, None],
-                         other=0.0).to(tl.float32)
-            ss += tl.sum(xk * xk, axis=0)
-        rstd = tl.rsqrt(ss / K + eps)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
@@ -74,9 +61,6 @@ def _gemv_splitk_kernel(X, W, Y, P, TICKET, NW, M, N, K, stride_xm, stride_wn, s
         w = tl.load(W + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :], mask=nmask[:, None] & kmask[None, :],
                     other=0.0)
         xt = tl.load(X + rm[None, :] * stride_xm + rk[:, None], mask=mmask[None, :] & kmask[:, None], other=0.0)
-        if NORM:  # the normed row rounded to x's dtype, as a separate RMSNorm would store it
-            nw = tl.load(NW + rk, mask=kmask, other=0.0).to(tl.float32)
-            xt = (xt.to(tl.float32) * rstd[None, :] * nw[:, None]).to(W.dtype.element_ty)
         if DOT_FP32:  # the CPU interpreter (its bf16 dot is not exact)
             acc += tl.dot(w.to(tl.float32), xt.to(tl.float32))
         else:

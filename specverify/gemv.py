@@ -91,50 +91,17 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x @ w.t()
 
 
-#: Where :func:`gemv` with the RMSNorm in its prologue beat RMSNorm + :func:`linear` (two launches) on the H200, as
-#: (max M, N range, K range): q_b after q_a's norm, K = q_lora_rank 1536 (provisional until bench_gemv's
-#: ``norm+q_b`` rows: see bench/RESULTS.md, "Projections").
-NORM_LINEAR_RULES = ((8, (1536, 3072), (1536, 1536)),)
-
-
-def rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor) -> torch.Tensor:
-    """``rmsnorm(x, norm_weight, eps) @ w.T`` for the verify pass (q_a's norm and q_b): one fused :func:`gemv` where
-    :data:`NORM_LINEAR_RULES` say it measured faster, else :func:`specverify.fused_ops.rmsnorm` then
-    :func:`linear`.
-
-    x [..., K] (unit stride on K; a strided view of the q_a + kv_a output is fine); norm_weight [K]; w [N, K].
-    Returns [..., N] in x's dtype. Graph capturable after one eager call; no validation beyond the shape rule.
-    """
-    from specverify.fused_ops import rmsnorm
-
-    k = x.shape[-1]
-    m = x.numel() // k if k else 0
-    n = w.shape[0]
-    if (m >= 1 and any(m <= mm and nlo <= n <= nhi and klo <= k <= khi for mm, (nlo, nhi), (klo, khi)
-                       in NORM_LINEAR_RULES)
-            and x.dtype in _FLOAT and w.dtype == x.dtype and norm_weight.dtype == x.dtype and w.dim() == 2
-            and w.shape[1] == k and w.stride(1) == 1 and _use_triton("auto", x, w)):
-        flat = x.reshape(m, k)
-        if flat.stride(1) == 1:
-            return gemv(flat, w, norm_weight=norm_weight, eps=eps).view(*x.shape[:-1], n)
-    return linear(rmsnorm(x, norm_weight, eps), w)
-
-
-def gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-         eps: float = 1e-6, impl: str = "auto") -> torch.Tensor:
-    """``x @ w.T`` for skinny ``x``, optionally of ``rmsnorm(x)`` (the norm fused into the GEMV's prologue).
+def gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None = None, impl: str = "auto") -> torch.Tensor:
+    """``x @ w.T`` for skinny ``x``.
 
     Source: split-K GEMV with the MMA operands swapped (the weight rows on the MMA's M side), as in the skinny
-    GEMM paths of TensorRT-LLM and FlashInfer; RMSNorm (Zhang & Sennrich, 2019).
+    GEMM paths of TensorRT-LLM and FlashInfer.
 
     Parameters
     ----------
     x : Tensor [M, K], M in [1, 16], unit stride on K; bf16 / fp16.
     w : Tensor [N, K] (a Linear weight), unit stride on K, x's dtype.
     out : Tensor [M, N] of x's dtype with unit stride on N, or None (allocated).
-    norm_weight : Tensor [K] of x's dtype, or None. Given, the result is ``rmsnorm(x, norm_weight, eps) @ w.T``
-        with the normed row rounded to x's dtype first (what a separate RMSNorm stores), in one launch.
-    eps : float, RMSNorm's epsilon (with ``norm_weight`` only).
 
     Returns ``out`` [M, N] in x's dtype (fp32 accumulation, one rounding).
 
@@ -143,8 +110,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None = None, n
     TypeError
         Non-bf16/fp16 or mismatched dtypes.
     ValueError
-        Shapes that disagree, M outside [1, 16] (use ``torch.matmul``), a strided K dimension, a norm weight
-        that is not [K] in x's dtype.
+        Shapes that disagree, M outside [1, 16] (use ``torch.matmul``), a strided K dimension.
 
     Notes
     -----
@@ -165,11 +131,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None = None, n
     n = w.shape[0]
     if w.shape[1] != k:
         raise ValueError(f"{op}: w must be [N, K = {k}] (x is [{m}, {k}]), got {list(w.shape)}")
-    if norm_weight is not None and (not isinstance(norm_weight, torch.Tensor) or norm_weight.shape != (k,)
-                                    or norm_weight.dtype != x.dtype):
-        got = f"{norm_weight.dtype} {list(norm_weight.shape)}" if isinstance(norm_weight, torch.Tensor) else \
-            type(norm_weight).__name__
-        raise ValueError(f"{op}: norm_weight must be a [{k}] {x.dtype} tensor (x's K and dtype), got {got}")
     if not 1 <= m <= MAX_M:
         raise ValueError(f"{op}: x must have 1..{MAX_M} rows, got {m}; use torch.matmul for wider inputs")
     if x.stride(1) != 1 or w.stride(1) != 1:
@@ -180,9 +141,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None = None, n
         raise ValueError(f"{op}: out must be {x.dtype} [{m}, {n}] with unit stride, got {out.dtype} "
                          f"{list(out.shape)}")
     if not _use_triton(impl, x, w):
-        if norm_weight is not None:
-            from specverify.reference.fused_ops import rmsnorm_reference
-            x = rmsnorm_reference(x, norm_weight, eps)
         out.copy_(gemv_reference(x, w))
         return out
     from specverify.kernels.gemv import _gemv_splitk_kernel
@@ -192,12 +150,11 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None = None, n
     part, ticket = _buffers(x.device, n, split)
     grid = (-(-n // BLOCK_N), split)
     pdl = _CONFIG["PDL"] and pdl_launch(x.device)
-    nw = norm_weight if norm_weight is not None else w
     k_prefetch = prefetch_columns(grid[0] * grid[1], per, x.element_size()) if pdl else 0
-    _gemv_splitk_kernel[grid](x, w, out, part, ticket, nw, m, n, k, x.stride(0), w.stride(0), out.stride(0), per,
-                              k_prefetch, float(eps), BLOCK_M=max(16, triton_next_pow2(m)), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+    _gemv_splitk_kernel[grid](x, w, out, part, ticket, m, n, k, x.stride(0), w.stride(0), out.stride(0), per,
+                              k_prefetch, BLOCK_M=max(16, triton_next_pow2(m)), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                               SPLIT_K=split, SPLIT_PAD=triton_next_pow2(split), WIDE_REDUCE=m == 1,
-                              DOT_FP32=not x.is_cuda, NORM=norm_weight is not None, PDL=pdl,
+                              DOT_FP32=not x.is_cuda, PDL=pdl,
                               PREFETCH=k_prefetch > 0, num_warps=4, num_stages=3,
                               **({"launch_pdl": True} if pdl else {}))
     return out

@@ -4,7 +4,6 @@ import torch
 
 from specverify import gemv as gemv_mod
 from specverify.gemv import gemv, gemv_split
-from specverify.reference.fused_ops import rmsnorm_reference
 from specverify.reference.gemv import gemv_reference
 
 
@@ -23,51 +22,6 @@ def test_gemv_matches_reference(device, m, n, k):
         eps = torch.finfo(dtype).eps
         torch.testing.assert_close(got, want, rtol=2 * eps, atol=2 * eps * float(want.abs().max()) + 1e-5 * k ** 0.5)
         out.fill_(float("nan"))
-
-
-@pytest.mark.parametrize("m, n, k", [(1, 70, 300), (5, 64, 1536)])  # partial tiles; q_b's K (q_lora_rank)
-def test_gemv_with_the_rmsnorm_in_its_prologue(device, m, n, k):
-    """``rmsnorm(x) @ w.T`` in one launch, x a strided view as the q_a + kv_a output gives it (row stride > K)."""
-    g = torch.Generator().manual_seed(m * 7 + k)
-    dtype = torch.bfloat16
-    wide = (torch.randn(m, k + 40, generator=g) * 3).to(dtype).to(device)
-    x = wide[:, :k]  # row stride k + 40
-    nw = (torch.rand(k, generator=g) + 0.5).to(dtype).to(device)
-    w = torch.randn(n, k, generator=g).to(dtype).to(device)
-    out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
-    got = gemv(x, w, out=out, norm_weight=nw, eps=1e-6, impl="triton")
-    normed = rmsnorm_reference(x, nw, 1e-6)
-    want = gemv_reference(normed, w)
-    # as the plain GEMV, plus: a normed element may round to the neighbouring bf16 value where the kernel's sum of
-    # squares differs from torch's in the last bit, at most one ulp of |x_n| on some of the k products
-    eps = torch.finfo(dtype).eps
-    rms = float(normed.float().pow(2).mean().sqrt())
-    atol = 2 * eps * float(want.abs().max()) + 1e-5 * k ** 0.5 + eps * rms * k ** 0.5
-    torch.testing.assert_close(got, want, rtol=2 * eps, atol=atol)
-    assert not torch.isnan(got).any()
-
-
-def test_rmsnorm_linear_fuses_only_where_the_rule_says(device, monkeypatch):
-    calls = []
-    real = gemv_mod.gemv
-    monkeypatch.setattr(gemv_mod, "gemv", lambda x, w, **kw: (calls.append(kw), real(x, w, **kw))[1])
-    monkeypatch.setattr(gemv_mod, "NORM_LINEAR_RULES", ((4, (96, 96), (256, 256)),))
-    monkeypatch.setattr(gemv_mod, "LINEAR_RULES", ())  # the unfused path: RMSNorm, then cuBLAS / torch
-    g = torch.Generator().manual_seed(3)
-    dtype = torch.bfloat16
-    w = torch.randn(96, 256, generator=g).to(dtype).to(device)
-    nw = (torch.rand(256, generator=g) + 0.5).to(dtype).to(device)
-    eps = torch.finfo(dtype).eps
-    for shape, fused in (((1, 3, 256), True), ((1, 5, 256), False)):  # M = 3 fused, M = 5 > 4 not
-        x = torch.randn(*shape, generator=g).to(dtype).to(device)
-        before = len(calls)
-        got = gemv_mod.rmsnorm_linear(x, nw, 1e-6, w)
-        assert (len(calls) > before) == fused and all("norm_weight" in c for c in calls[before:]), shape
-        normed = rmsnorm_reference(x.reshape(-1, 256), nw, 1e-6)
-        want = gemv_reference(normed, w).view(*shape[:-1], 96)
-        rms = float(normed.float().pow(2).mean().sqrt())  # one-ulp differences of the normed row, as above
-        atol = 2 * eps * float(want.abs().max()) + 1e-5 * 16 + eps * rms * 16
-        torch.testing.assert_close(got, want, rtol=2 * eps, atol=atol)
 
 
 @pytest.mark.parametrize("m", [1, 2])  # one token takes the wide final reduce, more tokens the split-by-split one
@@ -124,11 +78,9 @@ def test_linear_takes_the_gemv_only_where_it_measured_faster(device, monkeypatch
     (dict(w=torch.zeros(4, 8, dtype=torch.float16)), "x's dtype"),
     (dict(x=torch.zeros(2, 8)), "bf16/fp16"),
     (dict(x=torch.zeros(8, 2, dtype=torch.bfloat16).t()), "unit stride"),
-    (dict(norm_weight=torch.ones(9, dtype=torch.bfloat16)), r"norm_weight must be a \[8\] torch.bfloat16"),
-    (dict(norm_weight=torch.ones(8)), "norm_weight must be"),  # fp32 weight for bf16 x
 ])
 def test_gemv_bad_input(bad, match):
     args = dict(x=torch.zeros(2, 8, dtype=torch.bfloat16), w=torch.zeros(4, 8, dtype=torch.bfloat16))
     args.update(bad)
     with pytest.raises((TypeError, ValueError), match=match):
-        gemv(args["x"], args["w"], norm_weight=args.get("norm_weight"))
+        gemv(args["x"], args["w"])

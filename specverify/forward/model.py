@@ -294,9 +294,9 @@ class VerifyModel:
         b, k, _ = x.shape
         heads = s.num_heads
         qkv = ops.linear(x, w["qkv_a"])  # [b, k, q_lora + kv_lora + rope]: q_a and kv_a in one GEMM
+        q = ops.rmsnorm(qkv[..., : c.q_lora_rank], w["q_a_norm"], c.rms_norm_eps)
         q_b = w["q_b"]  # [heads, nope + rope, q_lora]
-        q = ops.rmsnorm_linear(qkv[..., : c.q_lora_rank], w["q_a_norm"], c.rms_norm_eps,  # q_a's norm, then q_b
-                               q_b.reshape(-1, q_b.shape[-1])).view(b, k, heads, q_b.shape[1])  # [b, k, h, nope + rope]
+        q = ops.linear(q, q_b.reshape(-1, q_b.shape[-1])).view(b, k, heads, q_b.shape[1])  # [b, k, heads, nope + rope]
         kv = qkv[..., c.q_lora_rank:]  # [b, k, kv_lora + rope]
         # latent norm, rope of key and query rope part, KV written into the cache
         ops.mla_prep(q, kv, positions, w["kv_a_norm"], cache[0], page_table, prefix_lens, c.rms_norm_eps,

@@ -32,7 +32,6 @@ silu_mul             gate_up [M, 2I] -> [M, I]
 mla_absorb_q         q, w_uk, nope -> q_latent [b, k, h, R]
 mla_up_v             o_latent, w_uv -> [b, k, h * V]
 linear               x [..., K], w [N, K] -> x @ w.T
-rmsnorm_linear       x [..., K], norm_w [K], eps, w [N, K] -> linear(rmsnorm(x), w) (default: the table's two slots)
 write_kv             :func:`specverify.reference.kv.write_draft_kv` (not called by the forward: the prep ops write)
 ===================  ===========================================================================================
 """
@@ -102,7 +101,6 @@ class Ops:
     mla_absorb_q: Callable = mla_absorb_q_reference  # (q, w_uk, nope) -> q_latent [b, k, h, R]
     mla_up_v: Callable = mla_up_v_reference  # (o_latent, w_uv) -> [b, k, h * V]
     linear: Callable = None  # (x [..., K], w [N, K]) -> x @ w.T: the projections that may leave cuBLAS
-    rmsnorm_linear: Callable = None  # (x, norm_w, eps, w [N, K]) -> linear(rmsnorm(x), w): q_a's norm and q_b
     pieces: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -114,8 +112,6 @@ class Ops:
             self.gqa_prep = gqa_prep_reference
         if self.linear is None:
             self.linear = _matmul
-        if self.rmsnorm_linear is None:  # the table's own norm and projection, looked up at call time
-            self.rmsnorm_linear = lambda x, nw, eps, w: self.linear(self.rmsnorm(x, nw, eps), w)
         for name in ("attention", "moe_route", "experts", "acceptance", "kv_compaction", "allreduce",
                      "small_ops"):
             self.pieces.setdefault(name, "reference")
@@ -249,9 +245,9 @@ def specverify_ops(model):
         ops.pieces["small_ops"] = "triton"
     else:
         missing.append(why)
-    fns, why = _try("specverify.gemv", "linear", "rmsnorm_linear")
+    fns, why = _try("specverify.gemv", "linear")
     if fns:
-        ops.linear, ops.rmsnorm_linear = fns
+        ops.linear = fns[0]
         ops.pieces["projections"] = "triton gemv where faster, else cuBLAS"
     else:
         missing.append(why)

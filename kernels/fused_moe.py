@@ -165,13 +165,15 @@ def _moe_topk_sum_kernel(part_ptr, ids_ptr, out_ptr, stride_pm, stride_om, E: tl
 #       stores
 #           act[s, rows] = silu(hidden[tok(s)] @ gate^T) * (hidden[tok(s)] @ up^T)     (fp32 sums, act in w's dtype)
 #       (no alignment needed; an expert shared by two tokens is read twice, the second time mostly from L2 since all
-#       programs run in one wave). With PDL it lets the down kernel launch at once (gdc_launch_dependents).
+#       programs run in one wave). With PDL it lets the down kernel launch (gdc_launch_dependents) once its own
+#       gdc_wait has seen the routing finish.
 #   _moe_stream_down_kernel     grid (ceil(H / BH),). Program p owns output rows h in [p*BH, (p+1)*BH) and every
 #       slot of every token at once (SP >= M * TOP_K lanes): one gathered [SP, BH, BI] load of w2[e_s][h, i] (each
 #       activated expert's w2 rows read once), then
 #           out[m, h] = sum_{s of token m} sum_i (r_s * act[s, i]) * w2[e_s][h, i]
 #       (slots whose id is -1 or >= E masked out; fixed reduction order: deterministic, no atomics).
-#       With PDL it is launched as a programmatic dependent: the w2 gather (independent of the gate/up kernel) is
+#       With PDL it is launched as a programmatic dependent: the w2 gather (independent of the gate/up kernel, but
+#       after the routing, which the gate/up kernel waits for before it lets the down kernel launch) is
 #       issued before ``gdc_wait``, so the down grid's weight reads overlap the gate/up kernel's tail.
 #
 # Weight loads go through ``_load_w_tile`` (gate/up) and ``_load_w_gather`` (down): a W4A16 group-32 format would add
@@ -189,9 +191,9 @@ def _load_w_gather(w_ptr, e, rows, cols, e_mask, row_mask, col_mask, stride_e, s
 def _moe_stream_gate_up_kernel(hidden_ptr, w13_ptr, act_ptr, ids_ptr, stride_hm, stride_we, stride_wn, stride_am,
                                E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
                                R: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # the down kernel may launch now: it gathers w2 first and waits (gdc_wait) before reading act; this
-        gdc_launch_dependents()  # kernel itself waits for the routing (ids) and the norm (hidden)
-        gdc_wait()
+    if PDL:  # wait for the routing (ids) and the norm (hidden) first: the down kernel reads ids and weights
+        gdc_wait()  # before its own wait, so it may launch (and gather w2) only once the routing has finished
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     NT: tl.constexpr = (I + R - 1) // R
     slot = pid // NT

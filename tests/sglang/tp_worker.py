@@ -57,12 +57,32 @@ def main(argv):
         _compare(rank, out_path, dtype, topk, prefix, trees, int(opts.get("vocab", 500)), world)
 
 
+def _separate_routing(model):
+    """bf16 runs: each MoE layer's experts ranked mostly by a correction bias of distinct steps (0.02 apart, the
+    same on every rank), the router weight shrunk so its logits stay far under those steps. With the dummy router
+    the 4th and 5th biased scores were 0.003-0.005 apart, under what one bf16 rounding of a router logit moves a
+    sigmoid score, so a rounding difference anywhere before the router (SGLang's torch ops against our kernels, or
+    the CPU's bf16 matmul) could swap an expert and move the logits by 16% (an AMD EPYC CI machine, 2026-12-02).
+    The routing weights still come from the scores."""
+    import torch
+
+    g = torch.Generator().manual_seed(17)
+    for layer in getattr(model, "language_model", model).model.layers:
+        gate = getattr(layer.mlp, "gate", None)
+        bias = getattr(gate, "e_score_correction_bias", None)
+        if bias is None:
+            continue
+        gate.weight.data.mul_(0.01 / max(float(gate.weight.float().abs().max()), 1e-6) / gate.weight.shape[1] ** 0.5)
+        bias.data.copy_((torch.randperm(bias.numel(), generator=g).float() * 0.02).to(bias.dtype))
+
+
 def _compare(rank, out_path, dtype, topk, prefix, trees, vocab, world):
     import torch
 
     from dsv3_harness import Dsv3Harness
 
-    h = Dsv3Harness(dtype=dtype, tokens=4, topk=topk, tp_size=world, tp_rank=rank, vocab=vocab)
+    h = Dsv3Harness(dtype=dtype, tokens=4, topk=topk, tp_size=world, tp_rank=rank, vocab=vocab,
+                    prepare=_separate_routing if dtype == torch.bfloat16 else None)
     result = {"rank": rank, "built": type(h.built).__name__}
     try:
         h.prefill(prefix)

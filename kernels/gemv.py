@@ -8,7 +8,8 @@ grid covers every SM about twice (N of 384-7168 gives only 6-112 row tiles)::
 
     program (n, s):  P[s, :, n0:n0+BLOCK_N] = sum over k in slice s of  X[:, k] * W[n0 + j, k]      fp32
     last program of row tile n (a self-resetting ticket per tile):  Y[m, n0:n0+BLOCK_N] = sum_s P[s, m]  (x's dtype):
-        at M = 1 one [SPLIT_PAD, BLOCK_N] load and tree sum (WIDE_REDUCE), else split by split
+        one [SPLIT_PAD, BLOCK_N] load and tree sum per token row (WIDE_REDUCE: one token, or many splits),
+        else split by split
 
 One launch: the partials go to an fp32 workspace [SPLIT_K, BLOCK_M, N] and the tile's last program (its ticket,
 acquire-release) reduces them and resets the ticket, so the launch is graph-replayable with no memset.
@@ -75,9 +76,8 @@ def _gemv_splitk_kernel(X, W, Y, P, TICKET, M, N, K, stride_xm, stride_wn, strid
         ticket = tl.atomic_add(TICKET + pid_n, 1, sem="acq_rel")
         if ticket == SPLIT_K - 1:
             if WIDE_REDUCE:
-                # one wide load of every split's partial per token row; at one token this beats the split-by-split
-                # loop below (router 7168 -> 384 on the H200: 5.9 against 16.1 us), at 4-8 tokens the row loop
-                # loses to it (qkv_a at 8 tokens 15.0 against 11.4 us), so the launcher sets it for M = 1 only
+                # one wide load of every split's partial per token row (the launcher's rule: one token, or
+                # many splits, where the split-by-split loop below would serialise)
                 rs = tl.arange(0, SPLIT_PAD)
                 smask = rs < SPLIT_K
                 for m in range(0, M):

@@ -18,6 +18,10 @@ _FLOAT = (torch.bfloat16, torch.float16)
 MAX_M = 16
 BLOCK_N, BLOCK_K = 64, 128
 _BUFFERS: dict = {}
+#: Splits from which the last program of a row tile sums the partials with one wide load per token row at every M
+#: (below it, and above one token, split by split): qkv_a's 8 splits lost with the wide form at 8 tokens (15.0
+#: against 11.4 us); the router's ~66 splits serialise the split-by-split loop (15.5 us at 4 tokens, bench_gemv).
+WIDE_REDUCE_MIN_SPLITS = 16
 #: ``PDL``: launch as a programmatic dependent where :func:`~specverify.fit.pdl_launch` allows; ``PREFETCH_BYTES``:
 #: with PDL, the grid prefetches up to this much of the weight into L2 before ``gdc_wait`` (whole ``BLOCK_K``
 #: chunks a program, at least one; 0: none)
@@ -153,7 +157,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None = None, i
     k_prefetch = prefetch_columns(grid[0] * grid[1], per, x.element_size()) if pdl else 0
     _gemv_splitk_kernel[grid](x, w, out, part, ticket, m, n, k, x.stride(0), w.stride(0), out.stride(0), per,
                               k_prefetch, BLOCK_M=max(16, triton_next_pow2(m)), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                              SPLIT_K=split, SPLIT_PAD=triton_next_pow2(split), WIDE_REDUCE=m == 1,
+                              SPLIT_K=split, SPLIT_PAD=triton_next_pow2(split),
+                              WIDE_REDUCE=m == 1 or split >= WIDE_REDUCE_MIN_SPLITS,
                               DOT_FP32=not x.is_cuda, PDL=pdl,
                               PREFETCH=k_prefetch > 0, num_warps=4, num_stages=3,
                               **({"launch_pdl": True} if pdl else {}))

@@ -24,9 +24,12 @@ def test_gemv_matches_reference(device, m, n, k):
         out.fill_(float("nan"))
 
 
-@pytest.mark.parametrize("m", [1, 2])  # one token takes the wide final reduce, more tokens the split-by-split one
-def test_gemv_splits_k_where_the_row_tiles_are_few(device, monkeypatch, m):
+# one token takes the wide final reduce, more tokens the split-by-split one, unless the splits are many (the router's
+# ~66: lowered to 2 here so the 4 splits of this shape take the wide reduce at 3 tokens)
+@pytest.mark.parametrize("m, wide_min", [(1, 16), (2, 16), (3, 2)])
+def test_gemv_splits_k_where_the_row_tiles_are_few(device, monkeypatch, m, wide_min):
     monkeypatch.setattr(gemv_mod, "sm_count", lambda device_type, index: 4)
+    monkeypatch.setattr(gemv_mod, "WIDE_REDUCE_MIN_SPLITS", wide_min)
     split, per = gemv_split(384, 7168, 132)
     assert split * -(-384 // 64) >= 2 * 132 and per % 128 == 0 and (split - 1) * per < 7168
     assert gemv_split(7168, 1024, 132)[0] * 112 >= 264

@@ -779,8 +779,9 @@ def _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, out):
     Launch 1: program = (routed slot, R gate rows + the same R up rows) over all of H with an FMA loop, SiLU·up
     fused, ``act`` [M·top_k, I] in the input dtype (no alignment needed). Launch 2: program = BH output rows; one
     gather of w2[e_s][rows, :] for every slot, the routed weight and the top-k (+ shared) sum in one fixed-order
-    reduction (deterministic, no atomics, no ``part`` buffer). With ``PDL`` (CUDA, sm_90+) launch 2 is a
-    programmatic dependent of launch 1 and issues its w2 gather before waiting for ``act``.
+    reduction (deterministic, no atomics, no ``part`` buffer). With ``PDL`` (CUDA, sm_90+) both launch as
+    programmatic dependents: launch 1 waits for the routing, then lets launch 2 start, which issues its w2 gather
+    before waiting for ``act``.
     CUDA-graph capturable: grids depend only on shapes, slots without an expert exit at once, no host sync.
     """
     from specverify.kernels.fused_moe import _moe_stream_down_kernel, _moe_stream_gate_up_kernel

@@ -235,7 +235,8 @@ def _moe_stream_down_kernel(act_ptr, w2_ptr, ids_ptr, tw_ptr, out_ptr, stride_am
     hmask = oh < H
     sl = tl.arange(0, SP)  # slot s = m * TOP_K + k of token m (ids and weights are contiguous [M, TOP_K])
     smask = sl < MT * TOP_K
-    # ids and weights come from before the gate/up kernel: safe to read ahead of gdc_wait
+    # ids and weights come from the routing, which had finished before the gate/up kernel let this grid launch
+    # (it waits, then triggers): safe to read ahead of gdc_wait
     e = tl.load(ids_ptr + sl, mask=smask, other=-1)
     use = smask & (e >= 0) & (e < E)
     r = tl.load(tw_ptr + sl, mask=use, other=0.0).to(tl.float32)

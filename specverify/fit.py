@@ -17,7 +17,7 @@ import torch
 
 from specverify import envvars
 
-__all__ = ["first_fitting", "launch_fitting", "pdl_launch", "shared_memory_limit_bytes", "sm_count", "spill_bytes"]
+__all__ = ["first_fitting", "launch_fitting", "pdl_kwargs", "pdl_launch", "shared_memory_limit_bytes", "sm_count", "spill_bytes"]
 
 _CHOSEN: dict[tuple, dict] = {}
 
@@ -59,6 +59,12 @@ def pdl_launch(device: torch.device) -> bool:
     if device.type != "cuda" or not envvars.get_flag("SPECVERIFY_PDL"):
         return False
     return _capability_major(_index(device)) >= 9
+
+
+def pdl_kwargs(device: torch.device) -> dict:
+    """Launch keywords of a kernel that takes a ``PDL`` constexpr: ``PDL`` and ``launch_pdl`` when
+    :func:`pdl_launch` says so, else ``PDL=False``."""
+    return {"PDL": True, "launch_pdl": True} if pdl_launch(device) else {"PDL": False}
 
 
 def _index(device: torch.device) -> int:

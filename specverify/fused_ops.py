@@ -15,16 +15,10 @@ import math
 import torch
 
 from specverify import envvars
-from specverify.fit import first_fitting, pdl_launch
+from specverify.fit import first_fitting, pdl_kwargs
 
 log = logging.getLogger("specverify")
 _FLOAT = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def pdl_kwargs(device: torch.device) -> dict:
-    """Launch keywords of a kernel that takes a ``PDL`` constexpr: ``PDL`` and ``launch_pdl`` when
-    :func:`~specverify.fit.pdl_launch` says so, else ``PDL=False``."""
-    return {"PDL": True, "launch_pdl": True} if pdl_launch(device) else {"PDL": False}
 
 
 def _use_triton(impl: str, *tensors) -> bool:

@@ -22,10 +22,10 @@ _BUFFERS: dict = {}
 #: (below it, and above one token, split by split): qkv_a's 8 splits lost with the wide form at 8 tokens (15.0
 #: against 11.4 us); the router's ~66 splits serialise the split-by-split loop (15.5 us at 4 tokens, bench_gemv).
 WIDE_REDUCE_MIN_SPLITS = 16
-#: ``PDL``: launch as a programmatic dependent where :func:`~specverify.fit.pdl_launch` allows; ``PREFETCH_BYTES``:
-#: with PDL, the grid prefetches up to this much of the weight into L2 before ``gdc_wait`` (whole ``BLOCK_K``
-#: chunks a program, at least one; 0: none)
-_CONFIG = {"PDL": True, "PREFETCH_BYTES": 8 << 20}
+#: ``PREFETCH_BYTES``: with PDL, the grid prefetches up to this much of the weight into L2 before ``gdc_wait``
+#: (whole ``BLOCK_K`` chunks a program, at least one; 0: none). 8 MiB measured fastest in the pass against 0 and
+#: 32 MiB (bench/RESULTS.md, "Verify pass")
+_CONFIG = {"PREFETCH_BYTES": 8 << 20}
 
 
 def prefetch_columns(programs: int, per: int, elem_bytes: int) -> int:
@@ -153,7 +153,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None = None, i
     split, per = gemv_split(n, k, sms)
     part, ticket = _buffers(x.device, n, split)
     grid = (-(-n // BLOCK_N), split)
-    pdl = _CONFIG["PDL"] and pdl_launch(x.device)
+    pdl = pdl_launch(x.device)
     k_prefetch = prefetch_columns(grid[0] * grid[1], per, x.element_size()) if pdl else 0
     _gemv_splitk_kernel[grid](x, w, out, part, ticket, m, n, k, x.stride(0), w.stride(0), out.stride(0), per,
                               k_prefetch, BLOCK_M=max(16, triton_next_pow2(m)), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,

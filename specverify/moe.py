@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from specverify import envvars
-from specverify.fit import launch_fitting, pdl_launch
+from specverify.fit import launch_fitting, pdl_kwargs, pdl_launch
 
 __all__ = ["MoEAlignment", "MoEQuant", "moe_route", "fused_moe", "max_num_tokens_padded", "append_shared_expert"]
 
@@ -134,12 +134,6 @@ def _pdl(flag, dev: torch.device) -> bool:
     """Whether a kernel configured with PDL ``flag`` is launched as a programmatic dependent on ``dev``: CUDA sm_90+
     with ``SPECVERIFY_PDL`` on (:func:`specverify.fit.pdl_launch`; elsewhere the flag is ignored)."""
     return bool(flag) and pdl_launch(dev)
-
-
-def _pdl_kwargs(dev: torch.device) -> dict:
-    """``PDL`` and ``launch_pdl`` for a kernel whose only PDL duty is to wait first (routing, the shared-expert
-    append)."""
-    return {"PDL": True, "launch_pdl": True} if pdl_launch(dev) else {"PDL": False}
 
 
 def _workspace(device: torch.device) -> torch.Tensor:
@@ -272,7 +266,7 @@ def _launch_route_align(logits, bias, top_k, softmax, n_group, topk_group, renor
     rows = 1  # one token row per program: the top-k reductions stay inside one row
     grid = (_cdiv(m, rows),) if do_route else (1,)
     launch = {"num_warps": _ROUTE_CONFIG["num_warps"]} if dev.type == "cuda" else {}
-    launch.update(_pdl_kwargs(dev))
+    launch.update(pdl_kwargs(dev))
     if m == 0 or (not do_route and not do_align):
         pass
     else:
@@ -348,7 +342,7 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
         grid = (_cdiv(m, rows),)
         warps = cfg["wide_warps"] if s > cfg["wide_slots"] and not mask_align else cfg["num_warps"]
     extra = {"num_warps": warps} if on_gpu else {}
-    extra.update(_pdl_kwargs(dev))
+    extra.update(pdl_kwargs(dev))
     bias_arg = bias if bias is not None else (logits if do_route else ids)
     _moe_route_align_fast_kernel[grid](
         logits if do_route else ids, bias_arg, ids, weights, rank, sorted_ids, expert_ids, npad, count, offs,
@@ -527,7 +521,7 @@ def append_shared_expert(topk_ids, topk_weights, shared_id: int, *, impl: str = 
     block = 256
     _append_shared_kernel[(_cdiv(m * (k + 1), block),)](topk_ids, topk_weights, ids, w, m, shared_id,
                                                          topk_ids.stride(0), topk_weights.stride(0), TOP_K=k,
-                                                         BLOCK=block, **_pdl_kwargs(topk_ids.device))
+                                                         BLOCK=block, **pdl_kwargs(topk_ids.device))
     return ids, w
 
 

@@ -774,7 +774,8 @@ def run_verify_wall(s: WallSettings, progress=None) -> dict:
                 torch.cuda.empty_cache()
             if s.json_path:  # after every provider, so a run stopped part-way still leaves its figures
                 try:
-                    _write_json({"rows": rows, "meta": meta, "breakdown": breakdowns, "kernel_profiles": kernel_profiles, "partial": True}, s.json_path)
+                    _write_json({"rows": rows, "meta": meta, "breakdown": breakdowns,
+                                 "kernel_profiles": kernel_profiles, "partial": True}, s.json_path)
                 except OSError as exc:  # the path was checked up front; keep measuring, the final write reports it
                     log.warning("verify-wall: partial --json write to %s failed: %s", s.json_path, exc)
     finally:

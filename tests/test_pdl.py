@@ -23,10 +23,8 @@ def test_pdl_launch_needs_cuda_sm90_and_the_knob(monkeypatch):
     assert not fit.pdl_launch(torch.device("cuda", 0))
 
 
-def test_the_fused_ops_launch_without_pdl_off_the_gpu():
-    from specverify.fused_ops import pdl_kwargs
-
-    assert pdl_kwargs(torch.device("cpu")) == {"PDL": False}
+def test_kernels_launch_without_pdl_off_the_gpu():
+    assert fit.pdl_kwargs(torch.device("cpu")) == {"PDL": False}
 
 
 @pytest.mark.gpu

@@ -51,6 +51,16 @@ STREAM_GRID = [
     dict(q=0, BH=4, down_warps=8, TILE=16384),
     dict(q=0, BH=8, down_warps=8, TILE=32768),
     dict(q=0, BH=2, down_warps=2),
+    dict(q=1, gate_up="splitk"),  # the split-K MMA gate/up (SBN 32, SBK 128, 3 stages, 4 warps, 2 waves)
+    dict(q=0, gate_up="splitk", SBK=256),
+    dict(q=0, gate_up="splitk", SBN=64),
+    dict(q=0, gate_up="splitk", SBN=16),
+    dict(q=0, gate_up="splitk", split_waves=4),
+    dict(q=0, gate_up="splitk", split_waves=1),
+    dict(q=0, gate_up="splitk", split_stages=4),
+    dict(q=0, gate_up="splitk", split_stages=2),
+    dict(q=0, gate_up="splitk", SBN=64, split_warps=8),
+    dict(q=0, gate_up="splitk", SBK=64, split_stages=6),
 ]
 
 

@@ -256,3 +256,78 @@ def _moe_stream_down_kernel(act_ptr, w2_ptr, ids_ptr, tw_ptr, out_ptr, stride_am
     for m in tl.static_range(MT):  # the top-k sum of token m, in the fixed order of one reduction
         y = tl.sum(tl.where((tok == m)[:, None], part, 0.0), axis=0)
         tl.store(out_ptr + m * stride_om + oh, y.to(out_ptr.dtype.element_ty), mask=hmask)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Split-K gate/up (stream experts, ``gate_up = "splitk"``): the FMA kernel above keeps its bytes in flight in
+# registers (one [R, BK] tile per loop step, 14 dependent HBM round trips over H = 7168), so occupancy caps what is
+# in flight. This one streams like the split-K GEMV (``specverify.kernels.gemv``): the weight rows on the MMA's M
+# side and the slot's one token on a zero-padded N side of 16 columns, so the loop's loads are pipelined into
+# shared memory (``num_stages``), and H is split so the grid covers the SMs about twice.
+#
+#   grid (S * NT, SPLIT_K), NT = ceil(I / BN). Program (s * NT + t, p) with e = topk_ids[s]:
+#       P[p, s, rows]     = hidden[tok(s), k-slice p] @ gate[e][rows, k-slice p]^T       rows = [t*BN, (t+1)*BN)
+#       P[p, s, I + rows] = the same for the up rows                                     (fp32)
+#   the tile's last program (a self-resetting ticket per (s, t), acquire-release):
+#       act[s, rows] = silu(sum_p P[p, s, rows]) * sum_p P[p, s, I + rows]                (act in w's dtype)
+#   SPLIT_K == 1: the epilogue directly, no workspace. Slots whose id is -1 or >= E exit before the ticket (every
+#   program of such a tile does), so their tickets stay 0 and act keeps no row the down kernel reads.
+#   PDL: wait for the routing, then let the down kernel launch (it reads ids before its own wait).
+# ------------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _moe_splitk_gate_up_kernel(hidden_ptr, w13_ptr, act_ptr, part_ptr, ticket_ptr, ids_ptr, stride_hm, stride_we,
+                               stride_wn, stride_am, k_per_split, S,
+                               E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
+                               BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_PAD: tl.constexpr,
+                               DOT_FP32: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    pid_t = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    NT: tl.constexpr = (I + BN - 1) // BN
+    slot = pid_t // NT
+    t = pid_t % NT
+    e = tl.load(ids_ptr + slot)
+    if (e < 0) | (e >= E):
+        return
+    rows = t * BN + tl.arange(0, BN)
+    rmask = rows < I
+    w_base = w13_ptr + e.to(tl.int64) * stride_we
+    x_base = hidden_ptr + (slot // TOP_K).to(tl.int64) * stride_hm
+    col0 = tl.arange(0, 16) == 0  # the token sits in column 0 of the MMA's N side, the other 15 are zero
+    k_lo = pid_s * k_per_split
+    acc_g = tl.zeros((BN, 16), dtype=tl.float32)
+    acc_u = tl.zeros((BN, 16), dtype=tl.float32)
+    for k0 in range(k_lo, k_lo + k_per_split, BK):
+        kc = k0 + tl.arange(0, BK)
+        kmask = kc < H
+        wg = _load_w_tile(w_base, rows, kc, rmask, kmask, stride_wn)
+        wu = _load_w_tile(w_base, rows + I, kc, rmask, kmask, stride_wn)
+        xt = tl.load(x_base + kc[:, None] + tl.zeros((1, 16), tl.int32), mask=kmask[:, None] & col0[None, :],
+                     other=0.0)
+        if DOT_FP32:  # the CPU interpreter (its bf16 dot is not exact)
+            acc_g += tl.dot(wg.to(tl.float32), xt.to(tl.float32))
+            acc_u += tl.dot(wu.to(tl.float32), xt.to(tl.float32))
+        else:
+            acc_g += tl.dot(wg, xt)
+            acc_u += tl.dot(wu, xt)
+    g = tl.sum(acc_g, axis=1)  # column 0 (the others are exact zeros)
+    u = tl.sum(acc_u, axis=1)
+    a_ptrs = act_ptr + slot.to(tl.int64) * stride_am + rows
+    if SPLIT_K == 1:
+        tl.store(a_ptrs, (g / (1.0 + tl.exp(-g)) * u).to(act_ptr.dtype.element_ty), mask=rmask)
+    else:
+        p_row = part_ptr + (pid_s * S + slot).to(tl.int64) * (2 * I)
+        tl.store(p_row + rows, g, mask=rmask)
+        tl.store(p_row + I + rows, u, mask=rmask)
+        tl.debug_barrier()  # this program's partial precedes its ticket
+        ticket = tl.atomic_add(ticket_ptr + pid_t, 1, sem="acq_rel")
+        if ticket == SPLIT_K - 1:
+            rs = tl.arange(0, SPLIT_PAD)
+            pm = (rs < SPLIT_K)[:, None] & rmask[None, :]
+            p_all = part_ptr + (rs[:, None] * S + slot).to(tl.int64) * (2 * I) + rows[None, :]
+            g = tl.sum(tl.load(p_all, mask=pm, other=0.0), axis=0)
+            u = tl.sum(tl.load(p_all + I, mask=pm, other=0.0), axis=0)
+            tl.store(a_ptrs, (g / (1.0 + tl.exp(-g)) * u).to(act_ptr.dtype.element_ty), mask=rmask)
+            tl.atomic_xchg(ticket_ptr + pid_t, 0)

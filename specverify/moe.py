@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from specverify import envvars
-from specverify.fit import launch_fitting, pdl_kwargs, pdl_launch
+from specverify.fit import launch_fitting, pdl_kwargs, pdl_launch, sm_count
 
 __all__ = ["MoEAlignment", "MoEQuant", "moe_route", "fused_moe", "max_num_tokens_padded", "append_shared_expert"]
 
@@ -649,8 +649,12 @@ _FAST_ROUTE_CONFIG: dict = {"one_max_slots": 16, "align_one_max_slots": 32, "one
 #: R 2 against R 4: 1.25 / 1.18 against 1.35 / 1.25 (run 17), 1.263 / - against 1.27 (run 18), 1.245 / 1.19
 #: against 1.25 / 1.23 (run 22); from M = 4 R 4 wins (1.15 against 1.20 at M = 4, run 21). From M = 7 the dot
 #: path is faster (``max_m`` 6, see _VARIANT).
+#: ``gate_up``: ``"fma"`` (the FMA programs above) or ``"splitk"`` (``_moe_splitk_gate_up_kernel``: MMA tiles of
+#: ``SBN`` gate + ``SBN`` up rows over ``SBK`` columns, ``split_stages`` / ``split_warps``, H split until the grid has
+#: ``split_waves`` programs per SM).
 _STREAM_CONFIG: dict = {"max_m": 6, "small_m": 2, "small_R": 2, "R": 4, "BK": 512, "num_warps": 4, "num_stages": 1,
-                        "BH": 2, "BI": 256, "TILE": 8192, "down_warps": 4, "PDL": True}
+                        "BH": 2, "BI": 256, "TILE": 8192, "down_warps": 4, "PDL": True, "gate_up": "fma",
+                        "SBN": 32, "SBK": 128, "split_stages": 3, "split_warps": 4, "split_waves": 2}
 #: Overrides merged into the stream config (benchmarks and sweeps only; empty in normal use).
 _STREAM_OVERRIDE: dict = {}
 #: Tile overrides for benchmarks and sweeps only: keys ``g1`` / ``g2`` (dicts merged into the gate/up and down
@@ -766,6 +770,61 @@ def _stream_config(m: int, h: int, inter: int, top_k: int, on_gpu: bool) -> dict
     return cfg
 
 
+def splitk_plan(tiles: int, h: int, bk: int, programs: int) -> tuple[int, int]:
+    """(split count, H columns a split) of the split-K gate/up: whole ``bk`` chunks a split, as many splits as
+    ``programs`` programs over ``tiles`` (slot, row tile) pairs need, at least one chunk a split."""
+    chunks = _cdiv(h, bk)
+    want = max(1, _cdiv(programs, tiles))
+    per = max(1, chunks // want) * bk
+    return _cdiv(h, per), per
+
+
+#: Workspaces of the split-K gate/up per device: (fp32 partials, int32 tickets that every launch leaves at zero).
+_SPLITK_WS: dict = {}
+
+
+def _splitk_workspace(device, part_elems: int, tickets: int):
+    key = (device.type, device.index)
+    ws = _SPLITK_WS.get(key)
+    if ws is None or ws[0].numel() < part_elems or ws[1].numel() < tickets:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("fused_moe: the split-K gate/up's workspace must grow outside CUDA-graph capture; run "
+                               "one eager call at the largest token count first")
+        part_elems = max(part_elems, ws[0].numel() if ws else 0)
+        tickets = max(tickets, ws[1].numel() if ws else 0)
+        ws = (torch.empty(part_elems, dtype=torch.float32, device=device),
+              torch.zeros(tickets, dtype=torch.int32, device=device))
+        _SPLITK_WS[key] = ws
+    return ws
+
+
+def _splitk_gate_up(hidden, w13, act, ids32, s, h, e, inter, top_k, cfg, pdl):
+    """Launch ``_moe_splitk_gate_up_kernel`` into ``act`` [s, inter]. The workspace is sized for every token count
+    up to ``max_m`` on the first call, so a graph captured later at another M needs no allocation."""
+    from specverify.kernels.fused_moe import _moe_splitk_gate_up_kernel
+
+    dev = hidden.device
+    on_gpu = dev.type == "cuda"
+    bn = max(16, min(cfg["SBN"], _next_pow2(inter)))
+    bk = max(16, min(cfg["SBK"], _next_pow2(h)))
+    nt = _cdiv(inter, bn)
+    programs = cfg["split_waves"] * sm_count(dev.type, dev.index)
+    need_p, need_t = 0, 0
+    for mm in range(1, max(cfg["max_m"], s // top_k) + 1):
+        sp, _ = splitk_plan(mm * top_k * nt, h, bk, programs)
+        need_p = max(need_p, (sp * mm * top_k * 2 * inter) if sp > 1 else 0)
+        need_t = max(need_t, mm * top_k * nt)
+    split, per = splitk_plan(s * nt, h, bk, programs)
+    part, ticket = _splitk_workspace(dev, max(need_p, 1), need_t)
+    launch = {"num_warps": cfg["split_warps"], "num_stages": cfg["split_stages"]} if on_gpu else {}
+    if pdl:
+        launch["launch_pdl"] = True
+    _moe_splitk_gate_up_kernel[(s * nt, split)](
+        hidden, w13, act, part, ticket, ids32, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), per, s,
+        E=e, H=h, I=inter, TOP_K=top_k, BN=bn, BK=bk, SPLIT_K=split, SPLIT_PAD=max(2, _next_pow2(split)),
+        DOT_FP32=not on_gpu, PDL=pdl, **launch)
+
+
 def _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, out):
     """The weight-streaming experts (the default at M <= ``_STREAM_CONFIG["max_m"]``, or
     ``_VARIANT["experts"] == "stream"``): two launches (see "Stream experts" in ``specverify.kernels.fused_moe``).
@@ -794,10 +853,13 @@ def _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, out):
         launch1["launch_pdl"] = True
         launch2["launch_pdl"] = True
     act = torch.empty((s, inter), dtype=hidden.dtype, device=dev)
-    nt = _cdiv(inter, cfg["R"])
-    _moe_stream_gate_up_kernel[(s * nt,)](
-        hidden, w13, act, ids32, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), E=e, H=h, I=inter,
-        TOP_K=top_k, R=cfg["R"], BK=cfg["BK"], PDL=pdl, **launch1)
+    if cfg["gate_up"] == "splitk":
+        _splitk_gate_up(hidden, w13, act, ids32, s, h, e, inter, top_k, cfg, pdl)
+    else:
+        nt = _cdiv(inter, cfg["R"])
+        _moe_stream_gate_up_kernel[(s * nt,)](
+            hidden, w13, act, ids32, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), E=e, H=h,
+            I=inter, TOP_K=top_k, R=cfg["R"], BK=cfg["BK"], PDL=pdl, **launch1)
     _moe_stream_down_kernel[(_cdiv(h, cfg["BH"]),)](
         act, w2, ids32, tw, out, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), E=e, H=h, I=inter,
         TOP_K=top_k, MT=m, SP=cfg["SP"], BH=cfg["BH"], BI=cfg["BI"], PDL=pdl, **launch2)

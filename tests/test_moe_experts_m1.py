@@ -38,13 +38,16 @@ def _align(ids, e, block=16):
     return al
 
 
-@pytest.fixture
-def stream(monkeypatch):
-    """The stream experts with interpreter-sized tiles: R = 8 gate rows (I = 20 leaves a 4-row tail), BK = 32 (H = 72
-    leaves an 8-column tail), BI = 16 (I = 20: two I steps in the down
-    kernel, the second mostly masked), BH = 16 (H = 72: a ragged last output tile)."""
+@pytest.fixture(params=["fma", "splitk"])
+def stream(monkeypatch, request):
+    """The stream experts with interpreter-sized tiles, both gate/up kernels: FMA with R = 8 gate rows (I = 20 leaves
+    a 4-row tail) and BK = 32 (H = 72 leaves an 8-column tail); split-K with 16-row MMA tiles (I = 20: a 4-row tail)
+    over BK = 16 columns, H split 4-5 ways (64 programs wanted), so the ticket's last program sums several
+    partials; down: BI = 16 (I = 20: two I steps, the second mostly masked), BH = 16 (H = 72: a ragged last tile)."""
     monkeypatch.setitem(moe_mod._VARIANT, "experts", "stream")
-    monkeypatch.setattr(moe_mod, "_STREAM_OVERRIDE", {"R": 8, "BK": 32, "BI": 16, "BH": 16, "TILE": 1 << 14})
+    monkeypatch.setattr(moe_mod, "_STREAM_OVERRIDE", {"R": 8, "BK": 32, "BI": 16, "BH": 16, "TILE": 1 << 14,
+                                                      "gate_up": request.param, "SBN": 16, "SBK": 16,
+                                                      "split_waves": 16})
     return moe_mod
 
 
@@ -68,6 +71,16 @@ def test_stream_experts(device, stream, poison, m, h, inter):
     assert a.data_ptr() == out.data_ptr()
     b = fused_moe(hidden, w13, w2, ids, w, alignment=al, impl="triton")
     assert torch.equal(a, b), "stream experts must be deterministic"
+    if stream._STREAM_OVERRIDE["gate_up"] == "splitk":  # the tickets reset themselves (graph replay needs it)
+        assert not stream._SPLITK_WS[(hidden.device.type, hidden.device.index)][1].any()
+
+
+def test_splitk_plan():
+    # Kimi-K2 per rank at M = 1 with the shared expert: 9 slots x 8 row tiles of 32, 2 x 132 programs wanted:
+    # H = 7168 in 4 splits of 14 chunks; M = 4 (288 tiles) needs no split; a split is at least one chunk
+    assert moe_mod.splitk_plan(72, 7168, 128, 264) == (4, 1792)
+    assert moe_mod.splitk_plan(288, 7168, 128, 264) == (1, 7168)
+    assert moe_mod.splitk_plan(1, 256, 128, 1000) == (2, 128)
 
 
 def test_stream_repeated_and_shared_expert(device, stream, poison):
@@ -148,11 +161,15 @@ def test_stream_kimi_k2_gpu(m, shared, monkeypatch, graph_replay):
     torch_err = (fused_moe_reference(hidden, w13, w2, ids, w, compute_dtype=torch.bfloat16).double() - want)
     tol = 2 * torch_err.abs().max().item() + 1e-6
     outs = []
-    for ov in ({}, {"PDL": False}):
+    variants = ({}, {"PDL": False}, {"gate_up": "splitk"}, {"gate_up": "splitk", "PDL": False},
+                {"gate_up": "fma"})
+    for ov in variants:
         monkeypatch.setattr(moe_mod, "_STREAM_OVERRIDE", ov)
         outs.append(fused_moe(hidden, w13, w2, ids, w, alignment=al))
         assert (outs[-1].double() - want).abs().max().item() <= tol, ov
     assert torch.equal(outs[0], outs[1]), "programmatic dependent launch must not change the result"
+    assert torch.equal(outs[2], outs[3]), "programmatic dependent launch must not change the split-K result"
+    assert not moe_mod._SPLITK_WS[("cuda", hidden.device.index)][1].any(), "split-K tickets must reset"
     monkeypatch.setattr(moe_mod, "_STREAM_OVERRIDE", {})
 
     def step():

@@ -649,12 +649,16 @@ _FAST_ROUTE_CONFIG: dict = {"one_max_slots": 16, "align_one_max_slots": 32, "one
 #: R 2 against R 4: 1.25 / 1.18 against 1.35 / 1.25 (run 17), 1.263 / - against 1.27 (run 18), 1.245 / 1.19
 #: against 1.25 / 1.23 (run 22); from M = 4 R 4 wins (1.15 against 1.20 at M = 4, run 21). From M = 7 the dot
 #: path is faster (``max_m`` 6, see _VARIANT).
-#: ``gate_up``: ``"fma"`` (the FMA programs above) or ``"splitk"`` (``_moe_splitk_gate_up_kernel``: MMA tiles of
-#: ``SBN`` gate + ``SBN`` up rows over ``SBK`` columns, ``split_stages`` / ``split_warps``, H split until the grid has
-#: ``split_waves`` programs per SM).
+#: ``gate_up``: ``"auto"`` (``"splitk"`` up to ``splitk_max_m`` tokens, else ``"fma"``), ``"fma"`` (the FMA programs
+#: above) or ``"splitk"`` (``_moe_splitk_gate_up_kernel``: MMA tiles of ``SBN`` gate + ``SBN`` up rows over ``SBK``
+#: columns, ``split_stages`` / ``split_warps``, H split until the grid has ``split_waves`` programs per SM). H200,
+#: verify-wall Kimi-K2 b 1 / 4k chain, same run (2026-12-02): FMA 5.160 / 6.763 / 9.169 ms at k = 1 / 2 / 4, split-K
+#: 2 waves 5.250 / 6.709 / 9.412, 4 waves 5.006 / 6.686 / 9.383; alone (sweep_experts, M = 1 + shared) SBN 16 / 64,
+#: SBK 256, 8 warps and 2 stages were 5-20% slower than SBN 32, SBK 128, 4 warps, 3 stages.
 _STREAM_CONFIG: dict = {"max_m": 6, "small_m": 2, "small_R": 2, "R": 4, "BK": 512, "num_warps": 4, "num_stages": 1,
-                        "BH": 2, "BI": 256, "TILE": 8192, "down_warps": 4, "PDL": True, "gate_up": "fma",
-                        "SBN": 32, "SBK": 128, "split_stages": 3, "split_warps": 4, "split_waves": 2}
+                        "BH": 2, "BI": 256, "TILE": 8192, "down_warps": 4, "PDL": True, "gate_up": "auto",
+                        "splitk_max_m": 2, "SBN": 32, "SBK": 128, "split_stages": 3, "split_warps": 4,
+                        "split_waves": 4}
 #: Overrides merged into the stream config (benchmarks and sweeps only; empty in normal use).
 _STREAM_OVERRIDE: dict = {}
 #: Tile overrides for benchmarks and sweeps only: keys ``g1`` / ``g2`` (dicts merged into the gate/up and down
@@ -853,7 +857,7 @@ def _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, out):
         launch1["launch_pdl"] = True
         launch2["launch_pdl"] = True
     act = torch.empty((s, inter), dtype=hidden.dtype, device=dev)
-    if cfg["gate_up"] == "splitk":
+    if cfg["gate_up"] == "splitk" or (cfg["gate_up"] == "auto" and m <= cfg["splitk_max_m"]):
         _splitk_gate_up(hidden, w13, act, ids32, s, h, e, inter, top_k, cfg, pdl)
     else:
         nt = _cdiv(inter, cfg["R"])

@@ -27,6 +27,9 @@ launches per layer is what matters.
 
    fp32 accumulation, one rounding to the activation dtype; each weight element is loaded once per call.
 
+6. MLA preparation and query absorption in one launch (items 2 and 5 side by side in one grid; the absorbed
+   query reads q's nope columns, the preparation rotates its rope columns).
+
 ``PDL`` (every kernel here; programmatic dependent launch, sm_90+): the grid may start while the previous kernel
 finishes; it loads only constant weights before ``gdc_wait`` and lets the next kernel launch at once.
 
@@ -100,7 +103,20 @@ def _mla_kv_prep_kernel(KV, W, Q, POS, PAGE_TABLE, PREFIX, CACHE, COS_SIN,
                         R: tl.constexpr, DR: tl.constexpr, NOPE: tl.constexpr,
                         BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, TABLE: tl.constexpr,
                         INTERLEAVED: tl.constexpr, PDL: tl.constexpr = False):
-    t = tl.program_id(0)
+    _mla_kv_prep_token(tl.program_id(0), KV, W, Q, POS, PAGE_TABLE, PREFIX, CACHE, COS_SIN,
+                       stride_kv, stride_qt, stride_qh, stride_pt, stride_cp, stride_cs, stride_cos_sin,
+                       k, page_size, num_heads, eps, log2_theta, R, DR, NOPE, BLOCK_R, BLOCK_H, TABLE, INTERLEAVED,
+                       PDL)
+
+
+@triton.jit
+def _mla_kv_prep_token(t, KV, W, Q, POS, PAGE_TABLE, PREFIX, CACHE, COS_SIN,
+                       stride_kv, stride_qt, stride_qh, stride_pt, stride_cp, stride_cs, stride_cos_sin,
+                       k, page_size, num_heads, eps, log2_theta,
+                       R: tl.constexpr, DR: tl.constexpr, NOPE: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, TABLE: tl.constexpr,
+                       INTERLEAVED: tl.constexpr, PDL: tl.constexpr):
+    # item 2 of the docstring for draft token t
     b = t // k
     i = t % k
     HALF: tl.constexpr = DR // 2
@@ -214,8 +230,38 @@ def _head_matmul_kernel(A, W, OUT, T, stride_at, stride_ah, stride_wh, stride_wk
                         UPCAST: tl.constexpr, PDL: tl.constexpr = False):
     """OUT[t, h, n] = sum_j A[t, h, j] * W[h, j, n] for one head and one tile of n (item 5 of the docstring).
     UPCAST (fp32 inputs, and the interpreter, whose bf16 ``tl.dot`` returns garbage) multiplies in full fp32."""
-    h = tl.program_id(0)
-    nb = tl.program_id(1)
+    _head_matmul_tile(tl.program_id(0), tl.program_id(1), A, W, OUT, T, stride_at, stride_ah, stride_wh, stride_wk,
+                      stride_ot, stride_oh, KDIM, NDIM, BLOCK_T, BLOCK_N, UPCAST, PDL)
+
+
+@triton.jit
+def _mla_prep_absorb_kernel(A, W, OUT, T, stride_at, stride_ah, stride_wh, stride_wk, stride_ot, stride_oh,
+                            KV, NW, POS, PAGE_TABLE, PREFIX, CACHE, COS_SIN,
+                            stride_kv, stride_pt, stride_cp, stride_cs, stride_cos_sin,
+                            k, page_size, num_heads, eps, log2_theta,
+                            KDIM: tl.constexpr, NDIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                            UPCAST: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, BLOCK_R: tl.constexpr,
+                            BLOCK_H: tl.constexpr, TABLE: tl.constexpr, INTERLEAVED: tl.constexpr,
+                            PDL: tl.constexpr = False):
+    """Items 2 and 5 in one grid: programs [0, heads * column tiles) absorb the query (q_nope @ W_uk), the T
+    programs after them prepare one draft token each (latent norm, rope key, KV write, query rope). The two read
+    disjoint parts of Q (nope / rope columns), so they need no order between them."""
+    pid = tl.program_id(0)
+    tiles: tl.constexpr = NDIM // BLOCK_N
+    if pid < num_heads * tiles:
+        _head_matmul_tile(pid // tiles, pid % tiles, A, W, OUT, T, stride_at, stride_ah, stride_wh, stride_wk,
+                          stride_ot, stride_oh, KDIM, NDIM, BLOCK_T, BLOCK_N, UPCAST, PDL)
+    else:
+        _mla_kv_prep_token(pid - num_heads * tiles, KV, NW, A, POS, PAGE_TABLE, PREFIX, CACHE, COS_SIN,
+                           stride_kv, stride_at, stride_ah, stride_pt, stride_cp, stride_cs, stride_cos_sin,
+                           k, page_size, num_heads, eps, log2_theta, R, DR, KDIM, BLOCK_R, BLOCK_H, TABLE,
+                           INTERLEAVED, PDL)
+
+
+@triton.jit
+def _head_matmul_tile(h, nb, A, W, OUT, T, stride_at, stride_ah, stride_wh, stride_wk, stride_ot, stride_oh,
+                      KDIM: tl.constexpr, NDIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                      UPCAST: tl.constexpr, PDL: tl.constexpr):
     offs_k = tl.arange(0, KDIM)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     w = tl.load(W + h * stride_wh + offs_k[:, None] * stride_wk + offs_n[None, :])

@@ -214,10 +214,14 @@ def silu_mul(gate_up, *, impl: str = "auto"):
     return act
 
 
-def _head_matmul(op, a, w, out, t, heads):
-    """OUT[t, h, :] = A[t, h, :KDIM] @ W[h] through ``_head_matmul_kernel`` (A and OUT given as [T, H, *] views)."""
-    from specverify.kernels.fused_ops import _head_matmul_kernel
+def _head_matmul(op, a, w, out, t, heads, prep=None):
+    """OUT[t, h, :] = A[t, h, :KDIM] @ W[h] through ``_head_matmul_kernel`` (A and OUT given as [T, H, *] views).
 
+    ``prep``: ``(args, constexprs)`` of the MLA preparation of the same tokens, run by ``t`` more programs of the
+    same grid (``_mla_prep_absorb_kernel``; A is then the query, whose rope columns those programs rotate)."""
+    from specverify.kernels.fused_ops import _head_matmul_kernel, _mla_prep_absorb_kernel
+
+    kernel = _head_matmul_kernel if prep is None else _mla_prep_absorb_kernel
     kdim, ndim = w.shape[1], w.shape[2]
     if kdim & (kdim - 1) or ndim % 16 or kdim < 16:
         raise ValueError(f"{op}: the per-head matrix must be [H, K, N] with K a power of two >= 16 and N a "
@@ -232,16 +236,20 @@ def _head_matmul(op, a, w, out, t, heads):
     upcast = envvars.triton_interpret() or a.dtype == torch.float32
     args = (a, w, out, t, a.stride(0), a.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1))
     grid = (heads, ndim // block_n)
+    extra = {}
+    if prep is not None:
+        args, extra = args + prep[0], prep[1]
+        grid = (heads * (ndim // block_n) + t,)
     # the weight tile stays in shared memory and the row tiles are pipelined: at kv_lora_rank 512 and 64 rows
     # (DeepSeek-V3 batch 4 x k 16) Triton's default 3 stages need 228 KiB, over the H200's 227; fewer stages, then
     # fewer rows per tile, until it fits the device
     cands = [{"BLOCK_T": bt, "num_stages": st} for bt in (block_t, 32, 16) if bt <= block_t for st in (3, 2, 1)]
     pdl = pdl_kwargs(a.device)
-    cfg = first_fitting(_head_matmul_kernel, grid, args, [dict(c, KDIM=kdim, NDIM=ndim, BLOCK_N=block_n,
-                                                              UPCAST=upcast, PDL=pdl["PDL"], num_warps=4)
-                                                         for c in cands],
-                        device=a.device, key=(kdim, ndim, block_n, block_t, a.dtype, upcast, pdl["PDL"]), what=op)
-    _head_matmul_kernel[grid](*args, **cfg, **({"launch_pdl": True} if pdl["PDL"] else {}))
+    cfg = first_fitting(kernel, grid, args, [dict(c, KDIM=kdim, NDIM=ndim, BLOCK_N=block_n, UPCAST=upcast,
+                                                  PDL=pdl["PDL"], num_warps=4, **extra) for c in cands],
+                        device=a.device, key=(kdim, ndim, block_n, block_t, a.dtype, upcast, pdl["PDL"],
+                                              tuple(sorted(extra.items()))), what=op)
+    kernel[grid](*args, **cfg, **({"launch_pdl": True} if pdl["PDL"] else {}))
     return out
 
 
@@ -299,6 +307,73 @@ def mla_absorb_q(q, w_uk, nope_dim: int, *, out=None, impl: str = "auto"):
     if q3.stride(-1) != 1:
         q3 = q3.contiguous()
     _head_matmul(op, q3, w_uk, out.view(b * k, h, -1), b * k, h)
+    return out
+
+
+def mla_prep_absorb(q, kv, positions, norm_weight, w_uk, cache, page_table, prefix_lens, *, eps: float,
+                    theta: float, nope_dim: int, cos_sin=None, interleaved: bool = False, out=None,
+                    impl: str = "auto"):
+    """:func:`mla_kv_prep` and :func:`mla_absorb_q` in one launch: the query absorbed into the latent space, the
+    latent KV normalised, the rope key and the query's rope part rotated, the KV written into the paged cache.
+
+    The two read disjoint columns of ``q`` (the absorption its nope part, the preparation rotates its rope part in
+    place), so one grid runs both: the absorption's (head, column tile) programs, then one program per draft token.
+    Saves one launch of the verify pass per layer against the two ops.
+
+    Parameters
+    ----------
+    q, kv, positions, norm_weight, cache, page_table, prefix_lens, eps, theta, cos_sin, interleaved
+        As in :func:`mla_kv_prep`. ``q`` [batch, k, heads, nope_dim + rope_dim] must be viewable as
+        [batch * k, heads, nope_dim + rope_dim] with a unit last stride (the q_b projection's output is).
+    w_uk, nope_dim, out
+        As in :func:`mla_absorb_q`.
+
+    Returns
+    -------
+    q_latent : Tensor [batch, k, heads, kv_lora_rank], contiguous, q's dtype. ``q`` and ``cache`` are mutated.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As the two ops raise; ValueError also for a ``q`` that cannot be viewed as [batch * k, heads, dim].
+
+    Notes
+    -----
+    CUDA-graph capturable; a programmatic dependent on sm_90+. Page ids are not range-checked here (see the
+    verify API). ``impl="reference"``: the two references in turn.
+    """
+    op = "mla_prep_absorb"
+    _check(op, "q", q, 4)
+    _check(op, "w_uk", w_uk, 3)
+    b, k, h, d = q.shape
+    if w_uk.shape[0] != h or w_uk.shape[1] != nope_dim or not 0 < nope_dim <= d or w_uk.dtype != q.dtype:
+        raise ValueError(f"{op}: w_uk must be [{h}, {nope_dim}, R] in {q.dtype} for q {list(q.shape)}, got "
+                         f"{list(w_uk.shape)} {w_uk.dtype}")
+    r = norm_weight.shape[0]
+    dr = kv.shape[-1] - r
+    if cos_sin is not None and (cos_sin.dim() != 2 or cos_sin.shape[1] != dr or not cos_sin.is_floating_point()):
+        raise ValueError(f"{op}: cos_sin must be a float table [max_position, rope_dim = {dr}], got "
+                         f"{cos_sin.dtype} {list(cos_sin.shape)}")
+    out = _check_out(op, out, (b, k, h, w_uk.shape[2]), q)
+    if not _use_triton(impl, q, kv, cache, w_uk):
+        mla_kv_prep(q, kv, positions, norm_weight, cache, page_table, prefix_lens, eps=eps, theta=theta,
+                    nope_dim=nope_dim, cos_sin=cos_sin, interleaved=interleaved, impl="reference")
+        return mla_absorb_q(q, w_uk, nope_dim, out=out, impl="reference")
+    if q.stride(-1) != 1 or kv.stride(-1) != 1 or not cache.is_contiguous():
+        raise ValueError(f"{op}: q, kv need a unit last stride and the cache must be contiguous")
+    try:
+        q3 = q.view(b * k, h, d)
+    except RuntimeError as exc:
+        raise ValueError(f"{op}: q must be viewable as [batch * k, heads, dim] (its rope part is rotated in place), "
+                         f"got strides {tuple(q.stride())}; pass a contiguous q") from exc
+    kv2 = kv.reshape(b * k, kv.shape[-1])
+    pos = positions.reshape(-1)
+    table = kv2 if cos_sin is None else cos_sin
+    prep = ((kv2, norm_weight, pos, page_table, prefix_lens, cache, table, kv2.stride(0), page_table.stride(0),
+             cache.stride(0), cache.stride(1), table.stride(0), k, cache.shape[1], h, eps, math.log2(theta)),
+            dict(R=r, DR=dr, BLOCK_R=triton_next_pow2(r), BLOCK_H=triton_next_pow2(h), TABLE=cos_sin is not None,
+                 INTERLEAVED=bool(interleaved)))
+    _head_matmul(op, q3, w_uk, out.view(b * k, h, -1), b * k, h, prep=prep)
     return out
 
 

@@ -16,7 +16,6 @@ from specverify.fused_ops import _use_triton, triton_next_pow2
 _FLOAT = (torch.bfloat16, torch.float16)
 #: Largest M the kernel serves (the MMA's N side, 16 token columns); callers use torch.matmul above it.
 MAX_M = 16
-BLOCK_N, BLOCK_K = 64, 128
 _BUFFERS: dict = {}
 #: Splits from which the last program of a row tile sums the partials with one wide load per token row at every M
 #: (below it, and above one token, split by split): qkv_a's 8 splits lost with the wide form at 8 tokens (15.0
@@ -24,35 +23,55 @@ _BUFFERS: dict = {}
 WIDE_REDUCE_MIN_SPLITS = 16
 #: ``PREFETCH_BYTES``: with PDL, the grid prefetches up to this much of the weight into L2 before ``gdc_wait``
 #: (whole ``BLOCK_K`` chunks a program, at least one; 0: none). 8 MiB measured fastest in the pass against 0 and
-#: 32 MiB (bench/RESULTS.md, "Verify pass")
-_CONFIG = {"PREFETCH_BYTES": 8 << 20}
+#: 32 MiB (bench/RESULTS.md, "Verify pass"). The tile (``BLOCK_N`` weight rows x ``BLOCK_K``), the grid's size
+#: (``WAVES`` programs an SM, by splitting K) and the launch's warps / stages: the defaults; :data:`SHAPE_CONFIGS`
+#: overrides them per shape (``bench/sweep_gemv.py`` times the candidates).
+_CONFIG = {"PREFETCH_BYTES": 8 << 20, "BLOCK_N": 64, "BLOCK_K": 128, "WAVES": 2, "num_warps": 4, "num_stages": 3}
+#: ((max M, (N lo, N hi), (K lo, K hi)), overrides of :data:`_CONFIG`): the first rule that holds applies.
+SHAPE_CONFIGS: tuple = ()
+_INF = 1 << 62
 
 
-def prefetch_columns(programs: int, per: int, elem_bytes: int) -> int:
+def gemv_config(m: int, n: int, k: int) -> dict:
+    """The launch config of an ``[m, k] @ [n, k].T`` GEMV: :data:`_CONFIG` with the first matching
+    :data:`SHAPE_CONFIGS` rule's overrides."""
+    for (mm, (nlo, nhi), (klo, khi)), over in SHAPE_CONFIGS:
+        if m <= mm and nlo <= n <= nhi and klo <= k <= khi:
+            return {**_CONFIG, **over}
+    return dict(_CONFIG)
+
+
+def prefetch_columns(programs: int, per: int, elem_bytes: int, cfg: dict | None = None) -> int:
     """K columns of its slice (``per`` wide) each of ``programs`` programs prefetches under ``PREFETCH_BYTES``."""
-    budget = _CONFIG["PREFETCH_BYTES"]
+    cfg = cfg or _CONFIG
+    budget = cfg["PREFETCH_BYTES"]
     if budget <= 0:
         return 0
-    chunk = BLOCK_N * BLOCK_K * elem_bytes
-    return min(per, max(1, budget // (programs * chunk)) * BLOCK_K)
+    chunk = cfg["BLOCK_N"] * cfg["BLOCK_K"] * elem_bytes
+    return min(per, max(1, budget // (programs * chunk)) * cfg["BLOCK_K"])
 
 
-def gemv_split(n: int, k: int, sms: int) -> tuple[int, int]:
-    """(split count, K elements a split): splits of whole ``BLOCK_K`` chunks, as long as at least ``2 * sms``
-    programs over the ``ceil(n / 64)`` row tiles need (at most one chunk a split when even that falls short)."""
-    tiles = -(-n // BLOCK_N)
-    chunks = -(-k // BLOCK_K)
-    want = max(1, -(-2 * sms // tiles))
-    per = max(1, chunks // want) * BLOCK_K
+def gemv_split(n: int, k: int, sms: int, cfg: dict | None = None) -> tuple[int, int]:
+    """(split count, K elements a split): splits of whole ``BLOCK_K`` chunks, as long as at least ``WAVES * sms``
+    programs over the ``ceil(n / BLOCK_N)`` row tiles need (at most one chunk a split when even that falls short)."""
+    cfg = cfg or _CONFIG
+    tiles = -(-n // cfg["BLOCK_N"])
+    chunks = -(-k // cfg["BLOCK_K"])
+    want = max(1, -(-cfg["WAVES"] * sms // tiles))
+    per = max(1, chunks // want) * cfg["BLOCK_K"]
     return -(-k // per), per
 
 
-def _buffers(device, n, split):
-    key = (device, n)
+def _buffers(device, n, split, block_n):
+    """(partials fp32 [split, MAX_M, n], tickets int32 [row tiles], row-slice sums of squares fp32 [row tiles,
+    split, MAX_M]) for one (device, N, tile), grown to ``split`` and kept (graph replays reuse the addresses)."""
+    key = (device, n, block_n)
     buf = _BUFFERS.get(key)
     if buf is None or buf[0].shape[0] < split:
+        tiles = -(-n // block_n)
         buf = (torch.empty(split, MAX_M, n, dtype=torch.float32, device=device),
-               torch.zeros(-(-n // BLOCK_N), dtype=torch.int32, device=device))
+               torch.zeros(tiles, dtype=torch.int32, device=device),
+               torch.empty(tiles, split, MAX_M, dtype=torch.float32, device=device))
         _BUFFERS[key] = buf
     return buf
 
@@ -66,7 +85,6 @@ def _buffers(device, n, split):
 #: * M = 1, N = K = 1536: Kimi-K2's q_b 1536 -> 1536 (0.85x; DeepSeek-V3's 1536 -> 3072 is 1.17x).
 #:
 #: o_proj (1024 / 2048 -> 7168) lost at every M (1.18-1.81x).
-_INF = 1 << 62
 #: K is bounded by what was measured (7168, the hidden size): a K = 8192 o_proj (DeepSeek-V3 at tp 2) stays cuBLAS's.
 LINEAR_RULES = ((8, (2048, _INF), (7168, 7168)), (1, (1, 512), (7168, 7168)), (1, (1536, 1536), (1536, 1536)))
 
@@ -74,6 +92,46 @@ LINEAR_RULES = ((8, (2048, _INF), (7168, 7168)), (1, (1, 512), (7168, 7168)), (1
 def gemv_is_faster(m: int, n: int, k: int) -> bool:
     """Whether :data:`LINEAR_RULES` give this ``[m, k] @ [n, k].T`` projection to :func:`gemv`."""
     return any(m <= mm and nlo <= n <= nhi and klo <= k <= khi for mm, (nlo, nhi), (klo, khi) in LINEAR_RULES)
+
+
+#: Where :func:`rmsnorm_linear` runs the RMSNorm inside :func:`rmsnorm_gemv` (same form as :data:`LINEAR_RULES`):
+#: the shapes our GEMV serves, and q_b (1536 -> 1536) up to 8 tokens, where the norm kernel it saves outweighs
+#: cuBLAS's lead on the plain projection.
+NORM_LINEAR_RULES = LINEAR_RULES + ((8, (1536, 1536), (1536, 1536)),)
+
+
+def norm_gemv_is_faster(m: int, n: int, k: int) -> bool:
+    """Whether :data:`NORM_LINEAR_RULES` give this normalised projection to :func:`rmsnorm_gemv`."""
+    return any(m <= mm and nlo <= n <= nhi and klo <= k <= khi for mm, (nlo, nhi), (klo, khi) in NORM_LINEAR_RULES)
+
+
+def rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor,
+                   residual: torch.Tensor | None = None):
+    """``(rmsnorm(x + residual) @ w.T, x + residual)`` for the verify pass: one :func:`rmsnorm_gemv` launch where
+    :func:`norm_gemv_is_faster` (bf16 / fp16, unit stride on K), else :func:`specverify.fused_ops.rmsnorm` then
+    :func:`linear`.
+
+    x, residual [..., K] (residual optional: then the second result is x itself); norm_weight [K]; w [N, K].
+    Returns ([..., N], [..., K]) in x's dtype. Graph capturable after one eager call per (device, N); no validation
+    beyond the rule (the verify forward's own tensors).
+    """
+    from specverify.fused_ops import rmsnorm
+
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    n = w.shape[0]
+    if (m >= 1 and norm_gemv_is_faster(m, n, k) and x.dtype in _FLOAT and w.dtype == x.dtype
+            and norm_weight.dtype == x.dtype and w.dim() == 2 and w.shape[1] == k and w.stride(1) == 1
+            and (residual is None or residual.shape == x.shape) and _use_triton("auto", x, w)):
+        flat = x.reshape(m, k)
+        res = None if residual is None else residual.reshape(m, k)
+        if flat.stride(1) == 1 and (res is None or res.stride(1) == 1):
+            y, summed = rmsnorm_gemv(flat, norm_weight, eps, w, residual=res)
+            return y.view(*x.shape[:-1], n), summed.view(x.shape)
+    if residual is None:
+        return linear(rmsnorm(x, norm_weight, eps), w), x
+    h, summed = rmsnorm(x, norm_weight, eps, residual=residual)
+    return linear(h, w), summed
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -93,6 +151,32 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if flat.stride(1) == 1:
             return gemv(flat, w).view(*x.shape[:-1], n)
     return x @ w.t()
+
+
+def _check_xw(op, x, w):
+    for name, t in (("x", x), ("w", w)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
+        if t.dtype not in _FLOAT or t.dim() != 2:
+            raise TypeError(f"{op}: {name} must be a 2-d bf16/fp16 tensor, got {t.dtype} {list(t.shape)}")
+    if w.dtype != x.dtype:
+        raise TypeError(f"{op}: w must have x's dtype {x.dtype}, got {w.dtype}")
+    m, k = x.shape
+    if w.shape[1] != k:
+        raise ValueError(f"{op}: w must be [N, K = {k}] (x is [{m}, {k}]), got {list(w.shape)}")
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"{op}: x must have 1..{MAX_M} rows, got {m}; use torch.matmul for wider inputs")
+    if x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError(f"{op}: x and w need a unit stride on K; pass .contiguous() tensors")
+
+
+def _check_gemv_out(op, out, m, n, x):
+    if out is None:
+        return torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if tuple(out.shape) != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(f"{op}: out must be {x.dtype} [{m}, {n}] with unit stride, got {out.dtype} "
+                         f"{list(out.shape)}")
+    return out
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None = None, impl: str = "auto") -> torch.Tensor:
@@ -124,42 +208,129 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None = None, i
     from specverify.reference.gemv import gemv_reference
 
     op = "gemv"
-    for name, t in (("x", x), ("w", w)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
-        if t.dtype not in _FLOAT or t.dim() != 2:
-            raise TypeError(f"{op}: {name} must be a 2-d bf16/fp16 tensor, got {t.dtype} {list(t.shape)}")
-    if w.dtype != x.dtype:
-        raise TypeError(f"{op}: w must have x's dtype {x.dtype}, got {w.dtype}")
-    m, k = x.shape
-    n = w.shape[0]
-    if w.shape[1] != k:
-        raise ValueError(f"{op}: w must be [N, K = {k}] (x is [{m}, {k}]), got {list(w.shape)}")
-    if not 1 <= m <= MAX_M:
-        raise ValueError(f"{op}: x must have 1..{MAX_M} rows, got {m}; use torch.matmul for wider inputs")
-    if x.stride(1) != 1 or w.stride(1) != 1:
-        raise ValueError(f"{op}: x and w need a unit stride on K; pass .contiguous() tensors")
-    if out is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    elif tuple(out.shape) != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
-        raise ValueError(f"{op}: out must be {x.dtype} [{m}, {n}] with unit stride, got {out.dtype} "
-                         f"{list(out.shape)}")
+    _check_xw(op, x, w)
+    m, n = x.shape[0], w.shape[0]
+    out = _check_gemv_out(op, out, m, n, x)
     if not _use_triton(impl, x, w):
         out.copy_(gemv_reference(x, w))
         return out
+    _launch(x, w, out)
+    return out
+
+
+def _launch(x, w, out, norm_weight=None, eps=0.0, residual=None, residual_out=None):
     from specverify.kernels.gemv import _gemv_splitk_kernel
 
+    m, k = x.shape
+    n = w.shape[0]
+    cfg = gemv_config(m, n, k)
     sms = sm_count(x.device.type, x.device.index)
-    split, per = gemv_split(n, k, sms)
-    part, ticket = _buffers(x.device, n, split)
-    grid = (-(-n // BLOCK_N), split)
+    split, per = gemv_split(n, k, sms, cfg)
+    part, ticket, ssq = _buffers(x.device, n, split, cfg["BLOCK_N"])
+    split_pad = triton_next_pow2(split)  # (the kernel indexes ssq as [tiles, split, MAX_M]: it fits any smaller split)
+    grid = (-(-n // cfg["BLOCK_N"]), split)
     pdl = pdl_launch(x.device)
-    k_prefetch = prefetch_columns(grid[0] * grid[1], per, x.element_size()) if pdl else 0
+    k_prefetch = prefetch_columns(grid[0] * grid[1], per, x.element_size(), cfg) if pdl else 0
+    norm = norm_weight is not None
+    res = residual is not None
     _gemv_splitk_kernel[grid](x, w, out, part, ticket, m, n, k, x.stride(0), w.stride(0), out.stride(0), per,
-                              k_prefetch, BLOCK_M=max(16, triton_next_pow2(m)), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                              SPLIT_K=split, SPLIT_PAD=triton_next_pow2(split),
+                              k_prefetch, norm_weight if norm else x, ssq, residual if res else x,
+                              residual_out if res else x, residual.stride(0) if res else 0,
+                              residual_out.stride(0) if res else 0, float(eps),
+                              BLOCK_M=max(16, triton_next_pow2(m)), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                              SPLIT_K=split, SPLIT_PAD=split_pad,
                               WIDE_REDUCE=m == 1 or split >= WIDE_REDUCE_MIN_SPLITS,
-                              DOT_FP32=not x.is_cuda, PDL=pdl,
-                              PREFETCH=k_prefetch > 0, num_warps=4, num_stages=3,
+                              DOT_FP32=not x.is_cuda, PDL=pdl, PREFETCH=k_prefetch > 0, NORM=norm, HAS_RES=res,
+                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                               **({"launch_pdl": True} if pdl else {}))
-    return out
+
+
+def rmsnorm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor, *,
+                 residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                 residual_out: torch.Tensor | None = None, impl: str = "auto"):
+    """``rmsnorm(x [+ residual]) @ w.T`` in one launch: RMSNorm (and the residual add before it) folded into the
+    skinny GEMM, so the norm costs no kernel of its own.
+
+    Source: RMSNorm (Zhang & Sennrich, 2019) is a per-row scale after a per-column one, and the row scale
+    ``rsqrt(mean(s^2) + eps)`` leaves the sum over K: ``y = rsqrt(mean(s^2) + eps) * (w @ (s * norm_weight))``. Each
+    split-K program sums ``s^2`` over its K slice and the tile's last program applies the scale in its reduce.
+
+    Parameters
+    ----------
+    x : Tensor [M, K], M in [1, 16], unit stride on K; bf16 / fp16.
+    norm_weight : Tensor [K], x's dtype: the RMSNorm weight.
+    eps : float
+        The RMSNorm epsilon.
+    w : Tensor [N, K], unit stride on K, x's dtype.
+    residual : Tensor [M, K] or None
+        When given, ``s = x + residual`` (rounded to x's dtype, as :func:`specverify.fused_ops.rmsnorm` rounds it)
+        is normalised, and written to ``residual_out``.
+    out : Tensor [M, N] or None
+        x's dtype, unit stride on N; written and returned (allocated when None).
+    residual_out : Tensor [M, K] or None
+        Contiguous, x's dtype; receives ``s``; must not overlap x or residual (other programs still read them while
+        it is written). Allocated when None and ``residual`` is given.
+
+    Returns
+    -------
+    (out [M, N], s [M, K]): ``s`` is ``residual_out`` with a residual, else ``x`` itself.
+
+    Raises
+    ------
+    TypeError
+        Non-bf16/fp16 or mismatched dtypes.
+    ValueError
+        Shapes that disagree, M outside [1, 16], strided K, a ``residual_out`` that overlaps x or residual.
+
+    Notes
+    -----
+    Differs from ``rmsnorm`` then ``gemv`` only by where bf16 rounds: the normalised activation is never rounded as
+    a whole (``s * norm_weight`` is, and the row scale is applied in fp32 to the sum). One launch; CUDA-graph
+    capturable after one eager call per (device, N); a programmatic dependent on sm_90+ (:func:`gemv`).
+    ``impl="reference"``: :func:`specverify.reference.gemv.rmsnorm_gemv_reference`.
+    """
+    from specverify.reference.gemv import rmsnorm_gemv_reference
+
+    op = "rmsnorm_gemv"
+    _check_xw(op, x, w)
+    m, k = x.shape
+    n = w.shape[0]
+    if not isinstance(norm_weight, torch.Tensor) or tuple(norm_weight.shape) != (k,) or norm_weight.dtype != x.dtype:
+        raise ValueError(f"{op}: norm_weight must be a {x.dtype} tensor of shape [{k}], got "
+                         f"{getattr(norm_weight, 'dtype', type(norm_weight).__name__)} "
+                         f"{list(getattr(norm_weight, 'shape', []))}")
+    norm_weight = norm_weight.contiguous()
+    if residual is not None:
+        if not isinstance(residual, torch.Tensor) or tuple(residual.shape) != (m, k) or residual.dtype != x.dtype \
+                or residual.stride(1) != 1:
+            raise ValueError(f"{op}: residual must be {x.dtype} [{m}, {k}] with unit stride on K, got "
+                             f"{getattr(residual, 'dtype', None)} {list(getattr(residual, 'shape', []))}")
+        if residual_out is None:
+            residual_out = torch.empty(m, k, dtype=x.dtype, device=x.device)
+        elif tuple(residual_out.shape) != (m, k) or residual_out.dtype != x.dtype or not residual_out.is_contiguous():
+            raise ValueError(f"{op}: residual_out must be a contiguous {x.dtype} [{m}, {k}] tensor, got "
+                             f"{residual_out.dtype} {list(residual_out.shape)}")
+        if _overlaps(residual_out, x) or _overlaps(residual_out, residual):
+            raise ValueError(f"{op}: residual_out must not overlap x or residual (the programs of other row tiles "
+                             "still read them while it is written); pass a separate buffer or None")
+    elif residual_out is not None:
+        raise ValueError(f"{op}: residual_out is only written with a residual; pass residual or drop residual_out")
+    out = _check_gemv_out(op, out, m, n, x)
+    if not _use_triton(impl, x, w):
+        y, s = rmsnorm_gemv_reference(x, norm_weight, eps, w, residual=residual)
+        out.copy_(y)
+        if residual is None:
+            return out, x
+        residual_out.copy_(s)
+        return out, residual_out
+    _launch(x, w, out, norm_weight, eps, residual, residual_out)
+    return out, (x if residual is None else residual_out)
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.device != b.device:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1 = a0 + (a.numel() and (sum((s - 1) * st for s, st in zip(a.shape, a.stride())) + 1)) * a.element_size()
+    b1 = b0 + (b.numel() and (sum((s - 1) * st for s, st in zip(b.shape, b.stride())) + 1)) * b.element_size()
+    return a0 < b1 and b0 < a1

@@ -175,6 +175,54 @@ def test_mla_absorb_q_and_up_v(device, dtype, batch, k, poison):
     torch.testing.assert_close(got_o.double(), want_o, rtol=2 * eps, atol=4 * eps)
 
 
+# tokens over two pages (page size 4), a tree (two nodes at depth 1), 3 heads (not a power of two), the rotary table
+# read as interleaved pairs or theta angles
+@pytest.mark.parametrize("table, interleaved", [(False, False), (True, True)])
+def test_mla_prep_absorb_is_the_two_ops(device, table, interleaved, poison):
+    g = torch.Generator().manual_seed(300 + 2 * table + interleaved)
+    b, k, h, nope, dr, r, ps = 2, 3, 3, 32, 16, 64, 4
+    dtype = torch.bfloat16
+    pt, prefix = _paged(b, k, [2, 9], ps, 12, g, device)
+    cache = torch.full((pt.max().item() + 2, ps, r + dr), float("nan"), dtype=dtype, device=device)
+    cache_ref = cache.clone()
+    q = torch.randn(b, k, h, nope + dr, generator=g).to(dtype).to(device)
+    q_ref = q.clone()
+    kv = torch.randn(b, k, r + dr, generator=g).to(dtype).to(device)
+    nw = (1 + 0.1 * torch.randn(r, generator=g)).to(dtype).to(device)
+    w_uk = (torch.randn(h, nope, r, generator=g) / nope ** 0.5).to(dtype).to(device)
+    angles = 6.0 * torch.rand(32, dr // 2, generator=g)
+    cos_sin = torch.cat([angles.cos(), angles.sin()], -1).to(device) if table else None
+    pos = prefix.long().unsqueeze(1) + torch.tensor([0, 1, 1], device=device)
+    out = poison(torch.empty(b, k, h, r, dtype=dtype, device=device))
+    got = fused_ops.mla_prep_absorb(q, kv, pos, nw, w_uk, cache, pt, prefix, eps=1e-6, theta=1e4, nope_dim=nope,
+                                    cos_sin=cos_sin, interleaved=interleaved, out=out, impl="triton")
+    assert got.data_ptr() == out.data_ptr()
+    ref.mla_kv_prep_reference(q_ref, kv, pos, nw, cache_ref, pt, prefix, 1e-6, 1e4, nope, cos_sin=cos_sin,
+                              interleaved=interleaved)
+    torch.testing.assert_close(q, q_ref, **_tol(dtype))  # the rope part rotated in place, the nope part untouched
+    assert torch.equal(q[..., :nope], q_ref[..., :nope])
+    written = ~torch.isnan(cache_ref.float())
+    assert torch.equal(written, ~torch.isnan(cache.float()))  # the same slots written, nothing else
+    torch.testing.assert_close(cache[written], cache_ref[written], **_tol(dtype))
+    want = ref.mla_absorb_q_reference(q_ref.double(), w_uk.double(), nope)
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(got.double(), want, rtol=2 * eps, atol=4 * eps)
+
+
+def test_mla_prep_absorb_errors():
+    q = torch.zeros(1, 2, 2, 48, dtype=torch.bfloat16)
+    kv, nw = torch.zeros(1, 2, 80, dtype=torch.bfloat16), torch.ones(64, dtype=torch.bfloat16)
+    args = (kv, torch.zeros(1, 2, dtype=torch.long), nw)
+    tail = (torch.zeros(4, 4, 80, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.int32),
+            torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="w_uk must be"):
+        fused_ops.mla_prep_absorb(q, *args, torch.zeros(3, 32, 64, dtype=torch.bfloat16), *tail, eps=1e-6,
+                                  theta=1e4, nope_dim=32)
+    with pytest.raises(ValueError, match="cos_sin must be"):
+        fused_ops.mla_prep_absorb(q, *args, torch.zeros(2, 32, 64, dtype=torch.bfloat16), *tail, eps=1e-6,
+                                  theta=1e4, nope_dim=32, cos_sin=torch.zeros(8, 7))
+
+
 def test_mla_projection_errors(device):
     q = torch.zeros(1, 2, 2, 48)
     with pytest.raises(ValueError, match="w_uk must be"):

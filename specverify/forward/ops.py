@@ -32,6 +32,11 @@ silu_mul             gate_up [M, 2I] -> [M, I]
 mla_absorb_q         q, w_uk, nope -> q_latent [b, k, h, R]
 mla_up_v             o_latent, w_uv -> [b, k, h * V]
 linear               x [..., K], w [N, K] -> x @ w.T
+rmsnorm_linear       x [..., K], norm_w, eps, w [N, K], residual or None -> (rmsnorm(x + residual) @ w.T,
+                     x + residual); None: rmsnorm / add_rmsnorm then linear (MLA's input and q_a norms)
+mla_prep_absorb      q, kv, positions, norm_w, w_uk, cache, page_table, prefix_lens, eps, theta, nope -> q_latent:
+                     mla_prep then mla_absorb_q in one; None: the two slots
+attention_mla_up_v   attention_mla's arguments, w_uv -> [b, k, h * V]: attention then mla_up_v; None: the two
 write_kv             :func:`specverify.reference.kv.write_draft_kv` (not called by the forward: the prep ops write)
 ===================  ===========================================================================================
 """
@@ -101,6 +106,10 @@ class Ops:
     mla_absorb_q: Callable = mla_absorb_q_reference  # (q, w_uk, nope) -> q_latent [b, k, h, R]
     mla_up_v: Callable = mla_up_v_reference  # (o_latent, w_uv) -> [b, k, h * V]
     linear: Callable = None  # (x [..., K], w [N, K]) -> x @ w.T: the projections that may leave cuBLAS
+    # fusions; None: the forward composes the slots above
+    rmsnorm_linear: Callable = None  # (x, norm_w, eps, w, residual|None) -> (rmsnorm(x + residual) @ w.T, x + residual)
+    mla_prep_absorb: Callable = None  # (q, kv, positions, norm_w, w_uk, cache, pt, prefix, eps, theta, nope) -> q_latent
+    attention_mla_up_v: Callable = None  # attention_mla's arguments + w_uv -> [b, k, h * V] (merge + W_UV)
     pieces: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -224,9 +233,9 @@ def specverify_ops(model):
     else:
         missing.append(why)
     fns, why = _try("specverify.fused_ops", "rmsnorm", "mla_kv_prep", "gqa_prep", "silu_mul", "mla_absorb_q",
-                    "mla_up_v")
+                    "mla_up_v", "mla_prep_absorb")
     if fns:
-        rmsnorm, mla_kv_prep, gqa_prep, silu_mul, mla_absorb_q, mla_up_v = fns
+        rmsnorm, mla_kv_prep, gqa_prep, silu_mul, mla_absorb_q, mla_up_v, mla_prep_absorb = fns
         ops.rmsnorm = lambda x, w, eps: rmsnorm(x, w, eps, impl="triton")
         ops.add_rmsnorm = lambda x, r, w, eps: rmsnorm(x, w, eps, residual=r, impl="triton")
 
@@ -238,16 +247,20 @@ def specverify_ops(model):
             return gqa_prep(q, k, v, positions, qn, kn, kc, vc, page_table, prefix_lens, eps=eps, theta=theta,
                             impl="triton")
 
-        ops.mla_prep, ops.gqa_prep = mla_prep, gqa
+        def prep_absorb(q, kv, positions, norm_w, w_uk, cache, page_table, prefix_lens, eps, theta, nope):
+            return mla_prep_absorb(q, kv, positions, norm_w, w_uk, cache, page_table, prefix_lens, eps=eps,
+                                   theta=theta, nope_dim=nope, impl="triton")
+
+        ops.mla_prep, ops.gqa_prep, ops.mla_prep_absorb = mla_prep, gqa, prep_absorb
         ops.silu_mul = lambda gu: silu_mul(gu, impl="triton")
         ops.mla_absorb_q = lambda q, w_uk, nope: mla_absorb_q(q, w_uk, nope, impl="triton")
         ops.mla_up_v = lambda o_latent, w_uv: mla_up_v(o_latent, w_uv, impl="triton")
         ops.pieces["small_ops"] = "triton"
     else:
         missing.append(why)
-    fns, why = _try("specverify.gemv", "linear")
+    fns, why = _try("specverify.gemv", "linear", "rmsnorm_linear")
     if fns:
-        ops.linear = fns[0]
+        ops.linear, ops.rmsnorm_linear = fns
         ops.pieces["projections"] = "triton gemv where faster, else cuBLAS"
     else:
         missing.append(why)

@@ -94,19 +94,29 @@ def model_ops(base: Ops, cos_sin: torch.Tensor, neox: bool, sm_scale: float) -> 
     "triton"``: :func:`specverify.fused_ops.mla_kv_prep` reads the table), else the torch reference. Mutates and
     returns ``base``.
     """
-    from specverify.fused_ops import mla_kv_prep
+    from specverify.fused_ops import mla_kv_prep, mla_prep_absorb
 
     impl = "triton" if base.pieces.get("small_ops") == "triton" else "reference"
-    attention_mla = base.attention_mla
+    attention_mla, attention_up_v = base.attention_mla, base.attention_mla_up_v
 
     def mla_prep(q, kv, positions, norm_w, cache, page_table, prefix_lens, eps, _theta, nope):
         return mla_kv_prep(q, kv, positions, norm_w, cache, page_table, prefix_lens, eps=eps, theta=1.0,
                            nope_dim=nope, cos_sin=cos_sin, interleaved=not neox, impl=impl)
 
+    def prep_absorb(q, kv, positions, norm_w, w_uk, cache, page_table, prefix_lens, eps, _theta, nope):
+        return mla_prep_absorb(q, kv, positions, norm_w, w_uk, cache, page_table, prefix_lens, eps=eps, theta=1.0,
+                               nope_dim=nope, cos_sin=cos_sin, interleaved=not neox, impl=impl)
+
     def attention(q_latent, q_rope, cache, page_table, prefix_lens, tree_mask, _generic_scale):
         return attention_mla(q_latent, q_rope, cache, page_table, prefix_lens, tree_mask, sm_scale)
 
+    def attention_v(q_latent, q_rope, cache, page_table, prefix_lens, tree_mask, _generic_scale, w_uv):
+        return attention_up_v(q_latent, q_rope, cache, page_table, prefix_lens, tree_mask, sm_scale, w_uv)
+
     base.mla_prep, base.attention_mla = mla_prep, attention
+    # the fused slots read the same table and scale (a table without them keeps composing the two above)
+    base.mla_prep_absorb = prep_absorb if base.mla_prep_absorb is not None else None
+    base.attention_mla_up_v = attention_v if attention_up_v is not None else None
     base.pieces["rope"] = f"model table ({impl}, {'halves' if neox else 'interleaved pairs'})"
     return base
 

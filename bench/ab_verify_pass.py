@@ -1,0 +1,100 @@
+"""A/B of the verify pass's fusions in one process: ``verify-wall``'s specverify provider with fusion slots of its op
+table emptied or rule sets changed, each variant timed by the same measurement (CUDA-graph replay medians, bytes
+floor from a copy bandwidth of the same run), in the order given and then in reverse, so a drift across the run
+shows as a difference between the two passes over the same variant (issue 22).
+
+Variants (``--variants``, comma-separated): ``chain`` (no fusion slot: the op chain before the fusions), ``norm``
+(RMSNorm inside the projections), ``norm+prep`` (and MLA preparation with the query absorption), ``all`` (and the
+attention's split merge with W_UV), ``all-qb1`` (``all`` with q_b's norm folded only where the plain GEMV serves q_b,
+M = 1).
+
+Usage: ``python bench/ab_verify_pass.py [--model kimi-k2] [--batch 1] [--context 4096] [--tree chain]
+[--draft-tokens 1,2,4,8] [--iters 10] [--page-size 64] [--variants ...] [--kernels] [--json PATH]``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from specverify import gemv as gemv_mod
+from specverify import verify_wall as vw
+
+FUSIONS = ("rmsnorm_linear", "mla_prep_absorb", "attention_mla_up_v")
+VARIANTS = {
+    "chain": dict(off=FUSIONS),
+    "norm": dict(off=FUSIONS[1:]),
+    "norm+prep": dict(off=FUSIONS[2:]),
+    "all": dict(off=()),
+    "all-qb1": dict(off=(), norm_rules=gemv_mod.LINEAR_RULES),
+}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="kimi-k2")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--tree", default="chain")
+    ap.add_argument("--draft-tokens", type=vw._parse_ints, default=[1, 2, 4, 8])
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--distinct-layers", type=int, default=4)
+    ap.add_argument("--variants", default="chain,norm,norm+prep,all,all-qb1")
+    ap.add_argument("--kernels", action="store_true", help="kernel profile of the last variant's second run")
+    ap.add_argument("--json", metavar="PATH")
+    args = ap.parse_args(argv)
+    names = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        print(f"ab_verify_pass: unknown variants {unknown}; expected some of {list(VARIANTS)}", file=sys.stderr)
+        return 2
+    orig_ops, orig_rules = vw._wall_ops, gemv_mod.NORM_LINEAR_RULES
+    current = {}
+
+    def ops_of_variant(provider, model, max_position):
+        ops, note = orig_ops(provider, model, max_position)
+        for slot in current["off"]:
+            setattr(ops, slot, None)
+        return ops, note
+
+    vw._wall_ops = ops_of_variant
+    results = []
+    order = names + names[::-1]
+    for i, name in enumerate(order):
+        var = VARIANTS[name]
+        current["off"] = var["off"]
+        gemv_mod.NORM_LINEAR_RULES = var.get("norm_rules", orig_rules)
+        last = i == len(order) - 1
+        s = vw.WallSettings(model=args.model, batch=args.batch, context=args.context, tree=args.tree,
+                            draft_tokens=args.draft_tokens, distinct_layers=args.distinct_layers,
+                            impl=["specverify"], iters=args.iters, page_size=args.page_size,
+                            kernels=args.kernels and last, breakdown=args.kernels and last)
+        res = vw.run_verify_wall(s)
+        results.append({"variant": name, "pass": 1 if i < len(names) else 2, **res})
+        cells = " ".join(f"k{r['k']}={r['verify_ms_median']:.3f}({r['efficiency']:.0%},{r['graph_nodes']})"
+                         for r in res["rows"] if r.get("iters"))
+        print(f"{name:>10} pass {results[-1]['pass']}: {cells}", flush=True)
+    gemv_mod.NORM_LINEAR_RULES = orig_rules
+    vw._wall_ops = orig_ops
+    print("\nms (efficiency vs the bytes floor), mean of the two passes:")
+    ks = args.draft_tokens
+    print(f"{'variant':>10} " + " ".join(f"{'k=' + str(k):>16}" for k in ks))
+    for name in names:
+        cells = []
+        for k in ks:
+            v = [r for res in results if res["variant"] == name for r in res["rows"] if r["k"] == k and r.get("iters")]
+            if v:
+                ms = sum(r["verify_ms_median"] for r in v) / len(v)
+                cells.append(f"{ms:8.3f} ({v[0]['floor_ms'] / ms:4.0%})")
+            else:
+                cells.append(f"{'-':>16}")
+        print(f"{name:>10} " + " ".join(f"{c:>16}" for c in cells))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(vw._json_safe({"args": vars(args), "results": results}), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

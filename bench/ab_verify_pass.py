@@ -3,10 +3,9 @@ table emptied or rule sets changed, each variant timed by the same measurement (
 floor from a copy bandwidth of the same run), in the order given and then in reverse, so a drift across the run
 shows as a difference between the two passes over the same variant (issue 22).
 
-Variants (``--variants``, comma-separated): ``chain`` (no fusion slot: the op chain before the fusions), ``norm``
-(RMSNorm inside the projections), ``norm+prep`` (and MLA preparation with the query absorption), ``all`` (and the
-attention's split merge with W_UV), ``all-qb1`` (``all`` with q_b's norm folded only where the plain GEMV serves q_b,
-M = 1).
+Variants (``--variants``, comma-separated): ``chain`` (no fusion slot: MLA preparation and the query absorption in
+two launches), ``fused`` (the default table). Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded
+into the projections (slower in the pass) and the split merge fused with W_UV (slower alone).
 
 Usage: ``python bench/ab_verify_pass.py [--model kimi-k2] [--batch 1] [--context 4096] [--tree chain]
 [--draft-tokens 1,2,4,8] [--iters 10] [--page-size 64] [--variants ...] [--kernels] [--json PATH]``.
@@ -17,17 +16,10 @@ import argparse
 import json
 import sys
 
-from specverify import gemv as gemv_mod
 from specverify import verify_wall as vw
 
-FUSIONS = ("rmsnorm_linear", "mla_prep_absorb", "attention_mla_up_v")
-VARIANTS = {
-    "chain": dict(off=FUSIONS),
-    "norm": dict(off=FUSIONS[1:]),
-    "norm+prep": dict(off=FUSIONS[2:]),
-    "all": dict(off=()),
-    "all-qb1": dict(off=(), norm_rules=gemv_mod.LINEAR_RULES),
-}
+FUSIONS = ("mla_prep_absorb",)
+VARIANTS = {"chain": dict(off=FUSIONS), "fused": dict(off=())}
 
 
 def main(argv=None) -> int:
@@ -40,7 +32,7 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--distinct-layers", type=int, default=4)
-    ap.add_argument("--variants", default="chain,norm,norm+prep,all,all-qb1")
+    ap.add_argument("--variants", default="chain,fused")
     ap.add_argument("--kernels", action="store_true", help="kernel profile of the last variant's second run")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
@@ -49,7 +41,7 @@ def main(argv=None) -> int:
     if unknown:
         print(f"ab_verify_pass: unknown variants {unknown}; expected some of {list(VARIANTS)}", file=sys.stderr)
         return 2
-    orig_ops, orig_rules = vw._wall_ops, gemv_mod.NORM_LINEAR_RULES
+    orig_ops = vw._wall_ops
     current = {}
 
     def ops_of_variant(provider, model, max_position):
@@ -64,7 +56,6 @@ def main(argv=None) -> int:
     for i, name in enumerate(order):
         var = VARIANTS[name]
         current["off"] = var["off"]
-        gemv_mod.NORM_LINEAR_RULES = var.get("norm_rules", orig_rules)
         last = i == len(order) - 1
         s = vw.WallSettings(model=args.model, batch=args.batch, context=args.context, tree=args.tree,
                             draft_tokens=args.draft_tokens, distinct_layers=args.distinct_layers,
@@ -75,7 +66,6 @@ def main(argv=None) -> int:
         cells = " ".join(f"k{r['k']}={r['verify_ms_median']:.3f}({r['efficiency']:.0%},{r['graph_nodes']})"
                          for r in res["rows"] if r.get("iters"))
         print(f"{name:>10} pass {results[-1]['pass']}: {cells}", flush=True)
-    gemv_mod.NORM_LINEAR_RULES = orig_rules
     vw._wall_ops = orig_ops
     print("\nms (efficiency vs the bytes floor), mean of the two passes:")
     ks = args.draft_tokens

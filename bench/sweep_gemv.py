@@ -1,11 +1,10 @@
-"""Sweep: the skinny GEMV's launch configs (tile, split waves, warps, stages) and its RMSNorm-folded form, against
-cuBLAS and against RMSNorm + projection, at the verify pass's projection shapes, in one device call (issue 22).
+"""Sweep: the skinny GEMV's launch configs (tile, split waves, warps, stages) against cuBLAS at the verify pass's
+projection shapes, in one device call (issue 22).
 
 For each shape (one tp-8 rank of Kimi-K2 / DeepSeek-V3, ``bench_gemv.SHAPES``) and M in ``--ms``: every config of
 ``CONFIGS`` is checked against the fp32 reference and timed by CUDA-graph replay over copies of the weight (enough to
-exceed 4x L2, so each call reads HBM as in the pass); cuBLAS (``torch.matmul``) beside it. The norm rows time what
-the pass runs for ``rmsnorm(x [+ residual]) @ w.T``: our RMSNorm kernel then cuBLAS, RMSNorm then our GEMV, and
-``rmsnorm_gemv`` (one launch) at the default config. ``bw`` = weight bytes / time / copy bandwidth of the same run.
+exceed 4x L2, so each call reads HBM as in the pass); cuBLAS (``torch.matmul``) beside it. ``bw`` = weight bytes /
+time / copy bandwidth of the same run.
 
 Usage: ``python bench/sweep_gemv.py [--ms 1,4] [--shapes kimi-k2:qkv_a,...] [--json PATH]``; prints a table last.
 """
@@ -34,8 +33,6 @@ CONFIGS = [
     {"BLOCK_N": 128}, {"BLOCK_N": 128, "WAVES": 3}, {"BLOCK_N": 128, "num_warps": 8},
     {"BLOCK_N": 32}, {"BLOCK_N": 32, "WAVES": 4},
 ]
-#: the input norm of each normalised projection of the pass: (shape key, with a residual add)
-NORM_SHAPES = {("kimi-k2", "qkv_a"): True, ("kimi-k2", "q_b"): False, ("deepseek-v3", "q_b"): False}
 
 
 def _name(over: dict) -> str:
@@ -53,7 +50,6 @@ def main(argv=None) -> int:
         print("sweep_gemv: needs a CUDA GPU", file=sys.stderr)
         return 2
     from specverify import gemv as gm
-    from specverify.fused_ops import rmsnorm
 
     keys = [tuple(s.split(":")) for s in args.shapes.split(",") if s] or [k for k in SHAPES if k[1] != "lm_head"]
     bw = copy_bandwidth_gbps() * 1e9
@@ -90,32 +86,12 @@ def main(argv=None) -> int:
                 row["configs"][_name(over)] = {"us": us, "bw": floor / us, "err": err}
             gm._CONFIG.clear()
             gm._CONFIG.update(base)
-            if key in NORM_SHAPES:
-                res = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) if NORM_SHAPES[key] else None
-                nw = (1 + 0.1 * torch.randn(k, device="cuda")).to(torch.bfloat16)
-
-                def norm_then(proj):
-                    h = rmsnorm(x, nw, 1e-6) if res is None else rmsnorm(x, nw, 1e-6, residual=res)[0]
-                    return proj(h, next(cycle))
-
-                row["norm_cublas_us"] = graph_us(lambda: norm_then(lambda h, w: torch.matmul(h, w.t(), out=out)),
-                                                 calls=len(ws), replays=5, repeats=5)
-                row["norm_ours_us"] = graph_us(lambda: norm_then(lambda h, w: gm.gemv(h, w, out=out)),
-                                               calls=len(ws), replays=5, repeats=5)
-                y, _ = gm.rmsnorm_gemv(x, nw, 1e-6, ws[0], residual=res)
-                truth, _ = gm_ref(x, nw, ws[0], res)
-                row["fused_err"] = float((y.float() - truth).abs().max()) / float(truth.abs().max())
-                row["fused_us"] = graph_us(lambda: gm.rmsnorm_gemv(x, nw, 1e-6, next(cycle), residual=res, out=out),
-                                           calls=len(ws), replays=5, repeats=5)
             rows.append(row)
             ok = {c: v["us"] for c, v in row["configs"].items() if "us" in v}
             best = min(ok, key=ok.get) if ok else "-"
             line = (f"{key[0]:>11} {key[1]:>7} M{m:<2} floor {floor:6.2f} cuBLAS {cublas:6.2f} default "
                     f"{ok.get('default', float('nan')):6.2f} best {ok.get(best, float('nan')):6.2f} ({best}, "
                     f"{floor / ok[best] if ok else 0:.0%})")
-            if "fused_us" in row:
-                line += (f" | norm+cuBLAS {row['norm_cublas_us']:6.2f} norm+ours {row['norm_ours_us']:6.2f} "
-                         f"fused {row['fused_us']:6.2f}")
             print(line, flush=True)
         del ws
         torch.cuda.empty_cache()
@@ -123,13 +99,6 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"meta": run_meta(__file__, copy_bandwidth_gbps=bw / 1e9), "rows": rows}, f, indent=1)
     return 0
-
-
-def gm_ref(x, nw, w, res):
-    """fp32 truth of rmsnorm(x + res) @ w.T (the sum rounded to bf16, as the pass's residual is)."""
-    s = (x if res is None else x + res).float()
-    h = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * nw.float()
-    return h @ w.float().t(), s
 
 
 if __name__ == "__main__":

@@ -19,18 +19,8 @@ acquire-release) reduces them and resets the ticket, so the launch is graph-repl
 slice (constant data; the launcher bounds the grid's total, so a large weight does not thrash L2), then lets the
 next kernel launch (``gdc_launch_dependents``) and waits (``gdc_wait``) before it touches X, the workspace or Y.
 
-``NORM`` (RMSNorm folded in by linearity: the norm's row scale leaves the sum over K)::
-
-    s = X (+ RES when HAS_RES, rounded to X's dtype; the programs of row tile 0 write s to RES_OUT)
-    Y[m, n] = rsqrt(mean_k s[m, k]^2 + eps) * sum_k W[n, k] * (s[m, k] * G[k])      (the product rounded to X's dtype)
-
-Every program also sums s^2 over its K slice into SSQ[n, s, m]; the tile's last program adds the slices and applies
-the row scale in its reduce, so the norm costs no launch and no pass over the activations of its own. RES_OUT must
-not alias X or RES (other row tiles still read them).
-
 Tensors: X [M, K] (unit stride on K), W [N, K] (torch's Linear layout), Y [M, N]; bf16 / fp16; P fp32; TICKET
-int32 [row tiles], zero between launches; with NORM: G [K] (the norm weight), SSQ fp32 [row tiles, SPLIT_K,
-BLOCK_M], and with HAS_RES RES, RES_OUT [M, K] (unit stride on K).
+int32 [row tiles], zero between launches.
 """
 import triton
 import triton.language as tl
@@ -46,11 +36,9 @@ def _prefetch_l2(ptrs):
 
 @triton.jit
 def _gemv_splitk_kernel(X, W, Y, P, TICKET, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split, k_prefetch,
-                        G, SSQ, RES, RES_OUT, stride_rm, stride_rom, eps,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLIT_K: tl.constexpr, SPLIT_PAD: tl.constexpr, WIDE_REDUCE: tl.constexpr,
-                        DOT_FP32: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                        NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False):
+                        DOT_FP32: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -68,63 +56,37 @@ def _gemv_splitk_kernel(X, W, Y, P, TICKET, M, N, K, stride_xm, stride_wn, strid
         gdc_launch_dependents()
         gdc_wait()  # x (and the workspace) belong to earlier kernels: nothing is read or written before this
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    ssq = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         kmask = rk < K
         w = tl.load(W + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :], mask=nmask[:, None] & kmask[None, :],
                     other=0.0)
-        xmask = mmask[None, :] & kmask[:, None]
-        xt = tl.load(X + rm[None, :] * stride_xm + rk[:, None], mask=xmask, other=0.0)
-        if HAS_RES:  # the residual add, rounded as the unfused add is; row tile 0 writes the sum
-            rt = tl.load(RES + rm[None, :] * stride_rm + rk[:, None], mask=xmask, other=0.0)
-            xt = (xt.to(tl.float32) + rt.to(tl.float32)).to(X.dtype.element_ty)
-            if pid_n == 0:
-                tl.store(RES_OUT + rm[None, :] * stride_rom + rk[:, None], xt, mask=xmask)
-        if NORM:  # sum of squares of this K slice; the norm weight goes into the operand, the row scale at the end
-            xf = xt.to(tl.float32)
-            ssq += tl.sum(xf * xf, axis=0)
-            g = tl.load(G + rk, mask=kmask, other=0.0).to(tl.float32)
-            xt = (xf * g[:, None]).to(X.dtype.element_ty)
+        xt = tl.load(X + rm[None, :] * stride_xm + rk[:, None], mask=mmask[None, :] & kmask[:, None], other=0.0)
         if DOT_FP32:  # the CPU interpreter (its bf16 dot is not exact)
             acc += tl.dot(w.to(tl.float32), xt.to(tl.float32))
         else:
             acc += tl.dot(w, xt)
     out_mask = nmask[:, None] & mmask[None, :]
     if SPLIT_K == 1:
-        if NORM:
-            acc = acc * tl.rsqrt(ssq / K + eps)[None, :]
         tl.store(Y + rm[None, :] * stride_ym + rn[:, None], acc.to(Y.dtype.element_ty), mask=out_mask)
     else:
         p_tile = P + (pid_s * BLOCK_M + rm[None, :]) * N + rn[:, None]
         tl.store(p_tile, acc, mask=out_mask)
-        if NORM:
-            tl.store(SSQ + (pid_n * SPLIT_K + pid_s) * BLOCK_M + rm, ssq)
         tl.debug_barrier()  # this program's partial precedes its ticket
         ticket = tl.atomic_add(TICKET + pid_n, 1, sem="acq_rel")
         if ticket == SPLIT_K - 1:
-            rs = tl.arange(0, SPLIT_PAD)
-            smask = rs < SPLIT_K
-            rstd = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
-            if NORM:  # every slice's sum of squares of this row tile, one wide load
-                sq = tl.load(SSQ + (pid_n * SPLIT_K + rs[:, None]) * BLOCK_M + rm[None, :], mask=smask[:, None],
-                             other=0.0)
-                rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
             if WIDE_REDUCE:
                 # one wide load of every split's partial per token row (the launcher's rule: one token, or
                 # many splits, where the split-by-split loop below would serialise)
+                rs = tl.arange(0, SPLIT_PAD)
+                smask = rs < SPLIT_K
                 for m in range(0, M):
                     part = tl.load(P + (rs[:, None] * BLOCK_M + m) * N + rn[None, :],
                                    mask=smask[:, None] & nmask[None, :], other=0.0)
-                    row = tl.sum(part, axis=0)
-                    if NORM:
-                        row = row * tl.sum(tl.where(rm == m, rstd, 0.0), axis=0)
-                    tl.store(Y + m * stride_ym + rn, row.to(Y.dtype.element_ty), mask=nmask)
+                    tl.store(Y + m * stride_ym + rn, tl.sum(part, axis=0).to(Y.dtype.element_ty), mask=nmask)
             else:
                 total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
                 for s in range(0, SPLIT_K):
                     total += tl.load(P + (s * BLOCK_M + rm[None, :]) * N + rn[:, None], mask=out_mask, other=0.0)
-                if NORM:
-                    total = total * rstd[None, :]
                 tl.store(Y + rm[None, :] * stride_ym + rn[:, None], total.to(Y.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(TICKET + pid_n, 0)

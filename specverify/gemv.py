@@ -27,9 +27,14 @@ WIDE_REDUCE_MIN_SPLITS = 16
 #: (``WAVES`` programs an SM, by splitting K) and the launch's warps / stages: the defaults; :data:`SHAPE_CONFIGS`
 #: overrides them per shape (``bench/sweep_gemv.py`` times the candidates).
 _CONFIG = {"PREFETCH_BYTES": 8 << 20, "BLOCK_N": 64, "BLOCK_K": 128, "WAVES": 2, "num_warps": 4, "num_stages": 3}
-#: ((max M, (N lo, N hi), (K lo, K hi)), overrides of :data:`_CONFIG`): the first rule that holds applies.
-SHAPE_CONFIGS: tuple = ()
 _INF = 1 << 62
+#: ((max M, (N lo, N hi), (K lo, K hi)), overrides of :data:`_CONFIG`): the first rule that holds applies. From
+#: ``bench/sweep_gemv.py`` on the H200 (2026-12-03, bench/RESULTS.md "Verify pass"): qkv_a 7168 -> 2112 with 4
+#: stages (10.14 / 10.74 us at M = 1 / 4 against 12.31 / 12.68 with 3; cuBLAS 12.28 / 13.27); Kimi-K2's q_b
+#: 1536 -> 1536 at 2-4 tokens with 8 warps (5.34 us at M = 4 against 5.83 with 4; cuBLAS 6.13).
+SHAPE_CONFIGS: tuple = (((4, (2048, 4096), (7168, 7168)), {"num_stages": 4}),
+                        ((1, (1536, 1536), (1536, 1536)), {}),
+                        ((4, (1536, 1536), (1536, 1536)), {"num_warps": 8}))
 
 
 def gemv_config(m: int, n: int, k: int) -> dict:
@@ -63,15 +68,14 @@ def gemv_split(n: int, k: int, sms: int, cfg: dict | None = None) -> tuple[int, 
 
 
 def _buffers(device, n, split, block_n):
-    """(partials fp32 [split, MAX_M, n], tickets int32 [row tiles], row-slice sums of squares fp32 [row tiles,
-    split, MAX_M]) for one (device, N, tile), grown to ``split`` and kept (graph replays reuse the addresses)."""
+    """(partials fp32 [split, MAX_M, n], tickets int32 [row tiles]) for one (device, N, tile), grown to ``split`` and
+    kept (graph replays reuse the addresses)."""
     key = (device, n, block_n)
     buf = _BUFFERS.get(key)
     if buf is None or buf[0].shape[0] < split:
         tiles = -(-n // block_n)
         buf = (torch.empty(split, MAX_M, n, dtype=torch.float32, device=device),
-               torch.zeros(tiles, dtype=torch.int32, device=device),
-               torch.empty(tiles, split, MAX_M, dtype=torch.float32, device=device))
+               torch.zeros(tiles, dtype=torch.int32, device=device))
         _BUFFERS[key] = buf
     return buf
 
@@ -82,56 +86,17 @@ def _buffers(device, n, split, block_n):
 #: * M <= 8, N >= 2048, K = 7168: qkv_a 7168 -> 2112 (0.84-0.88x cuBLAS's time) and the LM head 7168 -> 20480
 #:   (0.88-0.90x);
 #: * M = 1, N <= 512, K = 7168: the router 7168 -> 384 / 256 (0.80 / 0.73x; at 4-8 tokens 1.1-1.6x);
-#: * M = 1, N = K = 1536: Kimi-K2's q_b 1536 -> 1536 (0.85x; DeepSeek-V3's 1536 -> 3072 is 1.17x).
+#: * M <= 4, N = K = 1536: Kimi-K2's q_b 1536 -> 1536 (M = 1 0.85x; M = 4 0.87x with 8 warps, sweep_gemv
+#:   2026-12-03; DeepSeek-V3's 1536 -> 3072 is 1.08-1.17x).
 #:
-#: o_proj (1024 / 2048 -> 7168) lost at every M (1.18-1.81x).
+#: o_proj (1024 / 2048 -> 7168) lost at every M (1.18-1.81x; 2026-12-03 with every swept config: 1.23-1.26x).
 #: K is bounded by what was measured (7168, the hidden size): a K = 8192 o_proj (DeepSeek-V3 at tp 2) stays cuBLAS's.
-LINEAR_RULES = ((8, (2048, _INF), (7168, 7168)), (1, (1, 512), (7168, 7168)), (1, (1536, 1536), (1536, 1536)))
+LINEAR_RULES = ((8, (2048, _INF), (7168, 7168)), (1, (1, 512), (7168, 7168)), (4, (1536, 1536), (1536, 1536)))
 
 
 def gemv_is_faster(m: int, n: int, k: int) -> bool:
     """Whether :data:`LINEAR_RULES` give this ``[m, k] @ [n, k].T`` projection to :func:`gemv`."""
     return any(m <= mm and nlo <= n <= nhi and klo <= k <= khi for mm, (nlo, nhi), (klo, khi) in LINEAR_RULES)
-
-
-#: Where :func:`rmsnorm_linear` runs the RMSNorm inside :func:`rmsnorm_gemv` (same form as :data:`LINEAR_RULES`):
-#: the shapes our GEMV serves, and q_b (1536 -> 1536) up to 8 tokens, where the norm kernel it saves outweighs
-#: cuBLAS's lead on the plain projection.
-NORM_LINEAR_RULES = LINEAR_RULES + ((8, (1536, 1536), (1536, 1536)),)
-
-
-def norm_gemv_is_faster(m: int, n: int, k: int) -> bool:
-    """Whether :data:`NORM_LINEAR_RULES` give this normalised projection to :func:`rmsnorm_gemv`."""
-    return any(m <= mm and nlo <= n <= nhi and klo <= k <= khi for mm, (nlo, nhi), (klo, khi) in NORM_LINEAR_RULES)
-
-
-def rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor,
-                   residual: torch.Tensor | None = None):
-    """``(rmsnorm(x + residual) @ w.T, x + residual)`` for the verify pass: one :func:`rmsnorm_gemv` launch where
-    :func:`norm_gemv_is_faster` (bf16 / fp16, unit stride on K), else :func:`specverify.fused_ops.rmsnorm` then
-    :func:`linear`.
-
-    x, residual [..., K] (residual optional: then the second result is x itself); norm_weight [K]; w [N, K].
-    Returns ([..., N], [..., K]) in x's dtype. Graph capturable after one eager call per (device, N); no validation
-    beyond the rule (the verify forward's own tensors).
-    """
-    from specverify.fused_ops import rmsnorm
-
-    k = x.shape[-1]
-    m = x.numel() // k if k else 0
-    n = w.shape[0]
-    if (m >= 1 and norm_gemv_is_faster(m, n, k) and x.dtype in _FLOAT and w.dtype == x.dtype
-            and norm_weight.dtype == x.dtype and w.dim() == 2 and w.shape[1] == k and w.stride(1) == 1
-            and (residual is None or residual.shape == x.shape) and _use_triton("auto", x, w)):
-        flat = x.reshape(m, k)
-        res = None if residual is None else residual.reshape(m, k)
-        if flat.stride(1) == 1 and (res is None or res.stride(1) == 1):
-            y, summed = rmsnorm_gemv(flat, norm_weight, eps, w, residual=res)
-            return y.view(*x.shape[:-1], n), summed.view(x.shape)
-    if residual is None:
-        return linear(rmsnorm(x, norm_weight, eps), w), x
-    h, summed = rmsnorm(x, norm_weight, eps, residual=residual)
-    return linear(h, w), summed
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -218,7 +183,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None = None, i
     return out
 
 
-def _launch(x, w, out, norm_weight=None, eps=0.0, residual=None, residual_out=None):
+def _launch(x, w, out):
     from specverify.kernels.gemv import _gemv_splitk_kernel
 
     m, k = x.shape
@@ -226,111 +191,16 @@ def _launch(x, w, out, norm_weight=None, eps=0.0, residual=None, residual_out=No
     cfg = gemv_config(m, n, k)
     sms = sm_count(x.device.type, x.device.index)
     split, per = gemv_split(n, k, sms, cfg)
-    part, ticket, ssq = _buffers(x.device, n, split, cfg["BLOCK_N"])
-    split_pad = triton_next_pow2(split)  # (the kernel indexes ssq as [tiles, split, MAX_M]: it fits any smaller split)
+    part, ticket = _buffers(x.device, n, split, cfg["BLOCK_N"])
     grid = (-(-n // cfg["BLOCK_N"]), split)
     pdl = pdl_launch(x.device)
     k_prefetch = prefetch_columns(grid[0] * grid[1], per, x.element_size(), cfg) if pdl else 0
-    norm = norm_weight is not None
-    res = residual is not None
     _gemv_splitk_kernel[grid](x, w, out, part, ticket, m, n, k, x.stride(0), w.stride(0), out.stride(0), per,
-                              k_prefetch, norm_weight if norm else x, ssq, residual if res else x,
-                              residual_out if res else x, residual.stride(0) if res else 0,
-                              residual_out.stride(0) if res else 0, float(eps),
+                              k_prefetch,
                               BLOCK_M=max(16, triton_next_pow2(m)), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                              SPLIT_K=split, SPLIT_PAD=split_pad,
+                              SPLIT_K=split, SPLIT_PAD=triton_next_pow2(split),
                               WIDE_REDUCE=m == 1 or split >= WIDE_REDUCE_MIN_SPLITS,
-                              DOT_FP32=not x.is_cuda, PDL=pdl, PREFETCH=k_prefetch > 0, NORM=norm, HAS_RES=res,
+                              DOT_FP32=not x.is_cuda, PDL=pdl, PREFETCH=k_prefetch > 0,
                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                               **({"launch_pdl": True} if pdl else {}))
 
-
-def rmsnorm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor, *,
-                 residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                 residual_out: torch.Tensor | None = None, impl: str = "auto"):
-    """``rmsnorm(x [+ residual]) @ w.T`` in one launch: RMSNorm (and the residual add before it) folded into the
-    skinny GEMM, so the norm costs no kernel of its own.
-
-    Source: RMSNorm (Zhang & Sennrich, 2019) is a per-row scale after a per-column one, and the row scale
-    ``rsqrt(mean(s^2) + eps)`` leaves the sum over K: ``y = rsqrt(mean(s^2) + eps) * (w @ (s * norm_weight))``. Each
-    split-K program sums ``s^2`` over its K slice and the tile's last program applies the scale in its reduce.
-
-    Parameters
-    ----------
-    x : Tensor [M, K], M in [1, 16], unit stride on K; bf16 / fp16.
-    norm_weight : Tensor [K], x's dtype: the RMSNorm weight.
-    eps : float
-        The RMSNorm epsilon.
-    w : Tensor [N, K], unit stride on K, x's dtype.
-    residual : Tensor [M, K] or None
-        When given, ``s = x + residual`` (rounded to x's dtype, as :func:`specverify.fused_ops.rmsnorm` rounds it)
-        is normalised, and written to ``residual_out``.
-    out : Tensor [M, N] or None
-        x's dtype, unit stride on N; written and returned (allocated when None).
-    residual_out : Tensor [M, K] or None
-        Contiguous, x's dtype; receives ``s``; must not overlap x or residual (other programs still read them while
-        it is written). Allocated when None and ``residual`` is given.
-
-    Returns
-    -------
-    (out [M, N], s [M, K]): ``s`` is ``residual_out`` with a residual, else ``x`` itself.
-
-    Raises
-    ------
-    TypeError
-        Non-bf16/fp16 or mismatched dtypes.
-    ValueError
-        Shapes that disagree, M outside [1, 16], strided K, a ``residual_out`` that overlaps x or residual.
-
-    Notes
-    -----
-    Differs from ``rmsnorm`` then ``gemv`` only by where bf16 rounds: the normalised activation is never rounded as
-    a whole (``s * norm_weight`` is, and the row scale is applied in fp32 to the sum). One launch; CUDA-graph
-    capturable after one eager call per (device, N); a programmatic dependent on sm_90+ (:func:`gemv`).
-    ``impl="reference"``: :func:`specverify.reference.gemv.rmsnorm_gemv_reference`.
-    """
-    from specverify.reference.gemv import rmsnorm_gemv_reference
-
-    op = "rmsnorm_gemv"
-    _check_xw(op, x, w)
-    m, k = x.shape
-    n = w.shape[0]
-    if not isinstance(norm_weight, torch.Tensor) or tuple(norm_weight.shape) != (k,) or norm_weight.dtype != x.dtype:
-        raise ValueError(f"{op}: norm_weight must be a {x.dtype} tensor of shape [{k}], got "
-                         f"{getattr(norm_weight, 'dtype', type(norm_weight).__name__)} "
-                         f"{list(getattr(norm_weight, 'shape', []))}")
-    norm_weight = norm_weight.contiguous()
-    if residual is not None:
-        if not isinstance(residual, torch.Tensor) or tuple(residual.shape) != (m, k) or residual.dtype != x.dtype \
-                or residual.stride(1) != 1:
-            raise ValueError(f"{op}: residual must be {x.dtype} [{m}, {k}] with unit stride on K, got "
-                             f"{getattr(residual, 'dtype', None)} {list(getattr(residual, 'shape', []))}")
-        if residual_out is None:
-            residual_out = torch.empty(m, k, dtype=x.dtype, device=x.device)
-        elif tuple(residual_out.shape) != (m, k) or residual_out.dtype != x.dtype or not residual_out.is_contiguous():
-            raise ValueError(f"{op}: residual_out must be a contiguous {x.dtype} [{m}, {k}] tensor, got "
-                             f"{residual_out.dtype} {list(residual_out.shape)}")
-        if _overlaps(residual_out, x) or _overlaps(residual_out, residual):
-            raise ValueError(f"{op}: residual_out must not overlap x or residual (the programs of other row tiles "
-                             "still read them while it is written); pass a separate buffer or None")
-    elif residual_out is not None:
-        raise ValueError(f"{op}: residual_out is only written with a residual; pass residual or drop residual_out")
-    out = _check_gemv_out(op, out, m, n, x)
-    if not _use_triton(impl, x, w):
-        y, s = rmsnorm_gemv_reference(x, norm_weight, eps, w, residual=residual)
-        out.copy_(y)
-        if residual is None:
-            return out, x
-        residual_out.copy_(s)
-        return out, residual_out
-    _launch(x, w, out, norm_weight, eps, residual, residual_out)
-    return out, (x if residual is None else residual_out)
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.device != b.device:
-        return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    a1 = a0 + (a.numel() and (sum((s - 1) * st for s, st in zip(a.shape, a.stride())) + 1)) * a.element_size()
-    b1 = b0 + (b.numel() and (sum((s - 1) * st for s, st in zip(b.shape, b.stride())) + 1)) * b.element_size()
-    return a0 < b1 and b0 < a1

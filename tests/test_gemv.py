@@ -4,7 +4,7 @@ import torch
 
 from specverify import gemv as gemv_mod
 from specverify.gemv import gemv, gemv_split
-from specverify.reference.gemv import gemv_reference, rmsnorm_gemv_reference
+from specverify.reference.gemv import gemv_reference
 
 
 @pytest.mark.parametrize("m, n, k", [(1, 40, 96), (3, 130, 300), (8, 64, 512), (16, 5, 33)])  # partial tiles
@@ -71,7 +71,8 @@ def test_linear_takes_the_gemv_only_where_it_measured_faster(device, monkeypatch
     assert gemv_mod.gemv_is_faster(1, 2112, 7168) and gemv_mod.gemv_is_faster(8, 20480, 7168)  # qkv_a, LM head
     assert not gemv_mod.gemv_is_faster(9, 2112, 7168) and not gemv_mod.gemv_is_faster(1, 7168, 1024)  # M, o_proj
     assert gemv_mod.gemv_is_faster(1, 384, 7168) and not gemv_mod.gemv_is_faster(2, 384, 7168)  # the router
-    assert gemv_mod.gemv_is_faster(1, 1536, 1536) and not gemv_mod.gemv_is_faster(1, 3072, 1536)  # q_b
+    assert gemv_mod.gemv_is_faster(4, 1536, 1536) and not gemv_mod.gemv_is_faster(5, 1536, 1536)  # Kimi-K2's q_b
+    assert not gemv_mod.gemv_is_faster(1, 3072, 1536)  # DeepSeek-V3's q_b
     assert not gemv_mod.gemv_is_faster(1, 7168, 8192)  # an o_proj at K = 8192: never measured, cuBLAS
 
 
@@ -89,53 +90,25 @@ def test_gemv_bad_input(bad, match):
         gemv(args["x"], args["w"])
 
 
-# m = 1: the wide final reduce; m = 3: split by split; k = 128: one split (the row scale applied without a reduce);
-# n = 70: a partial row tile; with and without the residual add
-@pytest.mark.parametrize("m, n, k, with_res", [(1, 70, 1024, True), (3, 70, 1024, True), (3, 130, 1024, False),
-                                               (2, 300, 128, True)])
-def test_rmsnorm_gemv_matches_the_unfused_composition(device, monkeypatch, m, n, k, with_res):
-    monkeypatch.setattr(gemv_mod, "sm_count", lambda device_type, index: 4)  # several K splits at these sizes
-    g = torch.Generator().manual_seed(m * 7 + n + k)
-    dtype = torch.bfloat16
-    x = (torch.randn(m, k, generator=g) * 3).to(dtype).to(device)
-    res = torch.randn(m, k, generator=g).to(dtype).to(device) if with_res else None
-    nw = (1 + 0.3 * torch.randn(k, generator=g)).to(dtype).to(device)
-    w = torch.randn(n, k, generator=g).to(dtype).to(device)
-    out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
-    res_out = torch.full((m, k), float("nan"), dtype=dtype, device=device) if with_res else None
-    for _ in range(2):  # the second call finds the tickets reset by the first
-        got, s = gemv_mod.rmsnorm_gemv(x, nw, 1e-6, w, residual=res, out=out, residual_out=res_out, impl="triton")
-        assert got.data_ptr() == out.data_ptr()
-        s_want = x + res if with_res else x
-        if s.is_cuda:  # the residual sum is the unfused add, bit for bit
-            assert torch.equal(s, s_want)
-        else:  # one rounding of the fp32 sum; the CPU interpreter's bf16 conversion may truncate instead of rounding
-            torch.testing.assert_close(s, s_want, rtol=torch.finfo(dtype).eps, atol=0)
-        # fp32 truth from the rounded sum; the fused op may err at most twice what the bf16 composition errs
-        sf = s_want.float()
-        truth = (sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + 1e-6) * nw.float()) @ w.float().t()
-        composed, _ = rmsnorm_gemv_reference(x, nw, 1e-6, w, residual=res)
-        floor = torch.finfo(dtype).eps * float(truth.abs().max())
-        err = (got.float() - truth).abs().max()
-        assert not torch.isnan(got).any()
-        assert err <= 2 * (composed.float() - truth).abs().max() + floor, (float(err),)
-        out.fill_(float("nan"))
-        if with_res:
-            res_out.fill_(float("nan"))
+
+def test_shape_configs_pick_the_swept_launch():
+    assert gemv_mod.gemv_config(4, 2112, 7168)["num_stages"] == 4  # qkv_a
+    assert gemv_mod.gemv_config(8, 2112, 7168)["num_stages"] == gemv_mod._CONFIG["num_stages"]  # not measured
+    assert gemv_mod.gemv_config(1, 20480, 7168) == gemv_mod._CONFIG  # the LM head keeps the default
+    assert gemv_mod.gemv_config(1, 1536, 1536)["num_warps"] == 4 and gemv_mod.gemv_config(3, 1536, 1536)["num_warps"] == 8
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(norm_weight=torch.ones(7, dtype=torch.bfloat16)), r"norm_weight must be a torch.bfloat16 tensor of shape \[8\]"),
-    (dict(residual=torch.zeros(2, 9, dtype=torch.bfloat16)), r"residual must be .* \[2, 8\]"),
-    (dict(residual_out=torch.zeros(2, 8, dtype=torch.bfloat16)), "only written with a residual"),
-    (dict(residual=torch.zeros(2, 8, dtype=torch.bfloat16), residual_out="x"), "must not overlap"),
-])
-def test_rmsnorm_gemv_bad_input(kw, match):
-    args = dict(x=torch.zeros(2, 8, dtype=torch.bfloat16), norm_weight=torch.ones(8, dtype=torch.bfloat16),
-                w=torch.zeros(4, 8, dtype=torch.bfloat16))
-    args.update(kw)
-    if args.get("residual_out") == "x":
-        args["residual_out"] = args["x"]
-    x, nw, w = args.pop("x"), args.pop("norm_weight"), args.pop("w")
-    with pytest.raises((TypeError, ValueError), match=match):
-        gemv_mod.rmsnorm_gemv(x, nw, 1e-6, w, **args)
+# the swept candidates compute the same product: a wider tile, longer K chunks, more stages and warps, more waves
+@pytest.mark.parametrize("over", [{"BLOCK_N": 128, "num_warps": 8}, {"BLOCK_K": 256, "num_stages": 4},
+                                  {"BLOCK_N": 32, "WAVES": 4}])
+def test_gemv_configs_match_reference(device, monkeypatch, over):
+    monkeypatch.setattr(gemv_mod, "_CONFIG", {**gemv_mod._CONFIG, **over})
+    monkeypatch.setattr(gemv_mod, "sm_count", lambda device_type, index: 4)
+    g = torch.Generator().manual_seed(len(str(over)))
+    x = torch.randn(3, 1000, generator=g).to(torch.bfloat16).to(device)  # K not a multiple of the chunk
+    w = torch.randn(150, 1000, generator=g).to(torch.bfloat16).to(device)
+    out = torch.full((3, 150), float("nan"), dtype=torch.bfloat16, device=device)
+    want = gemv_reference(x, w)
+    eps = torch.finfo(torch.bfloat16).eps
+    torch.testing.assert_close(gemv(x, w, out=out, impl="triton"), want, rtol=2 * eps,
+                               atol=2 * eps * float(want.abs().max()) + 1e-5 * 1000 ** 0.5)

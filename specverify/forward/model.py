@@ -289,25 +289,15 @@ class VerifyModel:
         x = self.embed[(input_ids - start).clamp(0, self.embed.shape[0] - 1)] * ok.unsqueeze(-1).to(self.dtype)
         return self.allreduce(x)
 
-    def _mla(self, w, x, positions, cache, page_table, prefix_lens, tree_mask, pending=None):
-        """The MLA block on the normalised input ``x`` [b, k, H]; or, with ``pending = (x, residual)`` (x None),
-        on ``rmsnorm(x + residual)`` normalised inside the first projection (``ops.rmsnorm_linear``): then returns
-        ``(out, x + residual)``."""
+    def _mla(self, w, x, positions, cache, page_table, prefix_lens, tree_mask):
         s, c, ops = self.shapes, self.config, self.ops
         eps = c.rms_norm_eps
+        b, k, _ = x.shape
         heads = s.num_heads
-        if pending is None:
-            qkv = ops.linear(x, w["qkv_a"])  # [b, k, q_lora + kv_lora + rope]: q_a and kv_a in one GEMM
-        else:  # the layer's input norm (and the residual add before it) inside the same GEMM
-            qkv, summed = ops.rmsnorm_linear(pending[0], w["attn_norm"], eps, w["qkv_a"], pending[1])
-        b, k, _ = qkv.shape
+        qkv = ops.linear(x, w["qkv_a"])  # [b, k, q_lora + kv_lora + rope]: q_a and kv_a in one GEMM
         q_b = w["q_b"]  # [heads, nope + rope, q_lora]
-        q_a = qkv[..., : c.q_lora_rank]
-        if ops.rmsnorm_linear is not None:  # q_a's norm inside the q_b projection
-            q = ops.rmsnorm_linear(q_a, w["q_a_norm"], eps, q_b.reshape(-1, q_b.shape[-1]), None)[0]
-        else:
-            q = ops.linear(ops.rmsnorm(q_a, w["q_a_norm"], eps), q_b.reshape(-1, q_b.shape[-1]))
-        q = q.view(b, k, heads, q_b.shape[1])  # [b, k, heads, nope + rope]
+        q = ops.rmsnorm(qkv[..., : c.q_lora_rank], w["q_a_norm"], eps)
+        q = ops.linear(q, q_b.reshape(-1, q_b.shape[-1])).view(b, k, heads, q_b.shape[1])  # [b, k, heads, nope + rope]
         kv = qkv[..., c.q_lora_rank:]  # [b, k, kv_lora + rope]
         # latent norm, rope of key and query rope part, KV written into the cache; the query into the latent space
         if ops.mla_prep_absorb is not None:
@@ -319,14 +309,8 @@ class VerifyModel:
             q_latent = ops.mla_absorb_q(q, w["w_uk"], c.qk_nope_head_dim)  # [b, k, heads, kv_lora]
         q_pe = q[..., c.qk_nope_head_dim:]  # a view: the attention kernels take strided queries
         sm_scale = 1.0 / math.sqrt(c.qk_nope_head_dim + c.qk_rope_head_dim)
-        if ops.attention_mla_up_v is not None:  # the split merge and W_UV in one launch
-            o = ops.attention_mla_up_v(q_latent, q_pe, cache[0], page_table, prefix_lens, tree_mask, sm_scale,
-                                       w["w_uv"])
-        else:
-            o_latent = ops.attention_mla(q_latent, q_pe, cache[0], page_table, prefix_lens, tree_mask, sm_scale)
-            o = ops.mla_up_v(o_latent, w["w_uv"])
-        out = ops.linear(o, w["o"])
-        return out if pending is None else (out, summed)
+        o_latent = ops.attention_mla(q_latent, q_pe, cache[0], page_table, prefix_lens, tree_mask, sm_scale)
+        return ops.linear(ops.mla_up_v(o_latent, w["w_uv"]), w["o"])
 
     def _gqa(self, w, x, positions, cache, page_table, prefix_lens, tree_mask):
         s, c, ops = self.shapes, self.config, self.ops
@@ -388,43 +372,23 @@ class VerifyModel:
         ``hidden`` the final normed hidden states [b, k, H] and ``aux`` the residual stream at the entry of each
         layer in ``capture_layers`` (each [b, k, H], in layer order)."""
         ops, eps = self.ops, self.config.rms_norm_eps
-        # with ops.rmsnorm_linear (MLA), a layer's input norm and the residual add before it run inside its first
-        # projection: ``pending = (x, residual or None)`` stands for h = rmsnorm(x + residual) until then
-        fold = ops.rmsnorm_linear is not None and self.config.attention == "mla"
-        pending = None
         with self.section("embedding"):
             residual = self.embed_tokens(input_ids)
-            if fold:
-                pending = (residual, None)
-            else:
-                h = ops.rmsnorm(residual, self.layers[0]["attn_norm"], eps)
+            h = ops.rmsnorm(residual, self.layers[0]["attn_norm"], eps)
         attn = self._mla if self.config.attention == "mla" else self._gqa
         aux = []
         for layer in range(self.num_layers):
-            w = self.layers[layer]
             if layer in capture_layers:
-                if pending is not None:  # the drafter reads the residual stream: add and normalise here
-                    h, residual = (ops.rmsnorm(pending[0], w["attn_norm"], eps) if pending[1] is None else
-                                   ops.add_rmsnorm(pending[0], pending[1], w["attn_norm"], eps))
-                    pending = None
                 aux.append(residual)
+            w = self.layers[layer]
             with self.section("attention"):
-                if pending is not None:
-                    a, residual = attn(w, None, positions, kv_caches[layer], page_table, prefix_lens, tree_mask,
-                                       pending=pending)
-                    pending = None
-                else:
-                    a = attn(w, h, positions, kv_caches[layer], page_table, prefix_lens, tree_mask)
+                a = attn(w, h, positions, kv_caches[layer], page_table, prefix_lens, tree_mask)
             with self.section("allreduce"):  # allreduce, residual add and the next RMSNorm
                 h, residual = ops.add_rmsnorm(self.allreduce(a), residual, w["mlp_norm"], eps)
             m = self._mlp(w, h)
-            last = layer + 1 == self.num_layers
-            nxt = self.final_norm if last else self.layers[layer + 1]["attn_norm"]
+            nxt = self.layers[layer + 1]["attn_norm"] if layer + 1 < self.num_layers else self.final_norm
             with self.section("allreduce"):
-                if fold and not last:
-                    pending = (self.allreduce(m), residual)
-                else:
-                    h, residual = ops.add_rmsnorm(self.allreduce(m), residual, nxt, eps)
+                h, residual = ops.add_rmsnorm(self.allreduce(m), residual, nxt, eps)
         with self.section("lm_head"):
             logits = self.ops.linear(h, self.lm_head)
             logits = logits if logits.dtype == torch.float64 else logits.float()

@@ -32,11 +32,8 @@ silu_mul             gate_up [M, 2I] -> [M, I]
 mla_absorb_q         q, w_uk, nope -> q_latent [b, k, h, R]
 mla_up_v             o_latent, w_uv -> [b, k, h * V]
 linear               x [..., K], w [N, K] -> x @ w.T
-rmsnorm_linear       x [..., K], norm_w, eps, w [N, K], residual or None -> (rmsnorm(x + residual) @ w.T,
-                     x + residual); None: rmsnorm / add_rmsnorm then linear (MLA's input and q_a norms)
 mla_prep_absorb      q, kv, positions, norm_w, w_uk, cache, page_table, prefix_lens, eps, theta, nope -> q_latent:
-                     mla_prep then mla_absorb_q in one; None: the two slots
-attention_mla_up_v   attention_mla's arguments, w_uv -> [b, k, h * V]: attention then mla_up_v; None: the two
+                     mla_prep then mla_absorb_q in one launch; None: the two slots
 write_kv             :func:`specverify.reference.kv.write_draft_kv` (not called by the forward: the prep ops write)
 ===================  ===========================================================================================
 """
@@ -106,10 +103,8 @@ class Ops:
     mla_absorb_q: Callable = mla_absorb_q_reference  # (q, w_uk, nope) -> q_latent [b, k, h, R]
     mla_up_v: Callable = mla_up_v_reference  # (o_latent, w_uv) -> [b, k, h * V]
     linear: Callable = None  # (x [..., K], w [N, K]) -> x @ w.T: the projections that may leave cuBLAS
-    # fusions; None: the forward composes the slots above
-    rmsnorm_linear: Callable = None  # (x, norm_w, eps, w, residual|None) -> (rmsnorm(x + residual) @ w.T, x + residual)
+    # a fusion; None: the forward composes mla_prep and mla_absorb_q
     mla_prep_absorb: Callable = None  # (q, kv, positions, norm_w, w_uk, cache, pt, prefix, eps, theta, nope) -> q_latent
-    attention_mla_up_v: Callable = None  # attention_mla's arguments + w_uv -> [b, k, h * V] (merge + W_UV)
     pieces: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -258,9 +253,9 @@ def specverify_ops(model):
         ops.pieces["small_ops"] = "triton"
     else:
         missing.append(why)
-    fns, why = _try("specverify.gemv", "linear", "rmsnorm_linear")
+    fns, why = _try("specverify.gemv", "linear")
     if fns:
-        ops.linear, ops.rmsnorm_linear = fns
+        ops.linear = fns[0]
         ops.pieces["projections"] = "triton gemv where faster, else cuBLAS"
     else:
         missing.append(why)

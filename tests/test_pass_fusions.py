@@ -23,7 +23,8 @@ def _inputs(model, b, k, page_size, seed):
     page_table = torch.randperm(b * per + 2, generator=g)[: b * per].view(b, per).to(torch.int32)
     ids = torch.randint(0, model.config.vocab_size, (b, k), generator=g)
     pos = prefix.long()[:, None] + torch.arange(k)
-    return ids, pos, page_table, prefix, b * per + 2
+    dev = model.device
+    return ids.to(dev), pos.to(dev), page_table.to(dev), prefix.to(dev), b * per + 2
 
 
 def _caches(model, pool, page_size, seed):
@@ -31,16 +32,16 @@ def _caches(model, pool, page_size, seed):
     caches = model.allocate_kv(pool, page_size)
     for layer in caches:
         for c in layer:
-            c.copy_(torch.randn(c.shape, generator=g))
+            c.copy_(torch.randn(c.shape, generator=g).to(c.device))
     return caches
 
 
 @pytest.mark.parametrize("name", ["tiny-mla-moe", "tiny-mla-grouped"])
 @pytest.mark.parametrize("b, k", [(1, 1), (2, 3)])
-def test_fused_forward_matches_the_op_chain(monkeypatch, name, b, k):
+def test_fused_forward_matches_the_op_chain(device, monkeypatch, name, b, k):
     monkeypatch.setattr(gemv_mod, "LINEAR_RULES", _ALL)
     page_size = 4
-    model = VerifyModel(name, dtype=torch.bfloat16, seed=11)
+    model = VerifyModel(name, dtype=torch.bfloat16, seed=11, device=device)
     fused, _ = specverify_ops(model)
     assert all(getattr(fused, f) is not None for f in FUSIONS)
     calls = []
@@ -59,7 +60,7 @@ def test_fused_forward_matches_the_op_chain(monkeypatch, name, b, k):
         if tag == "fused":  # every layer ran the fused slot
             assert len(calls) == model.num_layers, calls
     # fp64 truth over the same bf16 weights
-    ref = VerifyModel(name, dtype=torch.float64, seed=11)
+    ref = VerifyModel(name, dtype=torch.float64, seed=11, device=device)
     for key, w in model._sets.items():
         for n, t in w.items():
             if isinstance(t, torch.Tensor):
@@ -79,7 +80,7 @@ def test_fused_forward_matches_the_op_chain(monkeypatch, name, b, k):
         assert float((a_f.double() - a_t).abs().max()) <= 2 * float((a_c.double() - a_t).abs().max()) + \
             1e-2 * float(a_t.abs().max())
     before = _caches(model, pool, page_size, seed=5)
-    slots = torch.zeros(pool, page_size, dtype=torch.bool)  # the draft tokens' slots: prefix .. prefix + k - 1
+    slots = torch.zeros(pool, page_size, dtype=torch.bool, device=device)  # the draft tokens' slots: prefix .. prefix + k - 1
     for r in range(b):
         for p in range(int(prefix[r]), int(prefix[r]) + k):
             slots[pt[r, p // page_size], p % page_size] = True

@@ -266,6 +266,17 @@ def _check_out(op, out, shape, like):
     return out
 
 
+def _check_absorb(op, q, w_uk, nope_dim):
+    """q [b, k, h, d] and w_uk [h, nope_dim, R] of the query absorption; returns q's shape."""
+    _check(op, "q", q, 4)
+    _check(op, "w_uk", w_uk, 3)
+    b, k, h, d = q.shape
+    if w_uk.shape[0] != h or w_uk.shape[1] != nope_dim or not 0 < nope_dim <= d or w_uk.dtype != q.dtype:
+        raise ValueError(f"{op}: w_uk must be [{h}, {nope_dim}, R] in {q.dtype} for q {list(q.shape)}, got "
+                         f"{list(w_uk.shape)} {w_uk.dtype}")
+    return b, k, h, d
+
+
 def mla_absorb_q(q, w_uk, nope_dim: int, *, out=None, impl: str = "auto"):
     """The query of absorbed MLA in the latent space: ``q_latent[b, k, h] = q[b, k, h, :nope_dim] @ w_uk[h]``.
 
@@ -294,12 +305,7 @@ def mla_absorb_q(q, w_uk, nope_dim: int, *, out=None, impl: str = "auto"):
     from specverify.reference import fused_ops as ref
 
     op = "mla_absorb_q"
-    _check(op, "q", q, 4)
-    _check(op, "w_uk", w_uk, 3)
-    b, k, h, d = q.shape
-    if w_uk.shape[0] != h or w_uk.shape[1] != nope_dim or not 0 < nope_dim <= d or w_uk.dtype != q.dtype:
-        raise ValueError(f"{op}: w_uk must be [{h}, {nope_dim}, R] in {q.dtype} for q {list(q.shape)}, got "
-                         f"{list(w_uk.shape)} {w_uk.dtype}")
+    b, k, h, d = _check_absorb(op, q, w_uk, nope_dim)
     out = _check_out(op, out, (b, k, h, w_uk.shape[2]), q)
     if not _use_triton(impl, q, w_uk):
         return out.copy_(ref.mla_absorb_q_reference(q, w_uk, nope_dim))
@@ -343,12 +349,7 @@ def mla_prep_absorb(q, kv, positions, norm_weight, w_uk, cache, page_table, pref
     verify API). ``impl="reference"``: the two references in turn.
     """
     op = "mla_prep_absorb"
-    _check(op, "q", q, 4)
-    _check(op, "w_uk", w_uk, 3)
-    b, k, h, d = q.shape
-    if w_uk.shape[0] != h or w_uk.shape[1] != nope_dim or not 0 < nope_dim <= d or w_uk.dtype != q.dtype:
-        raise ValueError(f"{op}: w_uk must be [{h}, {nope_dim}, R] in {q.dtype} for q {list(q.shape)}, got "
-                         f"{list(w_uk.shape)} {w_uk.dtype}")
+    b, k, h, d = _check_absorb(op, q, w_uk, nope_dim)
     r = norm_weight.shape[0]
     dr = kv.shape[-1] - r
     if cos_sin is not None and (cos_sin.dim() != 2 or cos_sin.shape[1] != dr or not cos_sin.is_floating_point()):

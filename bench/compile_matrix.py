@@ -401,6 +401,13 @@ def scen_fused(quick: bool, target: str):
                            nope_dim=128, impl="triton")
         yield f"mla_kv_prep h8 b{batch} k{k}", kvprep
 
+        def prep_absorb(batch=batch, k=k):  # the preparation and the query absorption in one grid
+            pages, table, prefix = _paged(batch, 4096, k)
+            fo.mla_prep_absorb(_cuda(batch, k, 8, 192), _cuda(batch, k, 576), _cuda(batch, k, dtype=torch.int64),
+                               _cuda(512), _cuda(8, 128, 512), _cuda(batch * pages, 64, 576), table, prefix, eps=1e-6,
+                               theta=50000.0, nope_dim=128, impl="triton")
+        yield f"mla_prep_absorb h8 b{batch} k{k}", prep_absorb
+
         def gqaprep(batch=batch, k=k):
             pages, table, prefix = _paged(batch, 4096, k)
             kc = _cuda(batch * pages, 64, 1, 128)
@@ -425,12 +432,12 @@ def scen_kv(quick: bool, target: str):
 
 
 def scen_gemv(quick: bool, target: str):
-    """The skinny-GEMM candidate at the pass's projections (Kimi-K2 rank): one row-tile config, split K."""
+    """The skinny GEMM at the pass's projections (Kimi-K2 rank): split K, each shape's launch config."""
     from specverify.gemv import gemv
 
     shapes = ((2112, 7168),) if quick else ((2112, 7168), (1536, 1536), (7168, 1024), (384, 7168))
     for n, k in shapes:
-        for m in (1,) if quick else (1, 8):
+        for m in (1,) if quick else (1, 4, 8):  # M = 4: the per-shape configs (qkv_a 4 stages, q_b 8 warps)
             yield f"gemv m{m} {k}->{n}", lambda m=m, n=n, k=k: gemv(_cuda(m, k), _cuda(n, k), impl="triton")
 
 

@@ -111,6 +111,13 @@ def triton_next_pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
+def _check_cos_sin(op, cos_sin, dr):
+    """A rotary table of the MLA preparation: None or float [max_position, rope_dim]."""
+    if cos_sin is not None and (cos_sin.dim() != 2 or cos_sin.shape[1] != dr or not cos_sin.is_floating_point()):
+        raise ValueError(f"{op}: cos_sin must be a float table [max_position, rope_dim = {dr}], got "
+                         f"{cos_sin.dtype} {list(cos_sin.shape)}")
+
+
 def mla_kv_prep(q, kv, positions, norm_weight, cache, page_table, prefix_lens, *, eps: float, theta: float,
                 nope_dim: int, cos_sin=None, interleaved: bool = False, impl: str = "auto"):
     """Absorbed-MLA KV preparation in one launch: RMSNorm of the latent, RoPE of the rope key, both written into
@@ -144,9 +151,7 @@ def mla_kv_prep(q, kv, positions, norm_weight, cache, page_table, prefix_lens, *
 
     r = norm_weight.shape[0]
     dr = kv.shape[-1] - r
-    if cos_sin is not None and (cos_sin.dim() != 2 or cos_sin.shape[1] != dr or not cos_sin.is_floating_point()):
-        raise ValueError(f"mla_kv_prep: cos_sin must be a float table [max_position, rope_dim = {dr}], got "
-                         f"{cos_sin.dtype} {list(cos_sin.shape)}")
+    _check_cos_sin("mla_kv_prep", cos_sin, dr)
     if not _use_triton(impl, q, kv, cache):
         return ref.mla_kv_prep_reference(q, kv, positions, norm_weight, cache, page_table, prefix_lens, eps, theta,
                                          nope_dim, cos_sin=cos_sin, interleaved=interleaved)
@@ -352,9 +357,7 @@ def mla_prep_absorb(q, kv, positions, norm_weight, w_uk, cache, page_table, pref
     b, k, h, d = _check_absorb(op, q, w_uk, nope_dim)
     r = norm_weight.shape[0]
     dr = kv.shape[-1] - r
-    if cos_sin is not None and (cos_sin.dim() != 2 or cos_sin.shape[1] != dr or not cos_sin.is_floating_point()):
-        raise ValueError(f"{op}: cos_sin must be a float table [max_position, rope_dim = {dr}], got "
-                         f"{cos_sin.dtype} {list(cos_sin.shape)}")
+    _check_cos_sin(op, cos_sin, dr)
     out = _check_out(op, out, (b, k, h, w_uk.shape[2]), q)
     if not _use_triton(impl, q, kv, cache, w_uk):
         mla_kv_prep(q, kv, positions, norm_weight, cache, page_table, prefix_lens, eps=eps, theta=theta,

@@ -37,11 +37,17 @@ SHAPE_CONFIGS: tuple = (((4, (2048, 4096), (7168, 7168)), {"num_stages": 4}),
                         ((4, (1536, 1536), (1536, 1536)), {"num_warps": 8}))
 
 
+def _holds(rule, m: int, n: int, k: int) -> bool:
+    """Whether a shape rule ``(max M, (N lo, N hi), (K lo, K hi))``, bounds inclusive, covers ``[m, k] @ [n, k].T``."""
+    mm, (nlo, nhi), (klo, khi) = rule
+    return m <= mm and nlo <= n <= nhi and klo <= k <= khi
+
+
 def gemv_config(m: int, n: int, k: int) -> dict:
     """The launch config of an ``[m, k] @ [n, k].T`` GEMV: :data:`_CONFIG` with the first matching
     :data:`SHAPE_CONFIGS` rule's overrides."""
-    for (mm, (nlo, nhi), (klo, khi)), over in SHAPE_CONFIGS:
-        if m <= mm and nlo <= n <= nhi and klo <= k <= khi:
+    for rule, over in SHAPE_CONFIGS:
+        if _holds(rule, m, n, k):
             return {**_CONFIG, **over}
     return dict(_CONFIG)
 
@@ -96,7 +102,7 @@ LINEAR_RULES = ((8, (2048, _INF), (7168, 7168)), (1, (1, 512), (7168, 7168)), (4
 
 def gemv_is_faster(m: int, n: int, k: int) -> bool:
     """Whether :data:`LINEAR_RULES` give this ``[m, k] @ [n, k].T`` projection to :func:`gemv`."""
-    return any(m <= mm and nlo <= n <= nhi and klo <= k <= khi for mm, (nlo, nhi), (klo, khi) in LINEAR_RULES)
+    return any(_holds(rule, m, n, k) for rule in LINEAR_RULES)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -116,32 +122,6 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if flat.stride(1) == 1:
             return gemv(flat, w).view(*x.shape[:-1], n)
     return x @ w.t()
-
-
-def _check_xw(op, x, w):
-    for name, t in (("x", x), ("w", w)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
-        if t.dtype not in _FLOAT or t.dim() != 2:
-            raise TypeError(f"{op}: {name} must be a 2-d bf16/fp16 tensor, got {t.dtype} {list(t.shape)}")
-    if w.dtype != x.dtype:
-        raise TypeError(f"{op}: w must have x's dtype {x.dtype}, got {w.dtype}")
-    m, k = x.shape
-    if w.shape[1] != k:
-        raise ValueError(f"{op}: w must be [N, K = {k}] (x is [{m}, {k}]), got {list(w.shape)}")
-    if not 1 <= m <= MAX_M:
-        raise ValueError(f"{op}: x must have 1..{MAX_M} rows, got {m}; use torch.matmul for wider inputs")
-    if x.stride(1) != 1 or w.stride(1) != 1:
-        raise ValueError(f"{op}: x and w need a unit stride on K; pass .contiguous() tensors")
-
-
-def _check_gemv_out(op, out, m, n, x):
-    if out is None:
-        return torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if tuple(out.shape) != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
-        raise ValueError(f"{op}: out must be {x.dtype} [{m}, {n}] with unit stride, got {out.dtype} "
-                         f"{list(out.shape)}")
-    return out
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None = None, impl: str = "auto") -> torch.Tensor:
@@ -173,21 +153,31 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None = None, i
     from specverify.reference.gemv import gemv_reference
 
     op = "gemv"
-    _check_xw(op, x, w)
-    m, n = x.shape[0], w.shape[0]
-    out = _check_gemv_out(op, out, m, n, x)
+    for name, t in (("x", x), ("w", w)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
+        if t.dtype not in _FLOAT or t.dim() != 2:
+            raise TypeError(f"{op}: {name} must be a 2-d bf16/fp16 tensor, got {t.dtype} {list(t.shape)}")
+    if w.dtype != x.dtype:
+        raise TypeError(f"{op}: w must have x's dtype {x.dtype}, got {w.dtype}")
+    m, k = x.shape
+    n = w.shape[0]
+    if w.shape[1] != k:
+        raise ValueError(f"{op}: w must be [N, K = {k}] (x is [{m}, {k}]), got {list(w.shape)}")
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"{op}: x must have 1..{MAX_M} rows, got {m}; use torch.matmul for wider inputs")
+    if x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError(f"{op}: x and w need a unit stride on K; pass .contiguous() tensors")
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    elif tuple(out.shape) != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(f"{op}: out must be {x.dtype} [{m}, {n}] with unit stride, got {out.dtype} "
+                         f"{list(out.shape)}")
     if not _use_triton(impl, x, w):
         out.copy_(gemv_reference(x, w))
         return out
-    _launch(x, w, out)
-    return out
-
-
-def _launch(x, w, out):
     from specverify.kernels.gemv import _gemv_splitk_kernel
 
-    m, k = x.shape
-    n = w.shape[0]
     cfg = gemv_config(m, n, k)
     sms = sm_count(x.device.type, x.device.index)
     split, per = gemv_split(n, k, sms, cfg)
@@ -203,4 +193,4 @@ def _launch(x, w, out):
                               DOT_FP32=not x.is_cuda, PDL=pdl, PREFETCH=k_prefetch > 0,
                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                               **({"launch_pdl": True} if pdl else {}))
-
+    return out

@@ -295,8 +295,8 @@ class VerifyModel:
         b, k, _ = x.shape
         heads = s.num_heads
         qkv = ops.linear(x, w["qkv_a"])  # [b, k, q_lora + kv_lora + rope]: q_a and kv_a in one GEMM
-        q_b = w["q_b"]  # [heads, nope + rope, q_lora]
         q = ops.rmsnorm(qkv[..., : c.q_lora_rank], w["q_a_norm"], eps)
+        q_b = w["q_b"]  # [heads, nope + rope, q_lora]
         q = ops.linear(q, q_b.reshape(-1, q_b.shape[-1])).view(b, k, heads, q_b.shape[1])  # [b, k, heads, nope + rope]
         kv = qkv[..., c.q_lora_rank:]  # [b, k, kv_lora + rope]
         # latent norm, rope of key and query rope part, KV written into the cache; the query into the latent space

@@ -4,7 +4,9 @@ floor from a copy bandwidth of the same run), in the order given and then in rev
 shows as a difference between the two passes over the same variant (issue 22).
 
 Variants (``--variants``, comma-separated): ``chain`` (no fusion slot: MLA preparation and the query absorption in
-two launches), ``fused`` (the default table). Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded
+two launches), ``fused`` (the default table); gate/up kernels of the stream experts (merged into
+``specverify.moe._STREAM_OVERRIDE`` for the variant): ``fma`` (no MMA gate/up), ``splitk`` / ``streamk`` (that MMA
+kernel up to ``splitk_max_m`` tokens), ``-tma`` (its weight tiles by TMA), ``-m4`` / ``-m6`` (up to 4 / 6 tokens). Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded
 into the projections (slower in the pass) and the split merge fused with W_UV (slower alone).
 
 Usage: ``python bench/ab_verify_pass.py [--model kimi-k2] [--batch 1] [--context 4096] [--tree chain]
@@ -19,7 +21,12 @@ import sys
 from specverify import verify_wall as vw
 
 FUSIONS = ("mla_prep_absorb",)
-VARIANTS = {"chain": dict(off=FUSIONS), "fused": dict(off=())}
+VARIANTS = {"chain": dict(off=FUSIONS), "fused": dict(off=()), "fma": dict(off=(), stream={"splitk_max_m": 0})}
+for _kind in ("splitk", "streamk"):
+    for _tma in (False, True):
+        for _mm in (2, 4, 6):
+            VARIANTS[_kind + ("-tma" if _tma else "") + (f"-m{_mm}" if _mm != 2 else "")] = dict(
+                off=(), stream={"auto_gate_up": _kind, "split_tma": _tma, "splitk_max_m": _mm})
 
 
 def main(argv=None) -> int:
@@ -51,11 +58,15 @@ def main(argv=None) -> int:
         return ops, note
 
     vw._wall_ops = ops_of_variant
+    import specverify.moe as moe
+    saved_stream = dict(moe._STREAM_OVERRIDE)
     results = []
     order = names + names[::-1]
     for i, name in enumerate(order):
         var = VARIANTS[name]
         current["off"] = var["off"]
+        moe._STREAM_OVERRIDE.clear()
+        moe._STREAM_OVERRIDE.update(saved_stream, **var.get("stream", {}))
         last = i == len(order) - 1
         s = vw.WallSettings(model=args.model, batch=args.batch, context=args.context, tree=args.tree,
                             draft_tokens=args.draft_tokens, distinct_layers=args.distinct_layers,
@@ -67,6 +78,8 @@ def main(argv=None) -> int:
                          for r in res["rows"] if r.get("iters"))
         print(f"{name:>10} pass {results[-1]['pass']}: {cells}", flush=True)
     vw._wall_ops = orig_ops
+    moe._STREAM_OVERRIDE.clear()
+    moe._STREAM_OVERRIDE.update(saved_stream)
     print("\nms (efficiency vs the bytes floor), mean of the two passes:")
     ks = args.draft_tokens
     print(f"{'variant':>10} " + " ".join(f"{'k=' + str(k):>16}" for k in ks))

@@ -16,8 +16,11 @@ consecutive calls hit different experts (~20 x 9 x 11 MB = ~2 GB of weights) and
 ``floor_us = mean over the sets of distinct experts * (w13 + w2 bytes per expert) / copy_bw``, ``copy_bw`` from
 ``copy_bandwidth_gbps`` (read + write bytes / time) in the same run; ``x_floor = us / floor_us`` (target <= 1.25).
 
+``--gate-up-only``: launch 1 alone (``specverify.moe.stream_gate_up``) with each config of ``GATE_UP_GRID``,
+checked against an fp64 per-slot reference of ``act`` and timed the same way; its floor counts w13 bytes only.
+
 Usage: ``python bench/sweep_experts.py [--quick] [--json PATH] [--budget-s S] [--ms 1,2] [--variants LABELS]
-[--routed-only]``. Stops starting new measurements
+[--routed-only] [--shared-only] [--gate-up-only]``. Stops starting new measurements
 once ``--budget-s`` seconds have passed (the table still prints). Needs a CUDA GPU (exit code 2 otherwise).
 """
 from __future__ import annotations
@@ -62,6 +65,40 @@ STREAM_GRID = [
     dict(q=0, gate_up="splitk", SBN=64, split_warps=8),
     dict(q=0, gate_up="splitk", SBK=64, split_stages=6),
 ]
+#: gate/up configs of ``--gate-up-only`` (merged into ``_STREAM_OVERRIDE``): the FMA programs, split-K and stream-K
+#: MMA tiles with pointer or TMA loads
+GATE_UP_GRID = [
+    dict(q=1, gate_up="fma"),
+    dict(q=1, gate_up="splitk"),
+    dict(q=1, gate_up="splitk", split_tma=True),
+    dict(q=0, gate_up="splitk", split_waves=3),
+    dict(q=0, gate_up="splitk", split_waves=6),
+    dict(q=1, gate_up="streamk"),
+    dict(q=1, gate_up="streamk", sk_per_sm=2),
+    dict(q=1, gate_up="streamk", sk_per_sm=4, split_stages=2),
+    dict(q=0, gate_up="streamk", split_stages=4, sk_per_sm=2),
+    dict(q=1, gate_up="streamk", split_tma=True),
+    dict(q=1, gate_up="streamk", split_tma=True, sk_per_sm=2),
+    dict(q=1, gate_up="streamk", split_tma=True, sk_per_sm=2, split_stages=4),
+    dict(q=0, gate_up="streamk", split_tma=True, sk_per_sm=1, split_stages=6),
+    dict(q=0, gate_up="streamk", split_tma=True, sk_per_sm=1, split_stages=8),
+    dict(q=0, gate_up="streamk", split_tma=True, sk_per_sm=2, SBK=256),
+    dict(q=0, gate_up="streamk", split_tma=True, sk_per_sm=1, SBN=64, split_stages=4),
+    dict(q=0, gate_up="streamk", split_tma=True, sk_per_sm=4, SBN=16, split_stages=4),
+    dict(q=0, gate_up="streamk", split_tma=True, sk_per_sm=2, split_warps=8, SBN=64),
+]
+
+
+def gate_up_reference(hidden, w13, w2, ids, w, dtype):
+    """act [M * top_k, I] = silu(x @ gate^T) * (x @ up^T) per routed slot in ``dtype`` (w2 and w unused; the
+    signature of the experts' reference)."""
+    inter = w13.shape[1] // 2
+    flat = ids.reshape(-1).long()
+    x = hidden.to(dtype).repeat_interleave(ids.shape[1], dim=0)
+    w_s = w13[flat].to(dtype)  # [S, 2I, H]
+    gu = torch.einsum("sh,snh->sn", x, w_s)
+    return (torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]).to(hidden.dtype if dtype == torch.bfloat16
+                                                                         else dtype)
 
 
 def _label(ov: dict) -> str:
@@ -77,6 +114,8 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", help="comma list of provider labels (a trailing * matches a prefix), e.g. "
                                        "'default (auto),stream R1': time only those")
     ap.add_argument("--routed-only", action="store_true", help="skip the cases with the shared expert")
+    ap.add_argument("--shared-only", action="store_true", help="skip the cases without the shared expert")
+    ap.add_argument("--gate-up-only", action="store_true", help="time launch 1 (gate/up) alone, GATE_UP_GRID")
     args = ap.parse_args(argv)
     ms_list = args.ms
     if not torch.cuda.is_available():
@@ -107,10 +146,10 @@ def main(argv=None) -> int:
     # the routed experts and the shared one (expert e) stacked: one pool serves both cases
     w13, w2 = random_expert_weights(e + 1, h, inter, generator=gen, device="cuda")
     bias = torch.randn(e, device="cuda", generator=gen) * 0.05 if cfg.e_score_correction_bias else None
-    expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
+    expert_bytes = (w13[0].numel() + (0 if args.gate_up_only else w2[0].numel())) * w13.element_size()
     rkw = dict(top_k=top_k, scoring=cfg.scoring_func, correction_bias=bias, n_group=cfg.n_group,
                topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor)
-    for shared in ((False,) if args.routed_only else (True, False)):
+    for shared in (False,) if args.routed_only else (True,) if args.shared_only else (True, False):
         for m in ms_list:
             case = f"M={m} {'+shared' if shared else 'routed'}"
             if over():
@@ -130,8 +169,9 @@ def main(argv=None) -> int:
             distinct = sum(int(torch.unique(r[0][r[0] >= 0]).numel()) for r in routed) / SETS
             floor_us = distinct * expert_bytes / (bw * 1e9) * 1e6
             ids0, w0, _ = routed[0]
-            want = by_expert(hidden[0], w13, w2, ids0, w0, torch.float64)
-            tol = 2 * (by_expert(hidden[0], w13, w2, ids0, w0, torch.bfloat16) - want).abs().max().item() + 1e-6
+            ref = gate_up_reference if args.gate_up_only else by_expert
+            want = ref(hidden[0], w13, w2, ids0, w0, torch.float64)
+            tol = 2 * (ref(hidden[0], w13, w2, ids0, w0, torch.bfloat16) - want).abs().max().item() + 1e-6
             outs = [torch.empty(m, h, dtype=torch.bfloat16, device="cuda") for _ in range(SETS)]
             base = dict(model="kimi-k2", m=m, shared=shared, distinct_experts=distinct, floor_us=floor_us)
             print(f"# {case}: {distinct:.2f} distinct experts per call, floor {floor_us:.2f} us", flush=True)
@@ -150,6 +190,10 @@ def main(argv=None) -> int:
 
                 def call(i):
                     ids, w, al = routed[i % SETS]
+                    if args.gate_up_only:
+                        cfg_g = moe._stream_config(m, h, inter, ids.shape[1], True)
+                        return moe.stream_gate_up(hidden[i % SETS], w13, ids.to(torch.int32).contiguous(), cfg_g,
+                                                  moe._pdl(cfg_g["PDL"], ids.device))
                     return moe.fused_moe(hidden[i % SETS], w13, w2, ids, w, alignment=al if use_alignment else None,
                                          out=outs[i % SETS], impl="triton")
                 try:
@@ -163,14 +207,16 @@ def main(argv=None) -> int:
                 print(f"# {case} {label}: {us:.2f} us ({us / floor_us:.2f}x floor) err {err:.3g} tol {tol:.3g}",
                       flush=True)
 
-            measure("default (auto)", "auto", {})
-            measure("dot", "dot", {})  # the three-launch tl.dot path (the default above the stream's max_m)
-            for c in STREAM_GRID:
+            if not args.gate_up_only:
+                measure("default (auto)", "auto", {})
+                measure("dot", "dot", {})  # the three-launch tl.dot path (the default above the stream's max_m)
+            for c in GATE_UP_GRID if args.gate_up_only else STREAM_GRID:
                 if args.quick and not c["q"]:
                     continue
                 ov = {k: v for k, v in c.items() if k != "q"}
                 measure(_label(ov), "stream", ov)
-            measure("stream noalign", "stream", {}, use_alignment=False)
+            if not args.gate_up_only:
+                measure("stream noalign", "stream", {}, use_alignment=False)
             restore()
             logits = hidden = routed = outs = None  # free this case's buffers before the next
     w13 = w2 = None

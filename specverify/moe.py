@@ -657,8 +657,8 @@ _FAST_ROUTE_CONFIG: dict = {"one_max_slots": 16, "align_one_max_slots": 32, "one
 #: SBK 256, 8 warps and 2 stages were 5-20% slower than SBN 32, SBK 128, 4 warps, 3 stages.
 _STREAM_CONFIG: dict = {"max_m": 6, "small_m": 2, "small_R": 2, "R": 4, "BK": 512, "num_warps": 4, "num_stages": 1,
                         "BH": 2, "BI": 256, "TILE": 8192, "down_warps": 4, "PDL": True, "gate_up": "auto",
-                        "splitk_max_m": 2, "SBN": 32, "SBK": 128, "split_stages": 3, "split_warps": 4,
-                        "split_waves": 4}
+                        "splitk_max_m": 2, "auto_gate_up": "splitk", "SBN": 32, "SBK": 128, "split_stages": 3,
+                        "split_warps": 4, "split_waves": 4, "split_tma": False, "sk_per_sm": 3}
 #: Overrides merged into the stream config (benchmarks and sweeps only; empty in normal use).
 _STREAM_OVERRIDE: dict = {}
 #: Tile overrides for benchmarks and sweeps only: keys ``g1`` / ``g2`` (dicts merged into the gate/up and down
@@ -783,12 +783,22 @@ def splitk_plan(tiles: int, h: int, bk: int, programs: int) -> tuple[int, int]:
     return _cdiv(h, per), per
 
 
-#: Workspaces of the split-K gate/up per device: (fp32 partials, int32 tickets that every launch leaves at zero).
+def streamk_plan(tiles: int, chunks: int, programs: int) -> tuple[int, int]:
+    """(programs P, partials a tile at most) of the stream-K gate/up: the ``tiles * chunks`` units in P <=
+    ``programs`` contiguous ranges of at least one unit; a tile's ``chunks`` units meet at most
+    ``ceil(chunks / (units // P)) + 1`` ranges."""
+    units = tiles * chunks
+    p = max(1, min(programs, units))
+    return p, min(p, _cdiv(chunks, units // p) + 1)
+
+
+#: Workspaces of the split-K and stream-K gate/up per (device, kind): (fp32 partials, int32 tickets that every launch
+#: leaves at zero).
 _SPLITK_WS: dict = {}
 
 
-def _splitk_workspace(device, part_elems: int, tickets: int):
-    key = (device.type, device.index)
+def _splitk_workspace(device, part_elems: int, tickets: int, kind: str = "splitk"):
+    key = (device.type, device.index) if kind == "splitk" else (device.type, device.index, kind)
     ws = _SPLITK_WS.get(key)
     if ws is None or ws[0].numel() < part_elems or ws[1].numel() < tickets:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -802,31 +812,103 @@ def _splitk_workspace(device, part_elems: int, tickets: int):
     return ws
 
 
-def _splitk_gate_up(hidden, w13, act, ids32, s, h, e, inter, top_k, cfg, pdl):
-    """Launch ``_moe_splitk_gate_up_kernel`` into ``act`` [s, inter]. The workspace is sized for every token count
-    up to ``max_m`` on the first call, so a graph captured later at another M needs no allocation."""
-    from specverify.kernels.fused_moe import _moe_splitk_gate_up_kernel
+#: Host TMA descriptors of w13 viewed as [E * 2I, H], per (pointer, shape, strides, tile): built once (graph replays
+#: take the descriptor by value).
+_W13_DESC: dict = {}
+
+
+def _w13_descriptor(w13, bn: int, bk: int):
+    """The TMA descriptor of ``w13`` [E, 2I, H] (contiguous rows) as [E * 2I, H] in [bn, bk] tiles."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    key = (w13.data_ptr(), tuple(w13.shape), tuple(w13.stride()), bn, bk, w13.device)
+    d = _W13_DESC.get(key)
+    if d is None:
+        e, two_i, h = w13.shape
+        d = TensorDescriptor.from_tensor(w13.view(e * two_i, h), [bn, bk])
+        _W13_DESC[key] = d
+    return d
+
+
+def _tma_usable(w13, inter: int, bn: int) -> bool:
+    """The descriptor path: CUDA sm_90+ or the interpreter, BN dividing I (no masked row tail), w13's rows contiguous
+    across experts (one [E * 2I, H] view) with 16-byte aligned base and row stride."""
+    dev = w13.device
+    if dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] < 9:
+        return False
+    es = w13.element_size()
+    return (inter % bn == 0 and w13.stride(2) == 1 and w13.stride(0) == w13.shape[1] * w13.stride(1)
+            and (w13.stride(1) * es) % 16 == 0 and w13.data_ptr() % 16 == 0)
+
+
+def _mma_gate_up(hidden, w13, act, ids32, s, h, e, inter, top_k, cfg, pdl, kind: str):
+    """Launch the split-K (``kind`` "splitk") or stream-K ("streamk") MMA gate/up into ``act`` [s, inter]. The
+    workspace is sized for every token count up to ``max_m`` on the first call, so a graph captured later at another
+    M needs no allocation."""
+    from specverify.kernels.fused_moe import _moe_splitk_gate_up_kernel, _moe_streamk_gate_up_kernel
 
     dev = hidden.device
     on_gpu = dev.type == "cuda"
     bn = max(16, min(cfg["SBN"], _next_pow2(inter)))
     bk = max(16, min(cfg["SBK"], _next_pow2(h)))
     nt = _cdiv(inter, bn)
-    programs = cfg["split_waves"] * sm_count(dev.type, dev.index)
+    chunks = _cdiv(h, bk)
+    sms = sm_count(dev.type, dev.index)
+    tma = bool(cfg["split_tma"]) and _tma_usable(w13, inter, bn)
+    desc = _w13_descriptor(w13, bn, bk) if tma else None
+    launch = {"num_warps": cfg["split_warps"], "num_stages": cfg["split_stages"]} if on_gpu else {}
+    if pdl:
+        launch["launch_pdl"] = True
+    common = (hidden, w13, desc, act)
+    strides = (hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0))
+    sizes = dict(E=e, H=h, I=inter, TOP_K=top_k, BN=bn, BK=bk, DOT_FP32=not on_gpu, TMA=tma, PDL=pdl)
+    m_all = range(1, max(cfg["max_m"], s // top_k) + 1)
+    if kind == "streamk":
+        programs = cfg["sk_per_sm"] * sms
+        need_p = max(streamk_plan(mm * top_k * nt, chunks, programs)[1] * mm * top_k * nt * 2 * bn for mm in m_all)
+        part, ticket = _splitk_workspace(dev, need_p, max(m_all) * top_k * nt, kind)
+        p, maxj = streamk_plan(s * nt, chunks, programs)
+        _moe_streamk_gate_up_kernel[(p,)](*common, part, ticket, ids32, *strides, s * nt * chunks, p, maxj,
+                                          JPAD=max(2, _next_pow2(maxj)), **sizes, **launch)
+        return
+    programs = cfg["split_waves"] * sms
     need_p, need_t = 0, 0
-    for mm in range(1, max(cfg["max_m"], s // top_k) + 1):
+    for mm in m_all:
         sp, _ = splitk_plan(mm * top_k * nt, h, bk, programs)
         need_p = max(need_p, (sp * mm * top_k * 2 * inter) if sp > 1 else 0)
         need_t = max(need_t, mm * top_k * nt)
     split, per = splitk_plan(s * nt, h, bk, programs)
     part, ticket = _splitk_workspace(dev, max(need_p, 1), need_t)
-    launch = {"num_warps": cfg["split_warps"], "num_stages": cfg["split_stages"]} if on_gpu else {}
+    _moe_splitk_gate_up_kernel[(s * nt, split)](*common, part, ticket, ids32, *strides, per, s, SPLIT_K=split,
+                                                SPLIT_PAD=max(2, _next_pow2(split)), **sizes, **launch)
+
+
+def stream_gate_up(hidden, w13, ids32, cfg: dict, pdl: bool) -> torch.Tensor:
+    """Launch 1 of the stream experts alone: ``act`` [M * top_k, I] = silu(gate) * up of every routed slot, by the
+    kernel ``cfg["gate_up"]`` names (``"auto"``: ``cfg["auto_gate_up"]`` up to ``splitk_max_m`` tokens, else the
+    FMA programs). Operands as :func:`_expert_setup` leaves them (int32 ids [M, top_k]); ``cfg`` from
+    :func:`_stream_config`. Used by the stream experts and by ``bench/sweep_experts.py --gate-up-only``."""
+    from specverify.kernels.fused_moe import _moe_stream_gate_up_kernel
+
+    m, h = hidden.shape
+    e, two_i, _ = w13.shape
+    inter, top_k = two_i // 2, ids32.shape[1]
+    s = m * top_k
+    act = torch.empty((s, inter), dtype=hidden.dtype, device=hidden.device)
+    kind = cfg["gate_up"]
+    if kind == "auto":
+        kind = cfg["auto_gate_up"] if m <= cfg["splitk_max_m"] else "fma"
+    if kind in ("splitk", "streamk"):
+        _mma_gate_up(hidden, w13, act, ids32, s, h, e, inter, top_k, cfg, pdl, kind)
+        return act
+    launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]} if hidden.is_cuda else {}
     if pdl:
         launch["launch_pdl"] = True
-    _moe_splitk_gate_up_kernel[(s * nt, split)](
-        hidden, w13, act, part, ticket, ids32, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), per, s,
-        E=e, H=h, I=inter, TOP_K=top_k, BN=bn, BK=bk, SPLIT_K=split, SPLIT_PAD=max(2, _next_pow2(split)),
-        DOT_FP32=not on_gpu, PDL=pdl, **launch)
+    nt = _cdiv(inter, cfg["R"])
+    _moe_stream_gate_up_kernel[(s * nt,)](
+        hidden, w13, act, ids32, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), E=e, H=h, I=inter,
+        TOP_K=top_k, R=cfg["R"], BK=cfg["BK"], PDL=pdl, **launch)
+    return act
 
 
 def _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, out):
@@ -841,29 +923,19 @@ def _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, out):
     before waiting for ``act``.
     CUDA-graph capturable: grids depend only on shapes, slots without an expert exit at once, no host sync.
     """
-    from specverify.kernels.fused_moe import _moe_stream_down_kernel, _moe_stream_gate_up_kernel
+    from specverify.kernels.fused_moe import _moe_stream_down_kernel
 
     hidden, w13, w2, ids32, tw, m, h, e, inter, top_k, s, out = _expert_setup(hidden, w13, w2, topk_ids,
                                                                                topk_weights, out)
     dev = hidden.device
     if m == 0:
         return out
-    on_gpu = dev.type == "cuda"
-    cfg = _stream_config(m, h, inter, top_k, on_gpu)
+    cfg = _stream_config(m, h, inter, top_k, dev.type == "cuda")
     pdl = _pdl(cfg["PDL"], dev)
-    launch1 = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]} if on_gpu else {}
-    launch2 = {"num_warps": cfg["down_warps"], "num_stages": 1} if on_gpu else {}
-    if pdl:  # both launches: gate/up waits for the routing, down for gate/up
-        launch1["launch_pdl"] = True
+    act = stream_gate_up(hidden, w13, ids32, cfg, pdl)
+    launch2 = {"num_warps": cfg["down_warps"], "num_stages": 1} if dev.type == "cuda" else {}
+    if pdl:  # gate/up waits for the routing, down for gate/up
         launch2["launch_pdl"] = True
-    act = torch.empty((s, inter), dtype=hidden.dtype, device=dev)
-    if cfg["gate_up"] == "splitk" or (cfg["gate_up"] == "auto" and m <= cfg["splitk_max_m"]):
-        _splitk_gate_up(hidden, w13, act, ids32, s, h, e, inter, top_k, cfg, pdl)
-    else:
-        nt = _cdiv(inter, cfg["R"])
-        _moe_stream_gate_up_kernel[(s * nt,)](
-            hidden, w13, act, ids32, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), E=e, H=h,
-            I=inter, TOP_K=top_k, R=cfg["R"], BK=cfg["BK"], PDL=pdl, **launch1)
     _moe_stream_down_kernel[(_cdiv(h, cfg["BH"]),)](
         act, w2, ids32, tw, out, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), E=e, H=h, I=inter,
         TOP_K=top_k, MT=m, SP=cfg["SP"], BH=cfg["BH"], BI=cfg["BI"], PDL=pdl, **launch2)

@@ -19,6 +19,9 @@ acquire-release) reduces them and resets the ticket, so the launch is graph-repl
 slice (constant data; the launcher bounds the grid's total, so a large weight does not thrash L2), then lets the
 next kernel launch (``gdc_launch_dependents``) and waits (``gdc_wait``) before it touches X, the workspace or Y.
 
+``TMA``: the weight tiles come from a host tensor descriptor ``W_desc`` (W in [BLOCK_N, BLOCK_K] boxes) instead of
+masked pointer loads.
+
 Tensors: X [M, K] (unit stride on K), W [N, K] (torch's Linear layout), Y [M, N]; bf16 / fp16; P fp32; TICKET
 int32 [row tiles], zero between launches.
 """
@@ -35,10 +38,10 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
-def _gemv_splitk_kernel(X, W, Y, P, TICKET, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split, k_prefetch,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _gemv_splitk_kernel(X, W, W_desc, Y, P, TICKET, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
+                        k_prefetch, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLIT_K: tl.constexpr, SPLIT_PAD: tl.constexpr, WIDE_REDUCE: tl.constexpr,
-                        DOT_FP32: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                        DOT_FP32: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, TMA: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -59,8 +62,11 @@ def _gemv_splitk_kernel(X, W, Y, P, TICKET, M, N, K, stride_xm, stride_wn, strid
     for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         kmask = rk < K
-        w = tl.load(W + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :], mask=nmask[:, None] & kmask[None, :],
-                    other=0.0)
+        if TMA:  # the tile by a TMA copy (rows past N and columns past K read as zeros)
+            w = W_desc.load([pid_n * BLOCK_N, k0])
+        else:
+            w = tl.load(W + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :],
+                        mask=nmask[:, None] & kmask[None, :], other=0.0)
         xt = tl.load(X + rm[None, :] * stride_xm + rk[:, None], mask=mmask[None, :] & kmask[:, None], other=0.0)
         if DOT_FP32:  # the CPU interpreter (its bf16 dot is not exact)
             acc += tl.dot(w.to(tl.float32), xt.to(tl.float32))

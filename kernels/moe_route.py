@@ -12,6 +12,9 @@ Math, for token row ``m`` of ``logits`` [M, E] (fp32 arithmetic throughout):
   so those slots take the lowest expert ids not chosen yet, with weight 0; every id is a distinct expert in [0, E)
   and is aligned like any other.
 * ``w[k] = s[id_k]`` (unbiased score); with ``RENORM`` ``w /= sum(w)`` where the sum is > 0; ``w *= scale``.
+* With ``OUT_K = TOP_K + 1`` (routing without alignment only) each output row has one more slot, the shared expert:
+  ``id[TOP_K] = shared_id``, ``w[TOP_K] = 1.0`` (not scaled, not renormalised), so the expert pass reads routed and
+  shared experts from one [M, TOP_K + 1] table.
 
 The top-k (and the group choice, rounds of argmax) uses one int64 key per expert: high word = the fp32 value's bits
 mapped to an order-preserving int32, low word = ``EP - 1 - e``; the largest key is the largest value and, among
@@ -30,8 +33,8 @@ Tensors (S = M * TOP_K; B = BLOCK_SIZE; MAXB = number of blocks the buffers hold
 | --------------- | -------------- | ------------ | ------------------------------------------------------------ |
 | logits          | [M, E]         | bf16/fp16/fp32 | router logits, row stride ``stride_lm``, unit column stride |
 | bias            | [E]            | fp32         | correction bias (only when HAS_BIAS)                         |
-| topk_ids        | [M, TOP_K]     | int32        | out (routing; in [0, E)) or in (alignment; -1 = none)        |
-| topk_weights    | [M, TOP_K]     | fp32         | out: routed weights                                          |
+| topk_ids        | [M, OUT_K]     | int32        | out (routing; in [0, E), column TOP_K = shared_id when OUT_K = TOP_K + 1) or in (alignment, OUT_K = TOP_K; -1 = none) |
+| topk_weights    | [M, OUT_K]     | fp32         | out: routed weights (column TOP_K = 1.0 when OUT_K = TOP_K + 1) |
 | rank            | [S]            | int32        | scratch: slot's rank inside its expert                       |
 | sorted_ids      | [MAXB * B]     | int32        | out: slots grouped by expert, padded with S                  |
 | expert_ids      | [MAXB]         | int32        | out: expert of each block, -1 for blocks past the used part  |
@@ -125,17 +128,22 @@ def _store_winners(logits_ptr, row_off, ids, won, kmask, mx, den, scale, out_off
 
 
 @triton.jit
-def _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, row0, M, stride_lm, scale,
+def _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, row0, M, stride_lm, scale, shared_id,
                 E: tl.constexpr, EP: tl.constexpr, ROWS: tl.constexpr, TOP_K: tl.constexpr,
                 TOPK_P: tl.constexpr, N_GROUP: tl.constexpr, NG_P: tl.constexpr, GSIZE: tl.constexpr,
                 TOPK_GROUP: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
-                DO_ALIGN: tl.constexpr, MASK: tl.constexpr = False):
+                DO_ALIGN: tl.constexpr, OUT_K: tl.constexpr, MASK: tl.constexpr = False):
     """Route rows ``row0 .. row0 + ROWS - 1``; returns their ids [ROWS, TOPK_P] (-1 for padding lanes and rows past
     M; a slot past the row's finite candidates holds a filler: the lowest expert id not chosen yet, weight 0).
     The winners by one bitonic top-k of the keys (tl.topk). DO_ALIGN: each slot's rank by an atomic add on
     ``count_ptr`` (int32 per expert), stored at ``rank_ptr``; with MASK instead bit ``row`` of ``count_ptr``'s int64
     row mask of each chosen expert is set (rows < 64).
+
+    The outputs have rows of OUT_K slots: TOP_K, or TOP_K + 1 (no DO_ALIGN) where slot TOP_K of each row is the
+    shared expert, ``shared_id`` with weight 1.0 (the returned ids hold the routed slots only).
     """
+    tl.static_assert(OUT_K == TOP_K or (OUT_K == TOP_K + 1 and not DO_ALIGN),
+                     "OUT_K is TOP_K, or TOP_K + 1 (the shared slot) without the alignment")
     rows = row0 + tl.arange(0, ROWS)
     rmask = rows < M
     e = tl.arange(0, EP)
@@ -186,7 +194,7 @@ def _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, row0,
     won = _key_is_finite(top)
 
     kmask = (kk < TOP_K)[None, :] & rmask[:, None]
-    out_off = rows[:, None] * TOP_K + kk[None, :]
+    out_off = rows[:, None] * OUT_K + kk[None, :]
     valid = (ids >= 0) & kmask  # every routed slot, fillers included: they are aligned (weight 0) like the others
     # the alignment's atomics go out before the weights' logit reload, so the two round trips overlap
     if DO_ALIGN:
@@ -201,6 +209,10 @@ def _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, row0,
                    RENORM)
     if DO_ALIGN and not MASK:
         tl.store(rank_ptr + out_off, rank, mask=valid)
+    if OUT_K > TOP_K:  # the shared expert: every row's last slot, weight 1
+        sh = rows * OUT_K + TOP_K
+        tl.store(ids_ptr + sh, tl.full([ROWS], 0, tl.int32) + shared_id, mask=rmask)
+        tl.store(w_ptr + sh, tl.full([ROWS], 1.0, tl.float32), mask=rmask)
     return tl.where(valid, ids, -1)  # [ROWS, TOPK_P]: -1 for padding lanes and rows past M
 
 
@@ -250,18 +262,19 @@ def _align_finish(ids_ptr, rank_ptr, sorted_ptr, eids_ptr, npad_ptr, count_ptr, 
     tl.store(count_ptr + e, tl.zeros([EAP], tl.int32), mask=emask)
 
 
-@triton.jit(do_not_specialize=["M", "S", "max_blocks"])
+@triton.jit(do_not_specialize=["M", "S", "max_blocks", "shared_id"])
 def _moe_route_align_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr, sorted_ptr, eids_ptr, npad_ptr,
-                            count_ptr, offs_ptr, ticket_ptr, M, S, max_blocks, stride_lm, scale,
+                            count_ptr, offs_ptr, ticket_ptr, M, S, max_blocks, stride_lm, scale, shared_id,
                             E: tl.constexpr, EP: tl.constexpr, ROWS: tl.constexpr, TOP_K: tl.constexpr,
-                            TOPK_P: tl.constexpr, N_GROUP: tl.constexpr, NG_P: tl.constexpr,
+                            OUT_K: tl.constexpr, TOPK_P: tl.constexpr, N_GROUP: tl.constexpr, NG_P: tl.constexpr,
                             GSIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, SOFTMAX: tl.constexpr,
                             HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, DO_ROUTE: tl.constexpr,
                             DO_ALIGN: tl.constexpr, EA: tl.constexpr, EAP: tl.constexpr, B: tl.constexpr,
                             CHUNK: tl.constexpr, PDL: tl.constexpr = False):
     """Routing of ROWS rows per program (DO_ROUTE) and/or the alignment (DO_ALIGN; the last program finishes it).
 
-    Without DO_ROUTE the grid must be (1,): the one program ranks every slot itself.
+    Without DO_ROUTE the grid must be (1,): the one program ranks every slot itself. OUT_K = TOP_K + 1 (routing
+    alone): each output row ends with the shared expert's slot (``shared_id``, weight 1); else OUT_K = TOP_K.
     """
     if PDL:  # logits (and the workspace) belong to earlier kernels
         gdc_launch_dependents()
@@ -269,8 +282,8 @@ def _moe_route_align_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr, sort
     pid = tl.program_id(0)
     if DO_ROUTE:
         _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, pid * ROWS, M, stride_lm, scale,
-                    E, EP, ROWS, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS, RENORM,
-                    DO_ALIGN)
+                    shared_id, E, EP, ROWS, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS,
+                    RENORM, DO_ALIGN, OUT_K)
     if DO_ALIGN:
         if DO_ROUTE:
             tl.debug_barrier()  # this program's ids, ranks and counter updates precede its ticket
@@ -488,8 +501,8 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
     if ONE:
         if DO_ROUTE:
             ids2 = _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, 0, M, stride_lm, scale,
-                               E, EP, ROWS, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS,
-                               RENORM, False)
+                               0, E, EP, ROWS, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS,
+                               RENORM, False, TOP_K)
             if RELOAD:
                 # read the stored winners back as one flat vector (see RELOAD in the launcher)
                 tl.debug_barrier()
@@ -508,8 +521,8 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
         _align_pairwise(ids_v, slot_v, sorted_ptr, eids_ptr, npad_ptr, S, max_blocks, B, PJ, CHUNK)
     else:
         _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, pid * ROWS, M, stride_lm, scale,
-                    E, EP, ROWS, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS, RENORM,
-                    not SORTED, MASK)
+                    0, E, EP, ROWS, TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS, RENORM,
+                    not SORTED, TOP_K, MASK)
         tl.debug_barrier()  # this program's ids (and ranks and counter updates) precede its ticket
         ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
         if ticket == tl.num_programs(0) - 1:

@@ -26,7 +26,8 @@ WIDE_REDUCE_MIN_SPLITS = 16
 #: 32 MiB (bench/RESULTS.md, "Verify pass"). The tile (``BLOCK_N`` weight rows x ``BLOCK_K``), the grid's size
 #: (``WAVES`` programs an SM, by splitting K) and the launch's warps / stages: the defaults; :data:`SHAPE_CONFIGS`
 #: overrides them per shape (``bench/sweep_gemv.py`` times the candidates).
-_CONFIG = {"PREFETCH_BYTES": 8 << 20, "BLOCK_N": 64, "BLOCK_K": 128, "WAVES": 2, "num_warps": 4, "num_stages": 3}
+_CONFIG = {"PREFETCH_BYTES": 8 << 20, "BLOCK_N": 64, "BLOCK_K": 128, "WAVES": 2, "num_warps": 4, "num_stages": 3,
+           "TMA": False}
 _INF = 1 << 62
 #: ((max M, (N lo, N hi), (K lo, K hi)), overrides of :data:`_CONFIG`): the first rule that holds applies. From
 #: ``bench/sweep_gemv.py`` on the H200 (2026-12-03, bench/RESULTS.md "Verify pass"): qkv_a 7168 -> 2112 with 4
@@ -71,6 +72,27 @@ def gemv_split(n: int, k: int, sms: int, cfg: dict | None = None) -> tuple[int, 
     want = max(1, -(-cfg["WAVES"] * sms // tiles))
     per = max(1, chunks // want) * cfg["BLOCK_K"]
     return -(-k // per), per
+
+
+#: Host TMA descriptors of the weights, per (pointer, shape, strides, tile, device): built once per weight (graph
+#: replays take the descriptor by value).
+_DESCS: dict = {}
+
+
+def _weight_descriptor(w: torch.Tensor, block_n: int, block_k: int):
+    """The TMA descriptor of ``w`` [N, K] in [block_n, block_k] boxes, or None where TMA does not apply (CUDA before
+    sm_90, a base or row stride not 16-byte aligned)."""
+    if w.is_cuda and torch.cuda.get_device_capability(w.device)[0] < 9:
+        return None
+    if (w.stride(0) * w.element_size()) % 16 or w.data_ptr() % 16:
+        return None
+    key = (w.data_ptr(), tuple(w.shape), tuple(w.stride()), block_n, block_k, w.device)
+    d = _DESCS.get(key)
+    if d is None:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        d = _DESCS[key] = TensorDescriptor.from_tensor(w, [block_n, block_k])
+    return d
 
 
 def _buffers(device, n, split, block_n):
@@ -185,12 +207,13 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None = None, i
     grid = (-(-n // cfg["BLOCK_N"]), split)
     pdl = pdl_launch(x.device)
     k_prefetch = prefetch_columns(grid[0] * grid[1], per, x.element_size(), cfg) if pdl else 0
-    _gemv_splitk_kernel[grid](x, w, out, part, ticket, m, n, k, x.stride(0), w.stride(0), out.stride(0), per,
+    desc = _weight_descriptor(w, cfg["BLOCK_N"], cfg["BLOCK_K"]) if cfg["TMA"] else None
+    _gemv_splitk_kernel[grid](x, w, desc, out, part, ticket, m, n, k, x.stride(0), w.stride(0), out.stride(0), per,
                               k_prefetch,
                               BLOCK_M=max(16, triton_next_pow2(m)), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                               SPLIT_K=split, SPLIT_PAD=triton_next_pow2(split),
                               WIDE_REDUCE=m == 1 or split >= WIDE_REDUCE_MIN_SPLITS,
-                              DOT_FP32=not x.is_cuda, PDL=pdl, PREFETCH=k_prefetch > 0,
+                              DOT_FP32=not x.is_cuda, PDL=pdl, PREFETCH=k_prefetch > 0, TMA=desc is not None,
                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                               **({"launch_pdl": True} if pdl else {}))
     return out

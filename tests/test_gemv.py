@@ -98,12 +98,17 @@ def test_shape_configs_pick_the_swept_launch():
     assert gemv_mod.gemv_config(1, 1536, 1536)["num_warps"] == 4 and gemv_mod.gemv_config(3, 1536, 1536)["num_warps"] == 8
 
 
-# the swept candidates compute the same product: a wider tile, longer K chunks, more stages and warps, more waves
+# the swept candidates compute the same product: a wider tile, longer K chunks, more stages and warps, more waves,
+# weight tiles by TMA (rows past N = 150 and columns past K = 1000 zero-filled by the copy, not masked)
 @pytest.mark.parametrize("over", [{"BLOCK_N": 128, "num_warps": 8}, {"BLOCK_K": 256, "num_stages": 4},
-                                  {"BLOCK_N": 32, "WAVES": 4}])
+                                  {"BLOCK_N": 32, "WAVES": 4}, {"TMA": True}, {"TMA": True, "BLOCK_N": 32, "WAVES": 4}])
 def test_gemv_configs_match_reference(device, monkeypatch, over):
     monkeypatch.setattr(gemv_mod, "_CONFIG", {**gemv_mod._CONFIG, **over})
     monkeypatch.setattr(gemv_mod, "sm_count", lambda device_type, index: 4)
+    if over.get("TMA"):  # the launch must take the descriptor path
+        real = gemv_mod._weight_descriptor
+        seen = []
+        monkeypatch.setattr(gemv_mod, "_weight_descriptor", lambda *a: seen.append(real(*a)) or seen[-1])
     g = torch.Generator().manual_seed(len(str(over)))
     x = torch.randn(3, 1000, generator=g).to(torch.bfloat16).to(device)  # K not a multiple of the chunk
     w = torch.randn(150, 1000, generator=g).to(torch.bfloat16).to(device)
@@ -112,3 +117,5 @@ def test_gemv_configs_match_reference(device, monkeypatch, over):
     eps = torch.finfo(torch.bfloat16).eps
     torch.testing.assert_close(gemv(x, w, out=out, impl="triton"), want, rtol=2 * eps,
                                atol=2 * eps * float(want.abs().max()) + 1e-5 * 1000 ** 0.5)
+    if over.get("TMA"):
+        assert seen and seen[0] is not None

@@ -24,7 +24,8 @@ from bench_gemv import SHAPES  # noqa: E402
 
 from specverify.benchmarking import copy_bandwidth_gbps, graph_us, run_meta, token_counts  # noqa: E402
 
-#: candidate overrides of ``specverify.gemv._CONFIG`` (the first is the default)
+#: candidate overrides of each shape's config (``specverify.gemv.gemv_config``: ``_CONFIG`` and its
+#: ``SHAPE_CONFIGS`` rule; the first, empty, is today's launch)
 CONFIGS = [
     {},
     {"num_stages": 4}, {"num_stages": 5}, {"num_warps": 8},
@@ -58,6 +59,8 @@ def main(argv=None) -> int:
     bw = copy_bandwidth_gbps() * 1e9
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
     base = dict(gm._CONFIG)
+    rules = gm.SHAPE_CONFIGS
+    gm.SHAPE_CONFIGS = ()  # each candidate applies on top of the shape's own config (its rule, looked up below)
     rows = []
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     for key in keys:
@@ -74,9 +77,12 @@ def main(argv=None) -> int:
             cycle = itertools.cycle(ws)
             cublas = graph_us(lambda: torch.matmul(x, next(cycle).t(), out=out), calls=len(ws), replays=5, repeats=5)
             row = dict(model=key[0], proj=key[1], m=m, n=n, k=k, floor_us=floor, cublas_us=cublas, configs={})
+            gm.SHAPE_CONFIGS = rules
+            shape_cfg = gm.gemv_config(m, n, k)  # today's launch of this shape ("default")
+            gm.SHAPE_CONFIGS = ()
             for over in CONFIGS:
                 gm._CONFIG.clear()
-                gm._CONFIG.update(base, **over)
+                gm._CONFIG.update(shape_cfg, **over)
                 try:
                     out.fill_(float("nan"))
                     err = float((gm.gemv(x, ws[0], out=out).float() - want).abs().max()) / scale
@@ -98,6 +104,7 @@ def main(argv=None) -> int:
             print(line, flush=True)
         del ws
         torch.cuda.empty_cache()
+    gm.SHAPE_CONFIGS = rules
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": run_meta(__file__, copy_bandwidth_gbps=bw / 1e9), "rows": rows}, f, indent=1)

@@ -4,7 +4,8 @@ floor from a copy bandwidth of the same run), in the order given and then in rev
 shows as a difference between the two passes over the same variant (issue 22).
 
 Variants (``--variants``, comma-separated): ``chain`` (no fusion slot: MLA preparation and the query absorption in
-two launches), ``fused`` (the default table); gate/up kernels of the stream experts (merged into
+two launches, q_a's norm a launch of its own, the shared expert's slot appended by a launch), ``fused`` (the
+default table), ``no-<slot>`` (one fusion slot of ``FUSIONS`` emptied); gate/up kernels of the stream experts (merged into
 ``specverify.moe._STREAM_OVERRIDE`` for the variant): ``fma`` (no MMA gate/up), ``splitk`` / ``streamk`` (that MMA
 kernel up to ``splitk_max_m`` tokens), ``-tma`` (its weight tiles by TMA), ``-m4`` / ``-m6`` (up to 4 / 6 tokens). Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded
 into the projections (slower in the pass) and the split merge fused with W_UV (slower alone).
@@ -20,8 +21,9 @@ import sys
 
 from specverify import verify_wall as vw
 
-FUSIONS = ("mla_prep_absorb",)
+FUSIONS = ("mla_prep_absorb", "linear_norm", "route_shared")
 VARIANTS = {"chain": dict(off=FUSIONS), "fused": dict(off=()), "fma": dict(off=(), stream={"splitk_max_m": 0})}
+VARIANTS.update({f"no-{slot}": dict(off=(slot,)) for slot in FUSIONS})
 for _kind in ("splitk", "streamk"):
     for _tma in (False, True):
         for _mm in (2, 4, 6):

@@ -465,6 +465,9 @@ def scen_gemv(quick: bool, target: str):
             gm._CONFIG.clear()
             gm._CONFIG.update(saved)
     yield "gemv tma m1", tma
+    for m in (1,) if quick else (1, 4, 8):  # qkv_a with q_a's RMSNorm in its last row tile
+        yield f"gemv norm m{m} 7168->2112", lambda m=m: gemv(_cuda(m, 7168), _cuda(2112, 7168), impl="triton",
+                                                              norm_weight=_cuda(1536), eps=1e-6)
 
 
 SCENARIOS = dict(attn=scen_attn, gqa=scen_gqa, route=scen_route, moe=scen_moe, accept=scen_accept,

@@ -16,9 +16,10 @@ batch 1 / 4k (latency) and batch 64 / 4k (bandwidth), on the ``tl.dot`` kernel a
 (the capability gate, ``specverify.attention.mla_wgmma_support``: its answer per target goes into the JSON's
 ``gate``); the Gluon wgmma MLA kernel (sm_90a only, skipped where this Triton lacks its Gluon API);
 GQA Llama 8:1 d 128 (8 q heads, 1 kv head per rank) at k 1, 4, 16; router 384 experts top-8 (sigmoid, bias) at
-M 1, 8, 64 with and without alignment; MoE 384 experts h 7168 inter 256 top-8 at M 1, 8, 64 (stream and aligned
-paths, the launcher decides); acceptance (greedy and sampling, vocab 163840, k 4 and 16, batch 1 and 64); fused ops
-(rmsnorm h 7168 with/without residual, MLA kv prep, GQA prep, silu_mul, absorb-q, up-v); KV compaction.
+M 1, 8, 64 with and without alignment, and at M 1 writing the shared expert's slot (id 384); MoE 384 experts h 7168
+inter 256 top-8 at M 1, 8, 64 (stream and aligned paths, the launcher decides); acceptance (greedy and sampling,
+vocab 163840, k 4 and 16, batch 1 and 64); fused ops (rmsnorm h 7168 with/without residual, MLA kv prep, GQA
+prep, silu_mul, absorb-q, up-v); KV compaction.
 
 Fails (exit 1) on a compile error, a spill (ptxas spill stores > 0) or shared memory over the target's per-block
 opt-in limit (sm_90: 232448 B; sm_120: 101376 B), except on targets named by ``--allow-fail`` (reported, exit 0).
@@ -322,6 +323,14 @@ def scen_route(quick: bool, target: str):
                 moe.moe_route(logits, top_k=8, scoring="sigmoid", correction_bias=bias,
                               routed_scaling_factor=2.827, block_size=bs, impl="triton")
             yield f"route e384 top8 M{m} bs{bs}", run
+
+    def run_route_shared():  # the router writing the shared expert's slot (expert 384): ids / weights [1, 9]
+        logits = _cuda(1, 384, dtype=torch.float32)
+        bias = _cuda(384, dtype=torch.float32)
+        moe.moe_route(logits, top_k=8, scoring="sigmoid", correction_bias=bias, routed_scaling_factor=2.827,
+                      shared_expert_id=384, impl="triton")
+    yield "route e384 top8 M1 +shared384", run_route_shared
+
     def run_shared():
         ids, w = _cuda(8, 8, dtype=torch.int32), _cuda(8, 8, dtype=torch.float32)
         moe.append_shared_expert(ids, w, 384, impl="triton")

@@ -27,14 +27,15 @@ expert GEMM computes each slot's row independently, so its output does not depen
 ticket are reset by that last program, so the workspace is zero again for the next call (CUDA-graph replays
 included).
 
-Tensors (S = M * TOP_K; B = BLOCK_SIZE; MAXB = number of blocks the buffers hold):
+Tensors (S = M * TOP_K; B = BLOCK_SIZE; MAXB = number of blocks the buffers hold; OUT_K = TOP_K, or TOP_K + 1
+with the shared slot, routing alone):
 
 | name            | shape          | dtype        | meaning                                                      |
 | --------------- | -------------- | ------------ | ------------------------------------------------------------ |
 | logits          | [M, E]         | bf16/fp16/fp32 | router logits, row stride ``stride_lm``, unit column stride |
 | bias            | [E]            | fp32         | correction bias (only when HAS_BIAS)                         |
-| topk_ids        | [M, OUT_K]     | int32        | out (routing; in [0, E), column TOP_K = shared_id when OUT_K = TOP_K + 1) or in (alignment, OUT_K = TOP_K; -1 = none) |
-| topk_weights    | [M, OUT_K]     | fp32         | out: routed weights (column TOP_K = 1.0 when OUT_K = TOP_K + 1) |
+| topk_ids        | [M, OUT_K]     | int32        | out (routing; in [0, E), column TOP_K: shared_id) or in (alignment: -1 none) |
+| topk_weights    | [M, OUT_K]     | fp32         | out: routed weights (column TOP_K: 1.0)                      |
 | rank            | [S]            | int32        | scratch: slot's rank inside its expert                       |
 | sorted_ids      | [MAXB * B]     | int32        | out: slots grouped by expert, padded with S                  |
 | expert_ids      | [MAXB]         | int32        | out: expert of each block, -1 for blocks past the used part  |

@@ -208,6 +208,28 @@ def _check_route_args(router_logits, top_k, scoring, correction_bias, n_group, t
             raise ValueError(f"block_size must be a power of two in [1, 256] or None, got {block_size!r}")
 
 
+def _check_shared_expert_id(shared_expert_id, block_size):
+    if shared_expert_id is None:
+        return
+    if isinstance(shared_expert_id, bool) or not isinstance(shared_expert_id, int):
+        raise TypeError(f"shared_expert_id must be a Python int >= 0 or None, got {type(shared_expert_id).__name__} "
+                        f"{shared_expert_id!r}; pass the shared expert's index in the stacked expert weights (the "
+                        "routed expert count when it is stored after them)")
+    # with block_size the alignment counts every expert in the per-device workspace (_MAX_EXPERTS counters)
+    limit = _MAX_EXPERTS if block_size is not None else 2 ** 31
+    if not 0 <= shared_expert_id < limit:
+        why = f" with block_size (the alignment counts at most {_MAX_EXPERTS} experts)" if block_size is not None else ""
+        raise ValueError(f"shared_expert_id must be an int in [0, {limit - 1}]{why}, got {shared_expert_id}; pass the "
+                         "shared expert's index in the stacked expert weights")
+
+
+def _with_shared_slot(ids, weights, shared_expert_id):
+    """``[ids, shared_expert_id]`` int32 and ``[weights, 1.0]`` fp32, [M, top_k + 1] (the reference path)."""
+    col = torch.full_like(ids[:, :1], shared_expert_id, dtype=torch.int32)
+    return (torch.cat([ids.to(torch.int32), col], 1),
+            torch.cat([weights.float(), torch.ones_like(weights[:, :1], dtype=torch.float32)], 1))
+
+
 def _pad_alignment(sorted_ids, expert_ids, npad, m, top_k, num_experts, block_size):
     """Reference alignment (exact size) copied into the fixed-size buffers of the kernel path."""
     dev = sorted_ids.device
@@ -229,19 +251,27 @@ def _alignment_buffers(m: int, top_k: int, e: int, block_size: int, dev):
 
 
 def _launch_route_align(logits, bias, top_k, softmax, n_group, topk_group, renormalize, scale, block_size,
-                        topk_ids=None, num_experts=None):
-    """One launch: routing (unless ``topk_ids`` is given) and, with ``block_size``, the alignment."""
+                        topk_ids=None, num_experts=None, shared_expert_id=None):
+    """One launch: routing (unless ``topk_ids`` is given) and, with ``block_size``, the alignment.
+
+    ``shared_expert_id`` (routing without alignment only): the outputs are [M, top_k + 1], the last column the
+    shared expert (that id, weight 1.0), written by the routing kernel itself."""
     from specverify.kernels.moe_route import _moe_route_align_kernel
 
     do_route = topk_ids is None
     do_align = block_size is not None
+    shared = shared_expert_id is not None
+    if shared and (do_align or not do_route):  # one launch never writes the shared slot and aligns
+        raise ValueError("_launch_route_align: shared_expert_id is for the routing alone (topk_ids None, block_size "
+                         "None); align the [M, top_k + 1] ids with a second, alignment-only call")
+    out_k = top_k + 1 if shared else top_k
     dev = logits.device if do_route else topk_ids.device
     if do_route:
         m, e = logits.shape
         if logits.stride(1) != 1:
             logits = logits.contiguous()
-        ids = torch.empty((m, top_k), dtype=torch.int32, device=dev)
-        weights = torch.empty((m, top_k), dtype=torch.float32, device=dev)
+        ids = torch.empty((m, out_k), dtype=torch.int32, device=dev)
+        weights = torch.empty((m, out_k), dtype=torch.float32, device=dev)
     else:
         m, top_k = topk_ids.shape
         e = num_experts
@@ -273,7 +303,8 @@ def _launch_route_align(logits, bias, top_k, softmax, n_group, topk_group, renor
         _moe_route_align_kernel[grid](
             logits if do_route else ids, bias_arg, ids, weights, rank, sorted_ids, expert_ids, npad,
             count, offs, ticket, m, s, max_blocks, logits.stride(0) if do_route else 0, float(scale),
-            E=e, EP=ep, ROWS=rows, TOP_K=top_k, TOPK_P=max(_next_pow2(top_k), 2), N_GROUP=n_group,
+            shared_expert_id if shared else 0,
+            E=e, EP=ep, ROWS=rows, TOP_K=top_k, OUT_K=out_k, TOPK_P=max(_next_pow2(top_k), 2), N_GROUP=n_group,
             NG_P=max(_next_pow2(n_group), 2), GSIZE=gsize, TOPK_GROUP=topk_group, SOFTMAX=softmax,
             HAS_BIAS=bias is not None, RENORM=renormalize, DO_ROUTE=do_route, DO_ALIGN=do_align, EA=e,
             EAP=max(_next_pow2(e), 16), B=block_size or 1, CHUNK=512 if dev.type == "cuda" else 64, **launch)
@@ -357,7 +388,7 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
 
 
 def moe_route(router_logits, *, top_k, scoring="sigmoid", correction_bias=None, n_group=1, topk_group=1,
-              renormalize=True, routed_scaling_factor=1.0, block_size=None, impl="auto"):
+              renormalize=True, routed_scaling_factor=1.0, block_size=None, shared_expert_id=None, impl="auto"):
     """Choose each token's experts and weights, and (with ``block_size``) align the slots for the expert GEMM.
 
     DeepSeek-V3 "noaux_tc" routing and its relatives (Kimi-K2: sigmoid, 384 experts, one group; Qwen3: softmax,
@@ -385,6 +416,12 @@ def moe_route(router_logits, *, top_k, scoring="sigmoid", correction_bias=None, 
     routed_scaling_factor : float
     block_size : int, optional
         Power of two ≤ 256. When given, also returns the alignment (16 suits :func:`fused_moe` at small M).
+    shared_expert_id : int, optional
+        ≥ 0 (≤ 1023 with ``block_size``; it may be ≥ E). When given, every token gets one more slot after its
+        ``top_k`` routed ones: the shared expert, id ``shared_expert_id`` with weight 1.0 (not scaled by
+        ``routed_scaling_factor``, not renormalised), the layout :func:`fused_moe` takes over expert weights that
+        store the shared expert as expert ``shared_expert_id`` (what :func:`append_shared_expert` builds, here
+        written by the router itself: one launch less). The routed columns are exactly those of the call without it.
     impl : {"auto", "triton", "reference"}
         ``auto`` uses Triton on CUDA tensors (or under ``TRITON_INTERPRET=1``), else the reference, logging why
         once. An explicit choice never falls back.
@@ -393,23 +430,27 @@ def moe_route(router_logits, *, top_k, scoring="sigmoid", correction_bias=None, 
     -------
     topk_ids : torch.Tensor
         int32, shape (M, top_k), in decreasing order of biased score (weight-0 fillers last); always in
-        ``[0, E)`` and distinct within a row.
+        ``[0, E)`` and distinct within a row. With ``shared_expert_id``: shape (M, top_k + 1), the last column
+        ``shared_expert_id``.
     topk_weights : torch.Tensor
-        float32, shape (M, top_k).
+        float32, shape (M, top_k); with ``shared_expert_id`` (M, top_k + 1), the last column 1.0.
     alignment : MoEAlignment
         Only when ``block_size`` is given. ``sorted_token_ids`` has length
-        :func:`max_num_tokens_padded` ``(M, top_k, E, block_size)``; its used part holds each expert's slots
-        (increasing slot id, as the reference, for M <= 64 with M * top_k <= 1024; above, the order of atomic
-        updates) padded with the sentinel ``M * top_k``; unused ``expert_ids`` are -1;
+        :func:`max_num_tokens_padded` ``(M, K, EA, block_size)`` (``K`` = top_k, or top_k + 1 with the shared slot;
+        ``EA`` = E, or ``max(E, shared_expert_id + 1)``); its used part holds each expert's slots
+        ``s = m * K + k`` (increasing slot id, as the reference, for M <= 64 with M * top_k <= 1024; above, the
+        order of atomic updates) padded with the sentinel ``M * K``; unused ``expert_ids`` are -1;
         ``sorted_token_ids`` past ``num_tokens_post_padded`` is unspecified (not written).
 
     Raises
     ------
     TypeError
-        Non-tensor or non-float logits or bias, non-int ``top_k``, non-bool ``renormalize``, non-float scale.
+        Non-tensor or non-float logits or bias, non-int ``top_k`` or ``shared_expert_id`` (a bool is not an int),
+        non-bool ``renormalize``, non-float scale.
     ValueError
         Wrong shapes, ``top_k`` out of range, ``n_group`` not dividing ``E``, ``topk_group`` out of range, bad
-        ``block_size``, unknown ``scoring`` or ``impl``.
+        ``block_size``, negative (or, with ``block_size``, > 1023) ``shared_expert_id``, unknown ``scoring`` or
+        ``impl``.
     RuntimeError
         The first ``impl="triton"`` call with ``block_size`` on a device happens during CUDA-graph capture.
 
@@ -441,6 +482,11 @@ def moe_route(router_logits, *, top_k, scoring="sigmoid", correction_bias=None, 
     therefore run outside capture. Calls on different streams must not overlap in time (they share that
     workspace). ``impl="reference"`` synchronises with the host when aligning and is not capturable.
 
+    With ``shared_expert_id`` and no ``block_size`` the router writes the shared slot itself: still one launch (one
+    program per token, no workspace), capturable from the first call. With ``block_size`` too it is two launches:
+    the routing, then the alignment of the ``M * (top_k + 1)`` slots (the launch :func:`fused_moe` aligns with;
+    above 32 slots it uses the per-device workspace, so an eager call must come first, as above).
+
     Examples
     --------
     >>> import torch, specverify
@@ -448,25 +494,41 @@ def moe_route(router_logits, *, top_k, scoring="sigmoid", correction_bias=None, 
     >>> ids, w = specverify.moe_route(logits, top_k=2, impl="reference")
     >>> ids.tolist()
     [[1, 2]]
+    >>> ids, w = specverify.moe_route(logits, top_k=2, shared_expert_id=4, impl="reference")
+    >>> ids.tolist(), w[:, 2].tolist()
+    ([[1, 2, 4]], [1.0])
     """
     _check_impl(impl, "moe_route")
     _check_route_args(router_logits, top_k, scoring, correction_bias, n_group, topk_group, renormalize,
                       routed_scaling_factor, block_size)
+    _check_shared_expert_id(shared_expert_id, block_size)
     m, e = router_logits.shape
+    shared = shared_expert_id is not None
+    k_all = top_k + 1 if shared else top_k  # slots per token
+    e_all = max(e, shared_expert_id + 1) if shared else e  # experts the alignment counts: the shared id included
     which = _choose(impl, router_logits, "moe_route")
     if which == "reference":
         from specverify.reference.moe import align_reference, route_reference
 
         ids, weights = route_reference(router_logits, top_k, scoring, correction_bias, n_group, topk_group,
                                        renormalize, routed_scaling_factor)
+        if shared:
+            ids, weights = _with_shared_slot(ids, weights, shared_expert_id)
         if block_size is None:
             return ids, weights
-        return ids, weights, _pad_alignment(*align_reference(ids, e, block_size), m, top_k, e, block_size)
+        return ids, weights, _pad_alignment(*align_reference(ids, e_all, block_size), m, k_all, e_all, block_size)
     bias = None if correction_bias is None else correction_bias.float().contiguous()
-    ids, weights, alignment = _launch_route_align(router_logits, bias, top_k, scoring == "softmax", n_group,
-                                                  topk_group, renormalize, routed_scaling_factor, block_size)
+    if not shared:
+        ids, weights, alignment = _launch_route_align(router_logits, bias, top_k, scoring == "softmax", n_group,
+                                                      topk_group, renormalize, routed_scaling_factor, block_size)
+        return (ids, weights) if block_size is None else (ids, weights, alignment)
+    # the router writes the shared slot (no alignment in that launch); the alignment then covers all k_all slots
+    ids, weights, _ = _launch_route_align(router_logits, bias, top_k, scoring == "softmax", n_group, topk_group,
+                                          renormalize, routed_scaling_factor, None, shared_expert_id=shared_expert_id)
     if block_size is None:
         return ids, weights
+    _, _, alignment = _launch_route_align(None, None, k_all, False, 1, 1, False, 1.0, block_size, topk_ids=ids,
+                                          num_experts=e_all)
     return ids, weights, alignment
 
 

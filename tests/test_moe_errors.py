@@ -24,6 +24,16 @@ from specverify.moe import MoEQuant, fused_moe, moe_route
     (dict(routed_scaling_factor="2"), TypeError, "routed_scaling_factor"),
     (dict(block_size=12), ValueError, "power of two"),
     (dict(impl="cuda"), ValueError, "impl must be one of"),
+    # the shared expert's slot: a Python int >= 0 (a bool is not one); below 1024 when aligning (the workspace's
+    # expert counters); it may be >= E (the shared expert stacked after the routed ones)
+    (dict(shared_expert_id=True), TypeError, "shared_expert_id must be a Python int >= 0 or None, got bool True"),
+    (dict(shared_expert_id=8.0), TypeError, "shared_expert_id must be a Python int >= 0 or None, got float"),
+    (dict(shared_expert_id=torch.tensor(8)), TypeError, "got Tensor"),
+    (dict(shared_expert_id=-1), ValueError, "shared_expert_id must be an int in [0, 2147483647], got -1"),
+    (dict(shared_expert_id=2 ** 31), ValueError, "shared_expert_id must be an int in [0, 2147483647]"),
+    (dict(shared_expert_id=1024, block_size=16), ValueError, "in [0, 1023] with block_size (the alignment counts at "
+                                                             "most 1024 experts), got 1024"),
+    (dict(shared_expert_id=-1, impl="reference"), ValueError, "shared_expert_id must be an int in [0,"),
 ])
 def test_moe_route_errors(kwargs, exc, words):
     args = dict(router_logits=torch.zeros(2, 8), top_k=2)

@@ -1,5 +1,5 @@
-"""The verify forward's fusion slots (MLA preparation with the query absorption in one launch) compute what the
-unfused op chain computes.
+"""The verify forward's fusion slots (MLA preparation with the query absorption in one launch; the router writing the
+shared expert's slot) compute what the unfused op chain computes.
 
 Runs the tiny MLA stand-ins in bf16 through specverify's op table (the Triton interpreter on the CPU), with the
 projection rules widened so our GEMV serves the tiny shapes, against the same table with the fusion slots emptied;
@@ -13,7 +13,7 @@ from specverify.forward.model import VerifyModel
 from specverify.forward.ops import Ops, specverify_ops
 
 _ALL = ((16, (1, 1 << 30), (1, 1 << 30)),)
-FUSIONS = ("mla_prep_absorb",)  # the Ops slots that fuse
+FUSIONS = ("mla_prep_absorb", "route_shared")  # the Ops slots that fuse
 
 
 def _inputs(model, b, k, page_size, seed):
@@ -36,6 +36,26 @@ def _caches(model, pool, page_size, seed):
     return caches
 
 
+def _count_calls(ops, slots):
+    """Wrap each slot of ``ops`` in ``slots`` so its calls are counted; returns the counts (updated in place)."""
+    calls = {f: 0 for f in slots}
+
+    def wrap(name, real):
+        def counted(*a):
+            calls[name] += 1
+            return real(*a)
+        return counted
+
+    for f in slots:
+        setattr(ops, f, wrap(f, getattr(ops, f)))
+    return calls
+
+
+def _stacked_layers(model):
+    """MoE layers whose shared expert is expert E of the stacked weights (``w13_all``): those route_shared serves."""
+    return sum(not w["dense"] and "w13_all" in w for w in model.layers)
+
+
 @pytest.mark.parametrize("name", ["tiny-mla-moe", "tiny-mla-grouped"])
 @pytest.mark.parametrize("b, k", [(1, 1), (2, 3)])
 def test_fused_forward_matches_the_op_chain(device, monkeypatch, name, b, k):
@@ -44,9 +64,7 @@ def test_fused_forward_matches_the_op_chain(device, monkeypatch, name, b, k):
     model = VerifyModel(name, dtype=torch.bfloat16, seed=11, device=device)
     fused, _ = specverify_ops(model)
     assert all(getattr(fused, f) is not None for f in FUSIONS)
-    calls = []
-    real = fused.mla_prep_absorb
-    fused.mla_prep_absorb = lambda *a: (calls.append(1), real(*a))[1]
+    calls = _count_calls(fused, FUSIONS)
     chain, _ = specverify_ops(model)
     for f in FUSIONS:
         setattr(chain, f, None)
@@ -57,8 +75,8 @@ def test_fused_forward_matches_the_op_chain(device, monkeypatch, name, b, k):
         caches = _caches(model, pool, page_size, seed=5)
         logits, hidden, aux = model.forward_captured(ids, pos, caches, pt, prefix, capture_layers=(1,))
         out[tag] = (logits, hidden, aux, caches)
-        if tag == "fused":  # every layer ran the fused slot
-            assert len(calls) == model.num_layers, calls
+        if tag == "fused":  # every layer ran the fused prep, every MoE layer with the stacked shared expert the router
+            assert calls == {"mla_prep_absorb": model.num_layers, "route_shared": _stacked_layers(model)}, calls
     # fp64 truth over the same bf16 weights
     ref = VerifyModel(name, dtype=torch.float64, seed=11, device=device)
     for key, w in model._sets.items():
@@ -90,3 +108,42 @@ def test_fused_forward_matches_the_op_chain(device, monkeypatch, name, b, k):
             e_f = float((cf[slots].double() - ct[slots]).abs().max())
             e_c = float((cc[slots].double() - ct[slots]).abs().max())
             assert e_f <= 2 * e_c + 1e-2 * float(ct.abs().max()), (e_f, e_c)
+
+
+@pytest.mark.parametrize("name", ["tiny-mla-moe", "tiny-mla-grouped"])  # sigmoid + bias, one group; grouped routing
+@pytest.mark.parametrize("b, k", [(1, 1), (2, 3)])  # one token (M = 1); M = 6 tokens over two requests
+def test_route_shared_forward_equals_route_then_append(device, monkeypatch, name, b, k):
+    # the router writing the shared slot feeds fused_moe the very ids and weights route + append_shared_expert did:
+    # the same expert kernel over the same inputs, so logits, hidden states and KV are equal bit for bit
+    monkeypatch.setattr(gemv_mod, "LINEAR_RULES", _ALL)
+    page_size = 4
+    model = VerifyModel(name, dtype=torch.bfloat16, seed=11, device=device)
+    assert _stacked_layers(model) > 0
+    fused, _ = specverify_ops(model)
+    calls = _count_calls(fused, ("route_shared", "route", "experts_with_shared", "experts"))
+    chain, _ = specverify_ops(model)
+    chain.route_shared = None
+    ids, pos, pt, prefix, pool = _inputs(model, b, k, page_size, seed=b * 10 + k)
+    out = {}
+    for tag, ops in (("fused", fused), ("chain", chain)):
+        model.ops = ops
+        caches = _caches(model, pool, page_size, seed=5)
+        logits, hidden, _ = model.forward_captured(ids, pos, caches, pt, prefix)
+        out[tag] = (logits, hidden, caches)
+    moe = _stacked_layers(model)
+    # one routing launch with the shared slot and the plain expert pass per MoE layer; no route, no append
+    assert calls == {"route_shared": moe, "route": 0, "experts_with_shared": 0, "experts": moe}, calls
+    assert not torch.isnan(out["fused"][0]).any()
+    assert torch.equal(out["fused"][0], out["chain"][0]) and torch.equal(out["fused"][1], out["chain"][1])
+    for lf, lc in zip(out["fused"][2], out["chain"][2]):
+        for cf, cc in zip(lf, lc):
+            assert torch.equal(cf, cc)
+
+
+def test_route_shared_slot_only_in_specverify_tables():
+    # the reference and SGLang tables compose route + the shared expert themselves: no route_shared
+    from specverify.forward.ops import Ops
+
+    assert Ops().route_shared is None
+    ops, _ = specverify_ops(None)
+    assert ops.route_shared is not None and ops.experts_with_shared is not None

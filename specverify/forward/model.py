@@ -334,18 +334,28 @@ class VerifyModel:
         [M, E]) -> [M, H]``, given this table's routing (``weights`` with ``routed_scaling_factor`` applied) and
         owning its expert weights (the SGLang step hands a layer's quantised experts to SGLang's own module this
         way). Routing, the shared expert and everything around them stay the table's; such a layer has no
-        ``w13_all``, so ``experts_with_shared`` does not serve it.
+        ``w13_all``, so ``experts_with_shared`` (and ``route_shared``) do not serve it.
+
+        With ``w13_all`` and ``experts_with_shared``, the shared expert is expert ``E`` of the stacked weights: with
+        ``route_shared`` too the router writes its slot (ids [M, top_k + 1]) and ``experts`` runs over the stacks;
+        otherwise ``route`` then ``experts_with_shared`` (which appends the slot).
         """
         ops = self.ops
         flat = h.reshape(-1, h.shape[-1])
         if w["dense"]:
             with self.section("dense_mlp"):
                 return (ops.silu_mul(flat @ w["gate_up"].t()) @ w["down"].t()).view_as(h)
+        stacked = "w13_all" in w and ops.experts_with_shared is not None
         with self.section("moe_route"):
             logits = ops.linear(flat, w["router"])
-            ids, weights = ops.route(logits, w["route"])
-        if "w13_all" in w and ops.experts_with_shared is not None:
+            if stacked and ops.route_shared is not None:  # the shared slot written by the router
+                ids, weights = ops.route_shared(logits, w["route"], w["w13_all"].shape[0] - 1)
+            else:
+                ids, weights = ops.route(logits, w["route"])
+        if stacked:
             with self.section("experts"):  # routed experts and the shared expert in one expert pass
+                if ops.route_shared is not None:
+                    return ops.experts(flat, w["w13_all"], w["w2_all"], ids, weights).view_as(h)
                 return ops.experts_with_shared(flat, w["w13_all"], w["w2_all"], ids, weights).view_as(h)
         with self.section("experts"):
             if "experts_fn" in w:  # the layer's own experts (see the docstring)

@@ -20,6 +20,10 @@ route                logits [M, E], :class:`RouteParams` -> (ids [M, top_k], wei
 experts              hidden [M, H], w13 [E, 2I, H], w2 [E, H, I], ids, weights -> [M, H]
 experts_with_shared  as ``experts`` over ``[E + 1, ...]`` weights whose expert E is the shared one; None: the
                      shared expert runs as a separate MLP
+route_shared         logits [M, E], :class:`RouteParams`, shared_id -> (ids [M, top_k + 1], weights [M, top_k + 1]):
+                     ``route`` with the shared expert's slot (shared_id, weight 1) written by the router; with
+                     ``experts_with_shared`` set, the forward then runs ``experts`` over the ``[E + 1, ...]`` weights
+                     (one launch less); None: ``route`` then ``experts_with_shared``
 accept_greedy        target_ids, draft_tokens, parents, max_depth -> (accepted_nodes, accept_len, accepted_tokens)
 compact_kv           caches, page_table, prefix_lens, accepted_nodes, accept_len (in place)
 rmsnorm              x, weight, eps -> normed
@@ -100,6 +104,8 @@ class Ops:
     gqa_prep: Callable = None  # (q, k, v, positions, q_norm, k_norm, k_cache, v_cache, pt, prefix, eps, theta)
     silu_mul: Callable = silu_mul_reference
     experts_with_shared: Callable = None  # (hidden, w13_all, w2_all, ids, weights): expert E is the shared one
+    # a fusion; None: the forward composes route and experts_with_shared
+    route_shared: Callable = None  # (logits, config, shared_id) -> (ids, weights) [M, top_k + 1]
     mla_absorb_q: Callable = mla_absorb_q_reference  # (q, w_uk, nope) -> q_latent [b, k, h, R]
     mla_up_v: Callable = mla_up_v_reference  # (o_latent, w_uv) -> [b, k, h * V]
     linear: Callable = None  # (x [..., K], w [N, K]) -> x @ w.T: the projections that may leave cuBLAS
@@ -196,7 +202,15 @@ def specverify_ops(model):
             ids, weights = append_shared_expert(ids, weights, w13_all.shape[0] - 1, impl="triton")
             return fused_moe(hidden, w13_all, w2_all, ids, weights, impl="triton")
 
+        def route_shared(logits, p, shared_id):
+            # the router writes the shared expert's slot itself: no append launch before the expert pass
+            return moe_route(logits, top_k=p.num_experts_per_tok, scoring=p.scoring_func,
+                             correction_bias=p.correction_bias, n_group=p.n_group, topk_group=p.topk_group,
+                             renormalize=p.norm_topk_prob, routed_scaling_factor=p.routed_scaling_factor,
+                             shared_expert_id=shared_id, impl="triton")
+
         ops.route, ops.experts, ops.experts_with_shared = route, experts, experts_with_shared
+        ops.route_shared = route_shared
         ops.pieces["shared_expert"] = "triton (fused into the expert pass)"
         ops.pieces["moe_route"] = "triton"
         ops.pieces["experts"] = "triton"

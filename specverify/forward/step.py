@@ -92,8 +92,9 @@ def model_ops(base: Ops, cos_sin: torch.Tensor, neox: bool, sm_scale: float) -> 
         The model's softmax scale (``self_attn.scaling``: mscale-corrected for YaRN).
 
     ``mla_prep`` stays one fused launch when ``base`` runs Triton small ops (``pieces["small_ops"] ==
-    "triton"``: :func:`specverify.fused_ops.mla_kv_prep` reads the table), else the torch reference. Mutates and
-    returns ``base``.
+    "triton"``: :func:`specverify.fused_ops.mla_kv_prep` reads the table), else the torch reference. The routing
+    and expert slots (``route``, ``route_shared``, ``experts``, ``experts_with_shared``) read no model table and stay
+    as ``base`` has them. Mutates and returns ``base``.
     """
     from specverify.fused_ops import mla_kv_prep, mla_prep_absorb
 

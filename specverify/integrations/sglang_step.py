@@ -655,6 +655,8 @@ class VerifyStep:
                     experts == "sglang" or not isinstance(mlp.experts.quant_method, UnquantizedFusedMoEMethod)):
                 fns[i] = sglang_experts_fn(mlp)
                 self.sglang_expert_layers[i] = type(mlp.experts.quant_method).__name__
+        # the stacks with the shared expert serve experts_with_shared (and the table's route_shared, which writes the
+        # shared slot in the router); layers with an experts_fn get no stack and take the plain route
         weights, self.weights = read_weights(lm, self.config, stack_shared_expert=ops.experts_with_shared is not None,
                                              sglang_experts=fns)
         from sglang.srt.runtime_context import get_parallel

@@ -24,6 +24,29 @@ from specverify import verify_wall as vw
 FUSIONS = ("mla_prep_absorb", "linear_norm", "route_shared")
 VARIANTS = {"chain": dict(off=FUSIONS), "fused": dict(off=()), "fma": dict(off=(), stream={"splitk_max_m": 0})}
 VARIANTS.update({f"no-{slot}": dict(off=(slot,)) for slot in FUSIONS})
+#: modifiers joined to a variant with "+" (e.g. ``fused+sk64``): stream-experts overrides (``stream``) and GEMV
+#: shape rules put before ``specverify.gemv.SHAPE_CONFIGS`` (``gemv``)
+MODS = {
+    # stream-K gate/up with TMA tiles, 64-row tiles, one program an SM, 4 stages, up to 4 tokens (sweep_experts'
+    # best alone at M = 1 / 2 / 4 with the shared expert)
+    "sk64": dict(stream={"auto_gate_up": "streamk", "split_tma": True, "SBN": 64, "sk_per_sm": 1,
+                         "split_stages": 4, "splitk_max_m": 4}),
+    "sk64m2": dict(stream={"auto_gate_up": "streamk", "split_tma": True, "SBN": 64, "sk_per_sm": 1,
+                           "split_stages": 4, "splitk_max_m": 2}),
+    # GEMV weight tiles by TMA: qkv_a up to 4 tokens with 6 stages over one wave, the router at one token
+    "gemvtma": dict(gemv=(((4, (2048, 4096), (7168, 7168)), {"TMA": True, "num_stages": 6, "WAVES": 1}),
+                          ((1, (1, 512), (7168, 7168)), {"TMA": True}))),
+}
+
+
+def _variant(name: str) -> dict:
+    """The variant ``base[+mod...]``: the base's fusion slots off, the modifiers' overrides merged."""
+    base, *mods = name.split("+")
+    var = dict(VARIANTS[base])
+    for m in mods:
+        for key, val in MODS[m].items():
+            var[key] = {**var.get(key, {}), **val} if key == "stream" else val
+    return var
 for _kind in ("splitk", "streamk"):
     for _tma in (False, True):
         for _mm in (2, 4, 6):
@@ -46,7 +69,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
     names = [v for v in args.variants.split(",") if v]
-    unknown = [v for v in names if v not in VARIANTS]
+    unknown = [v for v in names if v.split("+")[0] not in VARIANTS or any(m not in MODS for m in v.split("+")[1:])]
     if unknown:
         print(f"ab_verify_pass: unknown variants {unknown}; expected some of {list(VARIANTS)}", file=sys.stderr)
         return 2
@@ -62,13 +85,16 @@ def main(argv=None) -> int:
     vw._wall_ops = ops_of_variant
     import specverify.moe as moe
     saved_stream = dict(moe._STREAM_OVERRIDE)
+    import specverify.gemv as gemv_mod
+    saved_rules = gemv_mod.SHAPE_CONFIGS
     results = []
     order = names + names[::-1]
     for i, name in enumerate(order):
-        var = VARIANTS[name]
+        var = _variant(name)
         current["off"] = var["off"]
         moe._STREAM_OVERRIDE.clear()
         moe._STREAM_OVERRIDE.update(saved_stream, **var.get("stream", {}))
+        gemv_mod.SHAPE_CONFIGS = tuple(var.get("gemv", ())) + saved_rules
         last = i == len(order) - 1
         s = vw.WallSettings(model=args.model, batch=args.batch, context=args.context, tree=args.tree,
                             draft_tokens=args.draft_tokens, distinct_layers=args.distinct_layers,
@@ -82,6 +108,7 @@ def main(argv=None) -> int:
     vw._wall_ops = orig_ops
     moe._STREAM_OVERRIDE.clear()
     moe._STREAM_OVERRIDE.update(saved_stream)
+    gemv_mod.SHAPE_CONFIGS = saved_rules
     print("\nms (efficiency vs the bytes floor), mean of the two passes:")
     ks = args.draft_tokens
     print(f"{'variant':>10} " + " ".join(f"{'k=' + str(k):>16}" for k in ks))

@@ -717,6 +717,13 @@ _FAST_ROUTE_CONFIG: dict = {"one_max_slots": 16, "align_one_max_slots": 32, "one
 #: verify-wall Kimi-K2 b 1 / 4k chain, same run (2026-12-02): FMA 5.160 / 6.763 / 9.169 ms at k = 1 / 2 / 4, split-K
 #: 2 waves 5.250 / 6.709 / 9.412, 4 waves 5.006 / 6.686 / 9.383; alone (sweep_experts, M = 1 + shared) SBN 16 / 64,
 #: SBK 256, 8 warps and 2 stages were 5-20% slower than SBN 32, SBK 128, 4 warps, 3 stages.
+#: ``auto_gate_up``: the MMA kernel ``"auto"`` takes up to ``splitk_max_m`` tokens: ``"splitk"`` or ``"streamk"``
+#: (``_moe_streamk_gate_up_kernel``: the (slot, row tile, K chunk) units cut evenly over ``sk_per_sm`` programs an
+#: SM). ``split_tma``: both MMA kernels take their weight tiles from a TMA descriptor (sm_90+, BN dividing I).
+#: H200, gate/up alone (sweep_experts --gate-up-only, M = 1 / 2 / 4 with the shared expert, 2026-12-03): split-K
+#: 22.11 / 36.26 / 63.33 us, FMA 23.67 / 37.50 / 62.19; stream-K with TMA, SBN 64, one program an SM, 4 stages 20.76
+#: / 33.44 / 59.25 (1.33 / 1.17 / 1.10x the w13 floor); stream-K at 3 an SM with SBN 32 28.12 (TMA 24.64). In the
+#: pass (ab_verify_pass, same day) the latter two lost to split-K at k = 1 (4.993 / 4.948 against 4.902 ms).
 _STREAM_CONFIG: dict = {"max_m": 6, "small_m": 2, "small_R": 2, "R": 4, "BK": 512, "num_warps": 4, "num_stages": 1,
                         "BH": 2, "BI": 256, "TILE": 8192, "down_warps": 4, "PDL": True, "gate_up": "auto",
                         "splitk_max_m": 2, "auto_gate_up": "splitk", "SBN": 32, "SBK": 128, "split_stages": 3,

@@ -4,11 +4,12 @@ floor from a copy bandwidth of the same run), in the order given and then in rev
 shows as a difference between the two passes over the same variant (issue 22).
 
 Variants (``--variants``, comma-separated): ``chain`` (no fusion slot: MLA preparation and the query absorption in
-two launches, q_a's norm a launch of its own, the shared expert's slot appended by a launch), ``fused`` (the
-default table), ``no-<slot>`` (one fusion slot of ``FUSIONS`` emptied); gate/up kernels of the stream experts (merged into
-``specverify.moe._STREAM_OVERRIDE`` for the variant): ``fma`` (no MMA gate/up), ``splitk`` / ``streamk`` (that MMA
-kernel up to ``splitk_max_m`` tokens), ``-tma`` (its weight tiles by TMA), ``-m4`` / ``-m6`` (up to 4 / 6 tokens). Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded
-into the projections (slower in the pass) and the split merge fused with W_UV (slower alone).
+two launches, the shared expert's slot appended by a launch of its own), ``fused`` (the default table),
+``no-<slot>`` (one slot of ``FUSIONS`` emptied); gate/up of the stream experts (merged into
+``specverify.moe._STREAM_OVERRIDE``): ``fma`` (no split-K MMA gate/up), ``splitk-m4`` / ``splitk-m6`` (split-K up
+to 4 / 6 tokens). Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded into the projections and
+q_a's norm in the qkv_a GEMV's last tile (slower in the pass), the split merge fused with W_UV (slower alone), a
+stream-K gate/up and TMA weight tiles (no faster in the pass).
 
 Usage: ``python bench/ab_verify_pass.py [--model kimi-k2] [--batch 1] [--context 4096] [--tree chain]
 [--draft-tokens 1,2,4,8] [--iters 10] [--page-size 64] [--variants ...] [--kernels] [--json PATH]``.
@@ -21,37 +22,10 @@ import sys
 
 from specverify import verify_wall as vw
 
-FUSIONS = ("mla_prep_absorb", "linear_norm", "route_shared")
+FUSIONS = ("mla_prep_absorb", "route_shared")
 VARIANTS = {"chain": dict(off=FUSIONS), "fused": dict(off=()), "fma": dict(off=(), stream={"splitk_max_m": 0})}
 VARIANTS.update({f"no-{slot}": dict(off=(slot,)) for slot in FUSIONS})
-#: modifiers joined to a variant with "+" (e.g. ``fused+sk64``): stream-experts overrides (``stream``) and GEMV
-#: shape rules put before ``specverify.gemv.SHAPE_CONFIGS`` (``gemv``)
-MODS = {
-    # stream-K gate/up with TMA tiles, 64-row tiles, one program an SM, 4 stages, up to 4 tokens (sweep_experts'
-    # best alone at M = 1 / 2 / 4 with the shared expert)
-    "sk64": dict(stream={"auto_gate_up": "streamk", "split_tma": True, "SBN": 64, "sk_per_sm": 1,
-                         "split_stages": 4, "splitk_max_m": 4}),
-    "sk64m2": dict(stream={"auto_gate_up": "streamk", "split_tma": True, "SBN": 64, "sk_per_sm": 1,
-                           "split_stages": 4, "splitk_max_m": 2}),
-    # GEMV weight tiles by TMA: qkv_a up to 4 tokens with 6 stages over one wave, the router at one token
-    "gemvtma": dict(gemv=(((4, (2048, 4096), (7168, 7168)), {"TMA": True, "num_stages": 6, "WAVES": 1}),
-                          ((1, (1, 512), (7168, 7168)), {"TMA": True}))),
-}
-
-
-def _variant(name: str) -> dict:
-    """The variant ``base[+mod...]``: the base's fusion slots off, the modifiers' overrides merged."""
-    base, *mods = name.split("+")
-    var = dict(VARIANTS[base])
-    for m in mods:
-        for key, val in MODS[m].items():
-            var[key] = {**var.get(key, {}), **val} if key == "stream" else val
-    return var
-for _kind in ("splitk", "streamk"):
-    for _tma in (False, True):
-        for _mm in (2, 4, 6):
-            VARIANTS[_kind + ("-tma" if _tma else "") + (f"-m{_mm}" if _mm != 2 else "")] = dict(
-                off=(), stream={"auto_gate_up": _kind, "split_tma": _tma, "splitk_max_m": _mm})
+VARIANTS.update({f"splitk-m{m}": dict(off=(), stream={"splitk_max_m": m}) for m in (4, 6)})
 
 
 def main(argv=None) -> int:
@@ -69,7 +43,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
     names = [v for v in args.variants.split(",") if v]
-    unknown = [v for v in names if v.split("+")[0] not in VARIANTS or any(m not in MODS for m in v.split("+")[1:])]
+    unknown = [v for v in names if v not in VARIANTS]
     if unknown:
         print(f"ab_verify_pass: unknown variants {unknown}; expected some of {list(VARIANTS)}", file=sys.stderr)
         return 2
@@ -85,16 +59,13 @@ def main(argv=None) -> int:
     vw._wall_ops = ops_of_variant
     import specverify.moe as moe
     saved_stream = dict(moe._STREAM_OVERRIDE)
-    import specverify.gemv as gemv_mod
-    saved_rules = gemv_mod.SHAPE_CONFIGS
     results = []
     order = names + names[::-1]
     for i, name in enumerate(order):
-        var = _variant(name)
+        var = VARIANTS[name]
         current["off"] = var["off"]
         moe._STREAM_OVERRIDE.clear()
         moe._STREAM_OVERRIDE.update(saved_stream, **var.get("stream", {}))
-        gemv_mod.SHAPE_CONFIGS = tuple(var.get("gemv", ())) + saved_rules
         last = i == len(order) - 1
         s = vw.WallSettings(model=args.model, batch=args.batch, context=args.context, tree=args.tree,
                             draft_tokens=args.draft_tokens, distinct_layers=args.distinct_layers,
@@ -108,7 +79,6 @@ def main(argv=None) -> int:
     vw._wall_ops = orig_ops
     moe._STREAM_OVERRIDE.clear()
     moe._STREAM_OVERRIDE.update(saved_stream)
-    gemv_mod.SHAPE_CONFIGS = saved_rules
     print("\nms (efficiency vs the bytes floor), mean of the two passes:")
     ks = args.draft_tokens
     print(f"{'variant':>10} " + " ".join(f"{'k=' + str(k):>16}" for k in ks))

@@ -349,19 +349,6 @@ def scen_moe(quick: bool, target: str):
             ids, w = _cuda(m, top, dtype=torch.int32), _cuda(m, top, dtype=torch.float32)
             moe.fused_moe(hidden, w13, w2, ids, w, impl="triton")
         yield f"moe e384 h7168 i256 top8 M{m}", run
-    # the MMA gate/up kernels of the stream experts at M = 1 with the shared expert (9 slots over 385 experts)
-    for kind, tma in (("splitk", False), ("splitk", True), ("streamk", False), ("streamk", True)):
-        def gate_up(kind=kind, tma=tma):
-            saved = dict(moe._STREAM_OVERRIDE)
-            moe._STREAM_OVERRIDE.update(gate_up=kind, split_tma=tma)
-            try:
-                cfg = moe._stream_config(1, 7168, 256, 9, True)
-                moe.stream_gate_up(_cuda(1, 7168), _cuda(385, 512, 7168), _cuda(1, 9, dtype=torch.int32), cfg,
-                                   cfg["PDL"])
-            finally:
-                moe._STREAM_OVERRIDE.clear()
-                moe._STREAM_OVERRIDE.update(saved)
-        yield f"moe gate/up {kind}{' tma' if tma else ''} M1+shared", gate_up
 
 
 def scen_accept(quick: bool, target: str):
@@ -462,22 +449,6 @@ def scen_gemv(quick: bool, target: str):
         for m in (1,) if quick else (1, 4, 8):  # M = 4: the per-shape configs (qkv_a 4 stages, q_b 8 warps)
             yield f"gemv m{m} {k}->{n}", lambda m=m, n=n, k=k: gemv(_cuda(m, k), _cuda(n, k), impl="triton")
 
-    def tma():  # the weight tiles by TMA (opt-in config), o_proj and qkv_a at one token
-        import specverify.gemv as gm
-
-        saved = dict(gm._CONFIG)
-        gm._CONFIG["TMA"] = True
-        try:
-            for n, k in ((7168, 1024), (2112, 7168)):
-                gemv(_cuda(1, k), _cuda(n, k), impl="triton")
-        finally:
-            gm._CONFIG.clear()
-            gm._CONFIG.update(saved)
-    yield "gemv tma m1", tma
-    for m in (1,) if quick else (1, 4, 8):  # qkv_a with q_a's RMSNorm in its last row tile
-        yield f"gemv norm m{m} 7168->2112", lambda m=m: gemv(_cuda(m, 7168), _cuda(2112, 7168), impl="triton",
-                                                              norm_weight=_cuda(1536), eps=1e-6)
-
 
 SCENARIOS = dict(attn=scen_attn, gqa=scen_gqa, route=scen_route, moe=scen_moe, accept=scen_accept,
                  fused=scen_fused, kv=scen_kv, gemv=scen_gemv)
@@ -542,8 +513,6 @@ def launch_spec(fn, args, kw):
         elif isinstance(v, torch.Tensor):
             sig[name] = "*" + _TDTYPE[v.dtype]
             attrs[(i,)] = [["tt.divisibility", 16]]  # torch allocations are 256-B aligned; views here start at 0
-        elif type(v).__name__ == "TensorDescriptor":  # a host TMA descriptor (triton.tools.tensor_descriptor)
-            sig[name] = f"tensordesc<{_TDTYPE[v.base.dtype]}[{', '.join(str(b) for b in v.block_shape)}]>"
         elif isinstance(v, bool):
             sig[name] = "i1"
         elif isinstance(v, float):

@@ -65,27 +65,13 @@ STREAM_GRID = [
     dict(q=0, gate_up="splitk", SBN=64, split_warps=8),
     dict(q=0, gate_up="splitk", SBK=64, split_stages=6),
 ]
-#: gate/up configs of ``--gate-up-only`` (merged into ``_STREAM_OVERRIDE``): the FMA programs, split-K and stream-K
-#: MMA tiles with pointer or TMA loads
+#: gate/up configs of ``--gate-up-only`` (merged into ``_STREAM_OVERRIDE``): the FMA programs and the split-K MMA
+#: tiles (a stream-K kernel and TMA tiles were timed here on 2026-12-03 and removed: bench/results/HISTORY.md)
 GATE_UP_GRID = [
     dict(q=1, gate_up="fma"),
     dict(q=1, gate_up="splitk"),
-    dict(q=1, gate_up="splitk", split_tma=True),
     dict(q=0, gate_up="splitk", split_waves=3),
     dict(q=0, gate_up="splitk", split_waves=6),
-    dict(q=1, gate_up="streamk"),
-    dict(q=1, gate_up="streamk", sk_per_sm=2),
-    dict(q=1, gate_up="streamk", sk_per_sm=4, split_stages=2),
-    dict(q=0, gate_up="streamk", split_stages=4, sk_per_sm=2),
-    dict(q=1, gate_up="streamk", split_tma=True),
-    dict(q=1, gate_up="streamk", split_tma=True, sk_per_sm=2),
-    dict(q=1, gate_up="streamk", split_tma=True, sk_per_sm=2, split_stages=4),
-    dict(q=0, gate_up="streamk", split_tma=True, sk_per_sm=1, split_stages=6),
-    dict(q=0, gate_up="streamk", split_tma=True, sk_per_sm=1, split_stages=8),
-    dict(q=0, gate_up="streamk", split_tma=True, sk_per_sm=2, SBK=256),
-    dict(q=0, gate_up="streamk", split_tma=True, sk_per_sm=1, SBN=64, split_stages=4),
-    dict(q=0, gate_up="streamk", split_tma=True, sk_per_sm=4, SBN=16, split_stages=4),
-    dict(q=0, gate_up="streamk", split_tma=True, sk_per_sm=2, split_warps=8, SBN=64),
 ]
 
 

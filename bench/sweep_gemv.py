@@ -33,9 +33,6 @@ CONFIGS = [
     {"BLOCK_K": 256}, {"BLOCK_K": 256, "num_stages": 4}, {"BLOCK_K": 256, "WAVES": 4},
     {"BLOCK_N": 128}, {"BLOCK_N": 128, "WAVES": 3}, {"BLOCK_N": 128, "num_warps": 8},
     {"BLOCK_N": 32}, {"BLOCK_N": 32, "WAVES": 4},
-    {"TMA": True}, {"TMA": True, "num_stages": 4}, {"TMA": True, "num_stages": 6, "WAVES": 1},
-    {"TMA": True, "BLOCK_K": 256, "num_stages": 4}, {"TMA": True, "BLOCK_N": 128, "num_stages": 4},
-    {"TMA": True, "BLOCK_N": 32, "WAVES": 4}, {"TMA": True, "BLOCK_N": 128, "num_warps": 8, "num_stages": 4},
 ]
 
 

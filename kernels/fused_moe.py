@@ -275,42 +275,11 @@ def _moe_stream_down_kernel(act_ptr, w2_ptr, ids_ptr, tw_ptr, out_ptr, stride_am
 #   PDL: wait for the routing, then let the down kernel launch (it reads ids before its own wait).
 # ------------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _gate_up_sums(x_row, w_base, w13_desc, desc_row, rows, rmask, k_lo, k_hi, stride_wn, H: tl.constexpr,
-                  I: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, DOT_FP32: tl.constexpr, TMA: tl.constexpr):
-    """(gate, up) fp32 [BN] sums over columns [k_lo, k_hi) of H for one token row ``x_row`` and gate rows ``rows``
-    of one expert (up rows ``rows + I``). The rows take the MMA's M side, the token column 0 of a 16-column N side
-    (the other 15 zero), so the loop's weight loads are pipelined into shared memory. TMA: the tiles come from the
-    tensor descriptor ``w13_desc`` over w13 viewed as [E * 2I, H] (gate tile at row ``desc_row``, up tile at
-    ``desc_row + I``; the launcher requires BN to divide I), else from pointers (``w_base``, masked rows)."""
-    col0 = tl.arange(0, 16) == 0
-    acc_g = tl.zeros((BN, 16), dtype=tl.float32)
-    acc_u = tl.zeros((BN, 16), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BK):
-        kc = k0 + tl.arange(0, BK)
-        kmask = kc < H
-        if TMA:
-            wg = w13_desc.load([desc_row, k0])
-            wu = w13_desc.load([desc_row + I, k0])
-        else:
-            wg = _load_w_tile(w_base, rows, kc, rmask, kmask, stride_wn)
-            wu = _load_w_tile(w_base, rows + I, kc, rmask, kmask, stride_wn)
-        xt = tl.load(x_row + kc[:, None] + tl.zeros((1, 16), tl.int32), mask=kmask[:, None] & col0[None, :],
-                     other=0.0)
-        if DOT_FP32:  # the CPU interpreter (its bf16 dot is not exact)
-            acc_g += tl.dot(wg.to(tl.float32), xt.to(tl.float32))
-            acc_u += tl.dot(wu.to(tl.float32), xt.to(tl.float32))
-        else:
-            acc_g += tl.dot(wg, xt)
-            acc_u += tl.dot(wu, xt)
-    return tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1)  # column 0 (the others are exact zeros)
-
-
-@triton.jit
-def _moe_splitk_gate_up_kernel(hidden_ptr, w13_ptr, w13_desc, act_ptr, part_ptr, ticket_ptr, ids_ptr, stride_hm,
-                               stride_we, stride_wn, stride_am, k_per_split, S,
+def _moe_splitk_gate_up_kernel(hidden_ptr, w13_ptr, act_ptr, part_ptr, ticket_ptr, ids_ptr, stride_hm, stride_we,
+                               stride_wn, stride_am, k_per_split, S,
                                E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
                                BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_PAD: tl.constexpr,
-                               DOT_FP32: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr):
+                               DOT_FP32: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -324,10 +293,27 @@ def _moe_splitk_gate_up_kernel(hidden_ptr, w13_ptr, w13_desc, act_ptr, part_ptr,
         return
     rows = t * BN + tl.arange(0, BN)
     rmask = rows < I
+    w_base = w13_ptr + e.to(tl.int64) * stride_we
+    x_base = hidden_ptr + (slot // TOP_K).to(tl.int64) * stride_hm
+    col0 = tl.arange(0, 16) == 0  # the token sits in column 0 of the MMA's N side, the other 15 are zero
     k_lo = pid_s * k_per_split
-    g, u = _gate_up_sums(hidden_ptr + (slot // TOP_K).to(tl.int64) * stride_hm, w13_ptr + e.to(tl.int64) * stride_we,
-                         w13_desc, e * (2 * I) + t * BN, rows, rmask, k_lo, k_lo + k_per_split, stride_wn, H, I, BK,
-                         BN, DOT_FP32, TMA)
+    acc_g = tl.zeros((BN, 16), dtype=tl.float32)
+    acc_u = tl.zeros((BN, 16), dtype=tl.float32)
+    for k0 in range(k_lo, k_lo + k_per_split, BK):
+        kc = k0 + tl.arange(0, BK)
+        kmask = kc < H
+        wg = _load_w_tile(w_base, rows, kc, rmask, kmask, stride_wn)
+        wu = _load_w_tile(w_base, rows + I, kc, rmask, kmask, stride_wn)
+        xt = tl.load(x_base + kc[:, None] + tl.zeros((1, 16), tl.int32), mask=kmask[:, None] & col0[None, :],
+                     other=0.0)
+        if DOT_FP32:  # the CPU interpreter (its bf16 dot is not exact)
+            acc_g += tl.dot(wg.to(tl.float32), xt.to(tl.float32))
+            acc_u += tl.dot(wu.to(tl.float32), xt.to(tl.float32))
+        else:
+            acc_g += tl.dot(wg, xt)
+            acc_u += tl.dot(wu, xt)
+    g = tl.sum(acc_g, axis=1)  # column 0 (the others are exact zeros)
+    u = tl.sum(acc_u, axis=1)
     a_ptrs = act_ptr + slot.to(tl.int64) * stride_am + rows
     if SPLIT_K == 1:
         tl.store(a_ptrs, (g / (1.0 + tl.exp(-g)) * u).to(act_ptr.dtype.element_ty), mask=rmask)
@@ -345,68 +331,3 @@ def _moe_splitk_gate_up_kernel(hidden_ptr, w13_ptr, w13_desc, act_ptr, part_ptr,
             u = tl.sum(tl.load(p_all + I, mask=pm, other=0.0), axis=0)
             tl.store(a_ptrs, (g / (1.0 + tl.exp(-g)) * u).to(act_ptr.dtype.element_ty), mask=rmask)
             tl.atomic_xchg(ticket_ptr + pid_t, 0)
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# Stream-K gate/up (``gate_up = "streamk"``): the split-K grid above quantises badly when its programs do not fill
-# whole waves (M = 1 with the shared expert: 576 programs of 7 chunks over ~3 resident an SM = 1.45 waves, the
-# last wave mostly idle). Here the work is cut evenly instead: the (slot, row tile, K chunk) units, U = S * NT * C
-# in tile-major order, are divided into P contiguous ranges, one per program, with P one wave of resident programs
-# (the launcher's ``programs`` an SM), so every program streams the same bytes (within one chunk) and all finish
-# together (after Osama et al., "Stream-K", PPoPP 2023).
-#
-#   program p: units [p * U // P, (p + 1) * U // P); for each row tile t its range meets, the chunks it covers:
-#       (gate, up) partial sums of slot s(t), rows of tile t (as in the split-K kernel);
-#       a tile covered whole by one program: act = silu(gate) * up directly;
-#       else the partial goes to WS[t, j] (j = p - first program of t) and the tile's last program to arrive (a
-#       self-resetting ticket per tile, acquire-release) sums its n(t) partials in the fixed j order and stores act.
-#   first program of unit x: ceil((x + 1) * P / U) - 1. Slots whose id is -1 or >= E skip their tiles in every
-#   program (their tickets stay 0). PDL: wait for the routing, then let the down kernel launch.
-# ------------------------------------------------------------------------------------------------------------------
-@triton.jit
-def _moe_streamk_gate_up_kernel(hidden_ptr, w13_ptr, w13_desc, act_ptr, part_ptr, ticket_ptr, ids_ptr, stride_hm,
-                                stride_we, stride_wn, stride_am, U, P, MAXJ,
-                                E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
-                                BN: tl.constexpr, BK: tl.constexpr, JPAD: tl.constexpr, DOT_FP32: tl.constexpr,
-                                TMA: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-    pid = tl.program_id(0)
-    NT: tl.constexpr = (I + BN - 1) // BN
-    C: tl.constexpr = (H + BK - 1) // BK
-    hi = (pid + 1) * U // P
-    u = pid * U // P
-    while u < hi:
-        t = u // C
-        c0 = u - t * C
-        c1 = tl.minimum(hi - t * C, C)
-        slot = t // NT
-        rt = t % NT
-        e = tl.load(ids_ptr + slot)
-        if (e >= 0) & (e < E):
-            rows = rt * BN + tl.arange(0, BN)
-            rmask = rows < I
-            g, up = _gate_up_sums(hidden_ptr + (slot // TOP_K).to(tl.int64) * stride_hm,
-                                  w13_ptr + e.to(tl.int64) * stride_we, w13_desc, e * (2 * I) + rt * BN, rows,
-                                  rmask, c0 * BK, c1 * BK, stride_wn, H, I, BK, BN, DOT_FP32, TMA)
-            a_ptrs = act_ptr + slot.to(tl.int64) * stride_am + rows
-            if (c0 == 0) & (c1 == C):
-                tl.store(a_ptrs, (g / (1.0 + tl.exp(-g)) * up).to(act_ptr.dtype.element_ty), mask=rmask)
-            else:
-                first = ((t * C + 1) * P + U - 1) // U - 1
-                n = (((t + 1) * C) * P + U - 1) // U - first
-                ob = tl.arange(0, BN)
-                p_row = part_ptr + (t * MAXJ + pid - first).to(tl.int64) * (2 * BN)
-                tl.store(p_row + ob, g)
-                tl.store(p_row + BN + ob, up)
-                tl.debug_barrier()  # this program's partial precedes its ticket
-                ticket = tl.atomic_add(ticket_ptr + t, 1, sem="acq_rel")
-                if ticket == n - 1:
-                    js = tl.arange(0, JPAD)
-                    p_all = part_ptr + (t * MAXJ + js[:, None]).to(tl.int64) * (2 * BN) + ob[None, :]
-                    g = tl.sum(tl.load(p_all, mask=(js < n)[:, None], other=0.0), axis=0)
-                    up = tl.sum(tl.load(p_all + BN, mask=(js < n)[:, None], other=0.0), axis=0)
-                    tl.store(a_ptrs, (g / (1.0 + tl.exp(-g)) * up).to(act_ptr.dtype.element_ty), mask=rmask)
-                    tl.atomic_xchg(ticket_ptr + t, 0)
-        u = t * C + c1

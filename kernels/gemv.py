@@ -19,15 +19,8 @@ acquire-release) reduces them and resets the ticket, so the launch is graph-repl
 slice (constant data; the launcher bounds the grid's total, so a large weight does not thrash L2), then lets the
 next kernel launch (``gdc_launch_dependents``) and waits (``gdc_wait``) before it touches X, the workspace or Y.
 
-``NORM`` > 0 (q_a's RMSNorm in the qkv_a projection): once every row tile is written, the last one to finish (a
-second self-resetting ticket, ``TICKET[row tiles]``) RMS-normalises ``Y[:, :NORM]`` in place with weight ``NW``, so
-the norm costs one ticket and an L2 round trip in this launch instead of a launch of its own.
-
-``TMA``: the weight tiles come from a host tensor descriptor ``W_desc`` (W in [BLOCK_N, BLOCK_K] boxes) instead of
-masked pointer loads.
-
 Tensors: X [M, K] (unit stride on K), W [N, K] (torch's Linear layout), Y [M, N]; bf16 / fp16; P fp32; TICKET
-int32 [row tiles + 1], zero between launches; NW [NORM] (the norm's weight) or unused.
+int32 [row tiles], zero between launches.
 """
 import triton
 import triton.language as tl
@@ -42,29 +35,10 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
-def _norm_after_last_tile(Y, TICKET2, NW, M, stride_ym, eps, NORM: tl.constexpr, NORM_P: tl.constexpr):
-    """Called by each row tile's final writer once its Y tile is stored: the launch's last tile to finish (a
-    self-resetting ticket, acquire-release) RMS-normalises ``Y[:, :NORM]`` in place with weight ``NW`` (fp32 sums,
-    the arithmetic of ``fused_ops._rmsnorm_kernel``)."""
-    tl.debug_barrier()  # this tile's Y stores precede its ticket
-    done = tl.atomic_add(TICKET2, 1, sem="acq_rel")
-    if done == tl.num_programs(0) - 1:
-        offs = tl.arange(0, NORM_P)
-        mask = offs < NORM
-        w = tl.load(NW + offs, mask=mask, other=0.0).to(tl.float32)
-        for m in range(0, M):
-            x = tl.load(Y + m * stride_ym + offs, mask=mask, other=0.0).to(tl.float32)
-            var = tl.sum(x * x, axis=0) / NORM
-            tl.store(Y + m * stride_ym + offs, (x * tl.rsqrt(var + eps) * w).to(Y.dtype.element_ty), mask=mask)
-        tl.atomic_xchg(TICKET2, 0)
-
-
-@triton.jit
-def _gemv_splitk_kernel(X, W, W_desc, Y, P, TICKET, NW, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
-                        k_prefetch, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _gemv_splitk_kernel(X, W, Y, P, TICKET, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split, k_prefetch,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLIT_K: tl.constexpr, SPLIT_PAD: tl.constexpr, WIDE_REDUCE: tl.constexpr,
-                        DOT_FP32: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, TMA: tl.constexpr,
-                        NORM: tl.constexpr = 0, NORM_P: tl.constexpr = 1):
+                        DOT_FP32: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -85,22 +59,16 @@ def _gemv_splitk_kernel(X, W, W_desc, Y, P, TICKET, NW, M, N, K, stride_xm, stri
     for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         kmask = rk < K
-        if TMA:  # the tile by a TMA copy (rows past N and columns past K read as zeros)
-            w = W_desc.load([pid_n * BLOCK_N, k0])
-        else:
-            w = tl.load(W + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :],
-                        mask=nmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(W + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :], mask=nmask[:, None] & kmask[None, :],
+                    other=0.0)
         xt = tl.load(X + rm[None, :] * stride_xm + rk[:, None], mask=mmask[None, :] & kmask[:, None], other=0.0)
         if DOT_FP32:  # the CPU interpreter (its bf16 dot is not exact)
             acc += tl.dot(w.to(tl.float32), xt.to(tl.float32))
         else:
             acc += tl.dot(w, xt)
     out_mask = nmask[:, None] & mmask[None, :]
-    n_tiles = tl.num_programs(0)
     if SPLIT_K == 1:
         tl.store(Y + rm[None, :] * stride_ym + rn[:, None], acc.to(Y.dtype.element_ty), mask=out_mask)
-        if NORM > 0:
-            _norm_after_last_tile(Y, TICKET + n_tiles, NW, M, stride_ym, eps, NORM, NORM_P)
     else:
         p_tile = P + (pid_s * BLOCK_M + rm[None, :]) * N + rn[:, None]
         tl.store(p_tile, acc, mask=out_mask)
@@ -122,5 +90,3 @@ def _gemv_splitk_kernel(X, W, W_desc, Y, P, TICKET, NW, M, N, K, stride_xm, stri
                     total += tl.load(P + (s * BLOCK_M + rm[None, :]) * N + rn[:, None], mask=out_mask, other=0.0)
                 tl.store(Y + rm[None, :] * stride_ym + rn[:, None], total.to(Y.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(TICKET + pid_n, 0)
-            if NORM > 0:
-                _norm_after_last_tile(Y, TICKET + n_tiles, NW, M, stride_ym, eps, NORM, NORM_P)

@@ -26,8 +26,7 @@ WIDE_REDUCE_MIN_SPLITS = 16
 #: 32 MiB (bench/RESULTS.md, "Verify pass"). The tile (``BLOCK_N`` weight rows x ``BLOCK_K``), the grid's size
 #: (``WAVES`` programs an SM, by splitting K) and the launch's warps / stages: the defaults; :data:`SHAPE_CONFIGS`
 #: overrides them per shape (``bench/sweep_gemv.py`` times the candidates).
-_CONFIG = {"PREFETCH_BYTES": 8 << 20, "BLOCK_N": 64, "BLOCK_K": 128, "WAVES": 2, "num_warps": 4, "num_stages": 3,
-           "TMA": False}
+_CONFIG = {"PREFETCH_BYTES": 8 << 20, "BLOCK_N": 64, "BLOCK_K": 128, "WAVES": 2, "num_warps": 4, "num_stages": 3}
 _INF = 1 << 62
 #: ((max M, (N lo, N hi), (K lo, K hi)), overrides of :data:`_CONFIG`): the first rule that holds applies. From
 #: ``bench/sweep_gemv.py`` on the H200 (2026-12-03, bench/RESULTS.md "Verify pass"): qkv_a 7168 -> 2112 with 4
@@ -74,36 +73,15 @@ def gemv_split(n: int, k: int, sms: int, cfg: dict | None = None) -> tuple[int, 
     return -(-k // per), per
 
 
-#: Host TMA descriptors of the weights, per (pointer, shape, strides, tile, device): built once per weight (graph
-#: replays take the descriptor by value).
-_DESCS: dict = {}
-
-
-def _weight_descriptor(w: torch.Tensor, block_n: int, block_k: int):
-    """The TMA descriptor of ``w`` [N, K] in [block_n, block_k] boxes, or None where TMA does not apply (CUDA before
-    sm_90, a base or row stride not 16-byte aligned)."""
-    if w.is_cuda and torch.cuda.get_device_capability(w.device)[0] < 9:
-        return None
-    if (w.stride(0) * w.element_size()) % 16 or w.data_ptr() % 16:
-        return None
-    key = (w.data_ptr(), tuple(w.shape), tuple(w.stride()), block_n, block_k, w.device)
-    d = _DESCS.get(key)
-    if d is None:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        d = _DESCS[key] = TensorDescriptor.from_tensor(w, [block_n, block_k])
-    return d
-
-
 def _buffers(device, n, split, block_n):
-    """(partials fp32 [split, MAX_M, n], tickets int32 [row tiles + 1]: one a row tile and the norm's) for one
-    (device, N, tile), grown to ``split`` and kept (graph replays reuse the addresses)."""
+    """(partials fp32 [split, MAX_M, n], tickets int32 [row tiles]) for one (device, N, tile), grown to ``split`` and
+    kept (graph replays reuse the addresses)."""
     key = (device, n, block_n)
     buf = _BUFFERS.get(key)
     if buf is None or buf[0].shape[0] < split:
         tiles = -(-n // block_n)
         buf = (torch.empty(split, MAX_M, n, dtype=torch.float32, device=device),
-               torch.zeros(tiles + 1, dtype=torch.int32, device=device))
+               torch.zeros(tiles, dtype=torch.int32, device=device))
         _BUFFERS[key] = buf
     return buf
 
@@ -135,48 +113,19 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     x [..., K]; w [N, K]. Returns [..., N] in x's dtype. Graph capturable after one eager call per (device, N)
     (see :func:`gemv`); no validation beyond the shape rule (the verify forward's own tensors).
     """
-    flat = _gemv_rows(x, w)
-    if flat is not None:
-        return gemv(flat, w).view(*x.shape[:-1], w.shape[0])
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    n = w.shape[0]
+    if (m >= 1 and gemv_is_faster(m, n, k) and x.dtype in _FLOAT and w.dtype == x.dtype and w.dim() == 2
+            and w.shape[1] == k and w.stride(1) == 1 and _use_triton("auto", x, w)):
+        flat = x.reshape(m, k)
+        if flat.stride(1) == 1:
+            return gemv(flat, w).view(*x.shape[:-1], n)
     return x @ w.t()
 
 
-def _gemv_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
-    """``x`` as the [M, K] rows :func:`gemv` takes, where the shape rule gives it the projection and the operands
-    suit it (bf16 / fp16, one dtype, unit stride on K, Triton usable), else None (cuBLAS)."""
-    k = x.shape[-1]
-    m = x.numel() // k if k else 0
-    if not (m >= 1 and gemv_is_faster(m, w.shape[0], k) and x.dtype in _FLOAT and w.dtype == x.dtype
-            and w.dim() == 2 and w.shape[1] == k and w.stride(1) == 1 and _use_triton("auto", x, w)):
-        return None
-    flat = x.reshape(m, k)
-    return flat if flat.stride(1) == 1 else None
-
-
-def linear_rmsnorm(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor, eps: float):
-    """``(y, y_normed)``: ``y = x @ w.T`` and ``rmsnorm(y[..., :C]) * norm_weight`` (C = ``norm_weight.numel()``),
-    MLA's qkv_a projection with q_a's RMSNorm. Where :func:`gemv_is_faster` gives the projection to :func:`gemv`
-    (and the operands suit it, as in :func:`linear`), one launch: the norm runs in the GEMV's last row tile and
-    ``y_normed`` is the view ``y[..., :C]`` (overwritten in place, so ``y``'s first C columns are normalised too);
-    else :func:`linear` and a :func:`specverify.fused_ops.rmsnorm` launch (``y`` left as computed).
-
-    x [..., K]; w [N, K]; norm_weight [C], C <= N. y [..., N] and y_normed [..., C] in x's dtype. Graph capturable
-    after one eager call per (device, N); no validation beyond :func:`gemv`'s (the verify forward's own tensors).
-    """
-    from specverify.fused_ops import rmsnorm
-
-    c = norm_weight.numel()
-    flat = _gemv_rows(x, w)
-    if flat is not None:
-        y = gemv(flat, w, norm_weight=norm_weight, eps=eps).view(*x.shape[:-1], w.shape[0])
-        return y, y[..., :c]
-    y = x @ w.t()
-    return y, rmsnorm(y[..., :c], norm_weight, eps)
-
-
-def gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None = None, impl: str = "auto",
-         norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
-    """``x @ w.T`` for skinny ``x``; with ``norm_weight`` [C] its first C columns RMS-normalised in place.
+def gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None = None, impl: str = "auto") -> torch.Tensor:
+    """``x @ w.T`` for skinny ``x``.
 
     Source: split-K GEMV with the MMA operands swapped (the weight rows on the MMA's M side), as in the skinny
     GEMM paths of TensorRT-LLM and FlashInfer.
@@ -186,10 +135,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None = None, i
     x : Tensor [M, K], M in [1, 16], unit stride on K; bf16 / fp16.
     w : Tensor [N, K] (a Linear weight), unit stride on K, x's dtype.
     out : Tensor [M, N] of x's dtype with unit stride on N, or None (allocated).
-    norm_weight : Tensor [C], C <= N, floating point, or None. Given: ``out[:, :C] = rmsnorm(out[:, :C]) *
-        norm_weight`` (fp32 statistics over the rounded output, result in x's dtype) inside the same launch, after
-        the last row tile (MLA's q_a norm in the qkv_a projection; the other columns stay as computed).
-    eps : float, the norm's epsilon.
 
     Returns ``out`` [M, N] in x's dtype (fp32 accumulation, one rounding).
 
@@ -198,8 +143,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None = None, i
     TypeError
         Non-bf16/fp16 or mismatched dtypes.
     ValueError
-        Shapes that disagree, M outside [1, 16] (use ``torch.matmul``), a strided K dimension, a norm weight that is
-        not 1-d, longer than N or on another device.
+        Shapes that disagree, M outside [1, 16] (use ``torch.matmul``), a strided K dimension.
 
     Notes
     -----
@@ -229,19 +173,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None = None, i
     elif tuple(out.shape) != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
         raise ValueError(f"{op}: out must be {x.dtype} [{m}, {n}] with unit stride, got {out.dtype} "
                          f"{list(out.shape)}")
-    if norm_weight is not None:
-        if not isinstance(norm_weight, torch.Tensor) or not norm_weight.is_floating_point():
-            raise TypeError(f"{op}: norm_weight must be a float tensor, got {type(norm_weight).__name__}")
-        if norm_weight.dim() != 1 or not 1 <= norm_weight.numel() <= n or norm_weight.device != x.device:
-            raise ValueError(f"{op}: norm_weight must be 1-d with 1..{n} (N) elements on {x.device}, got "
-                             f"{list(norm_weight.shape)} on {norm_weight.device}")
     if not _use_triton(impl, x, w):
         out.copy_(gemv_reference(x, w))
-        if norm_weight is not None:
-            from specverify.reference.fused_ops import rmsnorm_reference
-
-            c = norm_weight.numel()
-            out[:, :c] = rmsnorm_reference(out[:, :c], norm_weight, eps)
         return out
     from specverify.kernels.gemv import _gemv_splitk_kernel
 
@@ -252,15 +185,12 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None = None, i
     grid = (-(-n // cfg["BLOCK_N"]), split)
     pdl = pdl_launch(x.device)
     k_prefetch = prefetch_columns(grid[0] * grid[1], per, x.element_size(), cfg) if pdl else 0
-    desc = _weight_descriptor(w, cfg["BLOCK_N"], cfg["BLOCK_K"]) if cfg["TMA"] else None
-    norm = 0 if norm_weight is None else norm_weight.numel()
-    _gemv_splitk_kernel[grid](x, w, desc, out, part, ticket, out if norm_weight is None else norm_weight.contiguous(),
-                              m, n, k, x.stride(0), w.stride(0), out.stride(0), per, k_prefetch, float(eps),
+    _gemv_splitk_kernel[grid](x, w, out, part, ticket, m, n, k, x.stride(0), w.stride(0), out.stride(0), per,
+                              k_prefetch,
                               BLOCK_M=max(16, triton_next_pow2(m)), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                               SPLIT_K=split, SPLIT_PAD=triton_next_pow2(split),
                               WIDE_REDUCE=m == 1 or split >= WIDE_REDUCE_MIN_SPLITS,
-                              DOT_FP32=not x.is_cuda, PDL=pdl, PREFETCH=k_prefetch > 0, TMA=desc is not None,
-                              NORM=norm, NORM_P=triton_next_pow2(norm) if norm else 1,
+                              DOT_FP32=not x.is_cuda, PDL=pdl, PREFETCH=k_prefetch > 0,
                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                               **({"launch_pdl": True} if pdl else {}))
     return out

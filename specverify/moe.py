@@ -716,18 +716,15 @@ _FAST_ROUTE_CONFIG: dict = {"one_max_slots": 16, "align_one_max_slots": 32, "one
 #: columns, ``split_stages`` / ``split_warps``, H split until the grid has ``split_waves`` programs per SM). H200,
 #: verify-wall Kimi-K2 b 1 / 4k chain, same run (2026-12-02): FMA 5.160 / 6.763 / 9.169 ms at k = 1 / 2 / 4, split-K
 #: 2 waves 5.250 / 6.709 / 9.412, 4 waves 5.006 / 6.686 / 9.383; alone (sweep_experts, M = 1 + shared) SBN 16 / 64,
-#: SBK 256, 8 warps and 2 stages were 5-20% slower than SBN 32, SBK 128, 4 warps, 3 stages.
-#: ``auto_gate_up``: the MMA kernel ``"auto"`` takes up to ``splitk_max_m`` tokens: ``"splitk"`` or ``"streamk"``
-#: (``_moe_streamk_gate_up_kernel``: the (slot, row tile, K chunk) units cut evenly over ``sk_per_sm`` programs an
-#: SM). ``split_tma``: both MMA kernels take their weight tiles from a TMA descriptor (sm_90+, BN dividing I).
-#: H200, gate/up alone (sweep_experts --gate-up-only, M = 1 / 2 / 4 with the shared expert, 2026-12-03): split-K
-#: 22.11 / 36.26 / 63.33 us, FMA 23.67 / 37.50 / 62.19; stream-K with TMA, SBN 64, one program an SM, 4 stages 20.76
-#: / 33.44 / 59.25 (1.33 / 1.17 / 1.10x the w13 floor); stream-K at 3 an SM with SBN 32 28.12 (TMA 24.64). In the
-#: pass (ab_verify_pass, same day) the latter two lost to split-K at k = 1 (4.993 / 4.948 against 4.902 ms).
+#: SBK 256, 8 warps and 2 stages were 5-20% slower than SBN 32, SBK 128, 4 warps, 3 stages. Tried on 2026-12-03 and
+#: removed (bench/RESULTS.md, "Verify pass"): a stream-K gate/up (the units cut evenly over one wave) and TMA weight
+#: tiles for both MMA kernels: alone (M = 1 / 2 / 4 + shared) stream-K with TMA, 64-row tiles, one program an SM
+#: took 20.76 / 33.44 / 59.25 us against split-K 22.11 / 36.26 / 63.33, but in the pass 4.974 / 6.630 / 9.485 ms at
+#: k = 1 / 2 / 4 against 4.975 / 6.644 / 9.253 (up to 4 tokens), and DeepSeek-V3 b 4 k = 1 10.611 against 10.428.
 _STREAM_CONFIG: dict = {"max_m": 6, "small_m": 2, "small_R": 2, "R": 4, "BK": 512, "num_warps": 4, "num_stages": 1,
                         "BH": 2, "BI": 256, "TILE": 8192, "down_warps": 4, "PDL": True, "gate_up": "auto",
-                        "splitk_max_m": 2, "auto_gate_up": "splitk", "SBN": 32, "SBK": 128, "split_stages": 3,
-                        "split_warps": 4, "split_waves": 4, "split_tma": False, "sk_per_sm": 3}
+                        "splitk_max_m": 2, "SBN": 32, "SBK": 128, "split_stages": 3, "split_warps": 4,
+                        "split_waves": 4}
 #: Overrides merged into the stream config (benchmarks and sweeps only; empty in normal use).
 _STREAM_OVERRIDE: dict = {}
 #: Tile overrides for benchmarks and sweeps only: keys ``g1`` / ``g2`` (dicts merged into the gate/up and down
@@ -852,22 +849,12 @@ def splitk_plan(tiles: int, h: int, bk: int, programs: int) -> tuple[int, int]:
     return _cdiv(h, per), per
 
 
-def streamk_plan(tiles: int, chunks: int, programs: int) -> tuple[int, int]:
-    """(programs P, partials a tile at most) of the stream-K gate/up: the ``tiles * chunks`` units in P <=
-    ``programs`` contiguous ranges of at least one unit; a tile's ``chunks`` units meet at most
-    ``ceil(chunks / (units // P)) + 1`` ranges."""
-    units = tiles * chunks
-    p = max(1, min(programs, units))
-    return p, min(p, _cdiv(chunks, units // p) + 1)
-
-
-#: Workspaces of the split-K and stream-K gate/up per (device, kind): (fp32 partials, int32 tickets that every launch
-#: leaves at zero).
+#: Workspaces of the split-K gate/up per device: (fp32 partials, int32 tickets that every launch leaves at zero).
 _SPLITK_WS: dict = {}
 
 
-def _splitk_workspace(device, part_elems: int, tickets: int, kind: str = "splitk"):
-    key = (device.type, device.index) if kind == "splitk" else (device.type, device.index, kind)
+def _splitk_workspace(device, part_elems: int, tickets: int):
+    key = (device.type, device.index)
     ws = _SPLITK_WS.get(key)
     if ws is None or ws[0].numel() < part_elems or ws[1].numel() < tickets:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -881,82 +868,38 @@ def _splitk_workspace(device, part_elems: int, tickets: int, kind: str = "splitk
     return ws
 
 
-#: Host TMA descriptors of w13 viewed as [E * 2I, H], per (pointer, shape, strides, tile): built once (graph replays
-#: take the descriptor by value).
-_W13_DESC: dict = {}
-
-
-def _w13_descriptor(w13, bn: int, bk: int):
-    """The TMA descriptor of ``w13`` [E, 2I, H] (contiguous rows) as [E * 2I, H] in [bn, bk] tiles."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    key = (w13.data_ptr(), tuple(w13.shape), tuple(w13.stride()), bn, bk, w13.device)
-    d = _W13_DESC.get(key)
-    if d is None:
-        e, two_i, h = w13.shape
-        d = TensorDescriptor.from_tensor(w13.view(e * two_i, h), [bn, bk])
-        _W13_DESC[key] = d
-    return d
-
-
-def _tma_usable(w13, inter: int, bn: int) -> bool:
-    """The descriptor path: CUDA sm_90+ or the interpreter, BN dividing I (no masked row tail), w13's rows contiguous
-    across experts (one [E * 2I, H] view) with 16-byte aligned base and row stride."""
-    dev = w13.device
-    if dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] < 9:
-        return False
-    es = w13.element_size()
-    return (inter % bn == 0 and w13.stride(2) == 1 and w13.stride(0) == w13.shape[1] * w13.stride(1)
-            and (w13.stride(1) * es) % 16 == 0 and w13.data_ptr() % 16 == 0)
-
-
-def _mma_gate_up(hidden, w13, act, ids32, s, h, e, inter, top_k, cfg, pdl, kind: str):
-    """Launch the split-K (``kind`` "splitk") or stream-K ("streamk") MMA gate/up into ``act`` [s, inter]. The
-    workspace is sized for every token count up to ``max_m`` on the first call, so a graph captured later at another
-    M needs no allocation."""
-    from specverify.kernels.fused_moe import _moe_splitk_gate_up_kernel, _moe_streamk_gate_up_kernel
+def _splitk_gate_up(hidden, w13, act, ids32, s, h, e, inter, top_k, cfg, pdl):
+    """Launch ``_moe_splitk_gate_up_kernel`` into ``act`` [s, inter]. The workspace is sized for every token count
+    up to ``max_m`` on the first call, so a graph captured later at another M needs no allocation."""
+    from specverify.kernels.fused_moe import _moe_splitk_gate_up_kernel
 
     dev = hidden.device
     on_gpu = dev.type == "cuda"
     bn = max(16, min(cfg["SBN"], _next_pow2(inter)))
     bk = max(16, min(cfg["SBK"], _next_pow2(h)))
     nt = _cdiv(inter, bn)
-    chunks = _cdiv(h, bk)
-    sms = sm_count(dev.type, dev.index)
-    tma = bool(cfg["split_tma"]) and _tma_usable(w13, inter, bn)
-    desc = _w13_descriptor(w13, bn, bk) if tma else None
-    launch = {"num_warps": cfg["split_warps"], "num_stages": cfg["split_stages"]} if on_gpu else {}
-    if pdl:
-        launch["launch_pdl"] = True
-    common = (hidden, w13, desc, act)
-    strides = (hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0))
-    sizes = dict(E=e, H=h, I=inter, TOP_K=top_k, BN=bn, BK=bk, DOT_FP32=not on_gpu, TMA=tma, PDL=pdl)
-    m_all = range(1, max(cfg["max_m"], s // top_k) + 1)
-    if kind == "streamk":
-        programs = cfg["sk_per_sm"] * sms
-        need_p = max(streamk_plan(mm * top_k * nt, chunks, programs)[1] * mm * top_k * nt * 2 * bn for mm in m_all)
-        part, ticket = _splitk_workspace(dev, need_p, max(m_all) * top_k * nt, kind)
-        p, maxj = streamk_plan(s * nt, chunks, programs)
-        _moe_streamk_gate_up_kernel[(p,)](*common, part, ticket, ids32, *strides, s * nt * chunks, p, maxj,
-                                          JPAD=max(2, _next_pow2(maxj)), **sizes, **launch)
-        return
-    programs = cfg["split_waves"] * sms
+    programs = cfg["split_waves"] * sm_count(dev.type, dev.index)
     need_p, need_t = 0, 0
-    for mm in m_all:
+    for mm in range(1, max(cfg["max_m"], s // top_k) + 1):
         sp, _ = splitk_plan(mm * top_k * nt, h, bk, programs)
         need_p = max(need_p, (sp * mm * top_k * 2 * inter) if sp > 1 else 0)
         need_t = max(need_t, mm * top_k * nt)
     split, per = splitk_plan(s * nt, h, bk, programs)
     part, ticket = _splitk_workspace(dev, max(need_p, 1), need_t)
-    _moe_splitk_gate_up_kernel[(s * nt, split)](*common, part, ticket, ids32, *strides, per, s, SPLIT_K=split,
-                                                SPLIT_PAD=max(2, _next_pow2(split)), **sizes, **launch)
+    launch = {"num_warps": cfg["split_warps"], "num_stages": cfg["split_stages"]} if on_gpu else {}
+    if pdl:
+        launch["launch_pdl"] = True
+    _moe_splitk_gate_up_kernel[(s * nt, split)](
+        hidden, w13, act, part, ticket, ids32, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), per, s,
+        E=e, H=h, I=inter, TOP_K=top_k, BN=bn, BK=bk, SPLIT_K=split, SPLIT_PAD=max(2, _next_pow2(split)),
+        DOT_FP32=not on_gpu, PDL=pdl, **launch)
 
 
 def stream_gate_up(hidden, w13, ids32, cfg: dict, pdl: bool) -> torch.Tensor:
     """Launch 1 of the stream experts alone: ``act`` [M * top_k, I] = silu(gate) * up of every routed slot, by the
-    kernel ``cfg["gate_up"]`` names (``"auto"``: ``cfg["auto_gate_up"]`` up to ``splitk_max_m`` tokens, else the
-    FMA programs). Operands as :func:`_expert_setup` leaves them (int32 ids [M, top_k]); ``cfg`` from
-    :func:`_stream_config`. Used by the stream experts and by ``bench/sweep_experts.py --gate-up-only``."""
+    kernel ``cfg["gate_up"]`` names (``"auto"``: split-K up to ``splitk_max_m`` tokens, else the FMA programs).
+    Operands as :func:`_expert_setup` leaves them (int32 ids [M, top_k]); ``cfg`` from :func:`_stream_config`. Used
+    by the stream experts and by ``bench/sweep_experts.py --gate-up-only``."""
     from specverify.kernels.fused_moe import _moe_stream_gate_up_kernel
 
     m, h = hidden.shape
@@ -964,11 +907,8 @@ def stream_gate_up(hidden, w13, ids32, cfg: dict, pdl: bool) -> torch.Tensor:
     inter, top_k = two_i // 2, ids32.shape[1]
     s = m * top_k
     act = torch.empty((s, inter), dtype=hidden.dtype, device=hidden.device)
-    kind = cfg["gate_up"]
-    if kind == "auto":
-        kind = cfg["auto_gate_up"] if m <= cfg["splitk_max_m"] else "fma"
-    if kind in ("splitk", "streamk"):
-        _mma_gate_up(hidden, w13, act, ids32, s, h, e, inter, top_k, cfg, pdl, kind)
+    if cfg["gate_up"] == "splitk" or (cfg["gate_up"] == "auto" and m <= cfg["splitk_max_m"]):
+        _splitk_gate_up(hidden, w13, act, ids32, s, h, e, inter, top_k, cfg, pdl)
         return act
     launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]} if hidden.is_cuda else {}
     if pdl:

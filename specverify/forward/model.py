@@ -294,12 +294,8 @@ class VerifyModel:
         eps = c.rms_norm_eps
         b, k, _ = x.shape
         heads = s.num_heads
-        # [b, k, q_lora + kv_lora + rope]: q_a and kv_a in one GEMM, q_a's norm in its launch where the table can
-        if ops.linear_norm is not None:
-            qkv, q = ops.linear_norm(x, w["qkv_a"], w["q_a_norm"], eps)
-        else:
-            qkv = ops.linear(x, w["qkv_a"])
-            q = ops.rmsnorm(qkv[..., : c.q_lora_rank], w["q_a_norm"], eps)
+        qkv = ops.linear(x, w["qkv_a"])  # [b, k, q_lora + kv_lora + rope]: q_a and kv_a in one GEMM
+        q = ops.rmsnorm(qkv[..., : c.q_lora_rank], w["q_a_norm"], eps)
         q_b = w["q_b"]  # [heads, nope + rope, q_lora]
         q = ops.linear(q, q_b.reshape(-1, q_b.shape[-1])).view(b, k, heads, q_b.shape[1])  # [b, k, heads, nope + rope]
         kv = qkv[..., c.q_lora_rank:]  # [b, k, kv_lora + rope]

@@ -36,8 +36,6 @@ silu_mul             gate_up [M, 2I] -> [M, I]
 mla_absorb_q         q, w_uk, nope -> q_latent [b, k, h, R]
 mla_up_v             o_latent, w_uv -> [b, k, h * V]
 linear               x [..., K], w [N, K] -> x @ w.T
-linear_norm          x, w, norm_w [C], eps -> (x @ w.T, rmsnorm of its first C columns): MLA's qkv_a with q_a's
-                     norm in one launch where the GEMV takes it; None: ``linear`` then ``rmsnorm``
 mla_prep_absorb      q, kv, positions, norm_w, w_uk, cache, page_table, prefix_lens, eps, theta, nope -> q_latent:
                      mla_prep then mla_absorb_q in one launch; None: the two slots
 write_kv             :func:`specverify.reference.kv.write_draft_kv` (not called by the forward: the prep ops write)
@@ -111,8 +109,6 @@ class Ops:
     mla_absorb_q: Callable = mla_absorb_q_reference  # (q, w_uk, nope) -> q_latent [b, k, h, R]
     mla_up_v: Callable = mla_up_v_reference  # (o_latent, w_uv) -> [b, k, h * V]
     linear: Callable = None  # (x [..., K], w [N, K]) -> x @ w.T: the projections that may leave cuBLAS
-    # a fusion; None: the forward composes linear and rmsnorm
-    linear_norm: Callable = None  # (x, w, norm_w [C], eps) -> (x @ w.T, its first C columns RMS-normalised)
     # a fusion; None: the forward composes mla_prep and mla_absorb_q
     mla_prep_absorb: Callable = None  # (q, kv, positions, norm_w, w_uk, cache, pt, prefix, eps, theta, nope) -> q_latent
     pieces: dict = field(default_factory=dict)
@@ -271,9 +267,9 @@ def specverify_ops(model):
         ops.pieces["small_ops"] = "triton"
     else:
         missing.append(why)
-    fns, why = _try("specverify.gemv", "linear", "linear_rmsnorm")
+    fns, why = _try("specverify.gemv", "linear")
     if fns:
-        ops.linear, ops.linear_norm = fns
+        ops.linear = fns[0]
         ops.pieces["projections"] = "triton gemv where faster, else cuBLAS"
     else:
         missing.append(why)

@@ -174,12 +174,14 @@ def main(argv=None) -> int:
                 if variant == "stream":
                     moe._STREAM_OVERRIDE["max_m"] = max(m, moe._STREAM_CONFIG["max_m"])
 
+                # the gate/up launch's tiles under this measurement's overrides (the ids are int32 [M, top_k])
+                cfg_g = moe._stream_config(m, h, inter, routed[0][0].shape[1], True)
+                pdl_g = moe._pdl(cfg_g["PDL"], w13.device)
+
                 def call(i):
                     ids, w, al = routed[i % SETS]
                     if args.gate_up_only:
-                        cfg_g = moe._stream_config(m, h, inter, ids.shape[1], True)
-                        return moe.stream_gate_up(hidden[i % SETS], w13, ids.to(torch.int32).contiguous(), cfg_g,
-                                                  moe._pdl(cfg_g["PDL"], ids.device))
+                        return moe.stream_gate_up(hidden[i % SETS], w13, ids, cfg_g, pdl_g)
                     return moe.fused_moe(hidden[i % SETS], w13, w2, ids, w, alignment=al if use_alignment else None,
                                          out=outs[i % SETS], impl="triton")
                 try:

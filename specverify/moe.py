@@ -223,13 +223,6 @@ def _check_shared_expert_id(shared_expert_id, block_size):
                          "shared expert's index in the stacked expert weights")
 
 
-def _with_shared_slot(ids, weights, shared_expert_id):
-    """``[ids, shared_expert_id]`` int32 and ``[weights, 1.0]`` fp32, [M, top_k + 1] (the reference path)."""
-    col = torch.full_like(ids[:, :1], shared_expert_id, dtype=torch.int32)
-    return (torch.cat([ids.to(torch.int32), col], 1),
-            torch.cat([weights.float(), torch.ones_like(weights[:, :1], dtype=torch.float32)], 1))
-
-
 def _pad_alignment(sorted_ids, expert_ids, npad, m, top_k, num_experts, block_size):
     """Reference alignment (exact size) copied into the fixed-size buffers of the kernel path."""
     dev = sorted_ids.device
@@ -513,7 +506,7 @@ def moe_route(router_logits, *, top_k, scoring="sigmoid", correction_bias=None, 
         ids, weights = route_reference(router_logits, top_k, scoring, correction_bias, n_group, topk_group,
                                        renormalize, routed_scaling_factor)
         if shared:
-            ids, weights = _with_shared_slot(ids, weights, shared_expert_id)
+            ids, weights = append_shared_expert(ids, weights, shared_expert_id, impl="reference")
         if block_size is None:
             return ids, weights
         return ids, weights, _pad_alignment(*align_reference(ids, e_all, block_size), m, k_all, e_all, block_size)

@@ -36,27 +36,38 @@ def _paged(batch, k, prefix, page_size, pool, g, device):
     return pt, torch.tensor(prefix, dtype=torch.int32, device=device)
 
 
+def _mla_prep_inputs(g, device, b, k, h, nope, dr, r, ps, prefix, pool, dtype=torch.bfloat16):
+    """(page_table, prefix_lens, cache, cache_ref, q, q_ref, kv, norm_w) of an MLA preparation: a NaN-poisoned paged
+    cache and its reference copy, queries [b, k, h, nope + dr] and their copy, latent kv [b, k, r + dr], a norm
+    weight near 1; drawn from ``g`` in that order."""
+    pt, prefix = _paged(b, k, prefix, ps, pool, g, device)
+    cache = torch.full((pt.max().item() + 2, ps, r + dr), float("nan"), dtype=dtype, device=device)
+    q = torch.randn(b, k, h, nope + dr, generator=g).to(dtype).to(device)
+    kv = torch.randn(b, k, r + dr, generator=g).to(dtype).to(device)
+    w = (1 + 0.1 * torch.randn(r, generator=g)).to(dtype).to(device)
+    return pt, prefix, cache, cache.clone(), q, q.clone(), kv, w
+
+
+def _assert_same_cache_writes(cache, cache_ref, dtype):
+    """The kernel wrote the slots the reference wrote, nothing else (NaN poison elsewhere), with close values."""
+    written = ~torch.isnan(cache_ref.float())
+    assert torch.equal(written, ~torch.isnan(cache.float()))
+    torch.testing.assert_close(cache[written], cache_ref[written], **_tol(dtype))
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_mla_kv_prep(device, page_size):
     g = torch.Generator().manual_seed(page_size)
     b, k, h, nope, dr, r = 2, 3, 5, 16, 8, 32  # 5 heads: not a power of two
     dtype = torch.bfloat16
-    pt, prefix = _paged(b, k, [4, 15], page_size, 64 // page_size * 2 + 8, g, device)
-    pool = pt.max().item() + 2
-    cache = torch.full((pool, page_size, r + dr), float("nan"), dtype=dtype, device=device)
-    cache_ref = cache.clone()
-    q = torch.randn(b, k, h, nope + dr, generator=g).to(dtype).to(device)
-    q_ref = q.clone()
-    kv = torch.randn(b, k, r + dr, generator=g).to(dtype).to(device)
-    w = (1 + 0.1 * torch.randn(r, generator=g)).to(dtype).to(device)
+    pt, prefix, cache, cache_ref, q, q_ref, kv, w = _mla_prep_inputs(g, device, b, k, h, nope, dr, r, page_size,
+                                                                     [4, 15], 64 // page_size * 2 + 8)
     pos = prefix.long().unsqueeze(1) + torch.tensor([0, 1, 1], device=device)  # a tree: two nodes at depth 1
     fused_ops.mla_kv_prep(q, kv, pos, w, cache, pt, prefix, eps=1e-6, theta=50000.0, nope_dim=nope,
                           impl="triton")
     ref.mla_kv_prep_reference(q_ref, kv, pos, w, cache_ref, pt, prefix, 1e-6, 50000.0, nope)
     torch.testing.assert_close(q, q_ref, **_tol(dtype))
-    written = ~torch.isnan(cache_ref.float())
-    assert torch.equal(written, ~torch.isnan(cache.float()))  # the same slots written, nothing else
-    torch.testing.assert_close(cache[written], cache_ref[written], **_tol(dtype))
+    _assert_same_cache_writes(cache, cache_ref, dtype)
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
@@ -65,13 +76,7 @@ def test_mla_kv_prep_rotary_table(device, interleaved):
     g = torch.Generator().manual_seed(100 + int(interleaved))
     b, k, h, nope, dr, r, ps = 2, 4, 3, 16, 8, 32, 4
     dtype = torch.bfloat16
-    pt, prefix = _paged(b, k, [3, 9], ps, 12, g, device)
-    cache = torch.full((pt.max().item() + 2, ps, r + dr), float("nan"), dtype=dtype, device=device)
-    cache_ref = cache.clone()
-    q = torch.randn(b, k, h, nope + dr, generator=g).to(dtype).to(device)
-    q_ref = q.clone()
-    kv = torch.randn(b, k, r + dr, generator=g).to(dtype).to(device)
-    w = (1 + 0.1 * torch.randn(r, generator=g)).to(dtype).to(device)
+    pt, prefix, cache, cache_ref, q, q_ref, kv, w = _mla_prep_inputs(g, device, b, k, h, nope, dr, r, ps, [3, 9], 12)
     angles = 6.0 * torch.rand(32, dr // 2, generator=g)  # no theta could give these: the table must be read
     table = torch.cat([angles.cos(), angles.sin()], -1).to(device)
     pos = prefix.long().unsqueeze(1) + torch.tensor([0, 1, 1, 2], device=device)
@@ -80,9 +85,7 @@ def test_mla_kv_prep_rotary_table(device, interleaved):
     ref.mla_kv_prep_reference(q_ref, kv, pos, w, cache_ref, pt, prefix, 1e-6, 1e4, nope, cos_sin=table,
                               interleaved=interleaved)
     torch.testing.assert_close(q, q_ref, **_tol(dtype))
-    written = ~torch.isnan(cache_ref.float())
-    assert torch.equal(written, ~torch.isnan(cache.float()))
-    torch.testing.assert_close(cache[written], cache_ref[written], **_tol(dtype))
+    _assert_same_cache_writes(cache, cache_ref, dtype)
 
 
 def test_table_rope_reference_against_closed_forms():
@@ -182,13 +185,7 @@ def test_mla_prep_absorb_is_the_two_ops(device, table, interleaved, poison):
     g = torch.Generator().manual_seed(300 + 2 * table + interleaved)
     b, k, h, nope, dr, r, ps = 2, 3, 3, 32, 16, 64, 4
     dtype = torch.bfloat16
-    pt, prefix = _paged(b, k, [2, 9], ps, 12, g, device)
-    cache = torch.full((pt.max().item() + 2, ps, r + dr), float("nan"), dtype=dtype, device=device)
-    cache_ref = cache.clone()
-    q = torch.randn(b, k, h, nope + dr, generator=g).to(dtype).to(device)
-    q_ref = q.clone()
-    kv = torch.randn(b, k, r + dr, generator=g).to(dtype).to(device)
-    nw = (1 + 0.1 * torch.randn(r, generator=g)).to(dtype).to(device)
+    pt, prefix, cache, cache_ref, q, q_ref, kv, nw = _mla_prep_inputs(g, device, b, k, h, nope, dr, r, ps, [2, 9], 12)
     w_uk = (torch.randn(h, nope, r, generator=g) / nope ** 0.5).to(dtype).to(device)
     angles = 6.0 * torch.rand(32, dr // 2, generator=g)
     cos_sin = torch.cat([angles.cos(), angles.sin()], -1).to(device) if table else None
@@ -201,9 +198,7 @@ def test_mla_prep_absorb_is_the_two_ops(device, table, interleaved, poison):
                               interleaved=interleaved)
     torch.testing.assert_close(q, q_ref, **_tol(dtype))  # the rope part rotated in place, the nope part untouched
     assert torch.equal(q[..., :nope], q_ref[..., :nope])
-    written = ~torch.isnan(cache_ref.float())
-    assert torch.equal(written, ~torch.isnan(cache.float()))  # the same slots written, nothing else
-    torch.testing.assert_close(cache[written], cache_ref[written], **_tol(dtype))
+    _assert_same_cache_writes(cache, cache_ref, dtype)
     want = ref.mla_absorb_q_reference(q_ref.double(), w_uk.double(), nope)
     eps = torch.finfo(dtype).eps
     torch.testing.assert_close(got.double(), want, rtol=2 * eps, atol=4 * eps)

@@ -346,15 +346,16 @@ class VerifyModel:
             with self.section("dense_mlp"):
                 return (ops.silu_mul(flat @ w["gate_up"].t()) @ w["down"].t()).view_as(h)
         stacked = "w13_all" in w and ops.experts_with_shared is not None
+        shared_slot = stacked and ops.route_shared is not None  # the shared slot written by the router
         with self.section("moe_route"):
             logits = ops.linear(flat, w["router"])
-            if stacked and ops.route_shared is not None:  # the shared slot written by the router
+            if shared_slot:
                 ids, weights = ops.route_shared(logits, w["route"], w["w13_all"].shape[0] - 1)
             else:
                 ids, weights = ops.route(logits, w["route"])
         if stacked:
             with self.section("experts"):  # routed experts and the shared expert in one expert pass
-                if ops.route_shared is not None:
+                if shared_slot:
                     return ops.experts(flat, w["w13_all"], w["w2_all"], ids, weights).view_as(h)
                 return ops.experts_with_shared(flat, w["w13_all"], w["w2_all"], ids, weights).view_as(h)
         with self.section("experts"):

@@ -188,11 +188,15 @@ def specverify_ops(model):
     if fns:
         moe_route, fused_moe, append_shared_expert = fns
 
-        def route(logits, p):
+        def route_shared(logits, p, shared_id):
+            # with shared_id the router writes the shared expert's slot itself: no append launch before the experts
             return moe_route(logits, top_k=p.num_experts_per_tok, scoring=p.scoring_func,
                              correction_bias=p.correction_bias, n_group=p.n_group, topk_group=p.topk_group,
                              renormalize=p.norm_topk_prob, routed_scaling_factor=p.routed_scaling_factor,
-                             impl="triton")
+                             shared_expert_id=shared_id, impl="triton")
+
+        def route(logits, p):
+            return route_shared(logits, p, None)
 
         def experts(hidden, w13, w2, ids, weights):
             return fused_moe(hidden, w13, w2, ids, weights, impl="triton")
@@ -201,13 +205,6 @@ def specverify_ops(model):
             # the shared expert is expert E of the stacked weights, chosen by every token with weight 1
             ids, weights = append_shared_expert(ids, weights, w13_all.shape[0] - 1, impl="triton")
             return fused_moe(hidden, w13_all, w2_all, ids, weights, impl="triton")
-
-        def route_shared(logits, p, shared_id):
-            # the router writes the shared expert's slot itself: no append launch before the expert pass
-            return moe_route(logits, top_k=p.num_experts_per_tok, scoring=p.scoring_func,
-                             correction_bias=p.correction_bias, n_group=p.n_group, topk_group=p.topk_group,
-                             renormalize=p.norm_topk_prob, routed_scaling_factor=p.routed_scaling_factor,
-                             shared_expert_id=shared_id, impl="triton")
 
         ops.route, ops.experts, ops.experts_with_shared = route, experts, experts_with_shared
         ops.route_shared = route_shared

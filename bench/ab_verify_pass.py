@@ -5,8 +5,7 @@ shows as a difference between the two passes over the same variant (issue 22).
 
 Variants (``--variants``, comma-separated): ``chain`` (no fusion slot: MLA preparation and the query absorption in
 two launches, the shared expert's slot appended by a launch of its own), ``fused`` (the default table),
-``no-<slot>`` (one slot of ``FUSIONS`` emptied, or ``no-prefetch_weights``: no L2 weight prefetch);
-``pf-<mode><programs>`` (the prefetch's mode and grid, ``specverify.prefetch._CONFIG``); gate/up of the stream experts (merged into
+``no-<slot>`` (one slot of ``FUSIONS`` emptied); gate/up of the stream experts (merged into
 ``specverify.moe._STREAM_OVERRIDE``): ``fma`` (no split-K MMA gate/up), ``splitk-m4`` / ``splitk-m6`` (split-K up
 to 4 / 6 tokens). Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded into the projections and
 q_a's norm in the qkv_a GEMV's last tile (slower in the pass), the split merge fused with W_UV (slower alone), a
@@ -25,9 +24,7 @@ from specverify import verify_wall as vw
 
 FUSIONS = ("mla_prep_absorb", "route_shared")
 VARIANTS = {"chain": dict(off=FUSIONS), "fused": dict(off=()), "fma": dict(off=(), stream={"splitk_max_m": 0})}
-VARIANTS.update({f"no-{slot}": dict(off=(slot,)) for slot in FUSIONS + ("prefetch_weights",)})
-VARIANTS.update({f"pf-{mode}{p}": dict(off=(), prefetch={"mode": mode, "programs": p})
-                 for mode in ("line", "bulk") for p in (16, 32, 64, 132)})
+VARIANTS.update({f"no-{slot}": dict(off=(slot,)) for slot in FUSIONS})
 VARIANTS.update({f"splitk-m{m}": dict(off=(), stream={"splitk_max_m": m}) for m in (4, 6)})
 
 
@@ -61,9 +58,7 @@ def main(argv=None) -> int:
 
     vw._wall_ops = ops_of_variant
     import specverify.moe as moe
-    import specverify.prefetch as prefetch
     saved_stream = dict(moe._STREAM_OVERRIDE)
-    saved_prefetch = dict(prefetch._CONFIG)
     results = []
     order = names + names[::-1]
     for i, name in enumerate(order):
@@ -71,7 +66,6 @@ def main(argv=None) -> int:
         current["off"] = var["off"]
         moe._STREAM_OVERRIDE.clear()
         moe._STREAM_OVERRIDE.update(saved_stream, **var.get("stream", {}))
-        prefetch._CONFIG.update(saved_prefetch, **var.get("prefetch", {}))
         last = i == len(order) - 1
         s = vw.WallSettings(model=args.model, batch=args.batch, context=args.context, tree=args.tree,
                             draft_tokens=args.draft_tokens, distinct_layers=args.distinct_layers,
@@ -85,7 +79,6 @@ def main(argv=None) -> int:
     vw._wall_ops = orig_ops
     moe._STREAM_OVERRIDE.clear()
     moe._STREAM_OVERRIDE.update(saved_stream)
-    prefetch._CONFIG.update(saved_prefetch)
     print("\nms (efficiency vs the bytes floor), mean of the two passes:")
     ks = args.draft_tokens
     print(f"{'variant':>10} " + " ".join(f"{'k=' + str(k):>16}" for k in ks))

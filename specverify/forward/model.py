@@ -125,7 +125,6 @@ class VerifyModel:
         self.dtype, self.device = dtype, torch.device(device)
         self.ops = ops or Ops()
         self.section_hook = None  # callable(name, phase) for --breakdown
-        self._side_stream, self._side_pending = None, False  # the weight prefetch's stream (see _prefetch)
         full = (tp == 1 or group is not None) if full_weights is None else full_weights
         self._pf = _ParamFactory(seed, self.device, dtype, tp, rank, full)
         self._build_weights()
@@ -296,7 +295,6 @@ class VerifyModel:
         b, k, _ = x.shape
         heads = s.num_heads
         qkv = ops.linear(x, w["qkv_a"])  # [b, k, q_lora + kv_lora + rope]: q_a and kv_a in one GEMM
-        self._prefetch(w)  # o_proj, router and shared expert into L2 while the attention chain runs
         q = ops.rmsnorm(qkv[..., : c.q_lora_rank], w["q_a_norm"], eps)
         q_b = w["q_b"]  # [heads, nope + rope, q_lora]
         q = ops.linear(q, q_b.reshape(-1, q_b.shape[-1])).view(b, k, heads, q_b.shape[1])  # [b, k, heads, nope + rope]
@@ -319,7 +317,6 @@ class VerifyModel:
         b, k, _ = x.shape
         d = c.head_dim
         qkv = x @ w["wqkv"].t()  # q, k and v in one GEMM; the views below are strided
-        self._prefetch(w)
         nq, nkv = s.num_heads * d, s.num_kv_heads * d
         q = qkv[..., :nq].view(b, k, s.num_heads, d)
         kk = qkv[..., nq:nq + nkv].view(b, k, s.num_kv_heads, d)
@@ -328,27 +325,6 @@ class VerifyModel:
                      prefix_lens, c.rms_norm_eps, c.rope_theta)
         o = ops.attention_gqa(q, cache[0], cache[1], page_table, prefix_lens, tree_mask, 1.0 / math.sqrt(d))
         return o.reshape(b, k, s.num_heads * d) @ w["wo"].t()
-
-    def _prefetch(self, w):
-        """Fork a side stream that asks L2 for the weights this layer reads after its attention (o_proj, then the
-        router and the shared expert, or the dense MLP), in that order, while the attention chain runs on the
-        current stream; :meth:`forward_captured` joins it. Nothing on the CPU or without ``ops.prefetch_weights``."""
-        if self.ops.prefetch_weights is None or self.device.type != "cuda":
-            return
-        names = ("o", "wo", "router", "shared_gate_up", "shared_down") if not w["dense"] else ("o", "wo", "gate_up",
-                                                                                               "down")
-        tensors = [w[n] for n in names if isinstance(w.get(n), torch.Tensor)]
-        if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(self.device)
-        self._side_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._side_stream):
-            self.ops.prefetch_weights(tensors)
-        self._side_pending = True
-
-    def _join_side_stream(self):
-        if self._side_pending:
-            torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
-            self._side_pending = False
 
     def _mlp(self, w, h):
         """MLP or MoE block on the already-normalised input ``h`` [b, k, H].
@@ -428,7 +404,6 @@ class VerifyModel:
             logits = self.ops.linear(h, self.lm_head)
             logits = logits if logits.dtype == torch.float64 else logits.float()
             logits = self._gather_vocab(logits)
-        self._join_side_stream()  # a captured graph must end on its capture stream
         return logits, h, aux
 
     def check_verify_inputs(self, draft_tokens, parents, depth, tree_mask, kv_caches, page_table, prefix_lens):

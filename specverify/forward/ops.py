@@ -38,8 +38,6 @@ mla_up_v             o_latent, w_uv -> [b, k, h * V]
 linear               x [..., K], w [N, K] -> x @ w.T
 mla_prep_absorb      q, kv, positions, norm_w, w_uk, cache, page_table, prefix_lens, eps, theta, nope -> q_latent:
                      mla_prep then mla_absorb_q in one launch; None: the two slots
-prefetch_weights     tensors: ask L2 for these weights (o_proj, router, shared expert), launched by the forward on a
-                     side stream after qkv_a so they stream in during the attention chain; None: no prefetch
 write_kv             :func:`specverify.reference.kv.write_draft_kv` (not called by the forward: the prep ops write)
 ===================  ===========================================================================================
 """
@@ -113,8 +111,6 @@ class Ops:
     linear: Callable = None  # (x [..., K], w [N, K]) -> x @ w.T: the projections that may leave cuBLAS
     # a fusion; None: the forward composes mla_prep and mla_absorb_q
     mla_prep_absorb: Callable = None  # (q, kv, positions, norm_w, w_uk, cache, pt, prefix, eps, theta, nope) -> q_latent
-    # an overlap; None: the weights are read from HBM by the kernels that use them
-    prefetch_weights: Callable = None  # (tensors) -> None, on the side stream the forward forks
     pieces: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -272,13 +268,6 @@ def specverify_ops(model):
     if fns:
         ops.linear = fns[0]
         ops.pieces["projections"] = "triton gemv where faster, else cuBLAS"
-    else:
-        missing.append(why)
-    fns, why = _try("specverify.prefetch", "prefetch_l2")
-    if fns:
-        (prefetch_l2,) = fns
-        ops.prefetch_weights = lambda tensors: prefetch_l2(tensors)
-        ops.pieces["prefetch"] = "triton L2 prefetch on a side stream"
     else:
         missing.append(why)
     note = ("reference used for: " + "; ".join(missing)) if missing else ""

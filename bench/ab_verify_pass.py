@@ -37,7 +37,7 @@ HOIST = {"o": ((8, (7168, 7168), (1024, 1024)), {**_WHOLE, "BLOCK_N": 32, "BLOCK
          "q_b": ((4, (1536, 1536), (1536, 1536)), {**_WHOLE, "BLOCK_N": 64, "BLOCK_K": 512}, None),
          "qkv_a": ((4, (2048, 4096), (7168, 7168)), {"num_stages": 4, "HOIST": True}, None)}
 VARIANTS["merge-late"] = dict(off=(), merge_early=False)
-for name, parts in {"hoist-o": ("o",), "hoist-oqr": ("o", "q_b", "router"),
+for name, parts in {"hoist-o": ("o",), "hoist-qr": ("q_b", "router"), "hoist-oqr": ("o", "q_b", "router"),
                     "hoist-all": ("o", "q_b", "router", "qkv_a")}.items():
     VARIANTS[name] = dict(off=(), hoist=parts)
     VARIANTS[name + "-late"] = dict(off=(), hoist=parts, merge_early=False)

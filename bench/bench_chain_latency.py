@@ -1,0 +1,141 @@
+"""Benchmark: what one dependent step of the verify pass costs when it moves almost no bytes, as separate kernels
+(a CUDA graph of launches, with and without programmatic dependent launch) and inside one persistent kernel (one
+program an SM, a grid barrier between steps) (issue 22).
+
+Every step reads a value another program wrote in the step before (program ``p`` reads slot ``(p + 1) % P``), so
+each step needs all of the previous one: the dependency of a norm, a projection or a routing step on the whole of
+its input. With ``--step-kib`` > 0 each program also reads its own constant slice of a weight (``step_kib`` KiB a
+step in all), loaded before the step's wait (the PDL prologue, or before the barrier), as a projection would.
+
+Rows (µs a step, CUDA-graph replay of ``--steps`` steps):
+
+* ``graph``: one kernel a step, plain graph edges;
+* ``pdl``: one kernel a step, launched as programmatic dependents (``gdc_launch_dependents`` / ``gdc_wait``);
+* ``persistent``: one kernel of ``--steps`` steps; between steps every program arrives on a counter (release) and
+  spins until all have (acquire).
+
+Usage: ``python bench/bench_chain_latency.py [--steps 64] [--programs 132] [--step-kib 0,1024,4096] [--json PATH]``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from specverify.benchmarking import copy_bandwidth_gbps, run_meta
+
+
+@triton.jit
+def _step_kernel(X, Y, W, w_elems, P, PDL: tl.constexpr, BLOCK: tl.constexpr, WEIGHT: tl.constexpr):
+    pid = tl.program_id(0)
+    acc = 0.0
+    if WEIGHT:  # the constant slice, before the wait
+        offs = tl.arange(0, BLOCK)
+        for i in range(0, w_elems, BLOCK):
+            acc += tl.sum(tl.load(W + pid * w_elems + i + offs).to(tl.float32))
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    v = tl.load(X + (pid + 1) % P)
+    tl.store(Y + pid, v + 1.0 + acc * 0.0)
+
+
+@triton.jit
+def _persistent_kernel(X, COUNTER, W, w_elems, P, STEPS: tl.constexpr, BLOCK: tl.constexpr,
+                       WEIGHT: tl.constexpr):
+    pid = tl.program_id(0)
+    for s in range(STEPS):
+        acc = 0.0
+        if WEIGHT:
+            offs = tl.arange(0, BLOCK)
+            base = (s * P + pid) * w_elems
+            for i in range(0, w_elems, BLOCK):
+                acc += tl.sum(tl.load(W + base + i + offs).to(tl.float32))
+        if s > 0:  # wait until every program finished step s - 1
+            seen = tl.atomic_add(COUNTER, 0, sem="acquire")
+            while seen < s * P:
+                seen = tl.atomic_add(COUNTER, 0, sem="acquire")
+        v = tl.load(X + s * P + (pid + 1) % P, volatile=True)
+        tl.store(X + (s + 1) * P + pid, v + 1.0 + acc * 0.0)
+        tl.debug_barrier()
+        tl.atomic_add(COUNTER, 1, sem="release")
+
+
+def _graph_us(fn, replays: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(replays):
+            g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / replays)
+    return sorted(times)[len(times) // 2]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--programs", type=int, default=132)
+    ap.add_argument("--step-kib", default="0,1024,4096", help="weight KiB read a step (all programs together)")
+    ap.add_argument("--json", metavar="PATH")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_chain_latency: needs a CUDA device", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    steps, p = args.steps, args.programs
+    bw = copy_bandwidth_gbps()
+    block = 1024
+    rows = []
+    for kib in (int(v) for v in args.step_kib.split(",")):
+        w_elems = max(block, -(-kib * 512 // p) // block * block) if kib else block  # bf16 elements a program
+        w = torch.randn(steps * p * w_elems, device=dev, dtype=torch.bfloat16) if kib else torch.zeros(
+            block, device=dev, dtype=torch.bfloat16)
+        x = torch.zeros((steps + 1) * p, device=dev)
+        counter = torch.zeros(1, device=dev, dtype=torch.int32)
+        wk = dict(BLOCK=block, WEIGHT=kib > 0)
+
+        def chain(pdl):
+            def fn():
+                for s in range(steps):
+                    ws = w[s * p * w_elems:] if kib else w
+                    _step_kernel[(p,)](x[s * p:], x[(s + 1) * p:], ws, w_elems, p, PDL=pdl, **wk,
+                                       **({"launch_pdl": True} if pdl else {}))
+            return fn
+
+        def persistent():
+            counter.zero_()
+            _persistent_kernel[(p,)](x, counter, w, w_elems if kib else 0, p, STEPS=steps, **wk)
+
+        base_copy = _graph_us(lambda: counter.zero_())
+        for name, fn in (("graph", chain(False)), ("pdl", chain(True)), ("persistent", persistent)):
+            us = _graph_us(fn)
+            if name == "persistent":
+                us -= base_copy
+            x_host = x.view(steps + 1, p)[steps]
+            rows.append({"row": name, "step_kib": kib, "us_per_step": us / steps, "total_us": us})
+            floor = kib * 1024 / (bw * 1e3)
+            print(f"{name:>10} step {kib:5d} KiB: {us / steps:6.2f} us a step (floor {floor:5.2f}), "
+                  f"x[{steps}] = {float(x_host[0]):.0f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": run_meta(__file__, copy_bw_gbps=bw, args=vars(args)), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -5,13 +5,13 @@ shows as a difference between the two passes over the same variant (issue 22).
 
 Variants (``--variants``, comma-separated): ``chain`` (no fusion slot: MLA preparation and the query absorption in
 two launches, the shared expert's slot appended by a launch of its own), ``fused`` (the default table),
-``no-<slot>`` (one slot of ``FUSIONS`` emptied); ``hoist-<set>[-late]`` (GEMVs of :data:`HOIST` loading their
-weight slice before the PDL wait; ``-late``: the split merge lets its successor launch only after its wait, as
-``merge-late``); gate/up of the stream experts (merged into
+``no-<slot>`` (one slot of ``FUSIONS`` emptied); gate/up of the stream experts (merged into
 ``specverify.moe._STREAM_OVERRIDE``): ``fma`` (no split-K MMA gate/up), ``splitk-m4`` / ``splitk-m6`` (split-K up
 to 4 / 6 tokens). Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded into the projections and
 q_a's norm in the qkv_a GEMV's last tile (slower in the pass), the split merge fused with W_UV (slower alone), a
-stream-K gate/up and TMA weight tiles (no faster in the pass).
+stream-K gate/up and TMA weight tiles (no faster in the pass), an L2 prefetch of o_proj / router / shared expert on
+a side stream (slower), GEMV weight slices loaded before the PDL wait and the split merge letting its successor launch
+before its wait (no faster).
 
 Usage: ``python bench/ab_verify_pass.py [--model kimi-k2] [--batch 1] [--context 4096] [--tree chain]
 [--draft-tokens 1,2,4,8] [--iters 10] [--page-size 64] [--variants ...] [--kernels] [--json PATH]``.
@@ -28,19 +28,6 @@ FUSIONS = ("mla_prep_absorb", "route_shared")
 VARIANTS = {"chain": dict(off=FUSIONS), "fused": dict(off=()), "fma": dict(off=(), stream={"splitk_max_m": 0})}
 VARIANTS.update({f"no-{slot}": dict(off=(slot,)) for slot in FUSIONS})
 VARIANTS.update({f"splitk-m{m}": dict(off=(), stream={"splitk_max_m": m}) for m in (4, 6)})
-#: GEMVs whose weight slice is loaded before the PDL wait (``HOIST``), as (SHAPE_CONFIGS rule, overrides, LINEAR_RULES
-#: rule or None): o_proj 1024 -> 7168 on our GEMV, one 32 x 1024 slice a program (no split reduce); the router and
-#: q_b one 64 x 512 slice a program; qkv_a its first 128-column chunk.
-_WHOLE = {"HOIST": True, "PREFETCH_BYTES": 0, "num_warps": 8, "num_stages": 1}
-HOIST = {"o": ((8, (7168, 7168), (1024, 1024)), {**_WHOLE, "BLOCK_N": 32, "BLOCK_K": 1024}, (8, (7168, 7168), (1024, 1024))),
-         "router": ((1, (1, 512), (7168, 7168)), {**_WHOLE, "BLOCK_N": 64, "BLOCK_K": 512}, None),
-         "q_b": ((4, (1536, 1536), (1536, 1536)), {**_WHOLE, "BLOCK_N": 64, "BLOCK_K": 512}, None),
-         "qkv_a": ((4, (2048, 4096), (7168, 7168)), {"num_stages": 4, "HOIST": True}, None)}
-VARIANTS["merge-late"] = dict(off=(), merge_early=False)
-for name, parts in {"hoist-o": ("o",), "hoist-qr": ("q_b", "router"), "hoist-oqr": ("o", "q_b", "router"),
-                    "hoist-all": ("o", "q_b", "router", "qkv_a")}.items():
-    VARIANTS[name] = dict(off=(), hoist=parts)
-    VARIANTS[name + "-late"] = dict(off=(), hoist=parts, merge_early=False)
 
 
 def main(argv=None) -> int:
@@ -72,11 +59,8 @@ def main(argv=None) -> int:
         return ops, note
 
     vw._wall_ops = ops_of_variant
-    import specverify.attention as attention
-    import specverify.gemv as gemv
     import specverify.moe as moe
     saved_stream = dict(moe._STREAM_OVERRIDE)
-    saved_gemv = (gemv.SHAPE_CONFIGS, gemv.LINEAR_RULES, attention.MERGE_EARLY_LAUNCH)
     results = []
     order = names + names[::-1]
     for i, name in enumerate(order):
@@ -84,10 +68,6 @@ def main(argv=None) -> int:
         current["off"] = var["off"]
         moe._STREAM_OVERRIDE.clear()
         moe._STREAM_OVERRIDE.update(saved_stream, **var.get("stream", {}))
-        hoist = [HOIST[p] for p in var.get("hoist", ())]
-        gemv.SHAPE_CONFIGS = tuple((rule, over) for rule, over, _ in hoist) + saved_gemv[0]
-        gemv.LINEAR_RULES = saved_gemv[1] + tuple(lin for _, _, lin in hoist if lin is not None)
-        attention.MERGE_EARLY_LAUNCH = var.get("merge_early", saved_gemv[2])
         last = i == len(order) - 1
         s = vw.WallSettings(model=args.model, batch=args.batch, context=args.context, tree=args.tree,
                             draft_tokens=args.draft_tokens, distinct_layers=args.distinct_layers,
@@ -101,7 +81,6 @@ def main(argv=None) -> int:
     vw._wall_ops = orig_ops
     moe._STREAM_OVERRIDE.clear()
     moe._STREAM_OVERRIDE.update(saved_stream)
-    gemv.SHAPE_CONFIGS, gemv.LINEAR_RULES, attention.MERGE_EARLY_LAUNCH = saved_gemv
     print("\nms (efficiency vs the bytes floor), mean of the two passes:")
     ks = args.draft_tokens
     print(f"{'variant':>10} " + " ".join(f"{'k=' + str(k):>16}" for k in ks))

@@ -270,14 +270,10 @@ def _tree_attention_merge_kernel(
     stride_ob, stride_ot, stride_oh,
     NUM_DRAFT: tl.constexpr, NUM_Q_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, DV: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, STORE_LSE: tl.constexpr, PDL: tl.constexpr = False,
-    EARLY_LAUNCH: tl.constexpr = False,
 ):
     if PDL:  # the split kernel let this grid launch early; wait until its workspace writes are visible
-        if EARLY_LAUNCH:  # the next kernel reads only constants before its own wait (W_UV): let it launch now
-            gdc_launch_dependents()
         gdc_wait()
-        if not EARLY_LAUNCH:
-            gdc_launch_dependents()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)  # (b * k + i) * H + h
     dv_tile = tl.program_id(1)
     b = row // (NUM_DRAFT * NUM_Q_HEADS)

@@ -37,9 +37,6 @@ MAX_SPLITS = 128
 #: on the Kimi-K2 rank: 8-32 query rows) a cap of 64 filled 64 of the H200's 132 SMs; 128 splits took 19.99 / 21.51
 #: / 29.60 us at k = 1 / 2 / 4 against 33.47 / 34.39 / 46.32 (bench/sweep_attention.py --only long, run 29).
 HEURISTIC_MAX_SPLITS = 128
-#: With PDL the split merge lets the next kernel launch before its own wait (the next kernel reads only constants
-#: before its wait: W_UV's tile), so that kernel, and the ones it lets launch, are resident during the attention.
-MERGE_EARLY_LAUNCH = True
 #: Keys a config may carry (see :func:`plan_tree_attention`).
 _CONFIG_KEYS = ("BLOCK_N", "BLOCK_DV", "BLOCK_M", "num_warps", "num_stages", "KERNEL", "PAGE_AHEAD", "PDL")
 #: Kernels a config may name with ``KERNEL``: the ``tl.dot`` kernel of ``kernels/tree_attention.py`` and the Gluon MLA
@@ -714,7 +711,7 @@ def _launch_merge(kernels, ws_o, ws_lse, out, lse, *, batch, k, hq, dv, splits, 
         ws_o, ws_lse, out, lse if store_lse else out,
         out.stride(0), out.stride(1), out.stride(2),
         NUM_DRAFT=k, NUM_Q_HEADS=hq, NUM_SPLITS=splits, DV=dv, BLOCK_S=block_s, BLOCK_DV=block_dv,
-        STORE_LSE=store_lse, PDL=bool(pdl), EARLY_LAUNCH=MERGE_EARLY_LAUNCH, num_warps=4, num_stages=1, **pdl,
+        STORE_LSE=store_lse, PDL=bool(pdl), num_warps=4, num_stages=1, **pdl,
     )
 
 

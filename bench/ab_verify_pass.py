@@ -6,8 +6,7 @@ shows as a difference between the two passes over the same variant (issue 22).
 Variants (``--variants``, comma-separated): ``chain`` (no fusion slot: MLA preparation and the query absorption in
 two launches, the shared expert's slot appended by a launch of its own), ``fused`` (the default table),
 ``no-<slot>`` (one slot of ``FUSIONS`` emptied); gate/up of the stream experts (merged into
-``specverify.moe._STREAM_OVERRIDE``): ``fma`` (no split-K MMA gate/up), ``no-shared-prefetch`` (the split-K gate/up does not ask L2 for the
-shared expert's rows before its wait), ``splitk-m4`` / ``splitk-m6`` (split-K up
+``specverify.moe._STREAM_OVERRIDE``): ``fma`` (no split-K MMA gate/up), ``splitk-m4`` / ``splitk-m6`` (split-K up
 to 4 / 6 tokens). Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded into the projections and
 q_a's norm in the qkv_a GEMV's last tile (slower in the pass), the split merge fused with W_UV (slower alone), a
 stream-K gate/up and TMA weight tiles (no faster in the pass), an L2 prefetch of o_proj / router / shared expert on
@@ -29,7 +28,6 @@ FUSIONS = ("mla_prep_absorb", "route_shared")
 VARIANTS = {"chain": dict(off=FUSIONS), "fused": dict(off=()), "fma": dict(off=(), stream={"splitk_max_m": 0})}
 VARIANTS.update({f"no-{slot}": dict(off=(slot,)) for slot in FUSIONS})
 VARIANTS.update({f"splitk-m{m}": dict(off=(), stream={"splitk_max_m": m}) for m in (4, 6)})
-VARIANTS["no-shared-prefetch"] = dict(off=(), stream={"shared_prefetch": False})
 
 
 def main(argv=None) -> int:

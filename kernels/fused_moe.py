@@ -45,8 +45,6 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from specverify.kernels.gemv import _prefetch_l2
-
 
 @triton.jit
 def _load_w_tile(w_ptr, rows, cols, row_mask, col_mask, stride_row):
@@ -281,25 +279,15 @@ def _moe_splitk_gate_up_kernel(hidden_ptr, w13_ptr, act_ptr, part_ptr, ticket_pt
                                stride_wn, stride_am, k_per_split, S,
                                E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
                                BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_PAD: tl.constexpr,
-                               DOT_FP32: tl.constexpr, PDL: tl.constexpr, SHARED_LAST: tl.constexpr = False):
+                               DOT_FP32: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
     NT: tl.constexpr = (I + BN - 1) // BN
     slot = pid_t // NT
     t = pid_t % NT
-    if PDL:
-        if SHARED_LAST:  # every token's last slot is expert E - 1 (the shared one, written by the router): its rows
-            if slot % TOP_K == TOP_K - 1:  # are known before the routing finishes, so they go to L2 first
-                prow = t * BN + tl.arange(0, BN)
-                lines = tl.arange(0, BK // 64)  # 64 bf16 / fp16 elements = one 128-byte line
-                w_sh = w13_ptr + (E - 1) * stride_we
-                for k0 in range(pid_s * k_per_split, pid_s * k_per_split + k_per_split, BK):
-                    lk = k0 + lines * 64
-                    pm = (prow < I)[:, None] & (lk < H)[None, :]
-                    _prefetch_l2(tl.where(pm, w_sh + prow[:, None] * stride_wn + lk[None, :], w_sh))
-                    _prefetch_l2(tl.where(pm, w_sh + (prow + I)[:, None] * stride_wn + lk[None, :], w_sh))
-        gdc_wait()
-        gdc_launch_dependents()
     e = tl.load(ids_ptr + slot)
     if (e < 0) | (e >= E):
         return

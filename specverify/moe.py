@@ -717,7 +717,7 @@ _FAST_ROUTE_CONFIG: dict = {"one_max_slots": 16, "align_one_max_slots": 32, "one
 _STREAM_CONFIG: dict = {"max_m": 6, "small_m": 2, "small_R": 2, "R": 4, "BK": 512, "num_warps": 4, "num_stages": 1,
                         "BH": 2, "BI": 256, "TILE": 8192, "down_warps": 4, "PDL": True, "gate_up": "auto",
                         "splitk_max_m": 2, "SBN": 32, "SBK": 128, "split_stages": 3, "split_warps": 4,
-                        "split_waves": 4, "shared_prefetch": True}
+                        "split_waves": 4}
 #: Overrides merged into the stream config (benchmarks and sweeps only; empty in normal use).
 _STREAM_OVERRIDE: dict = {}
 #: Tile overrides for benchmarks and sweeps only: keys ``g1`` / ``g2`` (dicts merged into the gate/up and down
@@ -861,7 +861,7 @@ def _splitk_workspace(device, part_elems: int, tickets: int):
     return ws
 
 
-def _splitk_gate_up(hidden, w13, act, ids32, s, h, e, inter, top_k, cfg, pdl, shared_last=False):
+def _splitk_gate_up(hidden, w13, act, ids32, s, h, e, inter, top_k, cfg, pdl):
     """Launch ``_moe_splitk_gate_up_kernel`` into ``act`` [s, inter]. The workspace is sized for every token count
     up to ``max_m`` on the first call, so a graph captured later at another M needs no allocation."""
     from specverify.kernels.fused_moe import _moe_splitk_gate_up_kernel
@@ -885,10 +885,10 @@ def _splitk_gate_up(hidden, w13, act, ids32, s, h, e, inter, top_k, cfg, pdl, sh
     _moe_splitk_gate_up_kernel[(s * nt, split)](
         hidden, w13, act, part, ticket, ids32, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), per, s,
         E=e, H=h, I=inter, TOP_K=top_k, BN=bn, BK=bk, SPLIT_K=split, SPLIT_PAD=max(2, _next_pow2(split)),
-        DOT_FP32=not on_gpu, PDL=pdl, SHARED_LAST=bool(shared_last and cfg["shared_prefetch"]), **launch)
+        DOT_FP32=not on_gpu, PDL=pdl, **launch)
 
 
-def stream_gate_up(hidden, w13, ids32, cfg: dict, pdl: bool, shared_last: bool = False) -> torch.Tensor:
+def stream_gate_up(hidden, w13, ids32, cfg: dict, pdl: bool) -> torch.Tensor:
     """Launch 1 of the stream experts alone: ``act`` [M * top_k, I] = silu(gate) * up of every routed slot, by the
     kernel ``cfg["gate_up"]`` names (``"auto"``: split-K up to ``splitk_max_m`` tokens, else the FMA programs).
     Operands as :func:`_expert_setup` leaves them (int32 ids [M, top_k]); ``cfg`` from :func:`_stream_config`. Used
@@ -901,7 +901,7 @@ def stream_gate_up(hidden, w13, ids32, cfg: dict, pdl: bool, shared_last: bool =
     s = m * top_k
     act = torch.empty((s, inter), dtype=hidden.dtype, device=hidden.device)
     if cfg["gate_up"] == "splitk" or (cfg["gate_up"] == "auto" and m <= cfg["splitk_max_m"]):
-        _splitk_gate_up(hidden, w13, act, ids32, s, h, e, inter, top_k, cfg, pdl, shared_last)
+        _splitk_gate_up(hidden, w13, act, ids32, s, h, e, inter, top_k, cfg, pdl)
         return act
     launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]} if hidden.is_cuda else {}
     if pdl:
@@ -913,7 +913,7 @@ def stream_gate_up(hidden, w13, ids32, cfg: dict, pdl: bool, shared_last: bool =
     return act
 
 
-def _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, out, shared_last=False):
+def _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, out):
     """The weight-streaming experts (the default at M <= ``_STREAM_CONFIG["max_m"]``, or
     ``_VARIANT["experts"] == "stream"``): two launches (see "Stream experts" in ``specverify.kernels.fused_moe``).
 
@@ -934,7 +934,7 @@ def _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, out, shared_last=
         return out
     cfg = _stream_config(m, h, inter, top_k, dev.type == "cuda")
     pdl = _pdl(cfg["PDL"], dev)
-    act = stream_gate_up(hidden, w13, ids32, cfg, pdl, shared_last)
+    act = stream_gate_up(hidden, w13, ids32, cfg, pdl)
     launch2 = {"num_warps": cfg["down_warps"], "num_stages": 1} if dev.type == "cuda" else {}
     if pdl:  # gate/up waits for the routing, down for gate/up
         launch2["launch_pdl"] = True
@@ -945,7 +945,7 @@ def _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, out, shared_last=
 
 
 def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activation="silu", out=None,
-              quant=None, shared_last=False, impl="auto"):
+              quant=None, impl="auto"):
     """SwiGLU mixture of experts: ``out[m] = sum_k w[m,k] * w2[e] @ (silu(gate) * up)``, ``e = topk_ids[m, k]``.
 
     Built for the verify pass (1–64 tokens per rank), where the cost is reading the activated experts' weights:
@@ -976,10 +976,6 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
         Shape: (M, H); hidden's dtype. Mutated: receives the result.
     quant : MoEQuant, optional
         Reserved for quantised weights (W4A16 group 32); passing one raises NotImplementedError for now.
-    shared_last : bool
-        A promise that every row's last id is expert ``E - 1`` (the shared expert, as ``moe_route(...,
-        shared_expert_id=E - 1)`` writes it): the split-K gate/up (M <= 2) then asks L2 for that expert's rows
-        before it waits for the routing. A broken promise costs only the prefetch: the ids are what is computed.
     impl : {"auto", "triton", "reference"}
 
     Returns
@@ -1019,8 +1015,6 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
     """
     _check_impl(impl, "fused_moe")
     _check_moe_args(hidden, w13, w2, topk_ids, topk_weights, alignment, activation, out, quant)
-    if not isinstance(shared_last, bool):
-        raise TypeError(f"fused_moe: shared_last must be a bool, got {type(shared_last).__name__}")
     which = _choose(impl, hidden, "fused_moe")
     if which == "triton" and hidden.dtype == torch.float32:
         if impl == "triton":
@@ -1040,5 +1034,5 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
         return out
     m = hidden.shape[0]
     if _VARIANT["experts"] in ("stream", "auto") and 0 < m <= _STREAM_OVERRIDE.get("max_m", _STREAM_CONFIG["max_m"]):
-        return _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, out, shared_last)
+        return _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, out)
     return _fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, alignment, out)

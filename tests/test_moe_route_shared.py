@@ -156,33 +156,3 @@ def test_shared_slot_kimi_k2_gpu(m, block_size):
     assert torch.equal(res[0].cpu(), ref_ids)
     if block_size is not None:
         check_alignment(res[0], 385, block_size, res[2])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 2])
-def test_shared_last_prefetch_changes_nothing(m):
-    # the split-K gate/up (M <= 2) asks L2 for the shared expert's rows before its wait when told every row's last
-    # id is the stacks' last expert; the result must be bit-equal to the call without the promise
-    from specverify.moe import fused_moe
-
-    g = torch.Generator().manual_seed(11 + m)
-    e, h, inter = 13, 512, 96  # the shared expert is expert 12 of the stacks
-    x = torch.randn(m, h, generator=g).bfloat16().cuda()
-    w13 = (torch.randn(e, 2 * inter, h, generator=g) * 0.05).bfloat16().cuda()
-    w2 = (torch.randn(e, h, inter, generator=g) * 0.05).bfloat16().cuda()
-    logits = torch.randn(m, e - 1, generator=g).bfloat16().cuda()
-    ids, w = moe_route(logits, top_k=4, shared_expert_id=e - 1, impl="triton")
-    plain = fused_moe(x, w13, w2, ids, w, impl="triton")
-    promised = fused_moe(x, w13, w2, ids, w, shared_last=True, impl="triton")
-    torch.cuda.synchronize()
-    assert not torch.isnan(plain).any()
-    assert torch.equal(plain, promised)
-
-
-def test_shared_last_must_be_bool():
-    from specverify.moe import fused_moe
-
-    x, w13, w2 = torch.zeros(1, 8), torch.zeros(3, 8, 8), torch.zeros(3, 8, 4)
-    ids, w = torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, 2)
-    with pytest.raises(TypeError, match="shared_last must be a bool"):
-        fused_moe(x, w13, w2, ids, w, shared_last=1, impl="reference")

@@ -355,8 +355,8 @@ class VerifyModel:
                 ids, weights = ops.route(logits, w["route"])
         if stacked:
             with self.section("experts"):  # routed experts and the shared expert in one expert pass
-                if shared_slot:  # every row's last id is the shared expert, the stacks' last
-                    return ops.experts(flat, w["w13_all"], w["w2_all"], ids, weights, shared_last=True).view_as(h)
+                if shared_slot:
+                    return ops.experts(flat, w["w13_all"], w["w2_all"], ids, weights).view_as(h)
                 return ops.experts_with_shared(flat, w["w13_all"], w["w2_all"], ids, weights).view_as(h)
         with self.section("experts"):
             if "experts_fn" in w:  # the layer's own experts (see the docstring)

@@ -17,8 +17,7 @@ attention_mla        q_latent [b, k, h, R], q_rope [b, k, h, Dr] (a strided view
 attention_gqa        q [b, k, hq, D], k_cache, v_cache, page_table, prefix_lens, tree_mask, sm_scale
                      -> [b, k, hq, D]
 route                logits [M, E], :class:`RouteParams` -> (ids [M, top_k], weights [M, top_k])
-experts              hidden [M, H], w13 [E, 2I, H], w2 [E, H, I], ids, weights -> [M, H]; the forward adds
-                     ``shared_last=True`` when the router wrote the shared slot (every row's last id is expert E - 1)
+experts              hidden [M, H], w13 [E, 2I, H], w2 [E, H, I], ids, weights -> [M, H]
 experts_with_shared  as ``experts`` over ``[E + 1, ...]`` weights whose expert E is the shared one; None: the
                      shared expert runs as a separate MLP
 route_shared         logits [M, E], :class:`RouteParams`, shared_id -> (ids [M, top_k + 1], weights [M, top_k + 1]):
@@ -199,8 +198,8 @@ def specverify_ops(model):
         def route(logits, p):
             return route_shared(logits, p, None)
 
-        def experts(hidden, w13, w2, ids, weights, shared_last=False):
-            return fused_moe(hidden, w13, w2, ids, weights, shared_last=shared_last, impl="triton")
+        def experts(hidden, w13, w2, ids, weights):
+            return fused_moe(hidden, w13, w2, ids, weights, impl="triton")
 
         def experts_with_shared(hidden, w13_all, w2_all, ids, weights):
             # the shared expert is expert E of the stacked weights, chosen by every token with weight 1

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from specverify.benchmarking import copy_bandwidth_gbps, run_meta
+from specverify.benchmarking import copy_bandwidth_gbps, graph_us, run_meta
 
 
 @triton.jit
@@ -66,24 +66,8 @@ def _persistent_kernel(X, COUNTER, W, w_elems, P, STEPS: tl.constexpr, BLOCK: tl
         tl.atomic_add(COUNTER, 1, sem="release")
 
 
-def _graph_us(fn, replays: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(replays):
-            g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / replays)
-    return sorted(times)[len(times) // 2]
+def _graph_us(fn) -> float:
+    return graph_us(fn, calls=1, replays=20, repeats=5, stat="median")
 
 
 def main(argv=None) -> int:

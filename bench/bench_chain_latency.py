@@ -5,7 +5,9 @@ program an SM, a grid barrier between steps) (issue 22).
 Every step reads a value another program wrote in the step before (program ``p`` reads slot ``(p + 1) % P``), so
 each step needs all of the previous one: the dependency of a norm, a projection or a routing step on the whole of
 its input. With ``--step-kib`` > 0 each program also reads its own constant slice of a weight (``step_kib`` KiB a
-step in all), loaded before the step's wait (the PDL prologue, or before the barrier), as a projection would.
+step in all), loaded before the step's wait (the PDL prologue, or before the barrier), as a projection would:
+``--load-bytes`` a round trip (default 2048: a slice takes several dependent round trips), or 0 for the whole slice
+in one load (8 warps a program).
 
 Rows (µs a step, CUDA-graph replay of ``--steps`` steps):
 
@@ -14,7 +16,8 @@ Rows (µs a step, CUDA-graph replay of ``--steps`` steps):
 * ``persistent``: one kernel of ``--steps`` steps; between steps every program arrives on a counter (release) and
   spins until all have (acquire).
 
-Usage: ``python bench/bench_chain_latency.py [--steps 64] [--programs 132] [--step-kib 0,1024,4096] [--json PATH]``.
+Usage: ``python bench/bench_chain_latency.py [--steps 64] [--programs 132] [--step-kib 0,1024,4096]
+[--load-bytes 2048] [--json PATH]``.
 """
 from __future__ import annotations
 
@@ -75,6 +78,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--programs", type=int, default=132)
     ap.add_argument("--step-kib", default="0,1024,4096", help="weight KiB read a step (all programs together)")
+    ap.add_argument("--load-bytes", type=int, default=2048, help="weight bytes a program loads a round trip "
+                    "(0: its whole slice at once)")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -83,15 +88,19 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     steps, p = args.steps, args.programs
     bw = copy_bandwidth_gbps()
-    block = 1024
     rows = []
     for kib in (int(v) for v in args.step_kib.split(",")):
-        w_elems = max(block, -(-kib * 512 // p) // block * block) if kib else block  # bf16 elements a program
+        want = -(-kib * 512 // p)  # bf16 elements a program
+        if args.load_bytes == 0:
+            block = w_elems = triton.next_power_of_2(max(want, 1024))
+        else:
+            block = args.load_bytes // 2
+            w_elems = max(block, want // block * block) if kib else block
         w = torch.randn(steps * p * w_elems, device=dev, dtype=torch.bfloat16) if kib else torch.zeros(
             block, device=dev, dtype=torch.bfloat16)
         x = torch.zeros((steps + 1) * p, device=dev)
         counter = torch.zeros(1, device=dev, dtype=torch.int32)
-        wk = dict(BLOCK=block, WEIGHT=kib > 0)
+        wk = dict(BLOCK=block, WEIGHT=kib > 0, num_warps=8 if args.load_bytes == 0 else 4)
 
         def chain(pdl):
             def fn():
@@ -111,9 +120,11 @@ def main(argv=None) -> int:
             if name == "persistent":
                 us -= base_copy
             x_host = x.view(steps + 1, p)[steps]
-            rows.append({"row": name, "step_kib": kib, "us_per_step": us / steps, "total_us": us})
-            floor = kib * 1024 / (bw * 1e3)
-            print(f"{name:>10} step {kib:5d} KiB: {us / steps:6.2f} us a step (floor {floor:5.2f}), "
+            rows.append({"row": name, "step_kib": kib, "slice_bytes": w_elems * 2 if kib else 0,
+                         "load_bytes": block * 2, "us_per_step": us / steps, "total_us": us})
+            floor = p * w_elems * 2 / (bw * 1e3) if kib else 0.0
+            print(f"{name:>10} step {kib:5d} KiB ({w_elems * 2 if kib else 0} B a program): {us / steps:6.2f} us a "
+                  f"step (floor {floor:5.2f}), "
                   f"x[{steps}] = {float(x_host[0]):.0f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:

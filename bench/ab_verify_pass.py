@@ -28,14 +28,6 @@ FUSIONS = ("mla_prep_absorb", "route_shared")
 VARIANTS = {"chain": dict(off=FUSIONS), "fused": dict(off=()), "fma": dict(off=(), stream={"splitk_max_m": 0})}
 VARIANTS.update({f"no-{slot}": dict(off=(slot,)) for slot in FUSIONS})
 VARIANTS.update({f"splitk-m{m}": dict(off=(), stream={"splitk_max_m": m}) for m in (4, 6)})
-#: One-shot GEMVs: each program loads its whole weight slice (all of K) before the PDL wait and needs no split
-#: reduce, as (SHAPE_CONFIGS rule, overrides, LINEAR_RULES rule or None).
-_ONE = {"HOIST": True, "PREFETCH_BYTES": 0, "num_warps": 8, "num_stages": 1, "BLOCK_N": 16, "BLOCK_K": 2048}
-ONESHOT = {"q_b": ((4, (1536, 1536), (1536, 1536)), _ONE, None),
-           "o": ((8, (7168, 7168), (1024, 1024)), {**_ONE, "BLOCK_N": 32, "BLOCK_K": 1024},
-                 (8, (7168, 7168), (1024, 1024)))}
-VARIANTS["oneshot-qb"] = dict(off=(), gemv=("q_b",))
-VARIANTS["oneshot-qb-o"] = dict(off=(), gemv=("q_b", "o"))
 
 
 def main(argv=None) -> int:
@@ -67,10 +59,8 @@ def main(argv=None) -> int:
         return ops, note
 
     vw._wall_ops = ops_of_variant
-    import specverify.gemv as gemv
     import specverify.moe as moe
     saved_stream = dict(moe._STREAM_OVERRIDE)
-    saved_gemv = (gemv.SHAPE_CONFIGS, gemv.LINEAR_RULES)
     results = []
     order = names + names[::-1]
     for i, name in enumerate(order):
@@ -78,9 +68,6 @@ def main(argv=None) -> int:
         current["off"] = var["off"]
         moe._STREAM_OVERRIDE.clear()
         moe._STREAM_OVERRIDE.update(saved_stream, **var.get("stream", {}))
-        one = [ONESHOT[p] for p in var.get("gemv", ())]
-        gemv.SHAPE_CONFIGS = tuple((rule, over) for rule, over, _ in one) + saved_gemv[0]
-        gemv.LINEAR_RULES = saved_gemv[1] + tuple(lin for _, _, lin in one if lin is not None)
         last = i == len(order) - 1
         s = vw.WallSettings(model=args.model, batch=args.batch, context=args.context, tree=args.tree,
                             draft_tokens=args.draft_tokens, distinct_layers=args.distinct_layers,
@@ -94,7 +81,6 @@ def main(argv=None) -> int:
     vw._wall_ops = orig_ops
     moe._STREAM_OVERRIDE.clear()
     moe._STREAM_OVERRIDE.update(saved_stream)
-    gemv.SHAPE_CONFIGS, gemv.LINEAR_RULES = saved_gemv
     print("\nms (efficiency vs the bytes floor), mean of the two passes:")
     ks = args.draft_tokens
     print(f"{'variant':>10} " + " ".join(f"{'k=' + str(k):>16}" for k in ks))

@@ -38,8 +38,7 @@ def _prefetch_l2(ptrs):
 def _gemv_splitk_kernel(X, W, Y, P, TICKET, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split, k_prefetch,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLIT_K: tl.constexpr, SPLIT_PAD: tl.constexpr, WIDE_REDUCE: tl.constexpr,
-                        DOT_FP32: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                        HOIST: tl.constexpr = False):
+                        DOT_FP32: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -47,10 +46,6 @@ def _gemv_splitk_kernel(X, W, Y, P, TICKET, M, N, K, stride_xm, stride_wn, strid
     nmask = rn < N
     mmask = rm < M
     k_lo = pid_s * k_per_split
-    if HOIST:  # the slice's first BLOCK_K chunk into registers before the wait (constant data): with PDL the grid
-        rk0 = k_lo + tl.arange(0, BLOCK_K)  # may be resident long before its input exists, and this load overlaps
-        w0 = tl.load(W + rn.to(tl.int64)[:, None] * stride_wn + rk0[None, :],  # the kernels ahead of it
-                     mask=nmask[:, None] & (rk0 < K)[None, :], other=0.0)
     if PDL:
         if PREFETCH:  # the weight is constant: the slice's first k_prefetch columns go to L2 while the previous
             lines = tl.arange(0, BLOCK_K // 64)  # kernel finishes (64 bf16 / fp16 elements = one 128-byte line)
@@ -61,13 +56,7 @@ def _gemv_splitk_kernel(X, W, Y, P, TICKET, M, N, K, stride_xm, stride_wn, strid
         gdc_launch_dependents()
         gdc_wait()  # x (and the workspace) belong to earlier kernels: nothing is read or written before this
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if HOIST:
-        xt0 = tl.load(X + rm[None, :] * stride_xm + rk0[:, None], mask=mmask[None, :] & (rk0 < K)[:, None], other=0.0)
-        if DOT_FP32:
-            acc += tl.dot(w0.to(tl.float32), xt0.to(tl.float32))
-        else:
-            acc += tl.dot(w0, xt0)
-    for k0 in range(k_lo + (BLOCK_K if HOIST else 0), k_lo + k_per_split, BLOCK_K):
+    for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         kmask = rk < K
         w = tl.load(W + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :], mask=nmask[:, None] & kmask[None, :],

@@ -26,8 +26,7 @@ WIDE_REDUCE_MIN_SPLITS = 16
 #: 32 MiB (bench/RESULTS.md, "Verify pass"). The tile (``BLOCK_N`` weight rows x ``BLOCK_K``), the grid's size
 #: (``WAVES`` programs an SM, by splitting K) and the launch's warps / stages: the defaults; :data:`SHAPE_CONFIGS`
 #: overrides them per shape (``bench/sweep_gemv.py`` times the candidates).
-_CONFIG = {"PREFETCH_BYTES": 8 << 20, "BLOCK_N": 64, "BLOCK_K": 128, "WAVES": 2, "num_warps": 4, "num_stages": 3,
-           "HOIST": False}
+_CONFIG = {"PREFETCH_BYTES": 8 << 20, "BLOCK_N": 64, "BLOCK_K": 128, "WAVES": 2, "num_warps": 4, "num_stages": 3}
 _INF = 1 << 62
 #: ((max M, (N lo, N hi), (K lo, K hi)), overrides of :data:`_CONFIG`): the first rule that holds applies. From
 #: ``bench/sweep_gemv.py`` on the H200 (2026-12-03, bench/RESULTS.md "Verify pass"): qkv_a 7168 -> 2112 with 4
@@ -191,7 +190,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None = None, i
                               BLOCK_M=max(16, triton_next_pow2(m)), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                               SPLIT_K=split, SPLIT_PAD=triton_next_pow2(split),
                               WIDE_REDUCE=m == 1 or split >= WIDE_REDUCE_MIN_SPLITS,
-                              DOT_FP32=not x.is_cuda, PDL=pdl, PREFETCH=k_prefetch > 0, HOIST=cfg["HOIST"],
+                              DOT_FP32=not x.is_cuda, PDL=pdl, PREFETCH=k_prefetch > 0,
                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                               **({"launch_pdl": True} if pdl else {}))
     return out

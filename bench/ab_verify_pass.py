@@ -10,9 +10,9 @@ two launches, the shared expert's slot appended by a launch of its own), ``fused
 to 4 / 6 tokens). Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded into the projections and
 q_a's norm in the qkv_a GEMV's last tile (slower in the pass), the split merge fused with W_UV (slower alone), a
 stream-K gate/up and TMA weight tiles (no faster in the pass), an L2 prefetch of o_proj / router / shared expert on
-a side stream (slower), GEMV weight slices loaded before the PDL wait and the split merge letting its successor launch
-before its wait (no faster), the shared expert's rows sent to L2 before the gate/up's wait (slower at 2 tokens), one-shot q_b / o_proj GEMVs
-(whole slices before the wait, no split reduce: slower).
+a side stream (slower), GEMV weight slices loaded before the PDL wait and the split merge letting its successor
+launch before its wait (no faster), the shared expert's rows sent to L2 before the gate/up's wait (slower at 2
+tokens), one-shot q_b / o_proj GEMVs (whole slices before the wait, no split reduce: slower).
 
 Usage: ``python bench/ab_verify_pass.py [--model kimi-k2] [--batch 1] [--context 4096] [--tree chain]
 [--draft-tokens 1,2,4,8] [--iters 10] [--page-size 64] [--variants ...] [--kernels] [--json PATH]``.

@@ -49,6 +49,8 @@ def bench_us(fn, quick: bool) -> float:
 def graph_us(fn, calls: int = 20, replays: int = 10, repeats: int = 1, stat: str = "min") -> float:
     """µs a call of ``fn``: ``calls`` calls captured in one CUDA graph, replayed ``replays`` times per repeat; the
     ``min`` or ``median`` over ``repeats``."""
+    if stat not in ("min", "median"):
+        raise ValueError(f"graph_us: stat must be 'min' or 'median', got {stat!r}")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

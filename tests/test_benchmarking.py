@@ -58,3 +58,10 @@ def test_gpu_state_log_summarises_each_interval():
     assert got["second"]["sm_mhz_min"] == 1600.0 and got["second"]["power_w_max"] == 690.0  # "[N/A]" skipped
     assert got["second"]["samples"] == 2
     log.close()  # no process: nothing to stop
+
+
+def test_graph_us_refuses_an_unknown_statistic():
+    from specverify.benchmarking import graph_us
+
+    with pytest.raises(ValueError, match="stat must be 'min' or 'median'"):
+        graph_us(lambda: None, stat="mean")  # refused before any CUDA call

@@ -7,7 +7,7 @@ Variants (``--variants``, comma-separated): ``chain`` (no fusion slot: MLA prepa
 two launches, the shared expert's slot appended by a launch of its own), ``fused`` (the default table),
 ``no-<slot>`` (one slot of ``FUSIONS`` emptied); gate/up of the stream experts (merged into
 ``specverify.moe._STREAM_OVERRIDE``): ``fma`` (no split-K MMA gate/up), ``splitk-m4`` / ``splitk-m6`` (split-K up
-to 4 / 6 tokens). Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded into the projections and
+to 4 / 6 tokens); ``w<1|4>-<router|qkv|qb>`` (that GEMV's grid at 1 or 4 programs an SM instead of 2). Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded into the projections and
 q_a's norm in the qkv_a GEMV's last tile (slower in the pass), the split merge fused with W_UV (slower alone), a
 stream-K gate/up and TMA weight tiles (no faster in the pass), an L2 prefetch of o_proj / router / shared expert on
 a side stream (slower), GEMV weight slices loaded before the PDL wait and the split merge letting its successor
@@ -29,6 +29,12 @@ FUSIONS = ("mla_prep_absorb", "route_shared")
 VARIANTS = {"chain": dict(off=FUSIONS), "fused": dict(off=()), "fma": dict(off=(), stream={"splitk_max_m": 0})}
 VARIANTS.update({f"no-{slot}": dict(off=(slot,)) for slot in FUSIONS})
 VARIANTS.update({f"splitk-m{m}": dict(off=(), stream={"splitk_max_m": m}) for m in (4, 6)})
+#: GEMV launch rules tried in the pass ahead of ``specverify.gemv.SHAPE_CONFIGS`` (the grid's programs an SM).
+_GEMV_RULES = {"router": (1, (1, 512), (7168, 7168)), "qkv": (4, (2048, 4096), (7168, 7168)),
+               "qb": (1, (1536, 1536), (1536, 1536))}
+_GEMV_BASE = {"router": {}, "qkv": {"num_stages": 4}, "qb": {}}
+VARIANTS.update({f"w{w}-{name}": dict(off=(), gemv=((rule, {**_GEMV_BASE[name], "WAVES": w}),))
+                 for name, rule in _GEMV_RULES.items() for w in (1, 4)})
 
 
 def main(argv=None) -> int:
@@ -60,8 +66,10 @@ def main(argv=None) -> int:
         return ops, note
 
     vw._wall_ops = ops_of_variant
+    import specverify.gemv as gemv
     import specverify.moe as moe
     saved_stream = dict(moe._STREAM_OVERRIDE)
+    saved_rules = gemv.SHAPE_CONFIGS
     results = []
     order = names + names[::-1]
     for i, name in enumerate(order):
@@ -69,6 +77,7 @@ def main(argv=None) -> int:
         current["off"] = var["off"]
         moe._STREAM_OVERRIDE.clear()
         moe._STREAM_OVERRIDE.update(saved_stream, **var.get("stream", {}))
+        gemv.SHAPE_CONFIGS = tuple(var.get("gemv", ())) + saved_rules
         last = i == len(order) - 1
         s = vw.WallSettings(model=args.model, batch=args.batch, context=args.context, tree=args.tree,
                             draft_tokens=args.draft_tokens, distinct_layers=args.distinct_layers,
@@ -82,6 +91,7 @@ def main(argv=None) -> int:
     vw._wall_ops = orig_ops
     moe._STREAM_OVERRIDE.clear()
     moe._STREAM_OVERRIDE.update(saved_stream)
+    gemv.SHAPE_CONFIGS = saved_rules
     print("\nms (efficiency vs the bytes floor), mean of the two passes:")
     ks = args.draft_tokens
     print(f"{'variant':>10} " + " ".join(f"{'k=' + str(k):>16}" for k in ks))

@@ -31,8 +31,11 @@ _INF = 1 << 62
 #: ((max M, (N lo, N hi), (K lo, K hi)), overrides of :data:`_CONFIG`): the first rule that holds applies. From
 #: ``bench/sweep_gemv.py`` on the H200 (2026-12-03, bench/RESULTS.md "Verify pass"): qkv_a 7168 -> 2112 with 4
 #: stages (10.14 / 10.74 us at M = 1 / 4 against 12.31 / 12.68 with 3; cuBLAS 12.28 / 13.27); Kimi-K2's q_b
-#: 1536 -> 1536 at 2-4 tokens with 8 warps (5.34 us at M = 4 against 5.83 with 4; cuBLAS 6.13).
+#: 1536 -> 1536 at 2-4 tokens with 8 warps (5.34 us at M = 4 against 5.83 with 4; cuBLAS 6.13). Kimi-K2's router
+#: 7168 -> 384 at one token with one program an SM (``bench/ab_verify_pass.py``, the whole pass, both orders: 4.873 /
+#: 4.877 ms at k = 1 against 4.890 / 4.897 with two; 4 an SM 4.892; bench/RESULTS.md "Verify pass").
 SHAPE_CONFIGS: tuple = (((4, (2048, 4096), (7168, 7168)), {"num_stages": 4}),
+                        ((1, (384, 384), (7168, 7168)), {"WAVES": 1}),
                         ((1, (1536, 1536), (1536, 1536)), {}),
                         ((4, (1536, 1536), (1536, 1536)), {"num_warps": 8}))
 

@@ -96,11 +96,13 @@ def test_shape_configs_pick_the_swept_launch():
     assert gemv_mod.gemv_config(8, 2112, 7168)["num_stages"] == gemv_mod._CONFIG["num_stages"]  # not measured
     assert gemv_mod.gemv_config(1, 20480, 7168) == gemv_mod._CONFIG  # the LM head keeps the default
     assert gemv_mod.gemv_config(1, 1536, 1536)["num_warps"] == 4 and gemv_mod.gemv_config(3, 1536, 1536)["num_warps"] == 8
+    assert gemv_mod.gemv_config(1, 384, 7168)["WAVES"] == 1  # Kimi-K2's router at one token
+    assert gemv_mod.gemv_config(2, 384, 7168)["WAVES"] == gemv_mod._CONFIG["WAVES"]  # cuBLAS's above one token
 
 
 # the swept candidates compute the same product: a wider tile, longer K chunks, more stages and warps, more waves
 @pytest.mark.parametrize("over", [{"BLOCK_N": 128, "num_warps": 8}, {"BLOCK_K": 256, "num_stages": 4},
-                                  {"BLOCK_N": 32, "WAVES": 4}])
+                                  {"BLOCK_N": 32, "WAVES": 4}, {"WAVES": 1}])
 def test_gemv_configs_match_reference(device, monkeypatch, over):
     monkeypatch.setattr(gemv_mod, "_CONFIG", {**gemv_mod._CONFIG, **over})
     monkeypatch.setattr(gemv_mod, "sm_count", lambda device_type, index: 4)

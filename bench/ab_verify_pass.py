@@ -24,16 +24,18 @@ import json
 import sys
 
 from specverify import verify_wall as vw
+from specverify.gemv import gemv_config
 
 FUSIONS = ("mla_prep_absorb", "route_shared")
 VARIANTS = {"chain": dict(off=FUSIONS), "fused": dict(off=()), "fma": dict(off=(), stream={"splitk_max_m": 0})}
 VARIANTS.update({f"no-{slot}": dict(off=(slot,)) for slot in FUSIONS})
 VARIANTS.update({f"splitk-m{m}": dict(off=(), stream={"splitk_max_m": m}) for m in (4, 6)})
-#: GEMV launch rules tried in the pass ahead of ``specverify.gemv.SHAPE_CONFIGS`` (the grid's programs an SM).
-_GEMV_RULES = {"router": (1, (1, 512), (7168, 7168)), "qkv": (4, (2048, 4096), (7168, 7168)),
+#: GEMV launch rules tried in the pass ahead of ``specverify.gemv.SHAPE_CONFIGS``: the shape's own config (read
+#: from ``gemv_config`` at the rule's largest M and smallest N, K) with the grid at ``WAVES`` programs an SM.
+_GEMV_RULES = {"router": (1, (384, 384), (7168, 7168)), "qkv": (4, (2048, 4096), (7168, 7168)),
                "qb": (1, (1536, 1536), (1536, 1536))}
-_GEMV_BASE = {"router": {}, "qkv": {"num_stages": 4}, "qb": {}}
-VARIANTS.update({f"w{w}-{name}": dict(off=(), gemv=((rule, {**_GEMV_BASE[name], "WAVES": w}),))
+VARIANTS.update({f"w{w}-{name}": dict(off=(), gemv=((rule, {**gemv_config(rule[0], rule[1][0], rule[2][0]),
+                                                             "WAVES": w}),))
                  for name, rule in _GEMV_RULES.items() for w in (1, 4)})
 
 

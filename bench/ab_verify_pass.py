@@ -4,10 +4,11 @@ floor from a copy bandwidth of the same run), in the order given and then in rev
 shows as a difference between the two passes over the same variant (issue 22).
 
 Variants (``--variants``, comma-separated): ``chain`` (no fusion slot: MLA preparation and the query absorption in
-two launches, the shared expert's slot appended by a launch of its own), ``fused`` (the default table),
+two launches, the shared expert's slot appended by a launch of its own, no one-launch MoE block), ``fused`` (the default table),
 ``no-<slot>`` (one slot of ``FUSIONS`` emptied); gate/up of the stream experts (merged into
 ``specverify.moe._STREAM_OVERRIDE``): ``fma`` (no split-K MMA gate/up), ``splitk-m4`` / ``splitk-m6`` (split-K up
-to 4 / 6 tokens); ``w<1|4>-<router|qkv|qb>`` (that GEMV's grid at 1 or 4 programs an SM instead of 2). Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded into the projections and
+to 4 / 6 tokens); ``block-m<1|4|8>`` (the one-launch MoE block up to
+1 / 4 / 8 tokens instead of ``MOE_BLOCK_MAX_M``); ``w<1|4>-<router|qkv|qb>`` (that GEMV's grid at 1 or 4 programs an SM instead of 2). Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded into the projections and
 q_a's norm in the qkv_a GEMV's last tile (slower in the pass), the split merge fused with W_UV (slower alone), a
 stream-K gate/up and TMA weight tiles (no faster in the pass), an L2 prefetch of o_proj / router / shared expert on
 a side stream (slower), GEMV weight slices loaded before the PDL wait and the split merge letting its successor
@@ -26,10 +27,11 @@ import sys
 from specverify import verify_wall as vw
 from specverify.gemv import gemv_config
 
-FUSIONS = ("mla_prep_absorb", "route_shared")
+FUSIONS = ("mla_prep_absorb", "route_shared", "moe_block")
 VARIANTS = {"chain": dict(off=FUSIONS), "fused": dict(off=()), "fma": dict(off=(), stream={"splitk_max_m": 0})}
 VARIANTS.update({f"no-{slot}": dict(off=(slot,)) for slot in FUSIONS})
 VARIANTS.update({f"splitk-m{m}": dict(off=(), stream={"splitk_max_m": m}) for m in (4, 6)})
+VARIANTS.update({f"block-m{m}": dict(off=(), set={"moe_block_max_m": m}) for m in (1, 4, 8)})
 #: GEMV launch rules tried in the pass ahead of ``specverify.gemv.SHAPE_CONFIGS``: the shape's own config (read
 #: from ``gemv_config`` at the rule's largest M and smallest N, K) with the grid at ``WAVES`` programs an SM.
 _GEMV_RULES = {"router": (1, (384, 384), (7168, 7168)), "qkv": (4, (2048, 4096), (7168, 7168)),
@@ -65,6 +67,8 @@ def main(argv=None) -> int:
         ops, note = orig_ops(provider, model, max_position)
         for slot in current["off"]:
             setattr(ops, slot, None)
+        for slot, value in current["set"].items():
+            setattr(ops, slot, value)
         return ops, note
 
     vw._wall_ops = ops_of_variant
@@ -76,7 +80,7 @@ def main(argv=None) -> int:
     order = names + names[::-1]
     for i, name in enumerate(order):
         var = VARIANTS[name]
-        current["off"] = var["off"]
+        current["off"], current["set"] = var["off"], var.get("set", {})
         moe._STREAM_OVERRIDE.clear()
         moe._STREAM_OVERRIDE.update(saved_stream, **var.get("stream", {}))
         gemv.SHAPE_CONFIGS = tuple(var.get("gemv", ())) + saved_rules

@@ -462,14 +462,14 @@ def section_floors(b: dict, vb, bandwidth: float, layers: int) -> dict:
     floor (bytes / the run's copy bandwidth, ms) and its efficiency (floor / measured ms): ``section_bytes``,
     ``section_floor_ms``, ``section_efficiency``. Sections: attention = attention weights + KV cache read,
     moe_route = router weights, experts = routed experts (+ the shared expert when no ``shared_expert`` section
-    times it apart), dense_mlp, shared_expert, lm_head; the rest (norms, acceptance, compaction, embedding rows)
+    times it apart), moe_block = router + routed + shared experts (the one-launch MoE block), dense_mlp, shared_expert, lm_head; the rest (norms, acceptance, compaction, embedding rows)
     move almost no bytes and get 0. Also ``graph_nodes_per_layer`` where ``graph_nodes`` is known. Returns ``b``."""
     comp = b["components_ms"]
     shared_apart = "shared_expert" in comp
     by = {"attention": vb.attention_weights + vb.kv_cache, "moe_route": vb.router,
           "experts": vb.routed_experts + (0.0 if shared_apart else vb.shared_experts),
           "shared_expert": vb.shared_experts if shared_apart else 0.0, "dense_mlp": vb.dense_mlp,
-          "lm_head": vb.lm_head}
+          "lm_head": vb.lm_head, "moe_block": vb.router + vb.routed_experts + vb.shared_experts}
     sb = {n: float(by.get(n, 0.0)) for n in comp}
     ok = bandwidth == bandwidth and bandwidth > 0
     fl = {n: v / bandwidth * 1e3 if ok else float("nan") for n, v in sb.items()}

@@ -338,13 +338,17 @@ class VerifyModel:
 
         With ``w13_all`` and ``experts_with_shared``, the shared expert is expert ``E`` of the stacked weights: with
         ``route_shared`` too the router writes its slot (ids [M, top_k + 1]) and ``experts`` runs over the stacks;
-        otherwise ``route`` then ``experts_with_shared`` (which appends the slot).
+        otherwise ``route`` then ``experts_with_shared`` (which appends the slot). With ``w13_all`` and
+        ``moe_block`` all of it is one op up to ``ops.moe_block_max_m`` tokens.
         """
         ops = self.ops
         flat = h.reshape(-1, h.shape[-1])
         if w["dense"]:
             with self.section("dense_mlp"):
                 return (ops.silu_mul(flat @ w["gate_up"].t()) @ w["down"].t()).view_as(h)
+        if "w13_all" in w and ops.moe_block is not None and flat.shape[0] <= ops.moe_block_max_m:
+            with self.section("moe_block"):  # router, routing and every expert in one launch
+                return ops.moe_block(flat, w["router"], w["route"], w["w13_all"], w["w2_all"]).view_as(h)
         stacked = "w13_all" in w and ops.experts_with_shared is not None
         shared_slot = stacked and ops.route_shared is not None  # the shared slot written by the router
         with self.section("moe_route"):

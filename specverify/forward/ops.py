@@ -38,6 +38,10 @@ mla_up_v             o_latent, w_uv -> [b, k, h * V]
 linear               x [..., K], w [N, K] -> x @ w.T
 mla_prep_absorb      q, kv, positions, norm_w, w_uk, cache, page_table, prefix_lens, eps, theta, nope -> q_latent:
                      mla_prep then mla_absorb_q in one launch; None: the two slots
+moe_block            hidden [M, H], router [E, H], :class:`RouteParams`, w13_all [E + 1, 2I, H], w2_all
+                     [E + 1, H, I] -> [M, H]: the router GEMV, routing and the routed + shared experts in one launch,
+                     run up to ``moe_block_max_m`` tokens (a fusion; None: the forward composes linear,
+                     route_shared and experts)
 write_kv             :func:`specverify.reference.kv.write_draft_kv` (not called by the forward: the prep ops write)
 ===================  ===========================================================================================
 """
@@ -111,6 +115,9 @@ class Ops:
     linear: Callable = None  # (x [..., K], w [N, K]) -> x @ w.T: the projections that may leave cuBLAS
     # a fusion; None: the forward composes mla_prep and mla_absorb_q
     mla_prep_absorb: Callable = None  # (q, kv, positions, norm_w, w_uk, cache, pt, prefix, eps, theta, nope) -> q_latent
+    # a fusion; None (or above moe_block_max_m tokens): the forward composes linear, route_shared and experts
+    moe_block: Callable = None  # (hidden, router, RouteParams, w13_all, w2_all) -> [M, H]
+    moe_block_max_m: int = 0
     pieces: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -211,6 +218,19 @@ def specverify_ops(model):
         ops.pieces["shared_expert"] = "triton (fused into the expert pass)"
         ops.pieces["moe_route"] = "triton"
         ops.pieces["experts"] = "triton"
+    else:
+        missing.append(why)
+    fns, why = _try("specverify.moe_block", "moe_block", "MOE_BLOCK_MAX_M")
+    if fns:
+        moe_block, max_m = fns
+
+        def moe_block_op(hidden, router, p, w13_all, w2_all):
+            return moe_block(hidden, router, w13_all, w2_all, top_k=p.num_experts_per_tok, scoring=p.scoring_func,
+                             correction_bias=p.correction_bias, n_group=p.n_group, topk_group=p.topk_group,
+                             renormalize=p.norm_topk_prob, routed_scaling_factor=p.routed_scaling_factor).out
+
+        ops.moe_block, ops.moe_block_max_m = moe_block_op, max_m
+        ops.pieces["moe_block"] = "triton (one persistent launch at a few tokens)"
     else:
         missing.append(why)
     fns, why = _try("specverify.accept", "verify_greedy")

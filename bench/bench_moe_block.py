@@ -1,0 +1,83 @@
+"""Benchmark: a verify layer's MoE block at a few tokens, one persistent launch (``specverify.moe_block``) against the
+four launches the pass otherwise runs (router GEMV by ``specverify.gemv.linear``, routing with the shared slot,
+stream experts), at Kimi-K2 / DeepSeek-V3 rank shapes (tp 8), each timed by CUDA-graph replay over ``--sets``
+weight sets in turn (so weights come from HBM, not L2), with the bytes floor (router + the distinct experts read,
+shared included, over a copy bandwidth of the same run) (issue 22).
+
+Usage: ``python bench/bench_moe_block.py [--models kimi-k2,deepseek-v3] [--tokens 1,2,4,8] [--sets 4] [--json PATH]``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from specverify.benchmarking import copy_bandwidth_gbps, graph_us, run_meta
+
+_RANK = {"kimi-k2": dict(h=7168, inter=256, e=384, top_k=8, n_group=1, topk_group=1, scale=2.827),
+         "deepseek-v3": dict(h=7168, inter=256, e=256, top_k=8, n_group=8, topk_group=4, scale=2.5)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="kimi-k2,deepseek-v3")
+    ap.add_argument("--tokens", default="1,2,4,8")
+    ap.add_argument("--sets", type=int, default=4, help="weight sets cycled through (HBM, not L2)")
+    ap.add_argument("--json", metavar="PATH")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_moe_block: needs a CUDA device", file=sys.stderr)
+        return 2
+    from specverify.gemv import linear
+    from specverify.moe import fused_moe, moe_route
+    from specverify.moe_block import moe_block
+
+    dev = torch.device("cuda")
+    bw = copy_bandwidth_gbps()
+    rows = []
+    for model in args.models.split(","):
+        c = _RANK[model]
+        h, inter, e, top_k = c["h"], c["inter"], c["e"], c["top_k"]
+        g = torch.Generator(device=dev).manual_seed(0)
+        sets = []
+        for _ in range(args.sets):
+            sets.append(dict(router=torch.randn(e, h, device=dev, generator=g).mul_(h ** -0.5).bfloat16(),
+                             w13=torch.randn(e + 1, 2 * inter, h, device=dev, generator=g).mul_(h ** -0.5).bfloat16(),
+                             w2=torch.randn(e + 1, h, inter, device=dev, generator=g).mul_(inter ** -0.5).bfloat16(),
+                             bias=torch.randn(e, device=dev, generator=g) * 0.05))
+        rk = dict(top_k=top_k, scoring="sigmoid", n_group=c["n_group"], topk_group=c["topk_group"],
+                  renormalize=True, routed_scaling_factor=c["scale"])
+        for m in (int(t) for t in args.tokens.split(",")):
+            x = torch.randn(m, h, device=dev).bfloat16()
+
+            def block():
+                for s in sets:
+                    moe_block(x, s["router"], s["w13"], s["w2"], correction_bias=s["bias"], **rk)
+
+            def composed():
+                for s in sets:
+                    logits = linear(x, s["router"])
+                    ids, w = moe_route(logits, correction_bias=s["bias"], shared_expert_id=e, impl="triton", **rk)
+                    fused_moe(x, s["w13"], s["w2"], ids, w, impl="triton")
+
+            res = moe_block(x, sets[0]["router"], sets[0]["w13"], sets[0]["w2"], correction_bias=sets[0]["bias"], **rk)
+            experts = len(set(res.topk_ids.flatten().tolist()))  # distinct experts read, shared included
+            nbytes = 2 * (e * h + experts * 3 * inter * h)
+            floor = nbytes / (bw * 1e3)
+            row = {"model": model, "m": m, "distinct_experts": experts, "bytes": nbytes, "floor_us": floor}
+            for name, fn in (("block", block), ("composed", composed)):
+                row[f"{name}_us"] = graph_us(fn, calls=2, replays=10, repeats=5, stat="median") / len(sets)
+            rows.append(row)
+            print(f"{model:>12} M={m}: block {row['block_us']:6.1f} us, four launches {row['composed_us']:6.1f} us, "
+                  f"floor {floor:5.1f} us ({experts} experts): {floor / row['block_us']:4.0%} / "
+                  f"{floor / row['composed_us']:4.0%} of it", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": run_meta(__file__, copy_bw_gbps=bw, args=vars(args)), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

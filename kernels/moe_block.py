@@ -1,0 +1,241 @@
+"""The MoE block of one verify layer at a few tokens in one persistent launch: router GEMV, routing, the shared and
+routed experts' gate/up, and the down projection with the top-k sum (issue 22).
+
+Math, for token rows ``m < MT`` of the normalised hidden state ``x`` [MT, H] (fp32 accumulation):
+
+    logits[m]   = x[m] @ router^T                                           (fp32, [MT, E], also returned)
+    ids, w      = routing of logits[m] (``_route_rows``: scores, bias, groups, top-k, renormalise, scale), and the
+                  shared expert as slot TOP_K of each row (id E, weight 1): ids / w [MT, TOP_K + 1]
+    act[s]      = silu(x[m] @ gate[e]^T) * (x[m] @ up[e]^T)                  (slot s = m * (TOP_K + 1) + j, e = ids[s];
+                                                                             stored in the weights' dtype)
+    out[m]      = sum_j w[s] * (act[s] @ w2[e]^T)                           (fixed slot order; in x's dtype)
+
+with ``w13`` [E + 1, 2I, H] (gate rows then up rows; expert E the shared one) and ``w2`` [E + 1, H, I]: the
+stacked layout of the verify forward (``w13_all`` / ``w2_all``).
+
+Why one launch: at one or two tokens each of the four kernels this replaces (router GEMV, routing, gate/up, down)
+costs its bytes plus a fixed few microseconds of ramp, tail and dependent round trips, and the edges between them
+cost ~0.8 µs each (``bench/bench_chain_latency.py``); inside one persistent grid a step costs its bytes plus a
+grid barrier (~1 µs), the routing runs in every program at once (no barrier of its own), and the shared expert's
+gate/up, which needs no routing, streams with the router's rows.
+
+Grid: ``NPROG`` programs, all resident at once (the launcher sizes it from the compiled kernel's registers and
+shared memory). Each phase hands its work items out round-robin (item ``i`` to program ``i % NPROG``):
+
+    phase 1  items (tile, split): router tiles of 2 * BN rows and shared-expert tiles of BN gate + BN up rows, over
+             H split in SPLIT1 parts of KPS1 columns; each item writes an fp32 partial [MT, 2 * BN]; the tile's
+             last item (a self-resetting ticket, acquire-release) sums the partials: the router's logits, or the
+             shared slot's act.
+    barrier 1
+    phase 2  every program routes all MT rows (identical results; the ids / weights stores race with equal
+             values), then items (routed slot, I-tile, split) as in phase 1 over the chosen expert's rows; the
+             tile's last item writes the slot's act.
+    barrier 2
+    phase 3  items = tiles of BH output rows: for every slot (routed and shared) one [BH, BI] tile of w2[e] times
+             act[s], scaled by w[s], summed into the token's column; out written once, no atomics.
+
+A grid barrier: every thread's stores, a CTA barrier, one release add on ``BAR[0]``, spin (acquire) until it
+reaches ``NPROG`` times the barrier's number; the last program past barrier 2 (``BAR[1]``, a ticket) resets both
+counters, so the launch is CUDA-graph replayable. ``PHASE`` 1 / 2 / 3 runs one phase alone (no barriers): the CPU
+interpreter, which runs programs one after another and would spin forever, launches the three in turn.
+
+The kernel does not call ``gdc_launch_dependents``: a dependent grid resident before all of this grid is would
+hold SM slots this grid's barrier waits for. With ``PDL`` it only waits (``gdc_wait``) for its predecessor.
+
+Tensors: x [MT, H] bf16/fp16 (unit column stride); router [E, H]; bias [E] fp32; w13 [E + 1, 2I, H]; w2
+[E + 1, H, I] (unit column strides); logits [MT, E] fp32 (out); ids [MT, TOP_K + 1] int32 (out); tw [MT, TOP_K + 1]
+fp32 (out); act [MT * (TOP_K + 1), I] (x's dtype, scratch); part fp32 scratch; ticket int32 (zero between
+launches); bar int32 [2] (zero between launches); out [MT, H].
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+from specverify.kernels.moe_route import _route_rows
+
+
+@triton.jit
+def _tile_dot(w_base, rows, rmask, stride_wn, x_ptr, stride_xm, k_lo, k_hi, H: tl.constexpr, MT: tl.constexpr,
+              BK: tl.constexpr, DOT_FP32: tl.constexpr):
+    """acc [len(rows), 16]: column m = sum over k in [k_lo, k_hi) of W[rows, k] * x[m, k] (columns >= MT zero)."""
+    cols = tl.arange(0, 16)
+    acc = tl.zeros((rows.shape[0], 16), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        kc = k0 + tl.arange(0, BK)
+        kmask = kc < H
+        w = tl.load(w_base + rows.to(tl.int64)[:, None] * stride_wn + kc[None, :],
+                    mask=rmask[:, None] & kmask[None, :], other=0.0)
+        xt = tl.load(x_ptr + cols[None, :] * stride_xm + kc[:, None], mask=(cols < MT)[None, :] & kmask[:, None],
+                     other=0.0)
+        if DOT_FP32:  # the CPU interpreter (its bf16 dot is not exact)
+            acc += tl.dot(w.to(tl.float32), xt.to(tl.float32))
+        else:
+            acc += tl.dot(w, xt)
+    return acc
+
+
+@triton.jit
+def _gate_up_rows(t, I: tl.constexpr, BN: tl.constexpr):
+    """Rows of I-tile ``t`` of an expert's [2I, H] gate/up matrix: BN gate rows then the same BN up rows."""
+    j = tl.arange(0, 2 * BN)
+    r = t * BN + (j % BN)
+    return tl.where(j < BN, r, I + r), r < I
+
+
+@triton.jit
+def _split_sum(part_ptr, SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr, stride_split, lo: tl.constexpr,
+               N: tl.constexpr):
+    """sum over splits p < SPLIT of part[p * stride_split + lo + j], j < N (fp32, read past L1)."""
+    sp = tl.arange(0, SPLIT_PAD)
+    j = tl.arange(0, N)
+    v = tl.load(part_ptr + sp[:, None] * stride_split + lo + j[None, :], mask=(sp < SPLIT)[:, None], other=0.0,
+                cache_modifier=".cg")
+    return tl.sum(v, axis=0)
+
+
+@triton.jit
+def _grid_barrier(bar_ptr, target):
+    """Every program of the grid arrives (release) and waits until ``target`` arrivals (acquire)."""
+    tl.debug_barrier()  # every thread's stores precede the arrival
+    tl.atomic_add(bar_ptr, 1, sem="release")
+    seen = tl.atomic_add(bar_ptr, 0, sem="acquire")
+    while seen < target:
+        seen = tl.atomic_add(bar_ptr, 0, sem="acquire")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, ids_ptr, tw_ptr, act_ptr, part_ptr,
+                      ticket_ptr, bar_ptr, out_ptr, stride_xm, stride_om, stride_w13e, stride_w13n, stride_w2e,
+                      stride_w2n, scale,
+                      MT: tl.constexpr, H: tl.constexpr, I: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
+                      TOP_K: tl.constexpr, TOPK_P: tl.constexpr, ROWS: tl.constexpr, N_GROUP: tl.constexpr,
+                      NG_P: tl.constexpr, GSIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, SOFTMAX: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
+                      BN: tl.constexpr, BK: tl.constexpr, SPLIT1: tl.constexpr, SPLIT1_PAD: tl.constexpr,
+                      KPS1: tl.constexpr, SPLIT2: tl.constexpr, SPLIT2_PAD: tl.constexpr, KPS2: tl.constexpr,
+                      BH: tl.constexpr, BI: tl.constexpr, SPP: tl.constexpr, NPROG: tl.constexpr, PHASE: tl.constexpr,
+                      DOT_FP32: tl.constexpr, PDL: tl.constexpr):
+    pid = tl.program_id(0)
+    OUT_K: tl.constexpr = TOP_K + 1
+    NR: tl.constexpr = (E + 2 * BN - 1) // (2 * BN)  # router tiles (2 * BN rows)
+    NT: tl.constexpr = (I + BN - 1) // BN  # I-tiles of one expert (BN gate + BN up rows)
+    T1: tl.constexpr = NR + NT  # phase-1 tiles: router, then the shared expert's
+    T2: tl.constexpr = MT * TOP_K * NT  # phase-2 tiles: routed slot x I-tile
+    W: tl.constexpr = 2 * BN
+    # fp32 partials: phase 1 [T1, SPLIT1, MT, W], then phase 2 [T2, SPLIT2, W]
+    P2_BASE: tl.constexpr = T1 * SPLIT1 * MT * W
+    if PDL:  # x comes from the previous kernel; nothing is read or written before this
+        gdc_wait()
+    j2 = tl.arange(0, W)
+    cols = tl.arange(0, 16)
+
+    # ---- phase 1: router logits and the shared expert's gate/up ------------------------------------------------
+    if (PHASE == 0) | (PHASE == 1):
+        for item in range(pid, T1 * SPLIT1, NPROG):
+            tile = item // SPLIT1
+            sp = item % SPLIT1
+            k_lo = sp * KPS1
+            if tile < NR:
+                rows = tile * W + j2
+                rmask = rows < E
+                acc = _tile_dot(router_ptr, rows, rmask, H, x_ptr, stride_xm, k_lo, k_lo + KPS1, H, MT, BK, DOT_FP32)
+            else:
+                rows, rmask = _gate_up_rows(tile - NR, I, BN)
+                acc = _tile_dot(w13_ptr + E * stride_w13e, rows, rmask, stride_w13n, x_ptr, stride_xm, k_lo,
+                                k_lo + KPS1, H, MT, BK, DOT_FP32)
+            tl.store(part_ptr + ((tile * SPLIT1 + sp) * MT + cols[None, :]) * W + j2[:, None], acc,
+                     mask=(cols < MT)[None, :])
+            tl.debug_barrier()  # this item's partial precedes its ticket
+            ticket = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel")
+            if ticket == SPLIT1 - 1:
+                for m in tl.static_range(MT):
+                    base = part_ptr + (tile * SPLIT1 * MT + m) * W
+                    if tile < NR:
+                        v = _split_sum(base, SPLIT1, SPLIT1_PAD, MT * W, 0, W)
+                        tl.store(logits_ptr + m * E + tile * W + j2, v, mask=tile * W + j2 < E)
+                    else:
+                        t = tile - NR
+                        g = _split_sum(base, SPLIT1, SPLIT1_PAD, MT * W, 0, BN)
+                        u = _split_sum(base, SPLIT1, SPLIT1_PAD, MT * W, BN, BN)
+                        ri = t * BN + tl.arange(0, BN)
+                        a = g / (1.0 + tl.exp(-g)) * u
+                        tl.store(act_ptr + (m * OUT_K + TOP_K) * I + ri, a.to(act_ptr.dtype.element_ty), mask=ri < I)
+                tl.atomic_xchg(ticket_ptr + tile, 0)
+    if PHASE == 0:
+        _grid_barrier(bar_ptr, NPROG)
+
+    # ---- phase 2: routing (every program), the routed experts' gate/up ------------------------------------------
+    if (PHASE == 0) | (PHASE == 2):
+        ids = _route_rows(logits_ptr, bias_ptr, ids_ptr, tw_ptr, ids_ptr, ids_ptr, 0, MT, E, scale, E, E, EP, ROWS,
+                          TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS, RENORM, False, OUT_K)
+        r_ar = tl.arange(0, ROWS)
+        k_ar = tl.arange(0, TOPK_P)
+        for item in range(pid, T2 * SPLIT2, NPROG):
+            tile = item // SPLIT2
+            sp = item % SPLIT2
+            slot = tile // NT
+            t = tile % NT
+            m = slot // TOP_K
+            kk = slot % TOP_K
+            e = tl.sum(tl.sum(tl.where((r_ar == m)[:, None] & (k_ar == kk)[None, :], ids, 0), axis=1), axis=0)
+            rows, rmask = _gate_up_rows(t, I, BN)
+            k_lo = sp * KPS2
+            acc = _tile_dot(w13_ptr + e.to(tl.int64) * stride_w13e, rows, rmask, stride_w13n, x_ptr, stride_xm, k_lo,
+                            k_lo + KPS2, H, MT, BK, DOT_FP32)
+            col = tl.sum(tl.where(cols[None, :] == m, acc, 0.0), axis=1)  # [W]: this slot's token
+            ri = t * BN + tl.arange(0, BN)
+            a_row = act_ptr + (m * OUT_K + kk) * I + ri
+            if SPLIT2 == 1:  # [2 * BN] = gate then up: split the halves in registers
+                g, u = tl.split(tl.trans(tl.reshape(col, (2, BN))))
+                tl.store(a_row, (g / (1.0 + tl.exp(-g)) * u).to(act_ptr.dtype.element_ty), mask=ri < I)
+            else:
+                tl.store(part_ptr + P2_BASE + (tile * SPLIT2 + sp) * W + j2, col)
+                tl.debug_barrier()
+                ticket = tl.atomic_add(ticket_ptr + T1 + tile, 1, sem="acq_rel")
+                if ticket == SPLIT2 - 1:
+                    base = part_ptr + P2_BASE + tile * SPLIT2 * W
+                    g = _split_sum(base, SPLIT2, SPLIT2_PAD, W, 0, BN)
+                    u = _split_sum(base, SPLIT2, SPLIT2_PAD, W, BN, BN)
+                    tl.store(a_row, (g / (1.0 + tl.exp(-g)) * u).to(act_ptr.dtype.element_ty), mask=ri < I)
+                    tl.atomic_xchg(ticket_ptr + T1 + tile, 0)
+    if PHASE == 0:
+        _grid_barrier(bar_ptr, 2 * NPROG)
+
+    # ---- phase 3: down projection, weighted top-k (+ shared) sum -----------------------------------------------
+    if (PHASE == 0) | (PHASE == 3):
+        SP: tl.constexpr = MT * OUT_K
+        NI: tl.constexpr = (I + BI - 1) // BI
+        s_ar = tl.arange(0, SPP)
+        e_all = tl.load(ids_ptr + s_ar, mask=s_ar < SP, other=0, cache_modifier=".cg")
+        r_all = tl.load(tw_ptr + s_ar, mask=s_ar < SP, other=0.0, cache_modifier=".cg")
+        e_all = tl.where((e_all >= 0) & (e_all <= E), e_all, 0)
+        for item in range(pid, (H + BH - 1) // BH, NPROG):
+            oh = item * BH + tl.arange(0, BH)
+            hmask = oh < H
+            acc = tl.zeros((BH, 16), dtype=tl.float32)
+            for it in range(0, SP * NI):
+                s = it // NI
+                i0 = (it % NI) * BI
+                e = tl.sum(tl.where(s_ar == s, e_all, 0), axis=0)
+                r = tl.sum(tl.where(s_ar == s, r_all, 0.0), axis=0)
+                ic = i0 + tl.arange(0, BI)
+                imask = ic < I
+                w = tl.load(w2_ptr + e.to(tl.int64) * stride_w2e + oh.to(tl.int64)[:, None] * stride_w2n + ic[None, :],
+                            mask=hmask[:, None] & imask[None, :], other=0.0)
+                a = tl.load(act_ptr + s * I + ic, mask=imask, other=0.0, cache_modifier=".cg")
+                at = tl.where(cols[None, :] == s // OUT_K, a[:, None], tl.zeros((BI, 16), a.dtype))
+                if DOT_FP32:
+                    acc += r * tl.dot(w.to(tl.float32), at.to(tl.float32))
+                else:
+                    acc += r * tl.dot(w, at)
+            tl.store(out_ptr + cols[None, :] * stride_om + oh[:, None], acc.to(out_ptr.dtype.element_ty),
+                     mask=hmask[:, None] & (cols < MT)[None, :])
+    if PHASE == 0:  # the last program out resets the barrier for the next launch
+        tl.debug_barrier()
+        done = tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel")
+        if done == NPROG - 1:
+            tl.atomic_xchg(bar_ptr, 0)
+            tl.atomic_xchg(bar_ptr + 1, 0)

@@ -1,0 +1,251 @@
+"""A verify layer's MoE block at a few tokens in one persistent launch: router GEMV, routing, the shared and routed
+experts (issue 22). Kernel and its phases: ``specverify.kernels.moe_block``. Definition of correct:
+``logits = x @ router^T`` in fp32, :func:`specverify.reference.moe.route_reference` on them, the shared expert as
+one more slot of weight 1, :func:`specverify.reference.moe.fused_moe_reference` over the stacked weights.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+from specverify import envvars
+from specverify.fit import pdl_launch, sm_count
+
+__all__ = ["MoEBlockResult", "moe_block", "MOE_BLOCK_MAX_M"]
+
+#: Token counts the verify forward runs through :func:`moe_block` (the kernel takes up to 16); above, the four
+#: launches (router GEMV, routing, gate/up, down). Chosen from ``bench/ab_verify_pass.py`` on the H200.
+MOE_BLOCK_MAX_M = 2
+_KERNEL_MAX_M = 16
+_BN, _BK, _WARPS, _STAGES = 32, 128, 4, 3
+_WS: dict = {}
+_NPROG: dict = {}
+
+
+class MoEBlockResult(NamedTuple):
+    """out [M, H] (hidden's dtype); topk_ids int32 [M, top_k + 1] and topk_weights fp32 [M, top_k + 1] (last column:
+    the shared expert, id E, weight 1); router_logits fp32 [M, E]."""
+
+    out: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    router_logits: torch.Tensor
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def _split(tiles: int, chunks: int, nprog: int) -> tuple[int, int]:
+    """(splits, chunks a split): the most splits of ``chunks`` K-chunks with tiles * splits <= nprog (one item a
+    program), whole chunks a split."""
+    per = _cdiv(chunks, max(1, nprog // tiles))
+    return _cdiv(chunks, per), per
+
+
+def _plan(m: int, h: int, inter: int, e: int, top_k: int, nprog: int) -> dict:
+    chunks = _cdiv(h, _BK)
+    t1 = _cdiv(e, 2 * _BN) + _cdiv(inter, _BN)
+    t2 = m * top_k * _cdiv(inter, _BN)
+    s1, per1 = _split(t1, chunks, nprog)
+    s2, per2 = _split(t2, chunks, nprog)
+    bh = 64
+    while bh > 16 and _cdiv(h, bh) * 2 <= nprog:
+        bh //= 2
+    return dict(BN=_BN, BK=_BK, SPLIT1=s1, SPLIT1_PAD=max(2, _next_pow2(s1)), KPS1=per1 * _BK, SPLIT2=s2,
+                SPLIT2_PAD=max(2, _next_pow2(s2)), KPS2=per2 * _BK, BH=bh, BI=min(256, _next_pow2(inter)),
+                SPP=max(2, _next_pow2(m * (top_k + 1))), T1=t1, T2=t2)
+
+
+def _workspace(device, part: int, tickets: int):
+    key = (device.type, device.index)
+    ws = _WS.get(key)
+    if ws is None or ws[0].numel() < part or ws[1].numel() < tickets:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("moe_block: the workspace must grow outside CUDA-graph capture; run one eager call "
+                               "at the largest token count first")
+        part = max(part, ws[0].numel() if ws else 0)
+        tickets = max(tickets, ws[1].numel() if ws else 0)
+        ws = (torch.empty(part, dtype=torch.float32, device=device),
+              torch.zeros(tickets, dtype=torch.int32, device=device),
+              torch.zeros(2, dtype=torch.int32, device=device))
+        _WS[key] = ws
+    return ws
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_resources(index: int) -> tuple[int, int]:
+    props = torch.cuda.get_device_properties(index)
+    regs = int(getattr(props, "regs_per_multiprocessor", 65536) or 65536)
+    smem = int(getattr(props, "shared_memory_per_multiprocessor", 0) or 0)
+    return regs, smem
+
+
+def _programs(kernel, args, consts: dict, device, key) -> int:
+    """Programs of the persistent grid: SMs x min(2, programs that fit an SM), from the compiled kernel's registers
+    and shared memory (every program must be resident at once: the grid barriers wait for all)."""
+    sms = sm_count(device.type, device.index)
+    if device.type != "cuda" or envvars.triton_interpret():
+        return sms
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    hit = _NPROG.get((key, index))
+    if hit is not None:
+        return hit
+    regs_sm, smem_sm = _sm_resources(index)
+    for per_sm in (2, 1):
+        nprog = sms * per_sm
+        cfg = dict(consts, **_plan_consts(key, nprog))
+        compiled = kernel.warmup(*args, grid=(nprog,), **cfg)
+        init = getattr(compiled, "_init_handles", None)
+        if init is not None:
+            init()
+        n_regs = int(getattr(compiled, "n_regs", 0) or 0)
+        shared = int(getattr(getattr(compiled, "metadata", None), "shared", 0) or 0)
+        threads = 32 * _WARPS
+        fits = per_sm * n_regs * threads <= regs_sm and (smem_sm == 0 or per_sm * (shared + 1024) <= smem_sm)
+        if fits:
+            _NPROG[(key, index)] = nprog
+            return nprog
+    raise RuntimeError(f"moe_block: one program of the persistent kernel does not fit an SM ({n_regs} registers a "
+                       f"thread, {shared} B shared memory); report this shape")
+
+
+def _plan_consts(key, nprog: int) -> dict:
+    m, h, inter, e, top_k = key[:5]
+    p = _plan(m, h, inter, e, top_k, nprog)
+    p.pop("T1")
+    p.pop("T2")
+    return dict(p, NPROG=nprog)
+
+
+def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor, w2_all: torch.Tensor, *, top_k: int,
+              scoring: str = "sigmoid", correction_bias: torch.Tensor | None = None, n_group: int = 1,
+              topk_group: int = 1, renormalize: bool = True, routed_scaling_factor: float = 1.0) -> MoEBlockResult:
+    """The MoE block of a verify layer (router, routing, routed + shared SwiGLU experts) in one persistent launch.
+
+    Math: ``logits = hidden @ router^T`` (fp32); ids / weights by the routing of :func:`specverify.moe.moe_route`
+    (same semantics and tie rules; here on fp32 logits) with the shared expert as slot ``top_k`` (id E, weight 1);
+    ``out[m] = sum_j w[m, j] * w2[e] @ (silu(gate[e] @ h) * (up[e] @ h))`` with the SwiGLU output rounded to
+    hidden's dtype, summed in a fixed order (deterministic). Source: DeepSeek-V3's MoE layer (routed + shared
+    experts, auxiliary-loss-free routing); one persistent grid with grid barriers instead of four launches.
+
+    Parameters
+    ----------
+    hidden : torch.Tensor
+        (M, H), bfloat16 or float16, unit column stride; 1 <= M <= 16 (the verify forward uses it up to
+        :data:`MOE_BLOCK_MAX_M`).
+    router : torch.Tensor
+        (E, H), hidden's dtype, contiguous.
+    w13_all, w2_all : torch.Tensor
+        (E + 1, 2I, H) and (E + 1, H, I), hidden's dtype, unit column stride: gate rows then up rows of each expert,
+        expert E the shared one (the verify forward's ``w13_all`` / ``w2_all``).
+    top_k, scoring, correction_bias, n_group, topk_group, renormalize, routed_scaling_factor
+        As :func:`specverify.moe.moe_route` (``correction_bias`` fp32-convertible, shape (E,)).
+
+    Returns
+    -------
+    MoEBlockResult
+        ``out`` (M, H) in hidden's dtype, ``topk_ids`` int32 (M, top_k + 1), ``topk_weights`` fp32 (M, top_k + 1),
+        ``router_logits`` fp32 (M, E). New tensors each call.
+
+    Raises
+    ------
+    TypeError
+        Non-tensor operands, dtypes that differ or are not bf16 / fp16.
+    ValueError
+        Shapes that disagree, M outside 1..16, top_k outside 1..min(E, 64), E > 1024, n_group not dividing E,
+        unknown scoring, tensors on different devices.
+    RuntimeError
+        The first call on a device (the workspace) during CUDA-graph capture.
+
+    Notes
+    -----
+    Graph-safe after one eager call per token count: fixed grid, self-resetting tickets and barrier counters, no
+    host sync. Every program must be resident at once (the launcher sizes the grid from the compiled kernel), so the
+    launch must not share the GPU with work that holds SMs for its whole duration. CUDA (sm_80+; PDL wait on sm_90+)
+    or the Triton interpreter (which runs the three phases as three launches).
+    """
+    from specverify.kernels.moe_block import _moe_block_kernel
+
+    op = "moe_block"
+    for name, t in (("hidden", hidden), ("router", router), ("w13_all", w13_all), ("w2_all", w2_all)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in (torch.bfloat16, torch.float16) or t.dtype != hidden.dtype:
+            raise TypeError(f"{op}: {name} must be bfloat16 or float16 like hidden ({hidden.dtype}), got {t.dtype}")
+        if t.device != hidden.device:
+            raise ValueError(f"{op}: {name} is on {t.device}, hidden on {hidden.device}; move them to one device")
+    if hidden.dim() != 2 or router.dim() != 2 or w13_all.dim() != 3 or w2_all.dim() != 3:
+        raise ValueError(f"{op}: expected hidden (M, H), router (E, H), w13_all (E + 1, 2I, H), w2_all (E + 1, H, I); "
+                         f"got {list(hidden.shape)}, {list(router.shape)}, {list(w13_all.shape)}, "
+                         f"{list(w2_all.shape)}")
+    m, h = hidden.shape
+    e = router.shape[0]
+    inter = w2_all.shape[2]
+    if (router.shape[1] != h or tuple(w13_all.shape) != (e + 1, 2 * inter, h)
+            or tuple(w2_all.shape) != (e + 1, h, inter)):
+        raise ValueError(f"{op}: shapes disagree: hidden {list(hidden.shape)}, router {list(router.shape)}, w13_all "
+                         f"{list(w13_all.shape)}, w2_all {list(w2_all.shape)}; expected router (E, {h}), w13_all "
+                         f"(E + 1, 2I, {h}), w2_all (E + 1, {h}, I)")
+    if not 1 <= m <= _KERNEL_MAX_M:
+        raise ValueError(f"{op}: M must be in 1..{_KERNEL_MAX_M}, got {m}; above, use moe_route + fused_moe")
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= min(e, 64):
+        raise ValueError(f"{op}: top_k must be an int in 1..{min(e, 64)}, got {top_k!r}")
+    if e > 1024:
+        raise ValueError(f"{op}: at most 1024 experts, got {e}")
+    if scoring not in ("sigmoid", "softmax"):
+        raise ValueError(f"{op}: scoring must be 'sigmoid' or 'softmax', got {scoring!r}")
+    if n_group < 1 or e % n_group or not 1 <= topk_group <= n_group:
+        raise ValueError(f"{op}: n_group must divide E = {e} and 1 <= topk_group <= n_group; got n_group {n_group}, "
+                         f"topk_group {topk_group}")
+    if correction_bias is not None and tuple(correction_bias.shape) != (e,):
+        raise ValueError(f"{op}: correction_bias must have shape ({e},), got {list(correction_bias.shape)}")
+    if hidden.stride(1) != 1 or w13_all.stride(2) != 1 or w2_all.stride(2) != 1:
+        raise ValueError(f"{op}: hidden, w13_all and w2_all need a unit column stride; pass .contiguous() tensors")
+    router = router.contiguous()
+    dev = hidden.device
+    bias = (correction_bias.float().contiguous() if correction_bias is not None
+            else torch.zeros(1, dtype=torch.float32, device=dev))
+    logits = torch.empty((m, e), dtype=torch.float32, device=dev)
+    ids = torch.empty((m, top_k + 1), dtype=torch.int32, device=dev)
+    tw = torch.empty((m, top_k + 1), dtype=torch.float32, device=dev)
+    act = torch.empty((m * (top_k + 1), inter), dtype=hidden.dtype, device=dev)
+    out = torch.empty((m, h), dtype=hidden.dtype, device=dev)
+    interp = dev.type != "cuda" or envvars.triton_interpret()
+    pdl = pdl_launch(dev)
+    key = (m, h, inter, e, top_k, hidden.dtype, scoring, n_group, topk_group)
+    ep = _next_pow2(e)
+    consts = dict(MT=m, H=h, I=inter, E=e, EP=ep, TOP_K=top_k, TOPK_P=max(2, _next_pow2(top_k)),
+                  ROWS=_next_pow2(m), N_GROUP=n_group, NG_P=max(2, _next_pow2(n_group)), GSIZE=e // n_group,
+                  TOPK_GROUP=topk_group, SOFTMAX=scoring == "softmax", HAS_BIAS=correction_bias is not None,
+                  RENORM=bool(renormalize), DOT_FP32=interp, PDL=pdl)
+    # the workspace covers the plan of either grid size (sized before the kernel is compiled)
+    sms = sm_count(dev.type, dev.index)
+    plans = [_plan(m, h, inter, e, top_k, sms * p) for p in (1, 2)]
+    need_p = max(p["T1"] * p["SPLIT1"] * m * 2 * _BN + p["T2"] * p["SPLIT2"] * 2 * _BN for p in plans)
+    need_t = max(p["T1"] + p["T2"] for p in plans)
+    part, ticket, bar = _workspace(dev, need_p, need_t)
+
+    def args_of():
+        return (hidden, router, bias, w13_all, w2_all, logits, ids, tw, act, part, ticket, bar, out,
+                hidden.stride(0), out.stride(0), w13_all.stride(0), w13_all.stride(1), w2_all.stride(0),
+                w2_all.stride(1), float(routed_scaling_factor))
+
+    launch = {} if interp else {"num_warps": _WARPS, "num_stages": _STAGES}
+    if pdl:
+        launch["launch_pdl"] = True
+    base = dict(consts, **launch)
+    nprog = _programs(_moe_block_kernel, args_of(), dict(base, PHASE=0), dev, key)
+    cfg = dict(base, **_plan_consts(key, nprog))
+    if interp:  # programs run one after another: the three phases as three launches, no grid barrier
+        for phase in (1, 2, 3):
+            _moe_block_kernel[(nprog,)](*args_of(), PHASE=phase, **cfg)
+    else:
+        _moe_block_kernel[(nprog,)](*args_of(), PHASE=0, **cfg)
+    return MoEBlockResult(out, ids, tw, logits)

@@ -58,11 +58,12 @@ from specverify.kernels.moe_route import _route_rows
 
 @triton.jit
 def _tile_dot(w_base, rows, rmask, stride_wn, x_ptr, stride_xm, k_lo, k_hi, H: tl.constexpr, MT: tl.constexpr,
-              BK: tl.constexpr, DOT_FP32: tl.constexpr):
-    """acc [len(rows), 16]: column m = sum over k in [k_lo, k_hi) of W[rows, k] * x[m, k] (columns >= MT zero)."""
+              BK: tl.constexpr, STAGES: tl.constexpr, DOT_FP32: tl.constexpr):
+    """acc [len(rows), 16]: column m = sum over k in [k_lo, k_hi) of W[rows, k] * x[m, k] (columns >= MT zero);
+    the loop's loads pipelined STAGES deep."""
     cols = tl.arange(0, 16)
     acc = tl.zeros((rows.shape[0], 16), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BK):
+    for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
         kc = k0 + tl.arange(0, BK)
         kmask = kc < H
         w = tl.load(w_base + rows.to(tl.int64)[:, None] * stride_wn + kc[None, :],
@@ -116,7 +117,8 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
                       HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
                       BN: tl.constexpr, BK: tl.constexpr, SPLIT1: tl.constexpr, SPLIT1_PAD: tl.constexpr,
                       KPS1: tl.constexpr, SPLIT2: tl.constexpr, SPLIT2_PAD: tl.constexpr, KPS2: tl.constexpr,
-                      BH: tl.constexpr, BI: tl.constexpr, SPP: tl.constexpr, NPROG: tl.constexpr, PHASE: tl.constexpr,
+                      BH: tl.constexpr, BI: tl.constexpr, SPP: tl.constexpr, STAGES_K: tl.constexpr,
+                      STAGES_D: tl.constexpr, NPROG: tl.constexpr, PHASE: tl.constexpr,
                       DOT_FP32: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     OUT_K: tl.constexpr = TOP_K + 1
@@ -141,11 +143,11 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
             if tile < NR:
                 rows = tile * W + j2
                 rmask = rows < E
-                acc = _tile_dot(router_ptr, rows, rmask, H, x_ptr, stride_xm, k_lo, k_lo + KPS1, H, MT, BK, DOT_FP32)
+                acc = _tile_dot(router_ptr, rows, rmask, H, x_ptr, stride_xm, k_lo, k_lo + KPS1, H, MT, BK, STAGES_K, DOT_FP32)
             else:
                 rows, rmask = _gate_up_rows(tile - NR, I, BN)
                 acc = _tile_dot(w13_ptr + E * stride_w13e, rows, rmask, stride_w13n, x_ptr, stride_xm, k_lo,
-                                k_lo + KPS1, H, MT, BK, DOT_FP32)
+                                k_lo + KPS1, H, MT, BK, STAGES_K, DOT_FP32)
             tl.store(part_ptr + ((tile * SPLIT1 + sp) * MT + cols[None, :]) * W + j2[:, None], acc,
                      mask=(cols < MT)[None, :])
             tl.debug_barrier()  # this item's partial precedes its ticket
@@ -184,7 +186,7 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
             rows, rmask = _gate_up_rows(t, I, BN)
             k_lo = sp * KPS2
             acc = _tile_dot(w13_ptr + e.to(tl.int64) * stride_w13e, rows, rmask, stride_w13n, x_ptr, stride_xm, k_lo,
-                            k_lo + KPS2, H, MT, BK, DOT_FP32)
+                            k_lo + KPS2, H, MT, BK, STAGES_K, DOT_FP32)
             col = tl.sum(tl.where(cols[None, :] == m, acc, 0.0), axis=1)  # [W]: this slot's token
             ri = t * BN + tl.arange(0, BN)
             a_row = act_ptr + (m * OUT_K + kk) * I + ri
@@ -216,7 +218,7 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
             oh = item * BH + tl.arange(0, BH)
             hmask = oh < H
             acc = tl.zeros((BH, 16), dtype=tl.float32)
-            for it in range(0, SP * NI):
+            for it in tl.range(0, SP * NI, num_stages=STAGES_D):
                 s = it // NI
                 i0 = (it % NI) * BI
                 e = tl.sum(tl.where(s_ar == s, e_all, 0), axis=0)

@@ -19,7 +19,8 @@ __all__ = ["MoEBlockResult", "moe_block", "MOE_BLOCK_MAX_M"]
 #: launches (router GEMV, routing, gate/up, down). Chosen from ``bench/ab_verify_pass.py`` on the H200.
 MOE_BLOCK_MAX_M = 2
 _KERNEL_MAX_M = 16
-_BN, _BK, _WARPS, _STAGES = 32, 128, 4, 3
+_BN, _BK, _WARPS = 32, 128, 4
+_STAGES_K, _STAGES_D = 4, 3  # pipeline depth of the gate/up and router K loops, and of the down loop
 _WS: dict = {}
 _NPROG: dict = {}
 
@@ -60,7 +61,7 @@ def _plan(m: int, h: int, inter: int, e: int, top_k: int, nprog: int) -> dict:
         bh //= 2
     return dict(BN=_BN, BK=_BK, SPLIT1=s1, SPLIT1_PAD=max(2, _next_pow2(s1)), KPS1=per1 * _BK, SPLIT2=s2,
                 SPLIT2_PAD=max(2, _next_pow2(s2)), KPS2=per2 * _BK, BH=bh, BI=min(256, _next_pow2(inter)),
-                SPP=max(2, _next_pow2(m * (top_k + 1))), T1=t1, T2=t2)
+                SPP=max(2, _next_pow2(m * (top_k + 1))), STAGES_K=_STAGES_K, STAGES_D=_STAGES_D, T1=t1, T2=t2)
 
 
 def _workspace(device, part: int, tickets: int):
@@ -237,7 +238,7 @@ def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor,
                 hidden.stride(0), out.stride(0), w13_all.stride(0), w13_all.stride(1), w2_all.stride(0),
                 w2_all.stride(1), float(routed_scaling_factor))
 
-    launch = {} if interp else {"num_warps": _WARPS, "num_stages": _STAGES}
+    launch = {} if interp else {"num_warps": _WARPS}
     if pdl:
         launch["launch_pdl"] = True
     base = dict(consts, **launch)

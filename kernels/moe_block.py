@@ -140,14 +140,19 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
             tile = item // SPLIT1
             sp = item % SPLIT1
             k_lo = sp * KPS1
-            if tile < NR:
-                rows = tile * W + j2
-                rmask = rows < E
-                acc = _tile_dot(router_ptr, rows, rmask, H, x_ptr, stride_xm, k_lo, k_lo + KPS1, H, MT, BK, STAGES_K, DOT_FP32)
+            # one K loop for both kinds of tile (each loop's pipeline buffers take shared memory of their own)
+            g_rows, g_mask = _gate_up_rows(tile - NR, I, BN)
+            is_router = tile < NR
+            rows = tl.where(is_router, tile * W + j2, g_rows)
+            rmask = tl.where(is_router, tile * W + j2 < E, g_mask)
+            if is_router:
+                w_base = router_ptr
+                stride_wn = (stride_w13n * 0 + H).to(tl.int64)
             else:
-                rows, rmask = _gate_up_rows(tile - NR, I, BN)
-                acc = _tile_dot(w13_ptr + E * stride_w13e, rows, rmask, stride_w13n, x_ptr, stride_xm, k_lo,
-                                k_lo + KPS1, H, MT, BK, STAGES_K, DOT_FP32)
+                w_base = w13_ptr + E * stride_w13e
+                stride_wn = stride_w13n.to(tl.int64)
+            acc = _tile_dot(w_base, rows, rmask, stride_wn, x_ptr, stride_xm, k_lo, k_lo + KPS1, H, MT, BK, STAGES_K,
+                            DOT_FP32)
             tl.store(part_ptr + ((tile * SPLIT1 + sp) * MT + cols[None, :]) * W + j2[:, None], acc,
                      mask=(cols < MT)[None, :])
             tl.debug_barrier()  # this item's partial precedes its ticket

@@ -20,7 +20,7 @@ __all__ = ["MoEBlockResult", "moe_block", "MOE_BLOCK_MAX_M"]
 MOE_BLOCK_MAX_M = 2
 _KERNEL_MAX_M = 16
 _BN, _BK, _WARPS = 32, 128, 4
-_STAGES_K, _STAGES_D = 4, 3  # pipeline depth of the gate/up and router K loops, and of the down loop
+_STAGES_K, _STAGES_D = 5, 3  # pipeline depth of the gate/up and router K loops, and of the down loop
 _WS: dict = {}
 _NPROG: dict = {}
 

@@ -54,7 +54,7 @@ TARGETS = {
     "sm_90a": (90, 232448, 132, "NVIDIA H200 (fake, offline)"),
     "sm_120": (120, 101376, 188, "NVIDIA RTX PRO 6000 Blackwell (fake, offline)"),
 }
-GROUPS = ("attn", "gqa", "route", "moe", "accept", "fused", "kv", "gemv")
+GROUPS = ("attn", "gqa", "route", "moe", "block", "accept", "fused", "kv", "gemv")
 
 
 def log(msg: str) -> None:
@@ -351,6 +351,24 @@ def scen_moe(quick: bool, target: str):
         yield f"moe e384 h7168 i256 top8 M{m}", run
 
 
+def scen_block(quick: bool, target: str):
+    """The one-launch MoE block (router, routing, shared + routed experts) at Kimi-K2 / DeepSeek-V3 rank shapes, the
+    pipeline depth and grid its launcher picks for the target."""
+    import specverify.moe_block as mb
+
+    shapes = [("kimi-k2", 384, 1, 1, 1)] if quick else [("kimi-k2", 384, 1, 1, 1), ("kimi-k2", 384, 1, 1, 2),
+                                                         ("deepseek-v3", 256, 8, 4, 2)]
+    for model, e, n_group, topk_group, m in shapes:
+        def run(e=e, n_group=n_group, topk_group=topk_group, m=m):
+            mb._CHOSEN.clear()  # the choice is per device: another target's must not leak
+            mb._sm_resources.cache_clear()
+            h, inter = 7168, 256
+            mb.moe_block(_cuda(m, h), _cuda(e, h), _cuda(e + 1, 2 * inter, h), _cuda(e + 1, h, inter), top_k=8,
+                         correction_bias=_cuda(e, dtype=torch.float32), n_group=n_group, topk_group=topk_group,
+                         routed_scaling_factor=2.5)
+        yield f"moe_block {model} M{m}", run
+
+
 def scen_accept(quick: bool, target: str):
     """Acceptance: greedy (from logits) and sampling, Kimi-K2 vocab 163840."""
     import specverify.accept as acc
@@ -450,7 +468,7 @@ def scen_gemv(quick: bool, target: str):
             yield f"gemv m{m} {k}->{n}", lambda m=m, n=n, k=k: gemv(_cuda(m, k), _cuda(n, k), impl="triton")
 
 
-SCENARIOS = dict(attn=scen_attn, gqa=scen_gqa, route=scen_route, moe=scen_moe, accept=scen_accept,
+SCENARIOS = dict(attn=scen_attn, gqa=scen_gqa, route=scen_route, moe=scen_moe, block=scen_block, accept=scen_accept,
                  fused=scen_fused, kv=scen_kv, gemv=scen_gemv)
 
 

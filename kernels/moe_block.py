@@ -51,8 +51,9 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from specverify.kernels.gemv import _prefetch_l2
 from specverify.kernels.moe_route import _route_rows
 
 
@@ -97,6 +98,16 @@ def _split_sum(part_ptr, SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr, stride_sp
 
 
 @triton.jit
+def _prefetch_rows(w_base, rows, rmask, stride_wn, k_lo, k_hi, H: tl.constexpr, BK: tl.constexpr):
+    """prefetch.global.L2 of W[rows, k_lo:k_hi] (one address per 128-byte line of 2-byte elements)."""
+    lines = tl.arange(0, BK // 64)
+    for k0 in range(k_lo, k_hi, BK):
+        lk = k0 + lines * 64
+        pmask = rmask[:, None] & (lk < H)[None, :]
+        _prefetch_l2(tl.where(pmask, w_base + rows.to(tl.int64)[:, None] * stride_wn + lk[None, :], w_base))
+
+
+@triton.jit
 def _grid_barrier(bar_ptr, target):
     """Every program of the grid arrives (release) and waits until ``target`` arrivals (acquire)."""
     tl.debug_barrier()  # every thread's stores precede the arrival
@@ -118,7 +129,7 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
                       BN: tl.constexpr, BK: tl.constexpr, SPLIT1: tl.constexpr, SPLIT1_PAD: tl.constexpr,
                       KPS1: tl.constexpr, SPLIT2: tl.constexpr, SPLIT2_PAD: tl.constexpr, KPS2: tl.constexpr,
                       BH: tl.constexpr, BI: tl.constexpr, SPP: tl.constexpr, STAGES_K: tl.constexpr,
-                      STAGES_D: tl.constexpr, NPROG: tl.constexpr, PHASE: tl.constexpr,
+                      STAGES_D: tl.constexpr, PF_SLOTS: tl.constexpr, PREFETCH: tl.constexpr, NPROG: tl.constexpr, PHASE: tl.constexpr,
                       DOT_FP32: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     OUT_K: tl.constexpr = TOP_K + 1
@@ -129,10 +140,20 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
     W: tl.constexpr = 2 * BN
     # fp32 partials: phase 1 [T1, SPLIT1, MT, W], then phase 2 [T2, SPLIT2, W]
     P2_BASE: tl.constexpr = T1 * SPLIT1 * MT * W
-    if PDL:  # x comes from the previous kernel; nothing is read or written before this
-        gdc_wait()
     j2 = tl.arange(0, W)
     cols = tl.arange(0, 16)
+    if PREFETCH & ((PHASE == 0) | (PHASE == 1)):  # weights are constant: this program's first phase-1 slice goes to
+        if pid < T1 * SPLIT1:  # L2 while the previous kernel finishes
+            tile = pid // SPLIT1
+            g_rows, g_mask = _gate_up_rows(tile - NR, I, BN)
+            if tile < NR:
+                _prefetch_rows(router_ptr, tile * W + j2, tile * W + j2 < E, H, (pid % SPLIT1) * KPS1,
+                               (pid % SPLIT1) * KPS1 + KPS1, H, BK)
+            else:
+                _prefetch_rows(w13_ptr + E * stride_w13e, g_rows, g_mask, stride_w13n, (pid % SPLIT1) * KPS1,
+                               (pid % SPLIT1) * KPS1 + KPS1, H, BK)
+    if PDL:  # x comes from the previous kernel; nothing is read or written before this
+        gdc_wait()
 
     # ---- phase 1: router logits and the shared expert's gate/up ------------------------------------------------
     if (PHASE == 0) | (PHASE == 1):
@@ -208,8 +229,22 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
                     u = _split_sum(base, SPLIT2, SPLIT2_PAD, W, BN, BN)
                     tl.store(a_row, (g / (1.0 + tl.exp(-g)) * u).to(act_ptr.dtype.element_ty), mask=ri < I)
                     tl.atomic_xchg(ticket_ptr + T1 + tile, 0)
+    if PREFETCH & ((PHASE == 0) | (PHASE == 2)):  # the first PF_SLOTS slots of this program's first down tile to L2
+        if pid * BH < H:  # before the barrier (the routing is known; the w2 rows are constant)
+            r_ar3 = tl.arange(0, ROWS)
+            k_ar3 = tl.arange(0, TOPK_P)
+            oh0 = pid * BH + tl.arange(0, BH)
+            for s in tl.static_range(PF_SLOTS):
+                m3 = s // OUT_K
+                j3 = s % OUT_K
+                e3 = tl.sum(tl.sum(tl.where((r_ar3 == m3)[:, None] & (k_ar3 == j3)[None, :], ids, 0), axis=1), axis=0)
+                if j3 == TOP_K:  # the shared slot
+                    e3 = e3 * 0 + E
+                _prefetch_rows(w2_ptr + e3.to(tl.int64) * stride_w2e, oh0, oh0 < H, stride_w2n, 0, I, I, BI)
     if PHASE == 0:
         _grid_barrier(bar_ptr, 2 * NPROG)
+        if PDL:  # every program is resident (all passed the barrier): the next kernel may launch now
+            gdc_launch_dependents()
 
     # ---- phase 3: down projection, weighted top-k (+ shared) sum -----------------------------------------------
     if (PHASE == 0) | (PHASE == 3):

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 
 from specverify import envvars
-from specverify.fit import pdl_launch, sm_count
+from specverify.fit import pdl_launch, sm_count, spill_bytes
 
 __all__ = ["MoEBlockResult", "moe_block", "MOE_BLOCK_MAX_M"]
 
@@ -19,10 +19,15 @@ __all__ = ["MoEBlockResult", "moe_block", "MOE_BLOCK_MAX_M"]
 #: launches (router GEMV, routing, gate/up, down). Chosen from ``bench/ab_verify_pass.py`` on the H200.
 MOE_BLOCK_MAX_M = 2
 _KERNEL_MAX_M = 16
-_BN, _BK, _WARPS = 32, 128, 4
-_STAGES_K, _STAGES_D = 5, 3  # pipeline depth of the gate/up and router K loops, and of the down loop
+_BN, _BK = 32, 128
+#: (K loops, down loop) pipeline depths and warps, best first (H200 at Kimi-K2 M = 1, 2, 4 warps: 6 / 3 at one
+#: program an SM 39.4 / 60.4 us, 3 / 3 at two 40.2 / 65.6, 3 / 2 at two 44.4 / 73.2); the first whose compiled
+#: kernel lets the grid be resident without spilling is taken (sm_120's ~100 KB of shared memory a block takes a
+#: shallower one, its registers 8 warps)
+_CANDIDATES = ((6, 3, 4), (4, 3, 4), (3, 3, 4), (3, 2, 4), (4, 3, 8), (3, 2, 8), (2, 2, 8))
+_PF_SLOTS = 3  # slots whose first down tile goes to L2 before barrier 2
 _WS: dict = {}
-_NPROG: dict = {}
+_CHOSEN: dict = {}
 
 
 class MoEBlockResult(NamedTuple):
@@ -61,7 +66,7 @@ def _plan(m: int, h: int, inter: int, e: int, top_k: int, nprog: int) -> dict:
         bh //= 2
     return dict(BN=_BN, BK=_BK, SPLIT1=s1, SPLIT1_PAD=max(2, _next_pow2(s1)), KPS1=per1 * _BK, SPLIT2=s2,
                 SPLIT2_PAD=max(2, _next_pow2(s2)), KPS2=per2 * _BK, BH=bh, BI=min(256, _next_pow2(inter)),
-                SPP=max(2, _next_pow2(m * (top_k + 1))), STAGES_K=_STAGES_K, STAGES_D=_STAGES_D, T1=t1, T2=t2)
+                SPP=max(2, _next_pow2(m * (top_k + 1))), PF_SLOTS=max(1, min(_PF_SLOTS, m * (top_k + 1))), T1=t1, T2=t2)
 
 
 def _workspace(device, part: int, tickets: int):
@@ -88,41 +93,48 @@ def _sm_resources(index: int) -> tuple[int, int]:
     return regs, smem
 
 
-def _programs(kernel, args, consts: dict, device, key) -> int:
-    """Programs of the persistent grid: SMs x min(2, programs that fit an SM), from the compiled kernel's registers
-    and shared memory (every program must be resident at once: the grid barriers wait for all)."""
+def _launch_config(kernel, args, consts: dict, device, key) -> dict:
+    """Grid size, pipeline depths and warps of the persistent kernel: the first of ``_CANDIDATES`` (best first) at
+    2, then 1 program an SM whose compiled kernel lets every program be resident at once (registers and shared
+    memory; the grid barriers wait for all) and does not spill (a resident but spilling one only when none is
+    spill-free). Cached per shape and device."""
     sms = sm_count(device.type, device.index)
     if device.type != "cuda" or envvars.triton_interpret():
-        return sms
+        return _plan_consts(key, sms, _CANDIDATES[0])
     index = device.index if device.index is not None else torch.cuda.current_device()
-    hit = _NPROG.get((key, index))
+    hit = _CHOSEN.get((key, index))
     if hit is not None:
         return hit
     regs_sm, smem_sm = _sm_resources(index)
-    for per_sm in (2, 1):
-        nprog = sms * per_sm
-        cfg = dict(consts, **_plan_consts(key, nprog))
-        compiled = kernel.warmup(*args, grid=(nprog,), **cfg)
-        init = getattr(compiled, "_init_handles", None)
-        if init is not None:
-            init()
-        n_regs = int(getattr(compiled, "n_regs", 0) or 0)
-        shared = int(getattr(getattr(compiled, "metadata", None), "shared", 0) or 0)
-        threads = 32 * _WARPS
-        fits = per_sm * n_regs * threads <= regs_sm and (smem_sm == 0 or per_sm * (shared + 1024) <= smem_sm)
-        if fits:
-            _NPROG[(key, index)] = nprog
-            return nprog
-    raise RuntimeError(f"moe_block: one program of the persistent kernel does not fit an SM ({n_regs} registers a "
-                       f"thread, {shared} B shared memory); report this shape")
+    seen, spilling = [], None
+    for cand in _CANDIDATES:
+        for per_sm in (2, 1):
+            cfg = _plan_consts(key, sms * per_sm, cand)
+            compiled = kernel.warmup(*args, grid=(sms * per_sm,), **dict(consts, **cfg))
+            spills = spill_bytes(compiled)
+            n_regs = int(getattr(compiled, "n_regs", 0) or 0)
+            shared = int(getattr(getattr(compiled, "metadata", None), "shared", 0) or 0)
+            fits = (per_sm * n_regs * 32 * cfg["num_warps"] <= regs_sm
+                    and (smem_sm == 0 or per_sm * (shared + 1024) <= smem_sm))
+            if fits and not spills:
+                _CHOSEN[(key, index)] = cfg
+                return cfg
+            if fits and spilling is None:
+                spilling = cfg
+            seen.append(f"{cand} x{per_sm}: {n_regs} registers, {shared} B, {spills} B spilled")
+    if spilling is not None:
+        _CHOSEN[(key, index)] = spilling
+        return spilling
+    raise RuntimeError(f"moe_block: no launch config lets the persistent grid be resident ({'; '.join(seen)}); "
+                       "report this shape")
 
 
-def _plan_consts(key, nprog: int) -> dict:
+def _plan_consts(key, nprog: int, cand: tuple[int, int, int]) -> dict:
     m, h, inter, e, top_k = key[:5]
     p = _plan(m, h, inter, e, top_k, nprog)
     p.pop("T1")
     p.pop("T2")
-    return dict(p, NPROG=nprog)
+    return dict(p, NPROG=nprog, STAGES_K=cand[0], STAGES_D=cand[1], num_warps=cand[2])
 
 
 def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor, w2_all: torch.Tensor, *, top_k: int,
@@ -225,7 +237,7 @@ def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor,
     consts = dict(MT=m, H=h, I=inter, E=e, EP=ep, TOP_K=top_k, TOPK_P=max(2, _next_pow2(top_k)),
                   ROWS=_next_pow2(m), N_GROUP=n_group, NG_P=max(2, _next_pow2(n_group)), GSIZE=e // n_group,
                   TOPK_GROUP=topk_group, SOFTMAX=scoring == "softmax", HAS_BIAS=correction_bias is not None,
-                  RENORM=bool(renormalize), DOT_FP32=interp, PDL=pdl)
+                  RENORM=bool(renormalize), DOT_FP32=interp, PDL=pdl, PREFETCH=not interp)
     # the workspace covers the plan of either grid size (sized before the kernel is compiled)
     sms = sm_count(dev.type, dev.index)
     plans = [_plan(m, h, inter, e, top_k, sms * p) for p in (1, 2)]
@@ -238,12 +250,12 @@ def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor,
                 hidden.stride(0), out.stride(0), w13_all.stride(0), w13_all.stride(1), w2_all.stride(0),
                 w2_all.stride(1), float(routed_scaling_factor))
 
-    launch = {} if interp else {"num_warps": _WARPS}
+    launch = {}
     if pdl:
         launch["launch_pdl"] = True
     base = dict(consts, **launch)
-    nprog = _programs(_moe_block_kernel, args_of(), dict(base, PHASE=0), dev, key)
-    cfg = dict(base, **_plan_consts(key, nprog))
+    cfg = dict(base, **_launch_config(_moe_block_kernel, args_of(), dict(base, PHASE=0), dev, key))
+    nprog = cfg["NPROG"]
     if interp:  # programs run one after another: the three phases as three launches, no grid barrier
         for phase in (1, 2, 3):
             _moe_block_kernel[(nprog,)](*args_of(), PHASE=phase, **cfg)

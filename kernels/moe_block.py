@@ -23,7 +23,8 @@ Grid: ``NPROG`` programs, all resident at once (the launcher sizes it from the c
 shared memory). Each phase hands its work items out round-robin (item ``i`` to program ``i % NPROG``):
 
     phase 1  items (tile, split): router tiles of 2 * BN rows and shared-expert tiles of BN gate + BN up rows, over
-             H split in SPLIT1 parts of KPS1 columns; each item writes an fp32 partial [MT, 2 * BN]; the tile's
+             H split in SPLIT1 parts of whole BK-column chunks (parts differ by at most one chunk, so the items
+             fill the grid); each item writes an fp32 partial [MT, 2 * BN]; the tile's
              last item (a self-resetting ticket, acquire-release) sums the partials: the router's logits, or the
              shared slot's act.
     barrier 1
@@ -31,7 +32,8 @@ shared memory). Each phase hands its work items out round-robin (item ``i`` to p
              values), then items (routed slot, I-tile, split) as in phase 1 over the chosen expert's rows; the
              tile's last item writes the slot's act.
     barrier 2
-    phase 3  items = tiles of BH output rows: for every slot (routed and shared) one [BH, BI] tile of w2[e] times
+    phase 3  items = RH output rows each (RH = H / NPROG rounded up, in a BH = next power of two tile, so every
+             program has one): for every slot (routed and shared) one [BH, BI] tile of w2[e] times
              act[s], scaled by w[s], summed into the token's column; out written once, no atomics.
 
 A grid barrier: every thread's stores, a CTA barrier, one release add on ``BAR[0]``, spin (acquire) until it
@@ -127,8 +129,7 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
                       NG_P: tl.constexpr, GSIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, SOFTMAX: tl.constexpr,
                       HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
                       BN: tl.constexpr, BK: tl.constexpr, SPLIT1: tl.constexpr, SPLIT1_PAD: tl.constexpr,
-                      KPS1: tl.constexpr, SPLIT2: tl.constexpr, SPLIT2_PAD: tl.constexpr, KPS2: tl.constexpr,
-                      BH: tl.constexpr, BI: tl.constexpr, SPP: tl.constexpr, STAGES_K: tl.constexpr,
+                      SPLIT2: tl.constexpr, SPLIT2_PAD: tl.constexpr, RH: tl.constexpr, BH: tl.constexpr, BI: tl.constexpr, SPP: tl.constexpr, STAGES_K: tl.constexpr,
                       STAGES_D: tl.constexpr, PF_SLOTS: tl.constexpr, PREFETCH: tl.constexpr, NPROG: tl.constexpr, PHASE: tl.constexpr,
                       DOT_FP32: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
@@ -140,6 +141,7 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
     W: tl.constexpr = 2 * BN
     # fp32 partials: phase 1 [T1, SPLIT1, MT, W], then phase 2 [T2, SPLIT2, W]
     P2_BASE: tl.constexpr = T1 * SPLIT1 * MT * W
+    NCH: tl.constexpr = (H + BK - 1) // BK  # K chunks; split p covers chunks [p * NCH // SPLIT, (p + 1) * NCH // SPLIT)
     j2 = tl.arange(0, W)
     cols = tl.arange(0, 16)
     if PREFETCH & ((PHASE == 0) | (PHASE == 1)):  # weights are constant: this program's first phase-1 slice goes to
@@ -147,11 +149,11 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
             tile = pid // SPLIT1
             g_rows, g_mask = _gate_up_rows(tile - NR, I, BN)
             if tile < NR:
-                _prefetch_rows(router_ptr, tile * W + j2, tile * W + j2 < E, H, (pid % SPLIT1) * KPS1,
-                               (pid % SPLIT1) * KPS1 + KPS1, H, BK)
+                _prefetch_rows(router_ptr, tile * W + j2, tile * W + j2 < E, H, (pid % SPLIT1) * NCH // SPLIT1 * BK,
+                               ((pid % SPLIT1) + 1) * NCH // SPLIT1 * BK, H, BK)
             else:
-                _prefetch_rows(w13_ptr + E * stride_w13e, g_rows, g_mask, stride_w13n, (pid % SPLIT1) * KPS1,
-                               (pid % SPLIT1) * KPS1 + KPS1, H, BK)
+                _prefetch_rows(w13_ptr + E * stride_w13e, g_rows, g_mask, stride_w13n,
+                               (pid % SPLIT1) * NCH // SPLIT1 * BK, ((pid % SPLIT1) + 1) * NCH // SPLIT1 * BK, H, BK)
     if PDL:  # x comes from the previous kernel; nothing is read or written before this
         gdc_wait()
 
@@ -160,7 +162,8 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
         for item in range(pid, T1 * SPLIT1, NPROG):
             tile = item // SPLIT1
             sp = item % SPLIT1
-            k_lo = sp * KPS1
+            k_lo = sp * NCH // SPLIT1 * BK
+            k_hi = (sp + 1) * NCH // SPLIT1 * BK
             # one K loop for both kinds of tile (each loop's pipeline buffers take shared memory of their own)
             g_rows, g_mask = _gate_up_rows(tile - NR, I, BN)
             is_router = tile < NR
@@ -172,7 +175,7 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
             else:
                 w_base = w13_ptr + E * stride_w13e
                 stride_wn = stride_w13n.to(tl.int64)
-            acc = _tile_dot(w_base, rows, rmask, stride_wn, x_ptr, stride_xm, k_lo, k_lo + KPS1, H, MT, BK, STAGES_K,
+            acc = _tile_dot(w_base, rows, rmask, stride_wn, x_ptr, stride_xm, k_lo, k_hi, H, MT, BK, STAGES_K,
                             DOT_FP32)
             tl.store(part_ptr + ((tile * SPLIT1 + sp) * MT + cols[None, :]) * W + j2[:, None], acc,
                      mask=(cols < MT)[None, :])
@@ -210,9 +213,10 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
             kk = slot % TOP_K
             e = tl.sum(tl.sum(tl.where((r_ar == m)[:, None] & (k_ar == kk)[None, :], ids, 0), axis=1), axis=0)
             rows, rmask = _gate_up_rows(t, I, BN)
-            k_lo = sp * KPS2
+            k_lo = sp * NCH // SPLIT2 * BK
+            k_hi = (sp + 1) * NCH // SPLIT2 * BK
             acc = _tile_dot(w13_ptr + e.to(tl.int64) * stride_w13e, rows, rmask, stride_w13n, x_ptr, stride_xm, k_lo,
-                            k_lo + KPS2, H, MT, BK, STAGES_K, DOT_FP32)
+                            k_hi, H, MT, BK, STAGES_K, DOT_FP32)
             col = tl.sum(tl.where(cols[None, :] == m, acc, 0.0), axis=1)  # [W]: this slot's token
             ri = t * BN + tl.arange(0, BN)
             a_row = act_ptr + (m * OUT_K + kk) * I + ri
@@ -230,17 +234,18 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
                     tl.store(a_row, (g / (1.0 + tl.exp(-g)) * u).to(act_ptr.dtype.element_ty), mask=ri < I)
                     tl.atomic_xchg(ticket_ptr + T1 + tile, 0)
     if PREFETCH & ((PHASE == 0) | (PHASE == 2)):  # the first PF_SLOTS slots of this program's first down tile to L2
-        if pid * BH < H:  # before the barrier (the routing is known; the w2 rows are constant)
+        if pid * RH < H:  # before the barrier (the routing is known; the w2 rows are constant)
             r_ar3 = tl.arange(0, ROWS)
             k_ar3 = tl.arange(0, TOPK_P)
-            oh0 = pid * BH + tl.arange(0, BH)
+            oh0 = pid * RH + tl.arange(0, BH)
+            hm0 = (tl.arange(0, BH) < RH) & (oh0 < H)
             for s in tl.static_range(PF_SLOTS):
                 m3 = s // OUT_K
                 j3 = s % OUT_K
                 e3 = tl.sum(tl.sum(tl.where((r_ar3 == m3)[:, None] & (k_ar3 == j3)[None, :], ids, 0), axis=1), axis=0)
                 if j3 == TOP_K:  # the shared slot
                     e3 = e3 * 0 + E
-                _prefetch_rows(w2_ptr + e3.to(tl.int64) * stride_w2e, oh0, oh0 < H, stride_w2n, 0, I, I, BI)
+                _prefetch_rows(w2_ptr + e3.to(tl.int64) * stride_w2e, oh0, hm0, stride_w2n, 0, I, I, BI)
     if PHASE == 0:
         _grid_barrier(bar_ptr, 2 * NPROG)
         if PDL:  # every program is resident (all passed the barrier): the next kernel may launch now
@@ -254,9 +259,9 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
         e_all = tl.load(ids_ptr + s_ar, mask=s_ar < SP, other=0, cache_modifier=".cg")
         r_all = tl.load(tw_ptr + s_ar, mask=s_ar < SP, other=0.0, cache_modifier=".cg")
         e_all = tl.where((e_all >= 0) & (e_all <= E), e_all, 0)
-        for item in range(pid, (H + BH - 1) // BH, NPROG):
-            oh = item * BH + tl.arange(0, BH)
-            hmask = oh < H
+        for item in range(pid, (H + RH - 1) // RH, NPROG):
+            oh = item * RH + tl.arange(0, BH)
+            hmask = (tl.arange(0, BH) < RH) & (oh < H)
             acc = tl.zeros((BH, 16), dtype=tl.float32)
             for it in tl.range(0, SP * NI, num_stages=STAGES_D):
                 s = it // NI

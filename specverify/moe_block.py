@@ -48,25 +48,19 @@ def _next_pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def _split(tiles: int, chunks: int, nprog: int) -> tuple[int, int]:
-    """(splits, chunks a split): the most splits of ``chunks`` K-chunks with tiles * splits <= nprog (one item a
-    program), whole chunks a split."""
-    per = _cdiv(chunks, max(1, nprog // tiles))
-    return _cdiv(chunks, per), per
-
-
 def _plan(m: int, h: int, inter: int, e: int, top_k: int, nprog: int) -> dict:
+    """Tiles and splits for ``nprog`` programs: K split into whole chunks so each phase's items about fill the grid
+    (one item a program), the down rows cut into ``nprog`` ranges."""
     chunks = _cdiv(h, _BK)
     t1 = _cdiv(e, 2 * _BN) + _cdiv(inter, _BN)
     t2 = m * top_k * _cdiv(inter, _BN)
-    s1, per1 = _split(t1, chunks, nprog)
-    s2, per2 = _split(t2, chunks, nprog)
-    bh = 64
-    while bh > 16 and _cdiv(h, bh) * 2 <= nprog:
-        bh //= 2
-    return dict(BN=_BN, BK=_BK, SPLIT1=s1, SPLIT1_PAD=max(2, _next_pow2(s1)), KPS1=per1 * _BK, SPLIT2=s2,
-                SPLIT2_PAD=max(2, _next_pow2(s2)), KPS2=per2 * _BK, BH=bh, BI=min(256, _next_pow2(inter)),
-                SPP=max(2, _next_pow2(m * (top_k + 1))), PF_SLOTS=max(1, min(_PF_SLOTS, m * (top_k + 1))), T1=t1, T2=t2)
+    s1 = max(1, min(chunks, nprog // t1))
+    s2 = max(1, min(chunks, nprog // t2))
+    rh = max(16, _cdiv(h, nprog))
+    return dict(BN=_BN, BK=_BK, SPLIT1=s1, SPLIT1_PAD=max(2, _next_pow2(s1)), SPLIT2=s2,
+                SPLIT2_PAD=max(2, _next_pow2(s2)), RH=rh, BH=_next_pow2(rh), BI=min(256, _next_pow2(inter)),
+                SPP=max(2, _next_pow2(m * (top_k + 1))), PF_SLOTS=max(1, min(_PF_SLOTS, m * (top_k + 1))), T1=t1,
+                T2=t2)
 
 
 def _workspace(device, part: int, tickets: int):
@@ -104,7 +98,7 @@ def _launch_config(kernel, args, consts: dict, device, key) -> dict:
     index = device.index if device.index is not None else torch.cuda.current_device()
     hit = _CHOSEN.get((key, index))
     if hit is not None:
-        return hit
+        return _plan_consts(key, *hit)
     regs_sm, smem_sm = _sm_resources(index)
     seen, spilling = [], None
     for cand in _CANDIDATES:
@@ -117,14 +111,14 @@ def _launch_config(kernel, args, consts: dict, device, key) -> dict:
             fits = (per_sm * n_regs * 32 * cfg["num_warps"] <= regs_sm
                     and (smem_sm == 0 or per_sm * (shared + 1024) <= smem_sm))
             if fits and not spills:
-                _CHOSEN[(key, index)] = cfg
+                _CHOSEN[(key, index)] = (sms * per_sm, cand)
                 return cfg
             if fits and spilling is None:
-                spilling = cfg
+                spilling = (sms * per_sm, cand)
             seen.append(f"{cand} x{per_sm}: {n_regs} registers, {shared} B, {spills} B spilled")
     if spilling is not None:
         _CHOSEN[(key, index)] = spilling
-        return spilling
+        return _plan_consts(key, *spilling)
     raise RuntimeError(f"moe_block: no launch config lets the persistent grid be resident ({'; '.join(seen)}); "
                        "report this shape")
 

@@ -92,6 +92,21 @@ def test_moe_block_matches_reference(case, m, device, fresh_workspace):
     check_block(moe_block(x, router, w13, w2, **kw), x, router, w13, w2, kw)
 
 
+@pytest.mark.parametrize("programs", [12, 24])
+def test_moe_block_split_k_and_row_ranges(programs, monkeypatch, fresh_workspace):
+    """More programs than the tiny shapes' tiles: K split into uneven whole-chunk parts (tickets, partial sums) in
+    phases 1 and 2, and down rows in ranges that are not a power of two (H = 640: 5 chunks of 128 over 4 or 5
+    splits, 27-row ranges)."""
+    monkeypatch.setitem(CASES, "wide", (640, 64, 48, 6, "sigmoid", True, 1, 1, True, 2.827))
+    monkeypatch.setattr(block_mod, "sm_count", lambda *a: programs)
+    plan = block_mod._plan(1, 640, 64, 48, 6, programs)
+    assert plan["SPLIT1"] > 1 and plan["RH"] % 16  # the paths this test is for: splits, rows not a tile multiple,
+    assert 5 % plan["SPLIT1"] or 5 % plan["SPLIT2"]  # and splits of unequal length
+    for m in (1, 2):
+        x, router, w13, w2, kw = _weights("wide", m, seed=programs + m, device="cpu")
+        check_block(moe_block(x, router, w13, w2, **kw), x, router, w13, w2, kw)
+
+
 def test_moe_block_workspace_left_at_zero(device, fresh_workspace):
     """Tickets and barrier counters are back at zero after a call, so the next call (or graph replay) starts clean;
     a second call with new inputs is right too."""

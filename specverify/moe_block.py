@@ -28,6 +28,7 @@ _CANDIDATES = ((6, 3, 4), (4, 3, 4), (3, 3, 4), (3, 2, 4), (4, 3, 8), (3, 2, 8),
 _PF_SLOTS = 3  # slots whose first down tile goes to L2 before barrier 2
 _WS: dict = {}
 _CHOSEN: dict = {}
+_EVEN = False
 
 
 class MoEBlockResult(NamedTuple):
@@ -57,6 +58,12 @@ def _plan(m: int, h: int, inter: int, e: int, top_k: int, nprog: int) -> dict:
     s1 = max(1, min(chunks, nprog // t1))
     s2 = max(1, min(chunks, nprog // t2))
     rh = max(16, _cdiv(h, nprog))
+    if _EVEN:  # splits of equal whole chunks and power-of-two row tiles (fewer items than programs)
+        s1 = _cdiv(chunks, _cdiv(chunks, max(1, nprog // t1)))
+        s2 = _cdiv(chunks, _cdiv(chunks, max(1, nprog // t2)))
+        rh = 64
+        while rh > 16 and _cdiv(h, rh) * 2 <= nprog:
+            rh //= 2
     return dict(BN=_BN, BK=_BK, SPLIT1=s1, SPLIT1_PAD=max(2, _next_pow2(s1)), SPLIT2=s2,
                 SPLIT2_PAD=max(2, _next_pow2(s2)), RH=rh, BH=_next_pow2(rh), BI=min(256, _next_pow2(inter)),
                 SPP=max(2, _next_pow2(m * (top_k + 1))), PF_SLOTS=max(1, min(_PF_SLOTS, m * (top_k + 1))), T1=t1,

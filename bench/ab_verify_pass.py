@@ -35,7 +35,7 @@ VARIANTS.update({f"splitk-m{m}": dict(off=(), stream={"splitk_max_m": m}) for m 
 VARIANTS.update({f"block-m{m}": dict(off=(), set={"moe_block_max_m": m}) for m in (1, 4, 8)})
 #: the MoE block's down tiles sent to L2 before its second barrier: every slot's instead of ``_PF_SLOTS``
 VARIANTS["block-pf-all"] = dict(off=(), block={"_PF_SLOTS": 64})
-VARIANTS["block-even"] = dict(off=(), block={"_EVEN": True})
+VARIANTS.update({f"block-even-{w}": dict(off=(), block={"_EVEN": w}) for w in ("all", "rows", "splits")})
 #: GEMV launch rules tried in the pass ahead of ``specverify.gemv.SHAPE_CONFIGS``: the shape's own config (read
 #: from ``gemv_config`` at the rule's largest M and smallest N, K) with the grid at ``WAVES`` programs an SM.
 _GEMV_RULES = {"router": (1, (384, 384), (7168, 7168)), "qkv": (4, (2048, 4096), (7168, 7168)),

@@ -28,7 +28,7 @@ _CANDIDATES = ((6, 3, 4), (4, 3, 4), (3, 3, 4), (3, 2, 4), (4, 3, 8), (3, 2, 8),
 _PF_SLOTS = 3  # slots whose first down tile goes to L2 before barrier 2
 _WS: dict = {}
 _CHOSEN: dict = {}
-_EVEN = False
+_EVEN = ""
 
 
 class MoEBlockResult(NamedTuple):
@@ -58,9 +58,10 @@ def _plan(m: int, h: int, inter: int, e: int, top_k: int, nprog: int) -> dict:
     s1 = max(1, min(chunks, nprog // t1))
     s2 = max(1, min(chunks, nprog // t2))
     rh = max(16, _cdiv(h, nprog))
-    if _EVEN:  # splits of equal whole chunks and power-of-two row tiles (fewer items than programs)
+    if _EVEN in ("splits", "all"):  # splits of equal whole chunks (fewer items than programs)
         s1 = _cdiv(chunks, _cdiv(chunks, max(1, nprog // t1)))
         s2 = _cdiv(chunks, _cdiv(chunks, max(1, nprog // t2)))
+    if _EVEN in ("rows", "all"):  # power-of-two down row tiles (fewer items than programs)
         rh = 64
         while rh > 16 and _cdiv(h, rh) * 2 <= nprog:
             rh //= 2

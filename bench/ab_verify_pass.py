@@ -8,13 +8,14 @@ two launches, the shared expert's slot appended by a launch of its own, no one-l
 ``no-<slot>`` (one slot of ``FUSIONS`` emptied); gate/up of the stream experts (merged into
 ``specverify.moe._STREAM_OVERRIDE``): ``fma`` (no split-K MMA gate/up), ``splitk-m4`` / ``splitk-m6`` (split-K up
 to 4 / 6 tokens); ``block-m<1|4|8>`` (the one-launch MoE block up to
-1 / 4 / 8 tokens instead of ``MOE_BLOCK_MAX_M``), ``block-pf-all`` (its down tiles of every slot to L2 before its
-second barrier); ``w<1|4>-<router|qkv|qb>`` (that GEMV's grid at 1 or 4 programs an SM instead of 2). Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded into the projections and
+1 / 4 / 8 tokens instead of ``MOE_BLOCK_MAX_M``); ``w<1|4>-<router|qkv|qb>`` (that GEMV's grid at 1 or 4 programs an SM instead of 2). Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded into the projections and
 q_a's norm in the qkv_a GEMV's last tile (slower in the pass), the split merge fused with W_UV (slower alone), a
 stream-K gate/up and TMA weight tiles (no faster in the pass), an L2 prefetch of o_proj / router / shared expert on
 a side stream (slower), GEMV weight slices loaded before the PDL wait and the split merge letting its successor
 launch before its wait (no faster), the shared expert's rows sent to L2 before the gate/up's wait (slower at 2
-tokens), one-shot q_b / o_proj GEMVs (whole slices before the wait, no split reduce: slower).
+tokens), one-shot q_b / o_proj GEMVs (whole slices before the wait, no split reduce: slower), the MoE block's
+down tiles of every slot sent to L2 before its second barrier and its K split into as many parts as fill the grid
+(slower).
 
 Usage: ``python bench/ab_verify_pass.py [--model kimi-k2] [--batch 1] [--context 4096] [--tree chain]
 [--draft-tokens 1,2,4,8] [--iters 10] [--page-size 64] [--variants ...] [--kernels] [--json PATH]``.
@@ -33,9 +34,7 @@ VARIANTS = {"chain": dict(off=FUSIONS), "fused": dict(off=()), "fma": dict(off=(
 VARIANTS.update({f"no-{slot}": dict(off=(slot,)) for slot in FUSIONS})
 VARIANTS.update({f"splitk-m{m}": dict(off=(), stream={"splitk_max_m": m}) for m in (4, 6)})
 VARIANTS.update({f"block-m{m}": dict(off=(), set={"moe_block_max_m": m}) for m in (1, 4, 8)})
-#: the MoE block's down tiles sent to L2 before its second barrier: every slot's instead of ``_PF_SLOTS``
-VARIANTS["block-pf-all"] = dict(off=(), block={"_PF_SLOTS": 64})
-VARIANTS.update({f"block-even-{w}": dict(off=(), block={"_EVEN": w}) for w in ("all", "rows", "splits")})
+# a variant's "block": attributes of specverify.moe_block set for it (the measured ones are gone, see the docstring)
 #: GEMV launch rules tried in the pass ahead of ``specverify.gemv.SHAPE_CONFIGS``: the shape's own config (read
 #: from ``gemv_config`` at the rule's largest M and smallest N, K) with the grid at ``WAVES`` programs an SM.
 _GEMV_RULES = {"router": (1, (384, 384), (7168, 7168)), "qkv": (4, (2048, 4096), (7168, 7168)),

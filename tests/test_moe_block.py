@@ -94,9 +94,9 @@ def test_moe_block_matches_reference(case, m, device, fresh_workspace):
 
 @pytest.mark.parametrize("programs", [12, 24])
 def test_moe_block_split_k_and_row_ranges(programs, monkeypatch, fresh_workspace):
-    """More programs than the tiny shapes' tiles: K split into uneven whole-chunk parts (tickets, partial sums) in
-    phases 1 and 2, and down rows in ranges that are not a power of two (H = 640: 5 chunks of 128 over 4 or 5
-    splits, 27-row ranges)."""
+    """More programs than the tiny shapes' tiles: K split into whole-chunk parts (tickets, partial sums) in phases 1
+    and 2, some of unequal length (H = 640: 5 chunks of 128 over 3 or 2 parts), and down rows in ranges that are not
+    a power of two (54 / 27 rows)."""
     monkeypatch.setitem(CASES, "wide", (640, 64, 48, 6, "sigmoid", True, 1, 1, True, 2.827))
     monkeypatch.setattr(block_mod, "sm_count", lambda *a: programs)
     plan = block_mod._plan(1, 640, 64, 48, 6, programs)

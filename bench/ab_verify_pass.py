@@ -4,11 +4,12 @@ floor from a copy bandwidth of the same run), in the order given and then in rev
 shows as a difference between the two passes over the same variant (issue 22).
 
 Variants (``--variants``, comma-separated): ``chain`` (no fusion slot: MLA preparation and the query absorption in
-two launches, the shared expert's slot appended by a launch of its own, no one-launch MoE block), ``fused`` (the default table),
-``no-<slot>`` (one slot of ``FUSIONS`` emptied); gate/up of the stream experts (merged into
+two launches, the shared expert's slot appended by a launch of its own, no one-launch MoE block), ``fused`` (the
+default table), ``no-<slot>`` (one slot of ``FUSIONS`` emptied); gate/up of the stream experts (merged into
 ``specverify.moe._STREAM_OVERRIDE``): ``fma`` (no split-K MMA gate/up), ``splitk-m4`` / ``splitk-m6`` (split-K up
-to 4 / 6 tokens); ``block-m<1|4|8>`` (the one-launch MoE block up to
-1 / 4 / 8 tokens instead of ``MOE_BLOCK_MAX_M``); ``w<1|4>-<router|qkv|qb>`` (that GEMV's grid at 1 or 4 programs an SM instead of 2). Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded into the projections and
+to 4 / 6 tokens); ``block-m<1|4|8>`` (the one-launch MoE block up to 1 / 4 / 8 tokens instead of
+``MOE_BLOCK_MAX_M``); ``w<1|4>-<router|qkv|qb>`` (that GEMV's grid at 1 or 4 programs an SM instead of 2).
+Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded into the projections and
 q_a's norm in the qkv_a GEMV's last tile (slower in the pass), the split merge fused with W_UV (slower alone), a
 stream-K gate/up and TMA weight tiles (no faster in the pass), an L2 prefetch of o_proj / router / shared expert on
 a side stream (slower), GEMV weight slices loaded before the PDL wait and the split merge letting its successor

@@ -23,17 +23,18 @@ Grid: ``NPROG`` programs, all resident at once (the launcher sizes it from the c
 shared memory). Each phase hands its work items out round-robin (item ``i`` to program ``i % NPROG``):
 
     phase 1  items (tile, split): router tiles of 2 * BN rows and shared-expert tiles of BN gate + BN up rows, over
-             H split in SPLIT1 parts of whole BK-column chunks (parts differ by at most one chunk, so the items
-             fill the grid); each item writes an fp32 partial [MT, 2 * BN]; the tile's
-             last item (a self-resetting ticket, acquire-release) sums the partials: the router's logits, or the
-             shared slot's act.
+             H split in SPLIT1 parts of whole BK-column chunks (part p: chunks [p * NCH / SPLIT1, (p + 1) * NCH /
+             SPLIT1), any SPLIT1 <= NCH); each item writes an fp32 partial [MT, 2 * BN]; the tile's last item (a
+             self-resetting ticket, acquire-release) sums the partials: the router's logits, or the shared slot's
+             act. Before its PDL wait each program sends its first item's weight slice to L2.
     barrier 1
     phase 2  every program routes all MT rows (identical results; the ids / weights stores race with equal
              values), then items (routed slot, I-tile, split) as in phase 1 over the chosen expert's rows; the
-             tile's last item writes the slot's act.
-    barrier 2
-    phase 3  items = RH output rows each (RH = H / NPROG rounded up, in a BH = next power of two tile, so every
-             program has one): for every slot (routed and shared) one [BH, BI] tile of w2[e] times
+             tile's last item writes the slot's act. Then each program sends the down rows of its phase-3 range
+             for the first PF_SLOTS slots to L2.
+    barrier 2 (then, with PDL, ``gdc_launch_dependents``)
+    phase 3  items = RH output rows each (in a BH = next-power-of-two tile; the launcher takes RH = H / NPROG
+             rounded up, one range a program): for every slot (routed and shared) one [BH, BI] tile of w2[e] times
              act[s], scaled by w[s], summed into the token's column; out written once, no atomics.
 
 A grid barrier: every thread's stores, a CTA barrier, one release add on ``BAR[0]``, spin (acquire) until it
@@ -41,8 +42,9 @@ reaches ``NPROG`` times the barrier's number; the last program past barrier 2 (`
 counters, so the launch is CUDA-graph replayable. ``PHASE`` 1 / 2 / 3 runs one phase alone (no barriers): the CPU
 interpreter, which runs programs one after another and would spin forever, launches the three in turn.
 
-The kernel does not call ``gdc_launch_dependents``: a dependent grid resident before all of this grid is would
-hold SM slots this grid's barrier waits for. With ``PDL`` it only waits (``gdc_wait``) for its predecessor.
+The kernel lets its dependents launch only after barrier 2: a dependent grid resident before all of this grid is
+would hold SM slots this grid's barrier waits for; past barrier 2 every program is resident. With ``PDL`` it waits
+(``gdc_wait``) for its predecessor before it reads x or writes anything.
 
 Tensors: x [MT, H] bf16/fp16 (unit column stride); router [E, H]; bias [E] fp32; w13 [E + 1, 2I, H]; w2
 [E + 1, H, I] (unit column strides); logits [MT, E] fp32 (out); ids [MT, TOP_K + 1] int32 (out); tw [MT, TOP_K + 1]
@@ -129,8 +131,9 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
                       NG_P: tl.constexpr, GSIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, SOFTMAX: tl.constexpr,
                       HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
                       BN: tl.constexpr, BK: tl.constexpr, SPLIT1: tl.constexpr, SPLIT1_PAD: tl.constexpr,
-                      SPLIT2: tl.constexpr, SPLIT2_PAD: tl.constexpr, RH: tl.constexpr, BH: tl.constexpr, BI: tl.constexpr, SPP: tl.constexpr, STAGES_K: tl.constexpr,
-                      STAGES_D: tl.constexpr, PF_SLOTS: tl.constexpr, PREFETCH: tl.constexpr, NPROG: tl.constexpr, PHASE: tl.constexpr,
+                      SPLIT2: tl.constexpr, SPLIT2_PAD: tl.constexpr, RH: tl.constexpr, BH: tl.constexpr,
+                      BI: tl.constexpr, SPP: tl.constexpr, STAGES_K: tl.constexpr, STAGES_D: tl.constexpr,
+                      PF_SLOTS: tl.constexpr, PREFETCH: tl.constexpr, NPROG: tl.constexpr, PHASE: tl.constexpr,
                       DOT_FP32: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     OUT_K: tl.constexpr = TOP_K + 1

@@ -64,7 +64,7 @@ def _plan(m: int, h: int, inter: int, e: int, top_k: int, nprog: int) -> dict:
     return dict(BN=_BN, BK=_BK, SPLIT1=s1, SPLIT1_PAD=max(2, _next_pow2(s1)), SPLIT2=s2,
                 SPLIT2_PAD=max(2, _next_pow2(s2)), RH=rh, BH=_next_pow2(rh), BI=min(256, _next_pow2(inter)),
                 SPP=max(2, _next_pow2(m * (top_k + 1))), PF_SLOTS=max(1, min(_PF_SLOTS, m * (top_k + 1))), T1=t1,
-                T2=t2)
+                T2=t2, M=m)
 
 
 def _workspace(device, part: int, tickets: int):
@@ -130,8 +130,8 @@ def _launch_config(kernel, args, consts: dict, device, key) -> dict:
 def _plan_consts(key, nprog: int, cand: tuple[int, int, int]) -> dict:
     m, h, inter, e, top_k = key[:5]
     p = _plan(m, h, inter, e, top_k, nprog)
-    p.pop("T1")
-    p.pop("T2")
+    for k in ("T1", "T2", "M"):
+        p.pop(k)
     return dict(p, NPROG=nprog, STAGES_K=cand[0], STAGES_D=cand[1], num_warps=cand[2])
 
 
@@ -215,8 +215,13 @@ def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor,
     if n_group < 1 or e % n_group or not 1 <= topk_group <= n_group:
         raise ValueError(f"{op}: n_group must divide E = {e} and 1 <= topk_group <= n_group; got n_group {n_group}, "
                          f"topk_group {topk_group}")
-    if correction_bias is not None and tuple(correction_bias.shape) != (e,):
-        raise ValueError(f"{op}: correction_bias must have shape ({e},), got {list(correction_bias.shape)}")
+    if correction_bias is not None:
+        if not isinstance(correction_bias, torch.Tensor) or not correction_bias.is_floating_point():
+            raise TypeError(f"{op}: correction_bias must be a floating-point tensor of shape ({e},), got "
+                            f"{getattr(correction_bias, 'dtype', type(correction_bias).__name__)}")
+        if tuple(correction_bias.shape) != (e,) or correction_bias.device != hidden.device:
+            raise ValueError(f"{op}: correction_bias must have shape ({e},) on {hidden.device}, got "
+                             f"{list(correction_bias.shape)} on {correction_bias.device}")
     if hidden.stride(1) != 1 or w13_all.stride(2) != 1 or w2_all.stride(2) != 1:
         raise ValueError(f"{op}: hidden, w13_all and w2_all need a unit column stride; pass .contiguous() tensors")
     router = router.contiguous()
@@ -236,10 +241,11 @@ def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor,
                   ROWS=_next_pow2(m), N_GROUP=n_group, NG_P=max(2, _next_pow2(n_group)), GSIZE=e // n_group,
                   TOPK_GROUP=topk_group, SOFTMAX=scoring == "softmax", HAS_BIAS=correction_bias is not None,
                   RENORM=bool(renormalize), DOT_FP32=interp, PDL=pdl, PREFETCH=not interp)
-    # the workspace covers the plan of either grid size (sized before the kernel is compiled)
+    # the workspace covers either grid size's plan (sized before the kernel is compiled) at every token count up to
+    # the forward's, so a graph captured later at another count needs no allocation
     sms = sm_count(dev.type, dev.index)
-    plans = [_plan(m, h, inter, e, top_k, sms * p) for p in (1, 2)]
-    need_p = max(p["T1"] * p["SPLIT1"] * m * 2 * _BN + p["T2"] * p["SPLIT2"] * 2 * _BN for p in plans)
+    plans = [_plan(mm, h, inter, e, top_k, sms * p) for p in (1, 2) for mm in range(1, max(m, MOE_BLOCK_MAX_M) + 1)]
+    need_p = max(p["T1"] * p["SPLIT1"] * p["M"] * 2 * _BN + p["T2"] * p["SPLIT2"] * 2 * _BN for p in plans)
     need_t = max(p["T1"] + p["T2"] for p in plans)
     part, ticket, bar = _workspace(dev, need_p, need_t)
 

@@ -107,6 +107,19 @@ def test_moe_block_split_k_and_row_ranges(programs, monkeypatch, fresh_workspace
         check_block(moe_block(x, router, w13, w2, **kw), x, router, w13, w2, kw)
 
 
+def test_moe_block_workspace_sized_for_every_token_count(device, fresh_workspace):
+    """The first call (one token) sizes the workspace for every count the forward runs through the block, so a
+    graph captured later at two tokens allocates nothing."""
+    x, router, w13, w2, kw = _weights("kimi", 1, seed=3, device=device)
+    moe_block(x, router, w13, w2, **kw)
+    (part, ticket, _), = block_mod._WS.values()
+    before = (part.data_ptr(), ticket.data_ptr())
+    x2, *_ = _weights("kimi", block_mod.MOE_BLOCK_MAX_M, seed=4, device=device)
+    check_block(moe_block(x2, router, w13, w2, **kw), x2, router, w13, w2, kw)
+    (part, ticket, _), = block_mod._WS.values()
+    assert (part.data_ptr(), ticket.data_ptr()) == before
+
+
 def test_moe_block_workspace_left_at_zero(device, fresh_workspace):
     """Tickets and barrier counters are back at zero after a call, so the next call (or graph replay) starts clean;
     a second call with new inputs is right too."""
@@ -133,6 +146,7 @@ def test_moe_block_fp16(device, fresh_workspace):
     (dict(n_group=5), ValueError, "n_group must divide"),
     (dict(scoring="relu"), ValueError, "scoring must be"),
     (dict(correction_bias=torch.zeros(3)), ValueError, "correction_bias must have shape"),
+    (dict(correction_bias=torch.zeros(48, dtype=torch.int32)), TypeError, "floating-point"),
     (dict(router="w"), TypeError, "router must be a torch.Tensor"),
 ])
 def test_moe_block_rejects_bad_input(bad, err, match):

@@ -35,7 +35,7 @@ VARIANTS = {"chain": dict(off=FUSIONS), "fused": dict(off=()), "fma": dict(off=(
 VARIANTS.update({f"no-{slot}": dict(off=(slot,)) for slot in FUSIONS})
 VARIANTS.update({f"splitk-m{m}": dict(off=(), stream={"splitk_max_m": m}) for m in (4, 6)})
 VARIANTS.update({f"block-m{m}": dict(off=(), set={"moe_block_max_m": m}) for m in (1, 4, 8)})
-# a variant's "block": attributes of specverify.moe_block set for it (the measured ones are gone, see the docstring)
+# a variant's "block": attributes of specverify.moe_layer set for it (the measured ones are gone, see the docstring)
 #: GEMV launch rules tried in the pass ahead of ``specverify.gemv.SHAPE_CONFIGS``: the shape's own config (read
 #: from ``gemv_config`` at the rule's largest M and smallest N, K) with the grid at ``WAVES`` programs an SM.
 _GEMV_RULES = {"router": (1, (384, 384), (7168, 7168)), "qkv": (4, (2048, 4096), (7168, 7168)),
@@ -78,9 +78,9 @@ def main(argv=None) -> int:
     vw._wall_ops = ops_of_variant
     import specverify.gemv as gemv
     import specverify.moe as moe
-    import specverify.moe_block as moe_block
+    import specverify.moe_layer as moe_layer
     saved_stream = dict(moe._STREAM_OVERRIDE)
-    saved_block = {n: getattr(moe_block, n) for var in VARIANTS.values() for n in var.get("block", {})}
+    saved_block = {n: getattr(moe_layer, n) for var in VARIANTS.values() for n in var.get("block", {})}
     saved_rules = gemv.SHAPE_CONFIGS
     results = []
     order = names + names[::-1]
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
         moe._STREAM_OVERRIDE.update(saved_stream, **var.get("stream", {}))
         gemv.SHAPE_CONFIGS = tuple(var.get("gemv", ())) + saved_rules
         for n, v in {**saved_block, **var.get("block", {})}.items():
-            setattr(moe_block, n, v)
+            setattr(moe_layer, n, v)
         last = i == len(order) - 1
         s = vw.WallSettings(model=args.model, batch=args.batch, context=args.context, tree=args.tree,
                             draft_tokens=args.draft_tokens, distinct_layers=args.distinct_layers,
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     moe._STREAM_OVERRIDE.update(saved_stream)
     gemv.SHAPE_CONFIGS = saved_rules
     for n, v in saved_block.items():
-        setattr(moe_block, n, v)
+        setattr(moe_layer, n, v)
     print("\nms (efficiency vs the bytes floor), mean of the two passes:")
     ks = args.draft_tokens
     print(f"{'variant':>10} " + " ".join(f"{'k=' + str(k):>16}" for k in ks))

@@ -32,7 +32,7 @@ def main(argv=None) -> int:
         return 2
     from specverify.gemv import linear
     from specverify.moe import fused_moe, moe_route
-    from specverify.moe_block import moe_block
+    from specverify.moe_layer import moe_block
 
     dev = torch.device("cuda")
     bw = copy_bandwidth_gbps()

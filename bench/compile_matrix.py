@@ -354,15 +354,16 @@ def scen_moe(quick: bool, target: str):
 def scen_block(quick: bool, target: str):
     """The one-launch MoE block (router, routing, shared + routed experts) at Kimi-K2 / DeepSeek-V3 rank shapes, the
     pipeline depth and grid its launcher picks for the target."""
-    import specverify.moe_block as mb
+    import specverify.moe_layer as mb
 
-    shapes = [("kimi-k2", 384, 1, 1, 1)] if quick else [("kimi-k2", 384, 1, 1, 1), ("kimi-k2", 384, 1, 1, 2),
-                                                         ("deepseek-v3", 256, 8, 4, 2)]
-    for model, e, n_group, topk_group, m in shapes:
-        def run(e=e, n_group=n_group, topk_group=topk_group, m=m):
+    shapes = [("kimi-k2", 384, 1, 1, 1, 256)] if quick else [
+        ("kimi-k2", 384, 1, 1, 1, 256), ("kimi-k2", 384, 1, 1, 2, 256), ("deepseek-v3", 256, 8, 4, 2, 256),
+        ("tiny I32", 64, 1, 1, 1, 32)]  # an expert narrower than one 128-byte line of its down rows
+    for model, e, n_group, topk_group, m, inter in shapes:
+        def run(e=e, n_group=n_group, topk_group=topk_group, m=m, inter=inter):
             mb._CHOSEN.clear()  # the choice is per device: another target's must not leak
             mb._sm_resources.cache_clear()
-            h, inter = 7168, 256
+            h = 7168
             mb.moe_block(_cuda(m, h), _cuda(e, h), _cuda(e + 1, 2 * inter, h), _cuda(e + 1, h, inter), top_k=8,
                          correction_bias=_cuda(e, dtype=torch.float32), n_group=n_group, topk_group=topk_group,
                          routed_scaling_factor=2.5)

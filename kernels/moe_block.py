@@ -133,7 +133,8 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
                       BN: tl.constexpr, BK: tl.constexpr, SPLIT1: tl.constexpr, SPLIT1_PAD: tl.constexpr,
                       SPLIT2: tl.constexpr, SPLIT2_PAD: tl.constexpr, RH: tl.constexpr, BH: tl.constexpr,
                       BI: tl.constexpr, SPP: tl.constexpr, STAGES_K: tl.constexpr, STAGES_D: tl.constexpr,
-                      PF_SLOTS: tl.constexpr, PREFETCH: tl.constexpr, NPROG: tl.constexpr, PHASE: tl.constexpr,
+                      PF_SLOTS: tl.constexpr, PF_BI: tl.constexpr, PREFETCH: tl.constexpr, NPROG: tl.constexpr,
+                      PHASE: tl.constexpr,
                       DOT_FP32: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     OUT_K: tl.constexpr = TOP_K + 1
@@ -155,7 +156,7 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
                 _prefetch_rows(router_ptr, tile * W + j2, tile * W + j2 < E, H, (pid % SPLIT1) * NCH // SPLIT1 * BK,
                                ((pid % SPLIT1) + 1) * NCH // SPLIT1 * BK, H, BK)
             else:
-                _prefetch_rows(w13_ptr + E * stride_w13e, g_rows, g_mask, stride_w13n,
+                _prefetch_rows(w13_ptr + stride_w13e.to(tl.int64) * E, g_rows, g_mask, stride_w13n,
                                (pid % SPLIT1) * NCH // SPLIT1 * BK, ((pid % SPLIT1) + 1) * NCH // SPLIT1 * BK, H, BK)
     if PDL:  # x comes from the previous kernel; nothing is read or written before this
         gdc_wait()
@@ -176,7 +177,7 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
                 w_base = router_ptr
                 stride_wn = (stride_w13n * 0 + H).to(tl.int64)
             else:
-                w_base = w13_ptr + E * stride_w13e
+                w_base = w13_ptr + stride_w13e.to(tl.int64) * E
                 stride_wn = stride_w13n.to(tl.int64)
             acc = _tile_dot(w_base, rows, rmask, stride_wn, x_ptr, stride_xm, k_lo, k_hi, H, MT, BK, STAGES_K,
                             DOT_FP32)
@@ -248,7 +249,7 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
                 e3 = tl.sum(tl.sum(tl.where((r_ar3 == m3)[:, None] & (k_ar3 == j3)[None, :], ids, 0), axis=1), axis=0)
                 if j3 == TOP_K:  # the shared slot
                     e3 = e3 * 0 + E
-                _prefetch_rows(w2_ptr + e3.to(tl.int64) * stride_w2e, oh0, hm0, stride_w2n, 0, I, I, BI)
+                _prefetch_rows(w2_ptr + e3.to(tl.int64) * stride_w2e, oh0, hm0, stride_w2n, 0, I, I, PF_BI)
     if PHASE == 0:
         _grid_barrier(bar_ptr, 2 * NPROG)
         if PDL:  # every program is resident (all passed the barrier): the next kernel may launch now

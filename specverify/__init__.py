@@ -38,7 +38,7 @@ _LAZY = {
     # MoE
     "moe_route": "specverify.moe",
     "fused_moe": "specverify.moe",
-    "moe_block": "specverify.moe_block",
+    "moe_block": "specverify.moe_layer",
     "append_shared_expert": "specverify.moe",
     # acceptance and KV
     "verify_greedy": "specverify.accept",

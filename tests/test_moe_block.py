@@ -16,8 +16,8 @@ import torch
 
 from test_moe import _poison_torch_empty
 
-import specverify.moe_block as block_mod
-from specverify.moe_block import moe_block
+import specverify.moe_layer as block_mod
+from specverify.moe_layer import moe_block
 from specverify.reference.moe import fused_moe_reference, route_reference
 
 # (H, I, E, top_k, scoring, bias, n_group, topk_group, renormalize, scale); each row says why it is there
@@ -142,8 +142,15 @@ def test_moe_block_fp16(device, fresh_workspace):
     (dict(x=torch.zeros(1, 128, dtype=torch.bfloat16)), ValueError, "shapes disagree"),
     (dict(x=torch.zeros(1, 256, dtype=torch.float32)), TypeError, "bfloat16 or float16"),
     (dict(top_k=0), ValueError, "top_k must be an int"),
-    (dict(top_k=True), ValueError, "top_k must be an int"),
-    (dict(n_group=5), ValueError, "n_group must divide"),
+    (dict(top_k=True), TypeError, "top_k must be an int"),
+    (dict(top_k=65), ValueError, "top_k must be at most 64"),
+    (dict(n_group=5), ValueError, "n_group must be a positive int dividing"),
+    (dict(n_group=16, topk_group=1), ValueError, "exceeds the experts of the kept groups"),
+    (dict(renormalize="no"), TypeError, "renormalize must be a bool"),
+    (dict(routed_scaling_factor="2"), TypeError, "routed_scaling_factor must be a Python float"),
+    (dict(router=torch.zeros(256, 48, dtype=torch.bfloat16).t()), ValueError, "router must be contiguous"),
+    (dict(w13=torch.zeros(49, 256, 128, dtype=torch.bfloat16).transpose(1, 2)), ValueError,
+     "w13_all needs a unit stride"),
     (dict(scoring="relu"), ValueError, "scoring must be"),
     (dict(correction_bias=torch.zeros(3)), ValueError, "correction_bias must have shape"),
     (dict(correction_bias=torch.zeros(48, dtype=torch.int32)), TypeError, "floating-point"),
@@ -153,9 +160,28 @@ def test_moe_block_rejects_bad_input(bad, err, match):
     x, router, w13, w2, kw = _weights("kimi", 1, seed=0, device="cpu")
     x = bad.pop("x", x)
     router = bad.pop("router", router)
+    w13 = bad.pop("w13", w13)
     kw.update(bad)
     with pytest.raises(err, match=match):
         moe_block(x, router, w13, w2, **kw)
+
+
+def test_moe_block_needs_cuda_or_the_interpreter(monkeypatch):
+    x, router, w13, w2, kw = _weights("kimi", 1, seed=0, device="cpu")
+    monkeypatch.setattr(block_mod.envvars, "triton_interpret", lambda: False)
+    with pytest.raises(ValueError, match="needs CUDA tensors.*TRITON_INTERPRET=1"):
+        moe_block(x, router, w13, w2, **kw)
+
+
+def test_moe_block_one_expert(device, fresh_workspace):
+    """E = 1 (the top-k's padded width is above the expert count): softmax gives the one expert weight 1."""
+    monkeypatch_case = (128, 32, 1, 1, "softmax", False, 1, 1, True, 1.0)
+    CASES["one"] = monkeypatch_case
+    try:
+        x, router, w13, w2, kw = _weights("one", 2, seed=9, device=device)
+        check_block(moe_block(x, router, w13, w2, **kw), x, router, w13, w2, kw)
+    finally:
+        del CASES["one"]
 
 
 # ---- GPU: the persistent grid with its barriers, at the verify pass's rank shapes -------------------------------

@@ -220,7 +220,7 @@ def specverify_ops(model):
         ops.pieces["experts"] = "triton"
     else:
         missing.append(why)
-    fns, why = _try("specverify.moe_block", "moe_block", "MOE_BLOCK_MAX_M")
+    fns, why = _try("specverify.moe_layer", "moe_block", "MOE_BLOCK_MAX_M")
     if fns:
         moe_block, max_m = fns
 

@@ -12,6 +12,7 @@ import torch
 
 from specverify import envvars
 from specverify.fit import pdl_launch, sm_count, spill_bytes
+from specverify.moe import _check_route_args
 
 __all__ = ["MoEBlockResult", "moe_block", "MOE_BLOCK_MAX_M"]
 
@@ -28,6 +29,7 @@ _CANDIDATES = ((6, 3, 4), (4, 3, 4), (3, 3, 4), (3, 2, 4), (4, 3, 8), (3, 2, 8),
 #: slots whose first down tile goes to L2 before barrier 2 (every slot's: 0.07 / 0.33 ms slower at k = 1 / 2, H200)
 _PF_SLOTS = 3
 _WS: dict = {}
+_RETIRED: list = []  # workspaces replaced by larger ones, kept for the graphs that captured them
 _CHOSEN: dict = {}
 
 
@@ -63,6 +65,7 @@ def _plan(m: int, h: int, inter: int, e: int, top_k: int, nprog: int) -> dict:
     rh = max(16, _cdiv(h, nprog))
     return dict(BN=_BN, BK=_BK, SPLIT1=s1, SPLIT1_PAD=max(2, _next_pow2(s1)), SPLIT2=s2,
                 SPLIT2_PAD=max(2, _next_pow2(s2)), RH=rh, BH=_next_pow2(rh), BI=min(256, _next_pow2(inter)),
+                PF_BI=max(64, min(256, _next_pow2(inter))),
                 SPP=max(2, _next_pow2(m * (top_k + 1))), PF_SLOTS=max(1, min(_PF_SLOTS, m * (top_k + 1))), T1=t1,
                 T2=t2, M=m)
 
@@ -74,6 +77,8 @@ def _workspace(device, part: int, tickets: int):
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("moe_block: the workspace must grow outside CUDA-graph capture; run one eager call "
                                "at the largest token count first")
+        if ws is not None:  # CUDA graphs captured earlier still point at these: keep them alive
+            _RETIRED.append(ws)
         part = max(part, ws[0].numel() if ws else 0)
         tickets = max(tickets, ws[1].numel() if ws else 0)
         ws = (torch.empty(part, dtype=torch.float32, device=device),
@@ -168,19 +173,30 @@ def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor,
     Raises
     ------
     TypeError
-        Non-tensor operands, dtypes that differ or are not bf16 / fp16.
+        Non-tensor operands; hidden not bf16 / fp16, or weights of another dtype; the routing arguments' types as
+        :func:`specverify.moe.moe_route` raises them (``top_k`` not an int, a non-float bias, ``renormalize`` not a
+        bool, ``routed_scaling_factor`` not a Python number).
     ValueError
-        Shapes that disagree, M outside 1..16, top_k outside 1..min(E, 64), E > 1024, n_group not dividing E,
-        unknown scoring, tensors on different devices.
+        Shapes that disagree (the shared expert must be expert E of the stacked weights), M outside 1..16, H or I
+        below 16, a non-unit last stride of hidden / w13_all / w2_all or a non-contiguous router, tensors on
+        different devices, CPU tensors without ``TRITON_INTERPRET=1``, top_k above 64, and the routing values
+        :func:`specverify.moe.moe_route` rejects (top_k outside 1..E, n_group not dividing E or above 64,
+        topk_group outside 1..n_group, top_k above the kept groups' experts, unknown scoring, a bias of the wrong
+        shape or device).
     RuntimeError
-        The first call on a device (the workspace) during CUDA-graph capture.
+        A call that must grow the per-device workspace (the first one, or a larger shape) during CUDA-graph
+        capture; no launch config lets the grid be resident (never on the H200 or sm_120 at the pass's shapes).
 
     Notes
     -----
-    Graph-safe after one eager call per token count: fixed grid, self-resetting tickets and barrier counters, no
-    host sync. Every program must be resident at once (the launcher sizes the grid from the compiled kernel), so the
-    launch must not share the GPU with work that holds SMs for its whole duration. CUDA (sm_80+; PDL wait on sm_90+)
-    or the Triton interpreter (which runs the three phases as three launches).
+    Graph-safe after one eager call (the workspace is then sized for every token count up to
+    :data:`MOE_BLOCK_MAX_M`): fixed grid, self-resetting tickets and barrier counters, no host sync; a workspace
+    replaced by a larger one is kept alive for the graphs that captured it. Every program must be resident at once
+    (the launcher sizes the grid from the compiled kernel and the device's SM count), so: one call at a time per
+    device (calls share the workspace and its barrier counters; the verify pass runs on one stream), and not beside
+    work that holds SMs for its whole duration, nor under MPS or green contexts that give this process fewer SMs
+    than the device has (the barrier would wait forever). CUDA (sm_80+; PDL wait on sm_90+) or the Triton
+    interpreter (which runs the three phases as three launches).
     """
     from specverify.kernels.moe_block import _moe_block_kernel
 
@@ -188,10 +204,18 @@ def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor,
     for name, t in (("hidden", hidden), ("router", router), ("w13_all", w13_all), ("w2_all", w2_all)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in (torch.bfloat16, torch.float16) or t.dtype != hidden.dtype:
-            raise TypeError(f"{op}: {name} must be bfloat16 or float16 like hidden ({hidden.dtype}), got {t.dtype}")
+    if hidden.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"{op}: hidden must be bfloat16 or float16, got {hidden.dtype}; cast it with .bfloat16()")
+    for name, t in (("router", router), ("w13_all", w13_all), ("w2_all", w2_all)):
+        if t.dtype != hidden.dtype:
+            raise TypeError(f"{op}: {name} must have hidden's dtype {hidden.dtype}, got {t.dtype}; cast it with "
+                            f".to({hidden.dtype})")
         if t.device != hidden.device:
             raise ValueError(f"{op}: {name} is on {t.device}, hidden on {hidden.device}; move them to one device")
+    dev = hidden.device
+    if dev.type != "cuda" and not envvars.triton_interpret():
+        raise ValueError(f"{op}: needs CUDA tensors, got {dev}; on a CPU set TRITON_INTERPRET=1 before importing "
+                         "specverify to run the kernel in Triton's interpreter")
     if hidden.dim() != 2 or router.dim() != 2 or w13_all.dim() != 3 or w2_all.dim() != 3:
         raise ValueError(f"{op}: expected hidden (M, H), router (E, H), w13_all (E + 1, 2I, H), w2_all (E + 1, H, I); "
                          f"got {list(hidden.shape)}, {list(router.shape)}, {list(w13_all.shape)}, "
@@ -203,44 +227,41 @@ def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor,
             or tuple(w2_all.shape) != (e + 1, h, inter)):
         raise ValueError(f"{op}: shapes disagree: hidden {list(hidden.shape)}, router {list(router.shape)}, w13_all "
                          f"{list(w13_all.shape)}, w2_all {list(w2_all.shape)}; expected router (E, {h}), w13_all "
-                         f"(E + 1, 2I, {h}), w2_all (E + 1, {h}, I)")
+                         f"(E + 1, 2I, {h}), w2_all (E + 1, {h}, I) with the shared expert as expert E")
     if not 1 <= m <= _KERNEL_MAX_M:
         raise ValueError(f"{op}: M must be in 1..{_KERNEL_MAX_M}, got {m}; above, use moe_route + fused_moe")
-    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= min(e, 64):
-        raise ValueError(f"{op}: top_k must be an int in 1..{min(e, 64)}, got {top_k!r}")
-    if e > 1024:
-        raise ValueError(f"{op}: at most 1024 experts, got {e}")
-    if scoring not in ("sigmoid", "softmax"):
-        raise ValueError(f"{op}: scoring must be 'sigmoid' or 'softmax', got {scoring!r}")
-    if n_group < 1 or e % n_group or not 1 <= topk_group <= n_group:
-        raise ValueError(f"{op}: n_group must divide E = {e} and 1 <= topk_group <= n_group; got n_group {n_group}, "
-                         f"topk_group {topk_group}")
-    if correction_bias is not None:
-        if not isinstance(correction_bias, torch.Tensor) or not correction_bias.is_floating_point():
-            raise TypeError(f"{op}: correction_bias must be a floating-point tensor of shape ({e},), got "
-                            f"{getattr(correction_bias, 'dtype', type(correction_bias).__name__)}")
-        if tuple(correction_bias.shape) != (e,) or correction_bias.device != hidden.device:
-            raise ValueError(f"{op}: correction_bias must have shape ({e},) on {hidden.device}, got "
-                             f"{list(correction_bias.shape)} on {correction_bias.device}")
-    if hidden.stride(1) != 1 or w13_all.stride(2) != 1 or w2_all.stride(2) != 1:
-        raise ValueError(f"{op}: hidden, w13_all and w2_all need a unit column stride; pass .contiguous() tensors")
-    router = router.contiguous()
-    dev = hidden.device
+    if h < 16 or inter < 16:
+        raise ValueError(f"{op}: the hidden size and the expert intermediate size must be >= 16, got H = {h}, "
+                         f"I = {inter}")
+    for name, t, dim in (("hidden", hidden, 1), ("w13_all", w13_all, 2), ("w2_all", w2_all, 2)):
+        if t.stride(dim) != 1:
+            raise ValueError(f"{op}: {name} needs a unit stride in its last dimension, got strides "
+                             f"{tuple(t.stride())}; pass {name}.contiguous()")
+    if not router.is_contiguous():
+        raise ValueError(f"{op}: router must be contiguous (E, H), got strides {tuple(router.stride())}; pass "
+                         "router.contiguous() once (the weight is constant)")
+    if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k > 64:
+        raise ValueError(f"{op}: top_k must be at most 64, got {top_k}")
+    logits = torch.empty((m, e), dtype=torch.float32, device=dev)
+    # the routing arguments as moe_route takes them (same checks and messages), against the logits buffer
+    _check_route_args(logits, top_k, scoring, correction_bias, n_group, topk_group, renormalize,
+                      routed_scaling_factor, None)
     bias = (correction_bias.float().contiguous() if correction_bias is not None
             else torch.zeros(1, dtype=torch.float32, device=dev))
-    logits = torch.empty((m, e), dtype=torch.float32, device=dev)
     ids = torch.empty((m, top_k + 1), dtype=torch.int32, device=dev)
     tw = torch.empty((m, top_k + 1), dtype=torch.float32, device=dev)
     act = torch.empty((m * (top_k + 1), inter), dtype=hidden.dtype, device=dev)
     out = torch.empty((m, h), dtype=hidden.dtype, device=dev)
     interp = dev.type != "cuda" or envvars.triton_interpret()
     pdl = pdl_launch(dev)
-    key = (m, h, inter, e, top_k, hidden.dtype, scoring, n_group, topk_group)
-    ep = _next_pow2(e)
+    # the launch choice depends on the compiled kernel: key it on everything that selects one
+    key = (m, h, inter, e, top_k, hidden.dtype, scoring, n_group, topk_group, correction_bias is not None,
+           bool(renormalize), pdl)
+    ep = max(_next_pow2(e), 16)
     consts = dict(MT=m, H=h, I=inter, E=e, EP=ep, TOP_K=top_k, TOPK_P=max(2, _next_pow2(top_k)),
                   ROWS=_next_pow2(m), N_GROUP=n_group, NG_P=max(2, _next_pow2(n_group)), GSIZE=e // n_group,
                   TOPK_GROUP=topk_group, SOFTMAX=scoring == "softmax", HAS_BIAS=correction_bias is not None,
-                  RENORM=bool(renormalize), DOT_FP32=interp, PDL=pdl, PREFETCH=not interp)
+                  RENORM=renormalize, DOT_FP32=interp, PDL=pdl, PREFETCH=not interp)
     # the workspace covers either grid size's plan (sized before the kernel is compiled) at every token count up to
     # the forward's, so a graph captured later at another count needs no allocation
     sms = sm_count(dev.type, dev.index)

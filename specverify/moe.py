@@ -15,6 +15,7 @@ import torch
 
 from specverify import envvars
 from specverify.fit import launch_fitting, pdl_kwargs, pdl_launch, sm_count
+from specverify.workspace import grown_workspace
 
 __all__ = ["MoEAlignment", "MoEQuant", "moe_route", "fused_moe", "max_num_tokens_padded", "append_shared_expert"]
 
@@ -847,18 +848,9 @@ _SPLITK_WS: dict = {}
 
 
 def _splitk_workspace(device, part_elems: int, tickets: int):
-    key = (device.type, device.index)
-    ws = _SPLITK_WS.get(key)
-    if ws is None or ws[0].numel() < part_elems or ws[1].numel() < tickets:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("fused_moe: the split-K gate/up's workspace must grow outside CUDA-graph capture; run "
-                               "one eager call at the largest token count first")
-        part_elems = max(part_elems, ws[0].numel() if ws else 0)
-        tickets = max(tickets, ws[1].numel() if ws else 0)
-        ws = (torch.empty(part_elems, dtype=torch.float32, device=device),
-              torch.zeros(tickets, dtype=torch.int32, device=device))
-        _SPLITK_WS[key] = ws
-    return ws
+    return grown_workspace(_SPLITK_WS, device, (part_elems, tickets), lambda n: (
+        torch.empty(n[0], dtype=torch.float32, device=device), torch.zeros(n[1], dtype=torch.int32, device=device)),
+        "fused_moe (split-K gate/up)")
 
 
 def _splitk_gate_up(hidden, w13, act, ids32, s, h, e, inter, top_k, cfg, pdl):

@@ -13,6 +13,7 @@ import torch
 from specverify import envvars
 from specverify.fit import pdl_launch, sm_count, spill_bytes
 from specverify.moe import _check_route_args
+from specverify.workspace import grown_workspace
 
 __all__ = ["MoEBlockResult", "moe_block", "MOE_BLOCK_MAX_M"]
 
@@ -29,7 +30,6 @@ _CANDIDATES = ((6, 3, 4), (4, 3, 4), (3, 3, 4), (3, 2, 4), (4, 3, 8), (3, 2, 8),
 #: slots whose first down tile goes to L2 before barrier 2 (every slot's: 0.07 / 0.33 ms slower at k = 1 / 2, H200)
 _PF_SLOTS = 3
 _WS: dict = {}
-_RETIRED: list = []  # workspaces replaced by larger ones, kept for the graphs that captured them
 _CHOSEN: dict = {}
 
 
@@ -71,21 +71,10 @@ def _plan(m: int, h: int, inter: int, e: int, top_k: int, nprog: int) -> dict:
 
 
 def _workspace(device, part: int, tickets: int):
-    key = (device.type, device.index)
-    ws = _WS.get(key)
-    if ws is None or ws[0].numel() < part or ws[1].numel() < tickets:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("moe_block: the workspace must grow outside CUDA-graph capture; run one eager call "
-                               "at the largest token count first")
-        if ws is not None:  # CUDA graphs captured earlier still point at these: keep them alive
-            _RETIRED.append(ws)
-        part = max(part, ws[0].numel() if ws else 0)
-        tickets = max(tickets, ws[1].numel() if ws else 0)
-        ws = (torch.empty(part, dtype=torch.float32, device=device),
-              torch.zeros(tickets, dtype=torch.int32, device=device),
-              torch.zeros(2, dtype=torch.int32, device=device))
-        _WS[key] = ws
-    return ws
+    """(fp32 partials, int32 tickets, int32 barrier counters [2]) of ``device``; tickets and counters zero."""
+    return grown_workspace(_WS, device, (part, tickets, 2), lambda n: (
+        torch.empty(n[0], dtype=torch.float32, device=device), torch.zeros(n[1], dtype=torch.int32, device=device),
+        torch.zeros(2, dtype=torch.int32, device=device)), "moe_block")
 
 
 @functools.lru_cache(maxsize=None)

@@ -173,15 +173,11 @@ def test_moe_block_needs_cuda_or_the_interpreter(monkeypatch):
         moe_block(x, router, w13, w2, **kw)
 
 
-def test_moe_block_one_expert(device, fresh_workspace):
+def test_moe_block_one_expert(device, monkeypatch, fresh_workspace):
     """E = 1 (the top-k's padded width is above the expert count): softmax gives the one expert weight 1."""
-    monkeypatch_case = (128, 32, 1, 1, "softmax", False, 1, 1, True, 1.0)
-    CASES["one"] = monkeypatch_case
-    try:
-        x, router, w13, w2, kw = _weights("one", 2, seed=9, device=device)
-        check_block(moe_block(x, router, w13, w2, **kw), x, router, w13, w2, kw)
-    finally:
-        del CASES["one"]
+    monkeypatch.setitem(CASES, "one", (128, 32, 1, 1, "softmax", False, 1, 1, True, 1.0))
+    x, router, w13, w2, kw = _weights("one", 2, seed=9, device=device)
+    check_block(moe_block(x, router, w13, w2, **kw), x, router, w13, w2, kw)
 
 
 # ---- GPU: the persistent grid with its barriers, at the verify pass's rank shapes -------------------------------

@@ -112,7 +112,7 @@ def fake_cuda(target: str, sink: list):
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from triton.runtime.jit import JITFunction, KernelInterface
 
-    from specverify import fit
+    from specverify import fit, moe_layer
 
     cc, smem, sms, name = TARGETS[target]
     major, minor = cc // 10, cc % 10
@@ -153,6 +153,7 @@ def fake_cuda(target: str, sink: list):
     for c in caches:
         c.cache_clear()
     fit._CHOSEN.clear()
+    moe_layer._CHOSEN.clear()
     try:
         with FakeTensorMode(allow_non_fake_inputs=True):
             yield
@@ -165,6 +166,7 @@ def fake_cuda(target: str, sink: list):
         for c in caches:
             c.cache_clear()
         fit._CHOSEN.clear()
+        moe_layer._CHOSEN.clear()
 
 
 def _basic_index(t, idx):
@@ -205,9 +207,10 @@ def _package_caches():
     import specverify.attention as att
     import specverify.fit as fit
     import specverify.moe as moe
+    import specverify.moe_layer as moe_layer
 
     out = []
-    for mod in (att, fit, moe):
+    for mod in (att, fit, moe, moe_layer):
         for v in vars(mod).values():
             if callable(getattr(v, "cache_clear", None)) and getattr(v, "__module__", "") == mod.__name__:
                 out.append(v)
@@ -354,15 +357,13 @@ def scen_moe(quick: bool, target: str):
 def scen_block(quick: bool, target: str):
     """The one-launch MoE block (router, routing, shared + routed experts) at Kimi-K2 / DeepSeek-V3 rank shapes, the
     pipeline depth and grid its launcher picks for the target."""
-    import specverify.moe_layer as mb
+    import specverify.moe_layer as mb  # its launch choice is reset per target by fake_cuda
 
     shapes = [("kimi-k2", 384, 1, 1, 1, 256)] if quick else [
         ("kimi-k2", 384, 1, 1, 1, 256), ("kimi-k2", 384, 1, 1, 2, 256), ("deepseek-v3", 256, 8, 4, 2, 256),
         ("tiny I32", 64, 1, 1, 1, 32)]  # an expert narrower than one 128-byte line of its down rows
     for model, e, n_group, topk_group, m, inter in shapes:
         def run(e=e, n_group=n_group, topk_group=topk_group, m=m, inter=inter):
-            mb._CHOSEN.clear()  # the choice is per device: another target's must not leak
-            mb._sm_resources.cache_clear()
             h = 7168
             mb.moe_block(_cuda(m, h), _cuda(e, h), _cuda(e + 1, 2 * inter, h), _cuda(e + 1, h, inter), top_k=8,
                          correction_bias=_cuda(e, dtype=torch.float32), n_group=n_group, topk_group=topk_group,

@@ -83,6 +83,13 @@ def _tile_dot(w_base, rows, rmask, stride_wn, x_ptr, stride_xm, k_lo, k_hi, H: t
 
 
 @triton.jit
+def _slot_expert(ids, m, k, ROWS: tl.constexpr, TOPK_P: tl.constexpr):
+    """The expert of routed slot (token m, column k) of the routing's [ROWS, TOPK_P] ids, as a scalar."""
+    hit = (tl.arange(0, ROWS) == m)[:, None] & (tl.arange(0, TOPK_P) == k)[None, :]
+    return tl.sum(tl.sum(tl.where(hit, ids, 0), axis=1), axis=0)
+
+
+@triton.jit
 def _gate_up_rows(t, I: tl.constexpr, BN: tl.constexpr):
     """Rows of I-tile ``t`` of an expert's [2I, H] gate/up matrix: BN gate rows then the same BN up rows."""
     j = tl.arange(0, 2 * BN)
@@ -206,8 +213,6 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
     if (PHASE == 0) | (PHASE == 2):
         ids = _route_rows(logits_ptr, bias_ptr, ids_ptr, tw_ptr, ids_ptr, ids_ptr, 0, MT, E, scale, E, E, EP, ROWS,
                           TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS, RENORM, False, OUT_K)
-        r_ar = tl.arange(0, ROWS)
-        k_ar = tl.arange(0, TOPK_P)
         for item in range(pid, T2 * SPLIT2, NPROG):
             tile = item // SPLIT2
             sp = item % SPLIT2
@@ -215,7 +220,7 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
             t = tile % NT
             m = slot // TOP_K
             kk = slot % TOP_K
-            e = tl.sum(tl.sum(tl.where((r_ar == m)[:, None] & (k_ar == kk)[None, :], ids, 0), axis=1), axis=0)
+            e = _slot_expert(ids, m, kk, ROWS, TOPK_P)
             rows, rmask = _gate_up_rows(t, I, BN)
             k_lo = sp * NCH // SPLIT2 * BK
             k_hi = (sp + 1) * NCH // SPLIT2 * BK
@@ -239,14 +244,12 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
                     tl.atomic_xchg(ticket_ptr + T1 + tile, 0)
     if PREFETCH & ((PHASE == 0) | (PHASE == 2)):  # the first PF_SLOTS slots of this program's first down tile to L2
         if pid * RH < H:  # before the barrier (the routing is known; the w2 rows are constant)
-            r_ar3 = tl.arange(0, ROWS)
-            k_ar3 = tl.arange(0, TOPK_P)
             oh0 = pid * RH + tl.arange(0, BH)
             hm0 = (tl.arange(0, BH) < RH) & (oh0 < H)
             for s in tl.static_range(PF_SLOTS):
                 m3 = s // OUT_K
                 j3 = s % OUT_K
-                e3 = tl.sum(tl.sum(tl.where((r_ar3 == m3)[:, None] & (k_ar3 == j3)[None, :], ids, 0), axis=1), axis=0)
+                e3 = _slot_expert(ids, m3, j3, ROWS, TOPK_P)
                 if j3 == TOP_K:  # the shared slot
                     e3 = e3 * 0 + E
                 _prefetch_rows(w2_ptr + e3.to(tl.int64) * stride_w2e, oh0, hm0, stride_w2n, 0, I, I, PF_BI)

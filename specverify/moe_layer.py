@@ -12,7 +12,7 @@ import torch
 
 from specverify import envvars
 from specverify.fit import pdl_launch, sm_count, spill_bytes
-from specverify.moe import _check_route_args
+from specverify.moe import _cdiv, _check_route_args, _next_pow2
 from specverify.workspace import grown_workspace
 
 __all__ = ["MoEBlockResult", "moe_block", "MOE_BLOCK_MAX_M"]
@@ -41,14 +41,6 @@ class MoEBlockResult(NamedTuple):
     topk_ids: torch.Tensor
     topk_weights: torch.Tensor
     router_logits: torch.Tensor
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def _plan(m: int, h: int, inter: int, e: int, top_k: int, nprog: int) -> dict:

@@ -22,7 +22,6 @@ Usage: ``python bench/bench_chain_latency.py [--steps 64] [--programs 132] [--st
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
@@ -30,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from specverify.benchmarking import copy_bandwidth_gbps, graph_us, run_meta
+from specverify.benchmarking import copy_bandwidth_gbps, graph_us, write_rows_json
 
 
 @triton.jit
@@ -127,8 +126,7 @@ def main(argv=None) -> int:
                   f"step (floor {floor:5.2f}), "
                   f"x[{steps}] = {float(x_host[0]):.0f}", flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": run_meta(__file__, copy_bw_gbps=bw, args=vars(args)), "rows": rows}, f, indent=1)
+        write_rows_json(args.json, __file__, rows, copy_bw_gbps=bw, args=vars(args))
     return 0
 
 

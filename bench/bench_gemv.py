@@ -27,13 +27,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-import json
 import os
 import sys
 
 import torch
 
-from specverify.benchmarking import copy_bandwidth_gbps, graph_us, run_meta, token_counts
+from specverify.benchmarking import copy_bandwidth_gbps, graph_us, token_counts, write_rows_json
 
 #: (model, projection) -> (N, K) for one tp-8 rank
 SHAPES = {
@@ -119,8 +118,7 @@ def main(argv=None) -> int:
         del ws
         torch.cuda.empty_cache()
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": run_meta(__file__, copy_bandwidth_gbps=bw / 1e9), "rows": rows}, f, indent=1)
+        write_rows_json(args.json, __file__, rows, copy_bandwidth_gbps=bw / 1e9)
     return 0
 
 

@@ -9,12 +9,11 @@ Usage: ``python bench/bench_moe_block.py [--models kimi-k2,deepseek-v3] [--token
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
 
-from specverify.benchmarking import copy_bandwidth_gbps, graph_us, run_meta
+from specverify.benchmarking import copy_bandwidth_gbps, graph_us, write_rows_json
 
 _RANK = {"kimi-k2": dict(h=7168, inter=256, e=384, top_k=8, n_group=1, topk_group=1, scale=2.827),
          "deepseek-v3": dict(h=7168, inter=256, e=256, top_k=8, n_group=8, topk_group=4, scale=2.5)}
@@ -74,8 +73,7 @@ def main(argv=None) -> int:
                   f"floor {floor:5.1f} us ({experts} experts): {floor / row['block_us']:4.0%} / "
                   f"{floor / row['composed_us']:4.0%} of it", flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": run_meta(__file__, copy_bw_gbps=bw, args=vars(args)), "rows": rows}, f, indent=1)
+        write_rows_json(args.json, __file__, rows, copy_bw_gbps=bw, args=vars(args))
     return 0
 
 

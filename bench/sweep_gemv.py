@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import sys
 
@@ -22,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_gemv import SHAPES  # noqa: E402
 
-from specverify.benchmarking import copy_bandwidth_gbps, graph_us, run_meta, token_counts  # noqa: E402
+from specverify.benchmarking import copy_bandwidth_gbps, graph_us, token_counts, write_rows_json  # noqa: E402
 
 #: candidate overrides of each shape's config (``specverify.gemv.gemv_config``: ``_CONFIG`` and its
 #: ``SHAPE_CONFIGS`` rule; the first, empty, is today's launch)
@@ -103,8 +102,7 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     gm.SHAPE_CONFIGS = rules
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": run_meta(__file__, copy_bandwidth_gbps=bw / 1e9), "rows": rows}, f, indent=1)
+        write_rows_json(args.json, __file__, rows, copy_bandwidth_gbps=bw / 1e9)
     return 0
 
 

@@ -84,6 +84,14 @@ def copy_bandwidth_gbps(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
+def write_rows_json(path: str, script: str, rows: list, **meta) -> None:
+    """Write a benchmark's ``{"meta": run_meta(script, **meta), "rows": rows}`` to ``path`` (indent 1)."""
+    import json
+
+    with open(path, "w") as f:
+        json.dump({"meta": run_meta(script, **meta), "rows": rows}, f, indent=1)
+
+
 def run_meta(script: str, **extra) -> dict:
     """The header every benchmark JSON carries: GPU, torch, Triton, commit (of ``script``'s checkout), date, plus
     ``extra``."""

@@ -65,3 +65,14 @@ def test_graph_us_refuses_an_unknown_statistic():
 
     with pytest.raises(ValueError, match="stat must be 'min' or 'median'"):
         graph_us(lambda: None, stat="mean")  # refused before any CUDA call
+
+
+def test_write_rows_json(tmp_path):
+    import json
+
+    from specverify.benchmarking import write_rows_json
+
+    path = tmp_path / "rows.json"
+    write_rows_json(str(path), __file__, [{"k": 1, "us": 2.5}], copy_bw_gbps=4200.0)
+    got = json.loads(path.read_text())
+    assert got["rows"] == [{"k": 1, "us": 2.5}] and got["meta"]["copy_bw_gbps"] == 4200.0

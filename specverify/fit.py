@@ -11,13 +11,14 @@ capture or let the first eager call make the choice (compiling during capture al
 from __future__ import annotations
 
 import functools
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
 from specverify import envvars
 
-__all__ = ["first_fitting", "launch_fitting", "pdl_kwargs", "pdl_launch", "shared_memory_limit_bytes", "sm_count", "spill_bytes"]
+__all__ = ["first_fitting", "launch_fitting", "pdl_kwargs", "pdl_launch", "persistent_grid", "shared_memory_limit_bytes",
+           "sm_count", "spill_bytes"]
 
 _CHOSEN: dict[tuple, dict] = {}
 
@@ -173,3 +174,57 @@ def launch_fitting(kernel, grid, args: Sequence, kwargs: dict, *, what: str, spi
     cfg = first_fitting(kernel, grid, args, cands, device=dev, key=key, what=what,
                         avoid_spills=bool(spill_fallback))
     return kernel[grid](*args, **cfg)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_resources(index: int) -> tuple[int, int]:
+    props = torch.cuda.get_device_properties(index)
+    regs = int(getattr(props, "regs_per_multiprocessor", 65536) or 65536)
+    smem = int(getattr(props, "shared_memory_per_multiprocessor", 0) or 0)
+    return regs, smem
+
+
+def persistent_grid(kernel, args: Sequence, consts: dict, device: torch.device, sms: int, key: Hashable,
+                    candidates: Sequence, plan: Callable[[int, object], dict], chosen: dict, what: str) -> dict:
+    """Launch keywords of a persistent kernel whose programs must all be resident at once (grid barriers): the
+    first of ``candidates`` (best first) at 2, then 1 program an SM whose compiled kernel lets every program be
+    resident (registers and shared memory) and does not spill (a resident but spilling one only when none is
+    spill-free). ``sms``: the device's SM count (:func:`sm_count`).
+
+    ``plan(nprog, candidate)`` returns the candidate's launch keywords for a grid of ``nprog`` programs (``NPROG``,
+    ``num_warps`` and the tiles); ``consts`` the keywords common to all. The choice is cached in ``chosen`` under
+    ``(key, device index)``. On the CPU (the interpreter) the first candidate at one program an SM.
+
+    Raises
+    ------
+    RuntimeError
+        No candidate lets the grid be resident (the message lists each one's registers and shared memory).
+    """
+    if device.type != "cuda" or envvars.triton_interpret():
+        return plan(sms, candidates[0])
+    index = _index(device)
+    hit = chosen.get((key, index))
+    if hit is not None:
+        return plan(*hit)
+    regs_sm, smem_sm = _sm_resources(index)
+    seen, spilling = [], None
+    for cand in candidates:
+        for per_sm in (2, 1):
+            cfg = plan(sms * per_sm, cand)
+            compiled = kernel.warmup(*args, grid=(sms * per_sm,), **dict(consts, **cfg))
+            spills = spill_bytes(compiled)
+            n_regs = int(getattr(compiled, "n_regs", 0) or 0)
+            shared = int(getattr(getattr(compiled, "metadata", None), "shared", 0) or 0)
+            fits = (per_sm * n_regs * 32 * cfg["num_warps"] <= regs_sm
+                    and (smem_sm == 0 or per_sm * (shared + 1024) <= smem_sm))
+            if fits and not spills:
+                chosen[(key, index)] = (sms * per_sm, cand)
+                return cfg
+            if fits and spilling is None:
+                spilling = (sms * per_sm, cand)
+            seen.append(f"{cand} x{per_sm}: {n_regs} registers, {shared} B, {spills} B spilled")
+    if spilling is not None:
+        chosen[(key, index)] = spilling
+        return plan(*spilling)
+    raise RuntimeError(f"{what}: no launch config lets the persistent grid be resident ({'; '.join(seen)}); "
+                       "report this shape")

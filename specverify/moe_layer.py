@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 
 from specverify import envvars
-from specverify.fit import pdl_launch, sm_count, spill_bytes
+from specverify.fit import pdl_launch, persistent_grid, sm_count
 from specverify.moe import _cdiv, _check_route_args, _next_pow2
 from specverify.workspace import grown_workspace
 
@@ -69,51 +69,8 @@ def _workspace(device, part: int, tickets: int):
         torch.zeros(2, dtype=torch.int32, device=device)), "moe_block")
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_resources(index: int) -> tuple[int, int]:
-    props = torch.cuda.get_device_properties(index)
-    regs = int(getattr(props, "regs_per_multiprocessor", 65536) or 65536)
-    smem = int(getattr(props, "shared_memory_per_multiprocessor", 0) or 0)
-    return regs, smem
-
-
-def _launch_config(kernel, args, consts: dict, device, key) -> dict:
-    """Grid size, pipeline depths and warps of the persistent kernel: the first of ``_CANDIDATES`` (best first) at
-    2, then 1 program an SM whose compiled kernel lets every program be resident at once (registers and shared
-    memory; the grid barriers wait for all) and does not spill (a resident but spilling one only when none is
-    spill-free). Cached per shape and device."""
-    sms = sm_count(device.type, device.index)
-    if device.type != "cuda" or envvars.triton_interpret():
-        return _plan_consts(key, sms, _CANDIDATES[0])
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    hit = _CHOSEN.get((key, index))
-    if hit is not None:
-        return _plan_consts(key, *hit)
-    regs_sm, smem_sm = _sm_resources(index)
-    seen, spilling = [], None
-    for cand in _CANDIDATES:
-        for per_sm in (2, 1):
-            cfg = _plan_consts(key, sms * per_sm, cand)
-            compiled = kernel.warmup(*args, grid=(sms * per_sm,), **dict(consts, **cfg))
-            spills = spill_bytes(compiled)
-            n_regs = int(getattr(compiled, "n_regs", 0) or 0)
-            shared = int(getattr(getattr(compiled, "metadata", None), "shared", 0) or 0)
-            fits = (per_sm * n_regs * 32 * cfg["num_warps"] <= regs_sm
-                    and (smem_sm == 0 or per_sm * (shared + 1024) <= smem_sm))
-            if fits and not spills:
-                _CHOSEN[(key, index)] = (sms * per_sm, cand)
-                return cfg
-            if fits and spilling is None:
-                spilling = (sms * per_sm, cand)
-            seen.append(f"{cand} x{per_sm}: {n_regs} registers, {shared} B, {spills} B spilled")
-    if spilling is not None:
-        _CHOSEN[(key, index)] = spilling
-        return _plan_consts(key, *spilling)
-    raise RuntimeError(f"moe_block: no launch config lets the persistent grid be resident ({'; '.join(seen)}); "
-                       "report this shape")
-
-
 def _plan_consts(key, nprog: int, cand: tuple[int, int, int]) -> dict:
+    """Launch keywords of ``nprog`` programs with the (K stages, down stages, warps) candidate ``cand``."""
     m, h, inter, e, top_k = key[:5]
     p = _plan(m, h, inter, e, top_k, nprog)
     for k in ("T1", "T2", "M"):
@@ -260,7 +217,8 @@ def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor,
     if pdl:
         launch["launch_pdl"] = True
     base = dict(consts, **launch)
-    cfg = dict(base, **_launch_config(_moe_block_kernel, args_of(), dict(base, PHASE=0), dev, key))
+    cfg = dict(base, **persistent_grid(_moe_block_kernel, args_of(), dict(base, PHASE=0), dev, sms, key, _CANDIDATES,
+                                       functools.partial(_plan_consts, key), _CHOSEN, op))
     nprog = cfg["NPROG"]
     if interp:  # programs run one after another: the three phases as three launches, no grid barrier
         for phase in (1, 2, 3):

@@ -32,7 +32,8 @@ _ATT_BN = 64
 _CANDIDATES = ((4, 4), (3, 4), (2, 4), (3, 8), (2, 8), (1, 8))
 #: Before which barrier each program sends its W_o rows and first W_uv chunk to L2 (1, 3 or 4; 0: not at all).
 _PF_O = 3
-#: Launch keywords that replace the plan's (bench sweeps only; empty in use).
+#: Launch keywords that replace the plan's (bench sweeps only; empty in use): NPROG, STAGES, num_warps, PF_O,
+#: PREFETCH, ATT_BN, and PHASES (a list: those phases as separate launches without barriers, to time them).
 _TUNE: dict = {}
 _WS: dict = {}
 _CHOSEN: dict = {}
@@ -318,9 +319,10 @@ def _launch(x, weights, kv_cache, page_table, prefix_lens, positions, tree_mask,
         cand = (_TUNE.get("STAGES", cfg["STAGES"]), _TUNE.get("num_warps", cfg["num_warps"]))
         cfg = dict(base, **_plan_consts(shape, _TUNE.get("NPROG", cfg["NPROG"]), cand))
         cfg.update({k: val for k, val in _TUNE.items() if k in ("PF_O", "PREFETCH")})
+        cfg.pop("PHASES", None)
     nprog = cfg["NPROG"]
-    if interp:  # programs run one after another: the six phases as six launches, no grid barrier
-        for phase in range(1, 7):
+    if interp or "PHASES" in _TUNE:  # programs run one after another (the interpreter), or a bench timing phases
+        for phase in _TUNE.get("PHASES", range(1, 7)):  # alone: phases as launches of their own, no grid barrier
             _mla_block_kernel[(nprog,)](*args_of(), PHASE=phase, **cfg)
     else:
         _mla_block_kernel[(nprog,)](*args_of(), PHASE=0, **cfg)

@@ -251,8 +251,8 @@ _RANK = {"kimi-k2": (7168, 1536, 512, 64, 128, 8, 128), "deepseek-v3": (7168, 15
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("model", list(_RANK))
-@pytest.mark.parametrize("batch,kq,tree", [(1, 1, False), (1, 2, False), (1, 4, True), (4, 1, False)])
+@pytest.mark.parametrize("model,batch,kq,tree", [("kimi-k2", 1, 1, False), ("kimi-k2", 1, 2, False),
+                                                 ("deepseek-v3", 1, 4, True), ("deepseek-v3", 4, 1, False)])
 def test_mla_block_rank_shapes_gpu(model, batch, kq, tree):
     from conftest import check_graph_replay, warm_up_for_capture
 

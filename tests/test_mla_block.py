@@ -4,7 +4,7 @@ Each stage is checked against its definition applied to the kernel's own previou
 intermediates), so every tolerance is one stage's rounding: a bf16 result is within U = 2^-7 of its value (one ulp:
 the interpreter's casts truncate; the GPU's round to nearest) plus the fp32 sums' order (K * 2^-23 * sum
 |products|); where the op chain rounds an input (q_a's norm, the attention output) a different rounding adds
-U * sum |products|. The written KV rows are compared with
+U * sum |products|; RoPE adds its fp32 angle's error (~pos * 2^-21 rad) times the pair's magnitude. The written KV rows are compared with
 the reference preparation (same formula), the rest of the cache bit for bit (nothing else written). Every
 torch.empty of the launcher is NaN / -7 poisoned and its workspace is rebuilt; the cache's unused rows are NaN.
 The end-to-end output is also compared with the op chain on the references (`mla_block_reference`). CPU runs use
@@ -69,6 +69,15 @@ def _sm_scale(dims):
     return 1.0 / math.sqrt(dims[4] + dims[3])
 
 
+def _rope_tol(x, positions):
+    """RoPE's angle error: the fp32 angle pos * theta^(-2j/d) (and its sin / cos) is off by up to ~pos * 2^-21 rad on
+    either side, which moves an output by that times the pair's magnitude. x [b, k, heads, d]; positions [b, k]."""
+    half = x.shape[-1] // 2
+    pair = x[..., :half].double().abs() + x[..., half:].double().abs()
+    angle = 2.0 ** -20 * positions.double()[:, :, None, None]
+    return torch.cat([pair, pair], -1) * angle + 1e-6
+
+
 def _bound(a, w):
     """sum |a_j| |w_nj| over the dot, fp64: [..., N]."""
     return a.double().abs() @ w.double().abs().T
@@ -110,14 +119,16 @@ def check_stages(dims, x, w, cache_before, cache, page_table, prefix, positions,
     assert torch.equal(cache[~written].view(-1).nan_to_num(7.0), cache_before[~written].view(-1).nan_to_num(7.0)), \
         "rows other than the draft tokens' were written"
     got_rows, want_rows = cache[written].double(), ref_cache[written].double()
-    _close(got_rows, want_rows, 2 * U * want_rows.abs() + 1e-6, "KV rows")
+    rope_tol = torch.zeros_like(ref_cache)
+    rope_tol[..., r:] = 2.0 ** -20 * float(positions.max()) * ref_cache[..., r:].abs().amax(-1, keepdim=True)
+    _close(got_rows, want_rows, 2 * U * want_rows.abs() + rope_tol[written] + 1e-6, "KV rows")
     # absorbed and rope queries of the kernel's q
     want = torch.einsum("bkhd,hdr->bkhr", qb[..., :nope].double(), w["w_uk"].double())
     bound = torch.einsum("bkhd,hdr->bkhr", qb[..., :nope].double().abs(), w["w_uk"].double().abs())
     _close(mid["q_latent"].view(b, kq, nh, r), want, U * want.abs() + nope * eps23 * bound + 1e-30,
            "q_latent")
     want = apply_rope(qb[..., nope:].float(), positions, THETA)
-    _close(mid["q_pe"].view(b, kq, nh, dr), want, U * want.float().abs() + 1e-6, "q_pe")
+    _close(mid["q_pe"].view(b, kq, nh, dr), want, U * want.float().abs() + _rope_tol(qb[..., nope:], positions), "q_pe")
     # attention of the kernel's queries over the kernel's cache (fp64), rounded, then W_uv
     o_lat = tree_attention_mla_reference(mid["q_latent"].view(b, kq, nh, r), mid["q_pe"].view(b, kq, nh, dr), cache,
                                          page_table, prefix, mask, _sm_scale(dims), compute_dtype=torch.float64)

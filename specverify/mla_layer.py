@@ -312,7 +312,7 @@ def _launch(x, weights, kv_cache, page_table, prefix_lens, positions, tree_mask,
                 math.log2(rope_theta), float(sm_scale) * 1.4426950408889634)
 
     base = dict(consts, **({"launch_pdl": True} if pdl else {}))
-    key = (shape, x.dtype, tree_mask is not None, pdl, tuple(sorted(_TUNE.items())))
+    key = (shape, x.dtype, tree_mask is not None, pdl, repr(sorted(_TUNE.items())))
     cfg = dict(base, **persistent_grid(_mla_block_kernel, args_of(), dict(base, PHASE=0), dev, sms, key, _CANDIDATES,
                                        functools.partial(_plan_consts, shape), _CHOSEN, "mla_block"))
     if _TUNE:  # a bench sweep's launch: its grid, stages, warps or prefetch point instead of the chosen ones

@@ -29,9 +29,11 @@ Grid: ``NPROG`` programs, all resident at once. Each phase hands its items out r
     2  every program computes q_a's RMSNorm scale of each token (Q values from L2); items (q_b row tile, K split)
        as phase 1 with the norm applied to x on load; MT more items prepare the KV of one token each.
     3  items (head, R tile of BR): the absorbed query; the R tile 0 items also rotate the head's rope query.
-    4  items (request, KV split): tree attention of every head and node of the request over the split's KV tiles
-       (the split range of ``tree_attention``: whole tiles of the prefix, the last split the draft tokens too),
-       a normalised partial output and its lse per row.
+    4  items (request, KV split, value chunk of RCH columns): tree attention of every head and node of the request
+       over the split's KV tiles (the split range of ``tree_attention``: whole tiles of the prefix, the last split
+       the draft tokens too); each item computes the whole score (over R in RCH chunks, and the rope part) and
+       accumulates its chunk of the value: a normalised partial output chunk per row, and (chunk 0) its lse. The
+       KV tile is read from HBM once and from L2 by the split's other items; registers hold one chunk.
     5  items (head, R chunk of BC): the chunk of each row's merged output (logsumexp weights over the splits),
        rounded, times the chunk's W_uv rows: a partial of v[h]; the head's last item sums the partials.
     6  items of RH output rows of o_proj (the whole K = NH * V each).
@@ -125,7 +127,8 @@ def _mla_block_kernel(x_ptr, wa_ptr, qn_ptr, wb_ptr, kvn_ptr, wuk_ptr, wuv_ptr, 
                       PAGE: tl.constexpr, HAS_MASK: tl.constexpr,
                       TN: tl.constexpr, BK: tl.constexpr, SPLIT_A: tl.constexpr, SPLIT_A_PAD: tl.constexpr,
                       SPLIT_B: tl.constexpr, SPLIT_B_PAD: tl.constexpr, BR: tl.constexpr, NSPLIT: tl.constexpr,
-                      NSPLIT_PAD: tl.constexpr, ATT_BN: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
+                      NSPLIT_PAD: tl.constexpr, ATT_BN: tl.constexpr, BM: tl.constexpr, RCH: tl.constexpr,
+                      BC: tl.constexpr,
                       RH: tl.constexpr, BH: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
                       PF_O: tl.constexpr, NPROG: tl.constexpr, PHASE: tl.constexpr, DOT_FP32: tl.constexpr,
                       PDL: tl.constexpr):
@@ -250,29 +253,28 @@ def _mla_block_kernel(x_ptr, wa_ptr, qn_ptr, wb_ptr, kvn_ptr, wuk_ptr, wuv_ptr, 
     if PHASE == 0:
         _grid_barrier(bar_ptr, 3 * NPROG)
 
-    # ---- phase 4: split-KV tree attention --------------------------------------------------------------------------
+    # ---- phase 4: split-KV tree attention ------------------------------------------------------------------------
     if (PHASE == 0) | (PHASE == 4):
+        NRC: tl.constexpr = R // RCH  # value chunks: each (request, split) is NRC items, one a chunk of the output
         rm = tl.arange(0, BM)
         tok = rm // NH
         head = rm % NH
         row_ok = rm < KQ * NH
         dr = tl.arange(0, DRP)  # the rope dim, padded to a dot's 16
-        rr = tl.arange(0, R)
+        vc = tl.arange(0, RCH)
         offs_n = tl.arange(0, ATT_BN)
-        for item in range(pid, B * NSPLIT, NPROG):
-            b = item // NSPLIT
-            split = item % NSPLIT
+        for item in range(pid, B * NSPLIT * NRC, NPROG):
+            c = item % NRC
+            b = item // NRC // NSPLIT
+            split = item // NRC % NSPLIT
             qrow = (b * KQ + tok) * NH + head
-            q = tl.load(ql_ptr + qrow[:, None] * R + rr[None, :], mask=row_ok[:, None], other=0.0,
-                        cache_modifier=".cg")
             qr = tl.load(qr_ptr + qrow[:, None] * DR + dr[None, :], mask=row_ok[:, None] & (dr < DR)[None, :],
                          other=0.0, cache_modifier=".cg")
             if DOT_FP32:
-                q = q.to(tl.float32)
                 qr = qr.to(tl.float32)
             prefix = tl.load(prefix_ptr + b).to(tl.int32)
             pt_row = pt_ptr + b.to(tl.int64) * stride_ptb
-            acc = tl.zeros([BM, R], dtype=tl.float32)
+            acc = tl.zeros([BM, RCH], dtype=tl.float32)
             m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
             l_i = tl.zeros([BM], dtype=tl.float32)
             start, end = _split_range(prefix, split, NSPLIT, KQ, ATT_BN)
@@ -281,15 +283,23 @@ def _mla_block_kernel(x_ptr, wa_ptr, qn_ptr, wb_ptr, kvn_ptr, wuk_ptr, wuv_ptr, 
                 valid = pos < end
                 page = tl.load(pt_row + pos // PAGE, mask=valid, other=0).to(tl.int64)
                 krow = page * stride_cp + (pos % PAGE).to(tl.int64) * stride_cs
-                kt = tl.load(cache_ptr + krow[:, None] + rr[None, :], mask=valid[:, None], other=0.0,
-                             cache_modifier=".cg")
                 kr = tl.load(cache_ptr + krow[:, None] + R + dr[None, :], mask=valid[:, None] & (dr < DR)[None, :],
                              other=0.0, cache_modifier=".cg")
                 if DOT_FP32:
-                    kt = kt.to(tl.float32)
                     kr = kr.to(tl.float32)
-                s = tl.dot(q, tl.trans(kt))
-                s = tl.dot(qr, tl.trans(kr), s) * qk_scale
+                s = tl.dot(qr, tl.trans(kr))
+                # every item of the split computes the whole score (all R), chunk by chunk: the KV tile's later
+                # readers hit L2; registers hold one [ATT_BN, RCH] chunk at a time
+                for cc in tl.static_range(NRC):
+                    q_ch = tl.load(ql_ptr + qrow[:, None] * R + cc * RCH + vc[None, :], mask=row_ok[:, None], other=0.0,
+                                 cache_modifier=".cg")
+                    k_ch = tl.load(cache_ptr + krow[:, None] + cc * RCH + vc[None, :], mask=valid[:, None], other=0.0,
+                                 cache_modifier=".cg")
+                    if DOT_FP32:
+                        q_ch = q_ch.to(tl.float32)
+                        k_ch = k_ch.to(tl.float32)
+                    s = tl.dot(q_ch, tl.trans(k_ch), s)
+                s = s * qk_scale
                 jd = pos - prefix  # draft index (>= 0 on draft tokens)
                 is_draft = valid & (jd >= 0)
                 jd = tl.where(is_draft, jd, 0)
@@ -300,14 +310,19 @@ def _mla_block_kernel(x_ptr, wa_ptr, qn_ptr, wb_ptr, kvn_ptr, wuk_ptr, wuv_ptr, 
                 else:
                     dvis = jd[None, :] <= tok[:, None]
                 vis = (valid[None, :] & row_ok[:, None]) & ((pos < prefix)[None, :] | dvis)
-                acc, m_i, l_i = _online_softmax_step(s, vis, kt, acc, m_i, l_i)
+                vt = tl.load(cache_ptr + krow[:, None] + c * RCH + vc[None, :], mask=valid[:, None], other=0.0,
+                             cache_modifier=".cg")  # this item's value chunk
+                if DOT_FP32:
+                    vt = vt.to(tl.float32)
+                acc, m_i, l_i = _online_softmax_step(s, vis, vt, acc, m_i, l_i)
             has_any = l_i > 0.0
             o = acc / tl.where(has_any, l_i, 1.0)[:, None]
-            lse = tl.where(has_any, (m_i + tl.log2(tl.where(has_any, l_i, 1.0))) * 0.6931471805599453,
-                           float("-inf"))
             ws_row = ((b * NSPLIT + split) * KQ + tok) * NH + head
-            tl.store(ws_o_ptr + ws_row.to(tl.int64)[:, None] * R + rr[None, :], o, mask=row_ok[:, None])
-            tl.store(ws_lse_ptr + ws_row, lse, mask=row_ok)
+            tl.store(ws_o_ptr + ws_row.to(tl.int64)[:, None] * R + c * RCH + vc[None, :], o, mask=row_ok[:, None])
+            if c == 0:  # the split's lse (every chunk's item computes the same)
+                lse = tl.where(has_any, (m_i + tl.log2(tl.where(has_any, l_i, 1.0))) * 0.6931471805599453,
+                               float("-inf"))
+                tl.store(ws_lse_ptr + ws_row, lse, mask=row_ok)
     if PREFETCH & (PF_O == 4):
         _prefetch_late(pid, wo_ptr, wuv_ptr, H, NV, R, V, BC, NH, RH, BH, BK, NPROG)
     if PHASE == 0:

@@ -69,11 +69,12 @@ def _plan(shape: tuple, nprog: int) -> dict:
     sa = _equal_split(_cdiv(h, _BK), _cdiv(q + r + dr, _TN), nprog)
     sb = _equal_split(_cdiv(q, _BK), _cdiv(nh * (nope + dr), _TN), nprog)
     att_bn = int(_TUNE.get("ATT_BN", _ATT_BN))
-    nsplit = max(1, min(_cdiv(capacity, att_bn), max(1, nprog // b)))
+    rch = min(128, max(16, r // 4))  # value chunk of a phase-4 item
+    nsplit = max(1, min(_cdiv(capacity, att_bn), max(1, nprog // (b * (r // rch)))))
     rh = max(16, _cdiv(h, nprog))
     return dict(TN=_TN, BK=_BK, SPLIT_A=sa, SPLIT_A_PAD=max(2, _next_pow2(sa)), SPLIT_B=sb,
                 SPLIT_B_PAD=max(2, _next_pow2(sb)), BR=min(64, r), NSPLIT=nsplit,
-                NSPLIT_PAD=max(2, _next_pow2(nsplit)), ATT_BN=att_bn, BM=max(16, _next_pow2(kq * nh)),
+                NSPLIT_PAD=max(2, _next_pow2(nsplit)), ATT_BN=att_bn, BM=max(16, _next_pow2(kq * nh)), RCH=rch,
                 BC=min(64, r // 2), RH=rh, BH=_next_pow2(rh), PF_O=_PF_O)
 
 

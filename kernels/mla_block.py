@@ -24,9 +24,9 @@ floor + 0.8-1.3 µs, a PDL kernel at the floor + 1.7-2.3).
 Grid: ``NPROG`` programs, all resident at once. Each phase hands its items out round-robin (item ``i`` to program
 ``i % NPROG``); a grid barrier separates the phases:
 
-    1  qkv_a: items (row tile of TN rows, K split); fp32 partials, the tile's last item (a self-resetting ticket)
+    1  qkv_a: items (row tile of TA rows, K split); fp32 partials, the tile's last item (a self-resetting ticket)
        sums them into qkv. Before the PDL wait each program sends its first slice to L2.
-    2  every program computes q_a's RMSNorm scale of each token (Q values from L2); items (q_b row tile, K split)
+    2  every program computes q_a's RMSNorm scale of each token (Q values from L2); items (q_b tile of TB rows, K split)
        as phase 1 with the norm applied to x on load; MT more items prepare the KV of one token each.
     3  items (head, R tile of BR): the absorbed query; the R tile 0 items also rotate the head's rope query.
     4  items (request, KV split, value chunk of RCH columns): tree attention of every head and node of the request
@@ -125,7 +125,7 @@ def _mla_block_kernel(x_ptr, wa_ptr, qn_ptr, wb_ptr, kvn_ptr, wuk_ptr, wuv_ptr, 
                       R: tl.constexpr, DR: tl.constexpr, DRP: tl.constexpr, NOPE: tl.constexpr, NH: tl.constexpr,
                       V: tl.constexpr,
                       PAGE: tl.constexpr, HAS_MASK: tl.constexpr,
-                      TN: tl.constexpr, BK: tl.constexpr, SPLIT_A: tl.constexpr, SPLIT_A_PAD: tl.constexpr,
+                      TA: tl.constexpr, TB: tl.constexpr, BK: tl.constexpr, SPLIT_A: tl.constexpr, SPLIT_A_PAD: tl.constexpr,
                       SPLIT_B: tl.constexpr, SPLIT_B_PAD: tl.constexpr, BR: tl.constexpr, NSPLIT: tl.constexpr,
                       NSPLIT_PAD: tl.constexpr, ATT_BN: tl.constexpr, BM: tl.constexpr, RCH: tl.constexpr,
                       BC: tl.constexpr,
@@ -138,25 +138,26 @@ def _mla_block_kernel(x_ptr, wa_ptr, qn_ptr, wb_ptr, kvn_ptr, wuk_ptr, wuv_ptr, 
     NB: tl.constexpr = NH * QD  # q_b rows
     NV: tl.constexpr = NH * V  # o_proj's K
     B: tl.constexpr = MT // KQ  # requests
-    T_A: tl.constexpr = (NA + TN - 1) // TN
-    T_B: tl.constexpr = (NB + TN - 1) // TN
+    T_A: tl.constexpr = (NA + TA - 1) // TA
+    T_B: tl.constexpr = (NB + TB - 1) // TB
     NCH_A: tl.constexpr = (H + BK - 1) // BK
     NCH_B: tl.constexpr = (Q + BK - 1) // BK
     NRT: tl.constexpr = R // BR  # absorb tiles a head
     NC: tl.constexpr = R // BC  # merge chunks a head
-    # fp32 partials: phase 1 [T_A, SPLIT_A, MT, TN], phase 2 [T_B, SPLIT_B, MT, TN], phase 5 [NH, NC, MT, V]
-    P2: tl.constexpr = T_A * SPLIT_A * MT * TN
-    P5: tl.constexpr = P2 + T_B * SPLIT_B * MT * TN
+    # fp32 partials: phase 1 [T_A, SPLIT_A, MT, TA], phase 2 [T_B, SPLIT_B, MT, TB], phase 5 [NH, NC, MT, V]
+    P2: tl.constexpr = T_A * SPLIT_A * MT * TA
+    P5: tl.constexpr = P2 + T_B * SPLIT_B * MT * TB
     # tickets: phase 1 [T_A], phase 2 [T_B], phase 5 [NH]
     TK2: tl.constexpr = T_A
     TK5: tl.constexpr = T_A + T_B
-    jt = tl.arange(0, TN)
+    ja = tl.arange(0, TA)
+    jb = tl.arange(0, TB)
     cols = tl.arange(0, 16)
     odt = out_ptr.dtype.element_ty
     if PREFETCH & ((PHASE == 0) | (PHASE == 1)):  # this program's first qkv_a slice to L2 before the wait
         if pid < T_A * SPLIT_A:
             sp0 = pid % SPLIT_A
-            _prefetch_rows(wa_ptr, (pid // SPLIT_A) * TN + jt, (pid // SPLIT_A) * TN + jt < NA, H,
+            _prefetch_rows(wa_ptr, (pid // SPLIT_A) * TA + ja, (pid // SPLIT_A) * TA + ja < NA, H,
                            sp0 * NCH_A // SPLIT_A * BK, (sp0 + 1) * NCH_A // SPLIT_A * BK, H, BK)
     if PDL:  # x comes from the previous kernel; nothing is read or written before this
         gdc_wait()
@@ -166,22 +167,22 @@ def _mla_block_kernel(x_ptr, wa_ptr, qn_ptr, wb_ptr, kvn_ptr, wuk_ptr, wuv_ptr, 
         for item in range(pid, T_A * SPLIT_A, NPROG):
             tile = item // SPLIT_A
             sp = item % SPLIT_A
-            rows = tile * TN + jt
+            rows = tile * TA + ja
             acc = _rows_dot(wa_ptr, rows, rows < NA, H, x_ptr, stride_xm, x_ptr, cols.to(tl.float32),
                             sp * NCH_A // SPLIT_A * BK, (sp + 1) * NCH_A // SPLIT_A * BK, H, MT, BK, STAGES, False,
                             DOT_FP32)
-            tl.store(part_ptr + ((tile * SPLIT_A + sp) * MT + cols[None, :]) * TN + jt[:, None], acc,
+            tl.store(part_ptr + ((tile * SPLIT_A + sp) * MT + cols[None, :]) * TA + ja[:, None], acc,
                      mask=(cols < MT)[None, :])
             tl.debug_barrier()  # this item's partial precedes its ticket
             if tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel") == SPLIT_A - 1:
                 for m in tl.static_range(MT):
-                    v = _split_sum(part_ptr + (tile * SPLIT_A * MT + m) * TN, SPLIT_A, SPLIT_A_PAD, MT * TN, 0, TN)
+                    v = _split_sum(part_ptr + (tile * SPLIT_A * MT + m) * TA, SPLIT_A, SPLIT_A_PAD, MT * TA, 0, TA)
                     tl.store(qkv_ptr + m * NA + rows, v.to(odt), mask=rows < NA)
                 tl.atomic_xchg(ticket_ptr + tile, 0)
     if PREFETCH & ((PHASE == 0) | (PHASE == 1)):  # the first phase-2 and phase-3 slices (constant weights)
         if pid < T_B * SPLIT_B:
             sp0 = pid % SPLIT_B
-            rb = (pid // SPLIT_B) * TN + jt
+            rb = (pid // SPLIT_B) * TB + jb
             _prefetch_rows(wb_ptr, rb, rb < NB, Q, sp0 * NCH_B // SPLIT_B * BK, (sp0 + 1) * NCH_B // SPLIT_B * BK, Q,
                            BK)
         if pid < NH * NRT:
@@ -203,16 +204,16 @@ def _mla_block_kernel(x_ptr, wa_ptr, qn_ptr, wb_ptr, kvn_ptr, wuk_ptr, wuv_ptr, 
             if item < T_B * SPLIT_B:
                 tile = item // SPLIT_B
                 sp = item % SPLIT_B
-                rows = tile * TN + jt
+                rows = tile * TB + jb
                 acc = _rows_dot(wb_ptr, rows, rows < NB, Q, qkv_ptr, NA, qn_ptr, rstd, sp * NCH_B // SPLIT_B * BK,
                                 (sp + 1) * NCH_B // SPLIT_B * BK, Q, MT, BK, STAGES, True, DOT_FP32)
-                tl.store(part_ptr + P2 + ((tile * SPLIT_B + sp) * MT + cols[None, :]) * TN + jt[:, None], acc,
+                tl.store(part_ptr + P2 + ((tile * SPLIT_B + sp) * MT + cols[None, :]) * TB + jb[:, None], acc,
                          mask=(cols < MT)[None, :])
                 tl.debug_barrier()
                 if tl.atomic_add(ticket_ptr + TK2 + tile, 1, sem="acq_rel") == SPLIT_B - 1:
                     for m in tl.static_range(MT):
-                        v = _split_sum(part_ptr + P2 + (tile * SPLIT_B * MT + m) * TN, SPLIT_B, SPLIT_B_PAD, MT * TN,
-                                       0, TN)
+                        v = _split_sum(part_ptr + P2 + (tile * SPLIT_B * MT + m) * TB, SPLIT_B, SPLIT_B_PAD, MT * TB,
+                                       0, TB)
                         tl.store(qb_ptr + m * NB + rows, v.to(odt), mask=rows < NB)
                     tl.atomic_xchg(ticket_ptr + TK2 + tile, 0)
             else:

@@ -14,6 +14,7 @@ import functools
 from collections.abc import Callable, Hashable, Sequence
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 from specverify import envvars
 
@@ -212,7 +213,11 @@ def persistent_grid(kernel, args: Sequence, consts: dict, device: torch.device, 
         for per_sm in (2, 1):
             cfg = plan(sms * per_sm, cand)
             compiled = kernel.warmup(*args, grid=(sms * per_sm,), **dict(consts, **cfg))
-            spills = spill_bytes(compiled)
+            try:
+                spills = spill_bytes(compiled)  # loads the module: more shared memory than a block may have raises
+            except OutOfResources as exc:
+                seen.append(f"{cand} x{per_sm}: {exc}")
+                continue
             n_regs = int(getattr(compiled, "n_regs", 0) or 0)
             shared = int(getattr(getattr(compiled, "metadata", None), "shared", 0) or 0)
             fits = (per_sm * n_regs * 32 * cfg["num_warps"] <= regs_sm

@@ -24,14 +24,16 @@ __all__ = ["mla_block", "mla_block_fits", "mla_block_reference", "MLA_BLOCK_MAX_
 #: 16); above, the op chain.
 MLA_BLOCK_MAX_M = 2
 _KERNEL_MAX_M = 16
-_TN, _BK = 32, 128
+_BK = 128
+#: Weight rows of a phase-1 (qkv_a) and a phase-2 (q_b) tile.
+_TA, _TB = 64, 32
 #: KV tokens a split tile reads.
 _ATT_BN = 64
 #: (K-loop pipeline stages, warps), best first; the first whose compiled kernel lets the grid be resident without
 #: spilling is taken (two programs an SM tried before one).
 _CANDIDATES = ((4, 4), (3, 4), (2, 4), (3, 8), (2, 8), (1, 8))
 #: Before which barrier each program sends its W_o rows and first W_uv chunk to L2 (1, 3 or 4; 0: not at all).
-_PF_O = 3
+_PF_O = 0
 #: Launch keywords that replace the plan's (bench sweeps only; empty in use): NPROG, STAGES, num_warps, PF_O,
 #: PREFETCH, ATT_BN, and PHASES (a list: those phases as separate launches without barriers, to time them).
 _TUNE: dict = {}
@@ -42,10 +44,10 @@ _CHOSEN: dict = {}
 def mla_block_fits(num_draft_tokens: int, heads: int, nope: int, kv_lora_rank: int, rope_dim: int,
                    v_head_dim: int) -> bool:
     """Whether :func:`mla_block` takes a layer of these sizes (else it raises ValueError): NOPE, R and V powers of two
-    >= 16, the rope dim a power of two >= 2, draft tokens x heads <= 64."""
+    >= 16, the rope dim a power of two >= 2, draft tokens x heads <= 32."""
     pow2 = [d for d in (nope, kv_lora_rank, v_head_dim, rope_dim) if d & (d - 1) == 0]
     return (len(pow2) == 4 and min(nope, kv_lora_rank, v_head_dim) >= 16 and rope_dim >= 2
-            and num_draft_tokens * heads <= 64)
+            and num_draft_tokens * heads <= 32)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -66,13 +68,14 @@ def _plan(shape: tuple, nprog: int) -> dict:
     (capacity: the KV positions a page-table row holds)."""
     m, kq, h, q, r, dr, nope, nh, v, capacity = shape
     b = m // kq
-    sa = _equal_split(_cdiv(h, _BK), _cdiv(q + r + dr, _TN), nprog)
-    sb = _equal_split(_cdiv(q, _BK), _cdiv(nh * (nope + dr), _TN), nprog)
+    ta, tb = int(_TUNE.get("TA", _TA)), int(_TUNE.get("TB", _TB))
+    sa = _equal_split(_cdiv(h, _BK), _cdiv(q + r + dr, ta), nprog)
+    sb = _equal_split(_cdiv(q, _BK), _cdiv(nh * (nope + dr), tb), nprog)
     att_bn = int(_TUNE.get("ATT_BN", _ATT_BN))
     rch = min(128, max(16, r // 4))  # value chunk of a phase-4 item
     nsplit = max(1, min(_cdiv(capacity, att_bn), max(1, nprog // (b * (r // rch)))))
     rh = max(16, _cdiv(h, nprog))
-    return dict(TN=_TN, BK=_BK, SPLIT_A=sa, SPLIT_A_PAD=max(2, _next_pow2(sa)), SPLIT_B=sb,
+    return dict(TA=ta, TB=tb, BK=_BK, SPLIT_A=sa, SPLIT_A_PAD=max(2, _next_pow2(sa)), SPLIT_B=sb,
                 SPLIT_B_PAD=max(2, _next_pow2(sb)), BR=min(64, r), NSPLIT=nsplit,
                 NSPLIT_PAD=max(2, _next_pow2(nsplit)), ATT_BN=att_bn, BM=max(16, _next_pow2(kq * nh)), RCH=rch,
                 BC=min(64, r // 2), RH=rh, BH=_next_pow2(rh), PF_O=_PF_O)
@@ -86,8 +89,8 @@ def _plan_consts(shape: tuple, nprog: int, cand: tuple[int, int]) -> dict:
 def _part_size(shape: tuple, p: dict) -> tuple[int, int]:
     """(fp32 partials, tickets) the plan ``p`` needs."""
     m, kq, h, q, r, dr, nope, nh, v, _ = shape
-    t_a, t_b = _cdiv(q + r + dr, _TN), _cdiv(nh * (nope + dr), _TN)
-    return (t_a * p["SPLIT_A"] * m * _TN + t_b * p["SPLIT_B"] * m * _TN + nh * (r // p["BC"]) * m * v,
+    t_a, t_b = _cdiv(q + r + dr, p["TA"]), _cdiv(nh * (nope + dr), p["TB"])
+    return (t_a * p["SPLIT_A"] * m * p["TA"] + t_b * p["SPLIT_B"] * m * p["TB"] + nh * (r // p["BC"]) * m * v,
             t_a + t_b + nh)
 
 
@@ -158,8 +161,8 @@ def _check(op, x, weights, kv_cache, page_table, prefix_lens, positions, tree_ma
     if not 1 <= b * kq <= _KERNEL_MAX_M:
         raise ValueError(f"{op}: batch x draft tokens must be in 1..{_KERNEL_MAX_M}, got {b} x {kq}; above, use the "
                          "op chain (gemv.linear, fused_ops.mla_prep_absorb, tree_attention_mla, mla_up_v)")
-    if kq * nh > 64:
-        raise ValueError(f"{op}: draft tokens x heads must be at most 64, got {kq} x {nh}")
+    if kq * nh > 32:
+        raise ValueError(f"{op}: draft tokens x heads must be at most 32, got {kq} x {nh}")
     if x.stride(2) != 1:
         raise ValueError(f"{op}: x needs a unit stride in its last dimension, got {tuple(x.stride())}; pass "
                          "x.contiguous()")
@@ -207,7 +210,7 @@ def mla_block(x: torch.Tensor, qkv_a: torch.Tensor, q_a_norm: torch.Tensor, q_b:
     ----------
     x : torch.Tensor
         (B, KQ, H) normalised hidden states of B requests of KQ draft tokens, bf16 or fp16, unit last stride;
-        1 <= B * KQ <= 16 (the verify forward uses it up to :data:`MLA_BLOCK_MAX_M`), KQ * heads <= 64.
+        1 <= B * KQ <= 16 (the verify forward uses it up to :data:`MLA_BLOCK_MAX_M`), KQ * heads <= 32.
     qkv_a : (Q + R + DR, H); q_a_norm : (Q,); q_b : (NH * (NOPE + DR), Q); kv_a_norm : (R,);
     w_uk : (NH, NOPE, R); w_uv : (NH, R, V); o_proj : (H, NH * V)
         The rank's weights in x's dtype, contiguous (the verify forward's layout). R, NOPE, V: powers of two
@@ -235,7 +238,7 @@ def mla_block(x: torch.Tensor, qkv_a: torch.Tensor, q_a_norm: torch.Tensor, q_b:
         Non-tensor operands, x not bf16 / fp16, weights or cache of another dtype, non-integer page table, prefix
         lengths or positions, a mask that is not uint8.
     ValueError
-        Shapes that disagree, B * KQ outside 1..16, KQ * heads above 64, head dims :func:`mla_block_fits` refuses,
+        Shapes that disagree, B * KQ outside 1..16, KQ * heads above 32, head dims :func:`mla_block_fits` refuses,
         non-contiguous weights, tensors on different devices, CPU tensors without ``TRITON_INTERPRET=1``; with
         ``validate``, page ids outside the cache, requests longer than their page-table rows, or a mask that is not
         a tree's.

@@ -4,7 +4,7 @@ floor from a copy bandwidth of the same run), in the order given and then in rev
 shows as a difference between the two passes over the same variant (issue 22).
 
 Variants (``--variants``, comma-separated): ``chain`` (no fusion slot: MLA preparation and the query absorption in
-two launches, the shared expert's slot appended by a launch of its own, no one-launch MoE or MLA block), ``fused`` (the
+two launches, the shared expert's slot appended by a launch of its own, no one-launch MoE block), ``fused`` (the
 default table), ``no-<slot>`` (one slot of ``FUSIONS`` emptied); gate/up of the stream experts (merged into
 ``specverify.moe._STREAM_OVERRIDE``): ``fma`` (no split-K MMA gate/up), ``splitk-m4`` / ``splitk-m6`` (split-K up
 to 4 / 6 tokens); ``block-m4`` (the one-launch MoE block up to 4 tokens instead of ``MOE_BLOCK_MAX_M``);
@@ -16,7 +16,8 @@ a side stream (slower), GEMV weight slices loaded before the PDL wait and the sp
 launch before its wait (no faster), the shared expert's rows sent to L2 before the gate/up's wait (slower at 2
 tokens), one-shot q_b / o_proj GEMVs (whole slices before the wait, no split reduce: slower), the MoE block's
 down tiles of every slot sent to L2 before its second barrier and its K split into as many parts as fill the grid
-(slower).
+(slower), the whole MLA attention in one persistent launch (`no-mla_block` against it: 0.62 / 0.83 ms slower at k =
+1 / 2; bench/results/HISTORY.md).
 
 Usage: ``python bench/ab_verify_pass.py [--model kimi-k2] [--batch 1] [--context 4096] [--tree chain]
 [--draft-tokens 1,2,4,8] [--iters 10] [--page-size 64] [--variants ...] [--kernels] [--json PATH]``.
@@ -30,7 +31,7 @@ import sys
 from specverify import verify_wall as vw
 from specverify.gemv import gemv_config
 
-FUSIONS = ("mla_prep_absorb", "route_shared", "moe_block", "mla_block")
+FUSIONS = ("mla_prep_absorb", "route_shared", "moe_block")
 VARIANTS = {"chain": dict(off=FUSIONS), "fused": dict(off=()), "fma": dict(off=(), stream={"splitk_max_m": 0})}
 VARIANTS.update({f"no-{slot}": dict(off=(slot,)) for slot in FUSIONS})
 VARIANTS.update({f"splitk-m{m}": dict(off=(), stream={"splitk_max_m": m}) for m in (4, 6)})

@@ -54,7 +54,7 @@ TARGETS = {
     "sm_90a": (90, 232448, 132, "NVIDIA H200 (fake, offline)"),
     "sm_120": (120, 101376, 188, "NVIDIA RTX PRO 6000 Blackwell (fake, offline)"),
 }
-GROUPS = ("attn", "gqa", "route", "moe", "block", "mla", "accept", "fused", "kv", "gemv")
+GROUPS = ("attn", "gqa", "route", "moe", "block", "accept", "fused", "kv", "gemv")
 
 
 def log(msg: str) -> None:
@@ -112,7 +112,7 @@ def fake_cuda(target: str, sink: list):
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from triton.runtime.jit import JITFunction, KernelInterface
 
-    from specverify import fit, mla_layer, moe_layer
+    from specverify import fit, moe_layer
 
     cc, smem, sms, name = TARGETS[target]
     major, minor = cc // 10, cc % 10
@@ -154,7 +154,6 @@ def fake_cuda(target: str, sink: list):
         c.cache_clear()
     fit._CHOSEN.clear()
     moe_layer._CHOSEN.clear()
-    mla_layer._CHOSEN.clear()
     try:
         with FakeTensorMode(allow_non_fake_inputs=True):
             yield
@@ -168,7 +167,6 @@ def fake_cuda(target: str, sink: list):
             c.cache_clear()
         fit._CHOSEN.clear()
         moe_layer._CHOSEN.clear()
-        mla_layer._CHOSEN.clear()
 
 
 def _basic_index(t, idx):
@@ -373,23 +371,6 @@ def scen_block(quick: bool, target: str):
         yield f"moe_block {model} M{m}", run
 
 
-def scen_mla(quick: bool, target: str):
-    """The one-launch MLA attention (qkv_a ... o_proj) at Kimi-K2 / DeepSeek-V3 rank shapes (8 / 16 heads), 4k
-    context in 64-token pages, the pipeline depth and grid its launcher picks for the target."""
-    import specverify.mla_layer as ml  # its launch choice is reset per target by fake_cuda
-
-    shapes = [(8, 1, False)] if quick else [(8, 1, False), (8, 2, False), (16, 1, False), (16, 2, True)]
-    for heads, k, tree in shapes:
-        def run(heads=heads, k=k, tree=tree):
-            h, q, r, dr, nope, v, pages = 7168, 1536, 512, 64, 128, 128, 66
-            mask = _cuda(k, 1, dtype=torch.uint8) if tree else None
-            ml.mla_block(_cuda(1, k, h), _cuda(q + r + dr, h), _cuda(q), _cuda(heads * (nope + dr), q), _cuda(r),
-                         _cuda(heads, nope, r), _cuda(heads, r, v), _cuda(h, heads * v), _cuda(pages, 64, r + dr),
-                         _cuda(1, pages, dtype=torch.int32), _cuda(1, dtype=torch.int32), _cuda(1, k, dtype=torch.int64),
-                         mask, eps=1e-6, rope_theta=10000.0, sm_scale=0.07, validate=False)
-        yield f"mla_block {heads} heads k{k}{' tree' if tree else ''}", run
-
-
 def scen_accept(quick: bool, target: str):
     """Acceptance: greedy (from logits) and sampling, Kimi-K2 vocab 163840."""
     import specverify.accept as acc
@@ -489,8 +470,7 @@ def scen_gemv(quick: bool, target: str):
             yield f"gemv m{m} {k}->{n}", lambda m=m, n=n, k=k: gemv(_cuda(m, k), _cuda(n, k), impl="triton")
 
 
-SCENARIOS = dict(attn=scen_attn, gqa=scen_gqa, route=scen_route, moe=scen_moe, block=scen_block, mla=scen_mla,
-                 accept=scen_accept,
+SCENARIOS = dict(attn=scen_attn, gqa=scen_gqa, route=scen_route, moe=scen_moe, block=scen_block, accept=scen_accept,
                  fused=scen_fused, kv=scen_kv, gemv=scen_gemv)
 
 

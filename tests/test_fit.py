@@ -95,3 +95,68 @@ def test_spill_fallback_only_where_the_asked_tile_spills(gpu_like, monkeypatch):
     fit.launch_fitting(always, (4,), (x,), {"num_warps": 4, "num_stages": 2}, what="op3",
                        spill_fallback={"num_warps": 8})
     assert always.launched == [{"num_warps": 4, "num_stages": 2}]
+
+
+class FakePersistent:
+    """A persistent kernel's compiles: ``res(kw)`` gives (registers, shared memory, spills, raises at load)."""
+
+    def __init__(self, res):
+        self.res, self.compiles = res, []
+
+    def warmup(self, *args, grid, **kw):
+        regs, shared, spills, too_big = self.res(kw)
+        self.compiles.append((grid[0], kw["STAGES"], kw["num_warps"]))
+
+        def load():
+            if too_big:
+                raise fit.OutOfResources(shared, 232448, "shared memory")
+        return types.SimpleNamespace(metadata=types.SimpleNamespace(shared=shared), n_regs=regs, n_spills=spills,
+                                     _init_handles=load)
+
+
+def _plan(nprog, cand):
+    return {"NPROG": nprog, "STAGES": cand[0], "num_warps": cand[1]}
+
+
+@pytest.fixture
+def sm_like(gpu_like, monkeypatch):
+    monkeypatch.setattr(fit, "_sm_resources", lambda index: (65536, 233472))  # an H200 SM's registers and memory
+    return gpu_like
+
+
+def test_persistent_grid_needs_every_program_resident(sm_like):
+    """Two programs an SM are tried first; a candidate whose module does not load (OutOfResources) or needs more
+    shared memory than the SM holds at that count is passed over; the choice is cached."""
+    def res(kw):
+        stages, warps = kw["STAGES"], kw["num_warps"]
+        if stages == 6:
+            return 128, 240000, 0, True  # over a block's shared memory: the module does not load
+        if stages == 4:
+            return 168, 120000, 0, False  # two programs' shared memory exceed the SM's: one an SM only
+        return 128, 60000, 8 if warps == 4 else 0, False  # 4 warps spill
+
+    kern = FakePersistent(res)
+    chosen = {}
+    cands = ((6, 4), (4, 4), (3, 4), (3, 8))
+    got = fit.persistent_grid(kern, (), {}, sm_like, 132, "k", cands, _plan, chosen, "op")
+    assert got == {"NPROG": 132, "STAGES": 4, "num_warps": 4}
+    assert kern.compiles == [(264, 6, 4), (132, 6, 4), (264, 4, 4), (132, 4, 4)]
+    assert fit.persistent_grid(kern, (), {}, sm_like, 132, "k", cands, _plan, chosen, "op") == got
+    assert len(kern.compiles) == 4  # cached
+
+
+def test_persistent_grid_registers_and_spills(sm_like):
+    """Registers: 8 warps x 160 registers fit one program an SM (40960), not two; spilling candidates are passed
+    over while a later one is spill-free."""
+    kern = FakePersistent(lambda kw: (160, 50000, 4 if kw["STAGES"] == 3 else 0, False))
+    got = fit.persistent_grid(kern, (), {}, sm_like, 132, "r", ((3, 8), (2, 8)), _plan, {}, "op")
+    assert got == {"NPROG": 132, "STAGES": 2, "num_warps": 8}
+
+
+def test_persistent_grid_spilling_fallback_and_error(sm_like):
+    spill = FakePersistent(lambda kw: (128, 60000, 16, False))
+    got = fit.persistent_grid(spill, (), {}, sm_like, 132, "s", ((3, 4), (2, 4)), _plan, {}, "op")
+    assert got == {"NPROG": 264, "STAGES": 3, "num_warps": 4}  # the first resident one, though it spills
+    never = FakePersistent(lambda kw: (255, 240000, 0, True))
+    with pytest.raises(RuntimeError, match="op: no launch config lets the persistent grid be resident"):
+        fit.persistent_grid(never, (), {}, sm_like, 132, "n", ((3, 4),), _plan, {}, "op")

@@ -1,6 +1,5 @@
 """The verify forward's fusion slots (MLA preparation with the query absorption in one launch; the router writing the
-shared expert's slot; the whole MoE block and the whole MLA attention in one launch each at a few tokens) compute
-what the unfused op chain computes.
+shared expert's slot; the whole MoE block in one launch at a few tokens) compute what the unfused op chain computes.
 
 Runs the tiny MLA stand-ins in bf16 through specverify's op table (the Triton interpreter on the CPU), with the
 projection rules widened so our GEMV serves the tiny shapes, against the same table with the fusion slots emptied;
@@ -14,7 +13,7 @@ from specverify.forward.model import VerifyModel
 from specverify.forward.ops import Ops, specverify_ops
 
 _ALL = ((16, (1, 1 << 30), (1, 1 << 30)),)
-FUSIONS = ("mla_prep_absorb", "route_shared", "moe_block", "mla_block")  # the Ops slots that fuse
+FUSIONS = ("mla_prep_absorb", "route_shared", "moe_block")  # the Ops slots that fuse
 
 
 def _inputs(model, b, k, page_size, seed):
@@ -58,7 +57,7 @@ def _stacked_layers(model):
 
 
 @pytest.mark.parametrize("name", ["tiny-mla-moe", "tiny-mla-grouped"])
-@pytest.mark.parametrize("b, k", [(1, 1), (1, 2), (2, 3)])  # M = 1, 2 (the blocks serve), 6 (route_shared)
+@pytest.mark.parametrize("b, k", [(1, 1), (1, 2), (2, 3)])  # M = 1, 2 (the MoE block serves), 6 (route_shared)
 def test_fused_forward_matches_the_op_chain(device, monkeypatch, name, b, k):
     monkeypatch.setattr(gemv_mod, "LINEAR_RULES", _ALL)
     page_size = 4
@@ -79,9 +78,8 @@ def test_fused_forward_matches_the_op_chain(device, monkeypatch, name, b, k):
         if tag == "fused":  # every layer ran the fused prep; every MoE layer with the stacked shared expert the
             moe = _stacked_layers(model)  # MoE block up to its token count, else the router with the shared slot
             block = b * k <= fused.moe_block_max_m
-            attn = b * k <= fused.mla_block_max_m  # the MLA block runs the whole attention, prep included
-            assert calls == {"mla_prep_absorb": 0 if attn else model.num_layers, "route_shared": 0 if block else moe,
-                             "moe_block": moe if block else 0, "mla_block": model.num_layers if attn else 0}, calls
+            assert calls == {"mla_prep_absorb": model.num_layers, "route_shared": 0 if block else moe,
+                             "moe_block": moe if block else 0}, calls
     # fp64 truth over the same bf16 weights
     ref = VerifyModel(name, dtype=torch.float64, seed=11, device=device)
     for key, w in model._sets.items():

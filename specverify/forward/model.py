@@ -294,12 +294,6 @@ class VerifyModel:
         eps = c.rms_norm_eps
         b, k, _ = x.shape
         heads = s.num_heads
-        sm_scale = 1.0 / math.sqrt(c.qk_nope_head_dim + c.qk_rope_head_dim)
-        if ops.mla_block is not None and b * k <= ops.mla_block_max_m:  # the whole chain below in one launch
-            out = ops.mla_block(x, w, positions, cache[0], page_table, prefix_lens, tree_mask, eps, c.rope_theta,
-                                sm_scale)
-            if out is not None:  # None: the kernel does not take this layer's sizes
-                return out
         qkv = ops.linear(x, w["qkv_a"])  # [b, k, q_lora + kv_lora + rope]: q_a and kv_a in one GEMM
         q = ops.rmsnorm(qkv[..., : c.q_lora_rank], w["q_a_norm"], eps)
         q_b = w["q_b"]  # [heads, nope + rope, q_lora]
@@ -314,6 +308,7 @@ class VerifyModel:
                          c.qk_nope_head_dim)
             q_latent = ops.mla_absorb_q(q, w["w_uk"], c.qk_nope_head_dim)  # [b, k, heads, kv_lora]
         q_pe = q[..., c.qk_nope_head_dim:]  # a view: the attention kernels take strided queries
+        sm_scale = 1.0 / math.sqrt(c.qk_nope_head_dim + c.qk_rope_head_dim)
         o_latent = ops.attention_mla(q_latent, q_pe, cache[0], page_table, prefix_lens, tree_mask, sm_scale)
         return ops.linear(ops.mla_up_v(o_latent, w["w_uv"]), w["o"])
 

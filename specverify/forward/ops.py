@@ -42,11 +42,6 @@ moe_block            hidden [M, H], router [E, H], :class:`RouteParams`, w13_all
                      [E + 1, H, I] -> [M, H]: the router GEMV, routing and the routed + shared experts in one launch,
                      run up to ``moe_block_max_m`` tokens (a fusion; None: the forward composes linear,
                      route_shared and experts)
-mla_block            x [b, k, H], the layer's weight dict, positions, cache, page_table, prefix_lens, tree_mask, eps,
-                     theta, sm_scale -> [b, k, H], or None where the kernel does not take the layer's sizes: the
-                     whole MLA attention (qkv_a ... o_proj, the KV write included) in one launch, run up to
-                     ``mla_block_max_m`` tokens (a fusion; None: the forward composes linear, rmsnorm,
-                     mla_prep_absorb, attention_mla and mla_up_v)
 write_kv             :func:`specverify.reference.kv.write_draft_kv` (not called by the forward: the prep ops write)
 ===================  ===========================================================================================
 """
@@ -123,9 +118,6 @@ class Ops:
     # a fusion; None (or above moe_block_max_m tokens): the forward composes linear, route_shared and experts
     moe_block: Callable = None  # (hidden, router, RouteParams, w13_all, w2_all) -> [M, H]
     moe_block_max_m: int = 0
-    # a fusion; None (or above mla_block_max_m tokens): the forward composes the MLA chain's slots
-    mla_block: Callable = None  # (x, w, positions, cache, pt, prefix, tree_mask, eps, theta, sm_scale) -> [b, k, H]
-    mla_block_max_m: int = 0
     pieces: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -239,24 +231,6 @@ def specverify_ops(model):
 
         ops.moe_block, ops.moe_block_max_m = moe_block_op, max_m
         ops.pieces["moe_block"] = "triton (one persistent launch at a few tokens)"
-    else:
-        missing.append(why)
-    fns, why = _try("specverify.mla_layer", "mla_block", "mla_block_fits", "MLA_BLOCK_MAX_M")
-    if fns:
-        mla_block, mla_block_fits, max_m = fns
-
-        def mla_block_op(x, w, positions, cache, page_table, prefix_lens, tree_mask, eps, theta, sm_scale):
-            # the forward validated the pass's page table and mask once (check_verify_inputs)
-            q_b = w["q_b"]
-            nh, nope, r = w["w_uk"].shape
-            if not mla_block_fits(x.shape[1], nh, nope, r, q_b.shape[1] - nope, w["w_uv"].shape[2]):
-                return None
-            return mla_block(x, w["qkv_a"], w["q_a_norm"], q_b.reshape(-1, q_b.shape[-1]), w["kv_a_norm"], w["w_uk"],
-                             w["w_uv"], w["o"], cache, page_table, prefix_lens, positions, tree_mask, eps=eps,
-                             rope_theta=theta, sm_scale=sm_scale, validate=False)
-
-        ops.mla_block, ops.mla_block_max_m = mla_block_op, max_m
-        ops.pieces["mla_block"] = "triton (one persistent launch at a few tokens)"
     else:
         missing.append(why)
     fns, why = _try("specverify.accept", "verify_greedy")

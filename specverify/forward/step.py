@@ -113,7 +113,6 @@ def model_ops(base: Ops, cos_sin: torch.Tensor, neox: bool, sm_scale: float) -> 
         return attention_mla(q_latent, q_rope, cache, page_table, prefix_lens, tree_mask, sm_scale)
 
     base.mla_prep, base.attention_mla = mla_prep, attention
-    base.mla_block = None  # its RoPE is the generic theta one, not the model's table: the chain's slots run
     # the fused slot reads the same table (a table without it keeps composing mla_prep and mla_absorb_q)
     base.mla_prep_absorb = prep_absorb if base.mla_prep_absorb is not None else None
     base.pieces["rope"] = f"model table ({impl}, {'halves' if neox else 'interleaved pairs'})"

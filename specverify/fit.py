@@ -18,8 +18,8 @@ from triton.runtime.errors import OutOfResources
 
 from specverify import envvars
 
-__all__ = ["first_fitting", "launch_fitting", "pdl_kwargs", "pdl_launch", "persistent_grid", "shared_memory_limit_bytes",
-           "sm_count", "spill_bytes"]
+__all__ = ["first_fitting", "launch_fitting", "pdl_kwargs", "pdl_launch", "persistent_grid",
+           "shared_memory_limit_bytes", "sm_count", "spill_bytes"]
 
 _CHOSEN: dict[tuple, dict] = {}
 
@@ -194,7 +194,8 @@ def persistent_grid(kernel, args: Sequence, consts: dict, device: torch.device, 
 
     ``plan(nprog, candidate)`` returns the candidate's launch keywords for a grid of ``nprog`` programs (``NPROG``,
     ``num_warps`` and the tiles); ``consts`` the keywords common to all. The choice is cached in ``chosen`` under
-    ``(key, device index)``. On the CPU (the interpreter) the first candidate at one program an SM.
+    ``(key, device index)``. On the CPU (the interpreter) the first candidate at one program an SM. Host only:
+    compiles (no launch) on a cache miss, so make the first call eagerly, outside CUDA-graph capture.
 
     Raises
     ------

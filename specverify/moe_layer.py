@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 
 from specverify import envvars
-from specverify.fit import pdl_launch, persistent_grid, sm_count
+from specverify.fit import pdl_kwargs, pdl_launch, persistent_grid, sm_count
 from specverify.moe import _cdiv, _check_route_args, _next_pow2
 from specverify.workspace import grown_workspace
 
@@ -199,7 +199,7 @@ def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor,
     consts = dict(MT=m, H=h, I=inter, E=e, EP=ep, TOP_K=top_k, TOPK_P=max(2, _next_pow2(top_k)),
                   ROWS=_next_pow2(m), N_GROUP=n_group, NG_P=max(2, _next_pow2(n_group)), GSIZE=e // n_group,
                   TOPK_GROUP=topk_group, SOFTMAX=scoring == "softmax", HAS_BIAS=correction_bias is not None,
-                  RENORM=renormalize, DOT_FP32=interp, PDL=pdl, PREFETCH=not interp)
+                  RENORM=renormalize, DOT_FP32=interp, PREFETCH=not interp, **pdl_kwargs(dev))
     # the workspace covers either grid size's plan (sized before the kernel is compiled) at every token count up to
     # the forward's, so a graph captured later at another count needs no allocation
     sms = sm_count(dev.type, dev.index)
@@ -208,21 +208,15 @@ def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor,
     need_t = max(p["T1"] + p["T2"] for p in plans)
     part, ticket, bar = _workspace(dev, need_p, need_t)
 
-    def args_of():
-        return (hidden, router, bias, w13_all, w2_all, logits, ids, tw, act, part, ticket, bar, out,
-                hidden.stride(0), out.stride(0), w13_all.stride(0), w13_all.stride(1), w2_all.stride(0),
-                w2_all.stride(1), float(routed_scaling_factor))
-
-    launch = {}
-    if pdl:
-        launch["launch_pdl"] = True
-    base = dict(consts, **launch)
-    cfg = dict(base, **persistent_grid(_moe_block_kernel, args_of(), dict(base, PHASE=0), dev, sms, key, _CANDIDATES,
-                                       functools.partial(_plan_consts, key), _CHOSEN, op))
+    args = (hidden, router, bias, w13_all, w2_all, logits, ids, tw, act, part, ticket, bar, out, hidden.stride(0),
+            out.stride(0), w13_all.stride(0), w13_all.stride(1), w2_all.stride(0), w2_all.stride(1),
+            float(routed_scaling_factor))
+    cfg = dict(consts, **persistent_grid(_moe_block_kernel, args, dict(consts, PHASE=0), dev, sms, key, _CANDIDATES,
+                                         functools.partial(_plan_consts, key), _CHOSEN, op))
     nprog = cfg["NPROG"]
     if interp:  # programs run one after another: the three phases as three launches, no grid barrier
         for phase in (1, 2, 3):
-            _moe_block_kernel[(nprog,)](*args_of(), PHASE=phase, **cfg)
+            _moe_block_kernel[(nprog,)](*args, PHASE=phase, **cfg)
     else:
-        _moe_block_kernel[(nprog,)](*args_of(), PHASE=0, **cfg)
+        _moe_block_kernel[(nprog,)](*args, PHASE=0, **cfg)
     return MoEBlockResult(out, ids, tw, logits)

@@ -13,9 +13,10 @@ runs in the program that finishes the GEMV last.
 
 Grid (NT, SPLIT): program (t, p) multiplies router rows [t * BN, (t + 1) * BN) by x over its share of H (whole
 BK-column chunks [p * NCH / SPLIT, (p + 1) * NCH / SPLIT)) and writes an fp32 partial [MT, BN]. The tile's last
-program (a self-resetting ticket, acquire-release) sums the SPLIT partials into the tile's logits, then takes a
-second ticket: the program that finishes the last tile routes every row, RROWS rows at a time. No program waits
-for another, so the grid needs no residency guarantee.
+program (a self-resetting ticket, acquire-release) sums the SPLIT partials into the tile's logits (one load of
+[SPLIT, MTP, BN], MTP = MT rounded up to a power of two), then takes a second ticket: the program that finishes the
+last tile routes every row, RROWS rows at a time. No program waits for another, so the grid needs no residency
+guarantee.
 
 With ``PDL`` each program sends its weight slice to L2, lets its dependent launch, and waits for its predecessor
 before it reads x or writes anything.
@@ -30,16 +31,16 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from specverify.kernels.moe_block import _prefetch_rows, _split_sum, _tile_dot
+from specverify.kernels.moe_block import _prefetch_rows, _tile_dot
 from specverify.kernels.moe_route import _route_rows
 
 
 @triton.jit
 def _router_route_kernel(x_ptr, router_ptr, bias_ptr, logits_ptr, ids_ptr, w_ptr, part_ptr, ticket_ptr, stride_xm,
                          scale, shared_id,
-                         MT: tl.constexpr, H: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, TOP_K: tl.constexpr,
-                         TOPK_P: tl.constexpr, OUT_K: tl.constexpr, RROWS: tl.constexpr, N_GROUP: tl.constexpr,
-                         NG_P: tl.constexpr, GSIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, SOFTMAX: tl.constexpr,
+                         MT: tl.constexpr, MTP: tl.constexpr, H: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
+                         TOP_K: tl.constexpr, TOPK_P: tl.constexpr, OUT_K: tl.constexpr, RROWS: tl.constexpr,
+                         N_GROUP: tl.constexpr, NG_P: tl.constexpr, GSIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, SOFTMAX: tl.constexpr,
                          HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                          SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr, STAGES: tl.constexpr,
                          PREFETCH: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr):
@@ -62,10 +63,13 @@ def _router_route_kernel(x_ptr, router_ptr, bias_ptr, logits_ptr, ids_ptr, w_ptr
     tl.store(part_ptr + ((t * SPLIT + sp) * MT + cols[None, :]) * BN + j[:, None], acc, mask=(cols < MT)[None, :])
     tl.debug_barrier()  # this program's partial precedes its ticket
     ticket = tl.atomic_add(ticket_ptr + t, 1, sem="acq_rel")
-    if ticket == SPLIT - 1:
-        for m in tl.static_range(MT):
-            v = _split_sum(part_ptr + (t * SPLIT * MT + m) * BN, SPLIT, SPLIT_PAD, MT * BN, 0, BN)
-            tl.store(logits_ptr + m * E + rows, v, mask=rmask)
+    if ticket == SPLIT - 1:  # every split's partial of every row in one load (read past L1), summed over splits
+        spl = tl.arange(0, SPLIT_PAD)
+        mm = tl.arange(0, MTP)
+        v = tl.load(part_ptr + ((t * SPLIT + spl[:, None, None]) * MT + mm[None, :, None]) * BN + j[None, None, :],
+                    mask=(spl < SPLIT)[:, None, None] & (mm < MT)[None, :, None], other=0.0, cache_modifier=".cg")
+        tl.store(logits_ptr + mm[:, None] * E + rows[None, :], tl.sum(v, axis=0),
+                 mask=(mm < MT)[:, None] & rmask[None, :])
         tl.atomic_xchg(ticket_ptr + t, 0)
         tl.debug_barrier()  # the tile's logits precede the second ticket
         done = tl.atomic_add(ticket_ptr + NT, 1, sem="acq_rel")

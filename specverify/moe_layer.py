@@ -344,9 +344,9 @@ def router_route(hidden: torch.Tensor, router: torch.Tensor, *, top_k: int, scor
     _router_route_kernel[(tiles, split)](
         hidden, router, bias, logits, ids, tw, part, ticket, hidden.stride(0), float(routed_scaling_factor),
         shared_expert_id if shared_expert_id is not None else 0,
-        MT=m, H=h, E=e, EP=max(_next_pow2(e), 16), TOP_K=top_k, TOPK_P=max(2, _next_pow2(top_k)), OUT_K=out_k,
-        RROWS=min(_next_pow2(m), _RR_ROWS), N_GROUP=n_group, NG_P=max(2, _next_pow2(n_group)), GSIZE=e // n_group,
-        TOPK_GROUP=topk_group, SOFTMAX=scoring == "softmax", HAS_BIAS=correction_bias is not None,
+        MT=m, MTP=_next_pow2(m), H=h, E=e, EP=max(_next_pow2(e), 16), TOP_K=top_k, TOPK_P=max(2, _next_pow2(top_k)),
+        OUT_K=out_k, RROWS=min(_next_pow2(m), _RR_ROWS), N_GROUP=n_group, NG_P=max(2, _next_pow2(n_group)),
+        GSIZE=e // n_group, TOPK_GROUP=topk_group, SOFTMAX=scoring == "softmax", HAS_BIAS=correction_bias is not None,
         RENORM=renormalize, BN=cfg["BN"], BK=cfg["BK"], SPLIT=split, SPLIT_PAD=max(2, _next_pow2(split)),
         STAGES=cfg["STAGES"], PREFETCH=not interp, DOT_FP32=interp, **launch, **pdl_kwargs(dev))
     return RouterRouteResult(ids, tw, logits)

@@ -8,8 +8,7 @@ two launches, the shared expert's slot appended by a launch of its own, no one-l
 default table), ``no-<slot>`` (one slot of ``FUSIONS`` emptied); gate/up of the stream experts (merged into
 ``specverify.moe._STREAM_OVERRIDE``): ``fma`` (no split-K MMA gate/up), ``splitk-m4`` / ``splitk-m6`` (split-K up
 to 4 / 6 tokens); ``block-m4`` (the one-launch MoE block up to 4 tokens instead of ``MOE_BLOCK_MAX_M``);
-``w<1|4>-<router|qkv|qb>`` (that GEMV's grid at 1 or 4 programs an SM instead of 2); ``rr-w2`` / ``rr-bn64`` /
-``rr-s2`` (the router GEMV + routing launch at two programs an SM, 64-row tiles, a 2-deep pipeline).
+``w<1|4>-<router|qkv|qb>`` (that GEMV's grid at 1 or 4 programs an SM instead of 2).
 Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded into the projections and
 q_a's norm in the qkv_a GEMV's last tile (slower in the pass), the split merge fused with W_UV (slower alone), a
 stream-K gate/up and TMA weight tiles (no faster in the pass), an L2 prefetch of o_proj / router / shared expert on
@@ -32,15 +31,11 @@ import sys
 from specverify import verify_wall as vw
 from specverify.gemv import gemv_config
 
-FUSIONS = ("mla_prep_absorb", "route_shared", "moe_block", "router_route")
+FUSIONS = ("mla_prep_absorb", "route_shared", "moe_block")
 VARIANTS = {"chain": dict(off=FUSIONS), "fused": dict(off=()), "fma": dict(off=(), stream={"splitk_max_m": 0})}
 VARIANTS.update({f"no-{slot}": dict(off=(slot,)) for slot in FUSIONS})
 VARIANTS.update({f"splitk-m{m}": dict(off=(), stream={"splitk_max_m": m}) for m in (4, 6)})
 VARIANTS["block-m4"] = dict(off=(), set={"moe_block_max_m": 4})
-#: the router GEMV + routing launch (``specverify.moe_layer._RR_CONFIG``): two programs an SM, 64-row tiles
-VARIANTS["rr-w2"] = dict(off=(), rr={"WAVES": 2})
-VARIANTS["rr-bn64"] = dict(off=(), rr={"BN": 64})
-VARIANTS["rr-s2"] = dict(off=(), rr={"STAGES": 2})
 #: GEMV launch rules tried in the pass ahead of ``specverify.gemv.SHAPE_CONFIGS``: the shape's own config (read
 #: from ``gemv_config`` at the rule's largest M and smallest N, K) with the grid at ``WAVES`` programs an SM.
 _GEMV_RULES = {"router": (1, (384, 384), (7168, 7168)), "qkv": (4, (2048, 4096), (7168, 7168)),
@@ -83,9 +78,7 @@ def main(argv=None) -> int:
     vw._wall_ops = ops_of_variant
     import specverify.gemv as gemv
     import specverify.moe as moe
-    import specverify.moe_layer as moe_layer
     saved_stream = dict(moe._STREAM_OVERRIDE)
-    saved_rr = dict(moe_layer._RR_CONFIG)
     saved_rules = gemv.SHAPE_CONFIGS
     results = []
     order = names + names[::-1]
@@ -95,8 +88,6 @@ def main(argv=None) -> int:
         moe._STREAM_OVERRIDE.clear()
         moe._STREAM_OVERRIDE.update(saved_stream, **var.get("stream", {}))
         gemv.SHAPE_CONFIGS = tuple(var.get("gemv", ())) + saved_rules
-        moe_layer._RR_CONFIG.clear()
-        moe_layer._RR_CONFIG.update(saved_rr, **var.get("rr", {}))
         last = i == len(order) - 1
         s = vw.WallSettings(model=args.model, batch=args.batch, context=args.context, tree=args.tree,
                             draft_tokens=args.draft_tokens, distinct_layers=args.distinct_layers,
@@ -111,8 +102,6 @@ def main(argv=None) -> int:
     moe._STREAM_OVERRIDE.clear()
     moe._STREAM_OVERRIDE.update(saved_stream)
     gemv.SHAPE_CONFIGS = saved_rules
-    moe_layer._RR_CONFIG.clear()
-    moe_layer._RR_CONFIG.update(saved_rr)
     print("\nms (efficiency vs the bytes floor), mean of the two passes:")
     ks = args.draft_tokens
     print(f"{'variant':>10} " + " ".join(f"{'k=' + str(k):>16}" for k in ks))

@@ -356,7 +356,7 @@ def scen_moe(quick: bool, target: str):
 
 def scen_block(quick: bool, target: str):
     """The one-launch MoE block (router, routing, shared + routed experts) at Kimi-K2 / DeepSeek-V3 rank shapes, the
-    pipeline depth and grid its launcher picks for the target; the router GEMV + routing launch beside it."""
+    pipeline depth and grid its launcher picks for the target."""
     import specverify.moe_layer as mb  # its launch choice is reset per target by fake_cuda
 
     shapes = [("kimi-k2", 384, 1, 1, 1, 256)] if quick else [
@@ -369,12 +369,6 @@ def scen_block(quick: bool, target: str):
                          correction_bias=_cuda(e, dtype=torch.float32), n_group=n_group, topk_group=topk_group,
                          routed_scaling_factor=2.5)
         yield f"moe_block {model} M{m}", run
-    for model, e, n_group, topk_group in (("kimi-k2", 384, 1, 1), ("deepseek-v3", 256, 8, 4)):
-        for m in ((4,) if quick else (4, 16)):
-            def run_rr(e=e, n_group=n_group, topk_group=topk_group, m=m):
-                mb.router_route(_cuda(m, 7168), _cuda(e, 7168), top_k=8, correction_bias=_cuda(e, dtype=torch.float32),
-                                n_group=n_group, topk_group=topk_group, routed_scaling_factor=2.5, shared_expert_id=e)
-            yield f"router_route {model} M{m}", run_rr
 
 
 def scen_accept(quick: bool, target: str):

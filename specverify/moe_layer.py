@@ -1,8 +1,7 @@
-"""A verify layer's MoE block at a few tokens in one persistent launch (router GEMV, routing, the shared and routed
-experts; kernel and its phases: ``specverify.kernels.moe_block``), and its router GEMV with the routing in one
-launch (``specverify.kernels.router_route``), both issue 22. Definition of correct: ``logits = x @ router^T`` in
-fp32, :func:`specverify.reference.moe.route_reference` on them, the shared expert as one more slot of weight 1,
-:func:`specverify.reference.moe.fused_moe_reference` over the stacked weights.
+"""A verify layer's MoE block at a few tokens in one persistent launch: router GEMV, routing, the shared and routed
+experts (issue 22). Kernel and its phases: ``specverify.kernels.moe_block``. Definition of correct:
+``logits = x @ router^T`` in fp32, :func:`specverify.reference.moe.route_reference` on them, the shared expert as
+one more slot of weight 1, :func:`specverify.reference.moe.fused_moe_reference` over the stacked weights.
 """
 from __future__ import annotations
 
@@ -16,8 +15,7 @@ from specverify.fit import pdl_kwargs, pdl_launch, persistent_grid, sm_count
 from specverify.moe import _cdiv, _check_route_args, _next_pow2
 from specverify.workspace import grown_workspace
 
-__all__ = ["MoEBlockResult", "moe_block", "MOE_BLOCK_MAX_M", "RouterRouteResult", "router_route",
-           "ROUTER_ROUTE_MAX_M"]
+__all__ = ["MoEBlockResult", "moe_block", "MOE_BLOCK_MAX_M"]
 
 #: Token counts the verify forward runs through :func:`moe_block` (the kernel takes up to 16); above, the four
 #: launches (router GEMV, routing, gate/up, down). Chosen from ``bench/ab_verify_pass.py`` on the H200.
@@ -78,25 +76,6 @@ def _plan_consts(key, nprog: int, cand: tuple[int, int, int]) -> dict:
     for k in ("T1", "T2", "M"):
         p.pop(k)
     return dict(p, NPROG=nprog, STAGES_K=cand[0], STAGES_D=cand[1], num_warps=cand[2])
-
-
-
-def _check_operands(op: str, hidden, weights) -> None:
-    """Types, dtypes, devices of ``hidden`` and the ``(name, tensor)`` weights, and a device the kernel runs on."""
-    for name, t in (("hidden", hidden), *weights):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if hidden.dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError(f"{op}: hidden must be bfloat16 or float16, got {hidden.dtype}; cast it with .bfloat16()")
-    for name, t in weights:
-        if t.dtype != hidden.dtype:
-            raise TypeError(f"{op}: {name} must have hidden's dtype {hidden.dtype}, got {t.dtype}; cast it with "
-                            f".to({hidden.dtype})")
-        if t.device != hidden.device:
-            raise ValueError(f"{op}: {name} is on {t.device}, hidden on {hidden.device}; move them to one device")
-    if hidden.device.type != "cuda" and not envvars.triton_interpret():
-        raise ValueError(f"{op}: needs CUDA tensors, got {hidden.device}; on a CPU set TRITON_INTERPRET=1 before "
-                         "importing specverify to run the kernel in Triton's interpreter")
 
 
 def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor, w2_all: torch.Tensor, *, top_k: int,
@@ -160,8 +139,21 @@ def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor,
     from specverify.kernels.moe_block import _moe_block_kernel
 
     op = "moe_block"
-    _check_operands(op, hidden, (("router", router), ("w13_all", w13_all), ("w2_all", w2_all)))
+    for name, t in (("hidden", hidden), ("router", router), ("w13_all", w13_all), ("w2_all", w2_all)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if hidden.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"{op}: hidden must be bfloat16 or float16, got {hidden.dtype}; cast it with .bfloat16()")
+    for name, t in (("router", router), ("w13_all", w13_all), ("w2_all", w2_all)):
+        if t.dtype != hidden.dtype:
+            raise TypeError(f"{op}: {name} must have hidden's dtype {hidden.dtype}, got {t.dtype}; cast it with "
+                            f".to({hidden.dtype})")
+        if t.device != hidden.device:
+            raise ValueError(f"{op}: {name} is on {t.device}, hidden on {hidden.device}; move them to one device")
     dev = hidden.device
+    if dev.type != "cuda" and not envvars.triton_interpret():
+        raise ValueError(f"{op}: needs CUDA tensors, got {dev}; on a CPU set TRITON_INTERPRET=1 before importing "
+                         "specverify to run the kernel in Triton's interpreter")
     if hidden.dim() != 2 or router.dim() != 2 or w13_all.dim() != 3 or w2_all.dim() != 3:
         raise ValueError(f"{op}: expected hidden (M, H), router (E, H), w13_all (E + 1, 2I, H), w2_all (E + 1, H, I); "
                          f"got {list(hidden.shape)}, {list(router.shape)}, {list(w13_all.shape)}, "
@@ -228,125 +220,3 @@ def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor,
     else:
         _moe_block_kernel[(nprog,)](*args, PHASE=0, **cfg)
     return MoEBlockResult(out, ids, tw, logits)
-
-
-# --------------------------------------------------------------------------------------------- router + routing
-#: Token counts the verify forward runs through :func:`router_route` (above: cuBLAS's router GEMM, then
-#: :func:`specverify.moe.moe_route`); below :data:`MOE_BLOCK_MAX_M` the MoE block takes the router itself.
-ROUTER_ROUTE_MAX_M = 16
-#: Router rows and H columns of one tile, programs an SM, pipeline depth, warps.
-_RR_CONFIG = {"BN": 32, "BK": 128, "WAVES": 1, "STAGES": 4, "num_warps": 4}
-#: Rows the finishing program routes at once ([RROWS, E] score tiles in registers).
-_RR_ROWS = 4
-_RR_WS: dict = {}
-
-
-class RouterRouteResult(NamedTuple):
-    """topk_ids int32 [M, K] and topk_weights fp32 [M, K] (K = top_k, or top_k + 1 with the shared slot last);
-    router_logits fp32 [M, E]."""
-
-    topk_ids: torch.Tensor
-    topk_weights: torch.Tensor
-    router_logits: torch.Tensor
-
-
-def router_route_split(e: int, h: int, sms: int, cfg: dict | None = None) -> tuple[int, int]:
-    """(row tiles, K parts) of :func:`router_route`'s grid: ``ceil(E / BN)`` tiles, H cut into as many parts of
-    whole ``BK`` chunks as make about ``WAVES`` programs an SM (at least 1, at most one chunk a part)."""
-    cfg = cfg or _RR_CONFIG
-    tiles = _cdiv(e, cfg["BN"])
-    return tiles, max(1, min(_cdiv(h, cfg["BK"]), cfg["WAVES"] * sms // tiles))
-
-
-def router_route(hidden: torch.Tensor, router: torch.Tensor, *, top_k: int, scoring: str = "sigmoid",
-                 correction_bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
-                 renormalize: bool = True, routed_scaling_factor: float = 1.0,
-                 shared_expert_id: int | None = None) -> RouterRouteResult:
-    """A MoE layer's router GEMV and routing in one launch, at up to 16 tokens.
-
-    Math: ``logits = hidden @ router^T`` (fp32 accumulation, fp32 result), then the routing of
-    :func:`specverify.moe.moe_route` on those fp32 logits (same semantics, tie rules and non-finite contract), with
-    ``shared_expert_id`` the shared expert as one more slot per token (that id, weight 1). Source: DeepSeek-V3's
-    router (auxiliary-loss-free, grouped top-k); the routing runs in the program that finishes the split-K GEMV
-    last, instead of a GEMM, its reduce and a routing kernel.
-
-    Parameters
-    ----------
-    hidden : torch.Tensor
-        (M, H), bfloat16 or float16, unit column stride; 1 <= M <= 16.
-    router : torch.Tensor
-        (E, H), hidden's dtype, contiguous; E <= 1024.
-    top_k, scoring, correction_bias, n_group, topk_group, renormalize, routed_scaling_factor, shared_expert_id
-        As :func:`specverify.moe.moe_route` (``top_k`` at most 64).
-
-    Returns
-    -------
-    RouterRouteResult
-        ``topk_ids`` int32 and ``topk_weights`` fp32, (M, top_k) or (M, top_k + 1) with ``shared_expert_id``;
-        ``router_logits`` fp32 (M, E). New tensors each call.
-
-    Raises
-    ------
-    TypeError
-        Non-tensor operands; hidden not bf16 / fp16 or a router of another dtype; the routing arguments' types as
-        :func:`specverify.moe.moe_route` raises them.
-    ValueError
-        Shapes that disagree, M outside 1..16, H below 16, a non-unit column stride of hidden or a non-contiguous
-        router, tensors on different devices, CPU tensors without ``TRITON_INTERPRET=1``, top_k above 64, and the
-        routing values :func:`specverify.moe.moe_route` rejects.
-    RuntimeError
-        The first call on a device (which allocates the workspace) during CUDA-graph capture.
-
-    Notes
-    -----
-    Graph-safe after one eager call on the device (the workspace is sized for 16 tokens): fixed grid, self-resetting
-    tickets, no host sync. Calls on one device must not overlap in time (they share the tickets). No program waits
-    for another, so it runs beside any other work. CUDA (PDL on sm_90+) or the Triton interpreter.
-    """
-    from specverify.kernels.router_route import _router_route_kernel
-    from specverify.moe import _check_shared_expert_id
-
-    op = "router_route"
-    _check_operands(op, hidden, (("router", router),))
-    dev = hidden.device
-    if hidden.dim() != 2 or router.dim() != 2 or router.shape[1] != hidden.shape[1]:
-        raise ValueError(f"{op}: expected hidden (M, H) and router (E, H), got {list(hidden.shape)} and "
-                         f"{list(router.shape)}")
-    m, h = hidden.shape
-    e = router.shape[0]
-    if not 1 <= m <= _KERNEL_MAX_M:
-        raise ValueError(f"{op}: M must be in 1..{_KERNEL_MAX_M}, got {m}; above, use a GEMM and moe_route")
-    if h < 16:
-        raise ValueError(f"{op}: the hidden size must be >= 16, got {h}")
-    if hidden.stride(1) != 1:
-        raise ValueError(f"{op}: hidden needs a unit stride in its last dimension, got strides "
-                         f"{tuple(hidden.stride())}; pass hidden.contiguous()")
-    if not router.is_contiguous():
-        raise ValueError(f"{op}: router must be contiguous (E, H), got strides {tuple(router.stride())}; pass "
-                         "router.contiguous() once (the weight is constant)")
-    if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k > 64:
-        raise ValueError(f"{op}: top_k must be at most 64, got {top_k}")
-    logits = torch.empty((m, e), dtype=torch.float32, device=dev)
-    _check_route_args(logits, top_k, scoring, correction_bias, n_group, topk_group, renormalize,
-                      routed_scaling_factor, None)
-    _check_shared_expert_id(shared_expert_id, None)
-    out_k = top_k + 1 if shared_expert_id is not None else top_k
-    bias = (correction_bias.float().contiguous() if correction_bias is not None
-            else torch.zeros(1, dtype=torch.float32, device=dev))
-    ids = torch.empty((m, out_k), dtype=torch.int32, device=dev)
-    tw = torch.empty((m, out_k), dtype=torch.float32, device=dev)
-    cfg = _RR_CONFIG
-    tiles, split = router_route_split(e, h, sm_count(dev.type, dev.index), cfg)
-    part, ticket = grown_workspace(_RR_WS, dev, (tiles * split * _KERNEL_MAX_M * cfg["BN"], tiles + 1), lambda n: (
-        torch.empty(n[0], dtype=torch.float32, device=dev), torch.zeros(n[1], dtype=torch.int32, device=dev)), op)
-    interp = dev.type != "cuda" or envvars.triton_interpret()
-    launch = {} if interp else {"num_warps": cfg["num_warps"]}
-    _router_route_kernel[(tiles, split)](
-        hidden, router, bias, logits, ids, tw, part, ticket, hidden.stride(0), float(routed_scaling_factor),
-        shared_expert_id if shared_expert_id is not None else 0,
-        MT=m, MTP=_next_pow2(m), H=h, E=e, EP=max(_next_pow2(e), 16), TOP_K=top_k, TOPK_P=max(2, _next_pow2(top_k)),
-        OUT_K=out_k, RROWS=min(_next_pow2(m), _RR_ROWS), N_GROUP=n_group, NG_P=max(2, _next_pow2(n_group)),
-        GSIZE=e // n_group, TOPK_GROUP=topk_group, SOFTMAX=scoring == "softmax", HAS_BIAS=correction_bias is not None,
-        RENORM=renormalize, BN=cfg["BN"], BK=cfg["BK"], SPLIT=split, SPLIT_PAD=max(2, _next_pow2(split)),
-        STAGES=cfg["STAGES"], PREFETCH=not interp, DOT_FP32=interp, **launch, **pdl_kwargs(dev))
-    return RouterRouteResult(ids, tw, logits)

@@ -42,9 +42,6 @@ moe_block            hidden [M, H], router [E, H], :class:`RouteParams`, w13_all
                      [E + 1, H, I] -> [M, H]: the router GEMV, routing and the routed + shared experts in one launch,
                      run up to ``moe_block_max_m`` tokens (a fusion; None: the forward composes linear,
                      route_shared and experts)
-router_route         hidden [M, H], router [E, H], :class:`RouteParams`, shared_id or None -> (ids, weights) as
-                     ``route_shared`` / ``route`` give them: the router GEMV and the routing in one launch, run up to
-                     ``router_route_max_m`` tokens over stacked experts (a fusion; None: linear, then the routing)
 write_kv             :func:`specverify.reference.kv.write_draft_kv` (not called by the forward: the prep ops write)
 ===================  ===========================================================================================
 """
@@ -121,9 +118,6 @@ class Ops:
     # a fusion; None (or above moe_block_max_m tokens): the forward composes linear, route_shared and experts
     moe_block: Callable = None  # (hidden, router, RouteParams, w13_all, w2_all) -> [M, H]
     moe_block_max_m: int = 0
-    # a fusion; None (or above router_route_max_m tokens): the forward composes linear and route_shared / route
-    router_route: Callable = None  # (hidden, router, RouteParams, shared_id or None) -> (ids, weights)
-    router_route_max_m: int = 0
     pieces: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -226,26 +220,17 @@ def specverify_ops(model):
         ops.pieces["experts"] = "triton"
     else:
         missing.append(why)
-    fns, why = _try("specverify.moe_layer", "moe_block", "MOE_BLOCK_MAX_M", "router_route", "ROUTER_ROUTE_MAX_M")
+    fns, why = _try("specverify.moe_layer", "moe_block", "MOE_BLOCK_MAX_M")
     if fns:
-        moe_block, max_m, router_route, rr_max_m = fns
+        moe_block, max_m = fns
 
         def moe_block_op(hidden, router, p, w13_all, w2_all):
             return moe_block(hidden, router, w13_all, w2_all, top_k=p.num_experts_per_tok, scoring=p.scoring_func,
                              correction_bias=p.correction_bias, n_group=p.n_group, topk_group=p.topk_group,
                              renormalize=p.norm_topk_prob, routed_scaling_factor=p.routed_scaling_factor).out
 
-        def router_route_op(hidden, router, p, shared_id):
-            res = router_route(hidden, router, top_k=p.num_experts_per_tok, scoring=p.scoring_func,
-                               correction_bias=p.correction_bias, n_group=p.n_group, topk_group=p.topk_group,
-                               renormalize=p.norm_topk_prob, routed_scaling_factor=p.routed_scaling_factor,
-                               shared_expert_id=shared_id)
-            return res.topk_ids, res.topk_weights
-
         ops.moe_block, ops.moe_block_max_m = moe_block_op, max_m
-        ops.router_route, ops.router_route_max_m = router_route_op, rr_max_m
         ops.pieces["moe_block"] = "triton (one persistent launch at a few tokens)"
-        ops.pieces["router_route"] = "triton (router GEMV + routing in one launch up to 16 tokens)"
     else:
         missing.append(why)
     fns, why = _try("specverify.accept", "verify_greedy")

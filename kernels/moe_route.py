@@ -165,18 +165,29 @@ def _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, row0,
         gid = e // GSIZE
         g_ar = tl.arange(0, NG_P)
         gscore = tl.full([ROWS, NG_P], float("-inf"), tl.float32)
-        for g in tl.static_range(N_GROUP):
-            inside = (gid == g)[None, :]
-            v = tl.where(inside, c, float("-inf"))
-            m1 = tl.max(v, axis=1)
-            if GSIZE >= 2:
-                n1 = tl.sum(((v == m1[:, None]) & inside).to(tl.int32), axis=1)
-                m2 = tl.max(tl.where(v < m1[:, None], v, float("-inf")), axis=1)
-                sc = m1 + tl.where(n1 >= 2, m1, m2)
-            else:
-                sc = m1
-            sc = tl.where(sc == sc, sc, float("-inf"))
-            gscore = tl.where(g_ar[None, :] == g, sc[:, None], gscore)
+        RESHAPE: tl.constexpr = (EP == N_GROUP * GSIZE) and (GSIZE >= 2)
+        if RESHAPE:
+            # no padding lane and power-of-two groups: every group's two best at once, reduced along a [ROWS,
+            # N_GROUP, GSIZE] view (three reductions instead of three per group)
+            c3 = tl.reshape(c, [ROWS, N_GROUP, GSIZE])
+            m1 = tl.max(c3, axis=2)
+            n1 = tl.sum((c3 == m1[:, :, None]).to(tl.int32), axis=2)
+            m2 = tl.max(tl.where(c3 < m1[:, :, None], c3, float("-inf")), axis=2)
+            sc = m1 + tl.where(n1 >= 2, m1, m2)
+            gscore = tl.where(sc == sc, sc, float("-inf"))  # [ROWS, NG_P]: NG_P == N_GROUP here
+        else:
+            for g in tl.static_range(N_GROUP):
+                inside = (gid == g)[None, :]
+                v = tl.where(inside, c, float("-inf"))
+                m1 = tl.max(v, axis=1)
+                if GSIZE >= 2:
+                    n1 = tl.sum(((v == m1[:, None]) & inside).to(tl.int32), axis=1)
+                    m2 = tl.max(tl.where(v < m1[:, None], v, float("-inf")), axis=1)
+                    sc = m1 + tl.where(n1 >= 2, m1, m2)
+                else:
+                    sc = m1
+                sc = tl.where(sc == sc, sc, float("-inf"))
+                gscore = tl.where(g_ar[None, :] == g, sc[:, None], gscore)
         gkey = _order_key(gscore, g_ar[None, :], NG_P)
         allowed = tl.zeros([ROWS, EP], tl.int32)
         for t in tl.static_range(TOPK_GROUP):

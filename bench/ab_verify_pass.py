@@ -17,7 +17,8 @@ launch before its wait (no faster), the shared expert's rows sent to L2 before t
 tokens), one-shot q_b / o_proj GEMVs (whole slices before the wait, no split reduce: slower), the MoE block's
 down tiles of every slot sent to L2 before its second barrier and its K split into as many parts as fill the grid
 (slower), the whole MLA attention in one persistent launch (`no-mla_block` against it: 0.62 / 0.83 ms slower at k =
-1 / 2; bench/results/HISTORY.md).
+1 / 2), the router GEMV and the routing in one launch (`no-router_route` against it: 0.86 / 1.11 / 2.63 ms slower at
+k = 3 / 4 / 8; bench/results/HISTORY.md).
 
 Usage: ``python bench/ab_verify_pass.py [--model kimi-k2] [--batch 1] [--context 4096] [--tree chain]
 [--draft-tokens 1,2,4,8] [--iters 10] [--page-size 64] [--variants ...] [--kernels] [--json PATH]``.

@@ -164,7 +164,6 @@ def _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, row0,
     if N_GROUP > 1:
         gid = e // GSIZE
         g_ar = tl.arange(0, NG_P)
-        gscore = tl.full([ROWS, NG_P], float("-inf"), tl.float32)
         RESHAPE: tl.constexpr = (EP == N_GROUP * GSIZE) and (GSIZE >= 2)
         if RESHAPE:
             # no padding lane and power-of-two groups: every group's two best at once, reduced along a [ROWS,
@@ -176,6 +175,7 @@ def _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, row0,
             sc = m1 + tl.where(n1 >= 2, m1, m2)
             gscore = tl.where(sc == sc, sc, float("-inf"))  # [ROWS, NG_P]: NG_P == N_GROUP here
         else:
+            gscore = tl.full([ROWS, NG_P], float("-inf"), tl.float32)
             for g in tl.static_range(N_GROUP):
                 inside = (gid == g)[None, :]
                 v = tl.where(inside, c, float("-inf"))

@@ -4,7 +4,14 @@ stream experts), at Kimi-K2 / DeepSeek-V3 rank shapes (tp 8), each timed by CUDA
 weight sets in turn (so weights come from HBM, not L2), with the bytes floor (router + the distinct experts read,
 shared included, over a copy bandwidth of the same run) (issue 22).
 
-Usage: ``python bench/bench_moe_block.py [--models kimi-k2,deepseek-v3] [--tokens 1,2,4,8] [--sets 4] [--json PATH]``.
+``--timeline`` also replays the block's graph with the kernel's phase stamps on (a build of its own: ``TIMING``)
+and gives, for the last launch of each replay, when the programs reached each point (µs from the first program's
+start; median and last program over the grid, each the median over ``--replays``): after the PDL wait, phase 1
+(router + shared gate/up), barrier 1, the routing, phase 2 (routed gate/up), the down prefetch, barrier 2, phase 3
+(down).
+
+Usage: ``python bench/bench_moe_block.py [--models kimi-k2,deepseek-v3] [--tokens 1,2,4,8] [--sets 4]
+[--timeline] [--replays 50] [--json PATH]``.
 """
 from __future__ import annotations
 
@@ -24,6 +31,8 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="kimi-k2,deepseek-v3")
     ap.add_argument("--tokens", default="1,2,4,8")
     ap.add_argument("--sets", type=int, default=4, help="weight sets cycled through (HBM, not L2)")
+    ap.add_argument("--timeline", action="store_true", help="also the phase timeline of the block")
+    ap.add_argument("--replays", type=int, default=50, help="graph replays the timeline is the median of")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -68,13 +77,50 @@ def main(argv=None) -> int:
             row = {"model": model, "m": m, "distinct_experts": experts, "bytes": nbytes, "floor_us": floor}
             for name, fn in (("block", block), ("composed", composed)):
                 row[f"{name}_us"] = graph_us(fn, calls=2, replays=10, repeats=5, stat="median") / len(sets)
+            if args.timeline:
+                row["timeline"] = _timeline(block, args.replays)
             rows.append(row)
             print(f"{model:>12} M={m}: block {row['block_us']:6.1f} us, four launches {row['composed_us']:6.1f} us, "
                   f"floor {floor:5.1f} us ({experts} experts): {floor / row['block_us']:4.0%} / "
                   f"{floor / row['composed_us']:4.0%} of it", flush=True)
+            if args.timeline:
+                print("    " + ", ".join(f"{k} {v[0]:.2f} / {v[1]:.2f}" for k, v in row["timeline"].items()),
+                      flush=True)
     if args.json:
         write_rows_json(args.json, __file__, rows, copy_bw_gbps=bw, args=vars(args))
     return 0
+
+
+_POINTS = ("wait", "phase1", "barrier1", "routing", "phase2", "prefetch", "barrier2", "phase3")
+
+
+def _timeline(block, replays: int) -> dict:
+    """{point: (median over programs, last program)} in µs from the first program's start, medians over replays of
+    a graph of ``block`` (stamps of its last launch)."""
+    from specverify import moe_layer
+
+    dev = torch.device("cuda")
+    buf = torch.zeros(16 * 4 * torch.cuda.get_device_properties(dev).multi_processor_count, dtype=torch.int64,
+                      device=dev)
+    moe_layer._TIMELINE = buf
+    try:
+        block()  # compiles the stamped kernel outside capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            block()
+        per = []
+        for _ in range(replays + 3):
+            buf.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            ts = buf.view(-1, 16)[:, :9].double()
+            ts = ts[ts[:, 0] > 0]  # the launch's programs
+            rel = (ts - ts[:, 0].min()) / 1e3
+            per.append(torch.stack([rel[:, 1:].median(dim=0).values, rel[:, 1:].max(dim=0).values]))
+    finally:
+        moe_layer._TIMELINE = None
+    med = torch.stack(per[3:]).median(dim=0).values
+    return {name: (float(med[0, i]), float(med[1, i])) for i, name in enumerate(_POINTS)}
 
 
 if __name__ == "__main__":

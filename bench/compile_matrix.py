@@ -370,6 +370,15 @@ def scen_block(quick: bool, target: str):
                          routed_scaling_factor=2.5)
         yield f"moe_block {model} M{m}", run
 
+    def run_timeline():  # the phase stamps of bench_moe_block.py --timeline (a kernel compiled apart)
+        mb._TIMELINE = _cuda(16 * 2 * 188, dtype=torch.int64)
+        try:
+            mb.moe_block(_cuda(1, 7168), _cuda(384, 7168), _cuda(385, 512, 7168), _cuda(385, 7168, 256), top_k=8,
+                         correction_bias=_cuda(384, dtype=torch.float32), routed_scaling_factor=2.5)
+        finally:
+            mb._TIMELINE = None
+    yield "moe_block kimi-k2 M1 timeline", run_timeline
+
 
 def scen_accept(quick: bool, target: str):
     """Acceptance: greedy (from logits) and sampling, Kimi-K2 vocab 163840."""

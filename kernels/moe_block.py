@@ -49,7 +49,9 @@ would hold SM slots this grid's barrier waits for; past barrier 2 every program 
 Tensors: x [MT, H] bf16/fp16 (unit column stride); router [E, H]; bias [E] fp32; w13 [E + 1, 2I, H]; w2
 [E + 1, H, I] (unit column strides); logits [MT, E] fp32 (out); ids [MT, TOP_K + 1] int32 (out); tw [MT, TOP_K + 1]
 fp32 (out); act [MT * (TOP_K + 1), I] (x's dtype, scratch); part fp32 scratch; ticket int32 (zero between
-launches); bar int32 [2] (zero between launches); out [MT, H].
+launches); bar int32 [2] (zero between launches); out [MT, H]; ts int64 [NPROG, 16] (``TIMING`` only: each
+program's global-timer stamps at the start, after the PDL wait, after its phase-1 items, barrier 1, the routing,
+its phase-2 items, the down prefetch, barrier 2 and its phase-3 items: points 0-8).
 """
 from __future__ import annotations
 
@@ -130,8 +132,18 @@ def _grid_barrier(bar_ptr, target):
 
 
 @triton.jit
+def _stamp(ts_ptr, pid, i: tl.constexpr, TIMING: tl.constexpr):
+    """With TIMING: ts[pid, i] = the global nanosecond timer now (int64; the timeline of ``bench_moe_block.py
+    --timeline``)."""
+    if TIMING:
+        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [pid], dtype=tl.int64, is_pure=False,
+                                        pack=1)
+        tl.store(ts_ptr + pid * 16 + i, now)
+
+
+@triton.jit
 def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, ids_ptr, tw_ptr, act_ptr, part_ptr,
-                      ticket_ptr, bar_ptr, out_ptr, stride_xm, stride_om, stride_w13e, stride_w13n, stride_w2e,
+                      ticket_ptr, bar_ptr, out_ptr, ts_ptr, stride_xm, stride_om, stride_w13e, stride_w13n, stride_w2e,
                       stride_w2n, scale,
                       MT: tl.constexpr, H: tl.constexpr, I: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
                       TOP_K: tl.constexpr, TOPK_P: tl.constexpr, ROWS: tl.constexpr, N_GROUP: tl.constexpr,
@@ -142,8 +154,9 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
                       BI: tl.constexpr, SPP: tl.constexpr, STAGES_K: tl.constexpr, STAGES_D: tl.constexpr,
                       PF_SLOTS: tl.constexpr, PF_BI: tl.constexpr, PREFETCH: tl.constexpr, NPROG: tl.constexpr,
                       PHASE: tl.constexpr,
-                      DOT_FP32: tl.constexpr, PDL: tl.constexpr):
+                      DOT_FP32: tl.constexpr, PDL: tl.constexpr, TIMING: tl.constexpr):
     pid = tl.program_id(0)
+    _stamp(ts_ptr, pid, 0, TIMING)
     OUT_K: tl.constexpr = TOP_K + 1
     NR: tl.constexpr = (E + 2 * BN - 1) // (2 * BN)  # router tiles (2 * BN rows)
     NT: tl.constexpr = (I + BN - 1) // BN  # I-tiles of one expert (BN gate + BN up rows)
@@ -167,6 +180,7 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
                                (pid % SPLIT1) * NCH // SPLIT1 * BK, ((pid % SPLIT1) + 1) * NCH // SPLIT1 * BK, H, BK)
     if PDL:  # x comes from the previous kernel; nothing is read or written before this
         gdc_wait()
+    _stamp(ts_ptr, pid, 1, TIMING)
 
     # ---- phase 1: router logits and the shared expert's gate/up ------------------------------------------------
     if (PHASE == 0) | (PHASE == 1):
@@ -206,13 +220,16 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
                         a = g / (1.0 + tl.exp(-g)) * u
                         tl.store(act_ptr + (m * OUT_K + TOP_K) * I + ri, a.to(act_ptr.dtype.element_ty), mask=ri < I)
                 tl.atomic_xchg(ticket_ptr + tile, 0)
+    _stamp(ts_ptr, pid, 2, TIMING)
     if PHASE == 0:
         _grid_barrier(bar_ptr, NPROG)
+    _stamp(ts_ptr, pid, 3, TIMING)
 
     # ---- phase 2: routing (every program), the routed experts' gate/up ------------------------------------------
     if (PHASE == 0) | (PHASE == 2):
         ids = _route_rows(logits_ptr, bias_ptr, ids_ptr, tw_ptr, ids_ptr, ids_ptr, 0, MT, E, scale, E, E, EP, ROWS,
                           TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS, RENORM, False, OUT_K)
+        _stamp(ts_ptr, pid, 4, TIMING)
         for item in range(pid, T2 * SPLIT2, NPROG):
             tile = item // SPLIT2
             sp = item % SPLIT2
@@ -242,6 +259,7 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
                     u = _split_sum(base, SPLIT2, SPLIT2_PAD, W, BN, BN)
                     tl.store(a_row, (g / (1.0 + tl.exp(-g)) * u).to(act_ptr.dtype.element_ty), mask=ri < I)
                     tl.atomic_xchg(ticket_ptr + T1 + tile, 0)
+        _stamp(ts_ptr, pid, 5, TIMING)
     if PREFETCH & ((PHASE == 0) | (PHASE == 2)):  # the first PF_SLOTS slots of this program's first down tile to L2
         if pid * RH < H:  # before the barrier (the routing is known; the w2 rows are constant)
             oh0 = pid * RH + tl.arange(0, BH)
@@ -253,10 +271,12 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
                 if j3 == TOP_K:  # the shared slot
                     e3 = e3 * 0 + E
                 _prefetch_rows(w2_ptr + e3.to(tl.int64) * stride_w2e, oh0, hm0, stride_w2n, 0, I, I, PF_BI)
+    _stamp(ts_ptr, pid, 6, TIMING)
     if PHASE == 0:
         _grid_barrier(bar_ptr, 2 * NPROG)
         if PDL:  # every program is resident (all passed the barrier): the next kernel may launch now
             gdc_launch_dependents()
+    _stamp(ts_ptr, pid, 7, TIMING)
 
     # ---- phase 3: down projection, weighted top-k (+ shared) sum -----------------------------------------------
     if (PHASE == 0) | (PHASE == 3):
@@ -287,6 +307,7 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
                     acc += r * tl.dot(w, at)
             tl.store(out_ptr + cols[None, :] * stride_om + oh[:, None], acc.to(out_ptr.dtype.element_ty),
                      mask=hmask[:, None] & (cols < MT)[None, :])
+    _stamp(ts_ptr, pid, 8, TIMING)
     if PHASE == 0:  # the last program out resets the barrier for the next launch
         tl.debug_barrier()
         done = tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel")

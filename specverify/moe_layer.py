@@ -31,6 +31,10 @@ _CANDIDATES = ((6, 3, 4), (4, 3, 4), (3, 3, 4), (3, 2, 4), (4, 3, 8), (3, 2, 8),
 _PF_SLOTS = 3
 _WS: dict = {}
 _CHOSEN: dict = {}
+#: ``bench/bench_moe_block.py --timeline`` sets this to an int64 CUDA tensor of at least 16 * (2 * SMs) elements;
+#: each launch then stamps its programs' phase boundaries into it (``_stamp`` in the kernel; a kernel compiled
+#: apart). None in the pass.
+_TIMELINE: torch.Tensor | None = None
 
 
 class MoEBlockResult(NamedTuple):
@@ -193,13 +197,14 @@ def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor,
     interp = dev.type != "cuda" or envvars.triton_interpret()
     pdl = pdl_launch(dev)
     # the launch choice depends on the compiled kernel: key it on everything that selects one
+    timing = _TIMELINE is not None and not interp
     key = (m, h, inter, e, top_k, hidden.dtype, scoring, n_group, topk_group, correction_bias is not None,
-           bool(renormalize), pdl)
+           bool(renormalize), pdl, timing)
     ep = max(_next_pow2(e), 16)
     consts = dict(MT=m, H=h, I=inter, E=e, EP=ep, TOP_K=top_k, TOPK_P=max(2, _next_pow2(top_k)),
                   ROWS=_next_pow2(m), N_GROUP=n_group, NG_P=max(2, _next_pow2(n_group)), GSIZE=e // n_group,
                   TOPK_GROUP=topk_group, SOFTMAX=scoring == "softmax", HAS_BIAS=correction_bias is not None,
-                  RENORM=renormalize, DOT_FP32=interp, PREFETCH=not interp, **pdl_kwargs(dev))
+                  RENORM=renormalize, DOT_FP32=interp, PREFETCH=not interp, TIMING=timing, **pdl_kwargs(dev))
     # the workspace covers either grid size's plan (sized before the kernel is compiled) at every token count up to
     # the forward's, so a graph captured later at another count needs no allocation
     sms = sm_count(dev.type, dev.index)
@@ -208,12 +213,16 @@ def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor,
     need_t = max(p["T1"] + p["T2"] for p in plans)
     part, ticket, bar = _workspace(dev, need_p, need_t)
 
-    args = (hidden, router, bias, w13_all, w2_all, logits, ids, tw, act, part, ticket, bar, out, hidden.stride(0),
+    args = (hidden, router, bias, w13_all, w2_all, logits, ids, tw, act, part, ticket, bar, out,
+            _TIMELINE if timing else bar, hidden.stride(0),
             out.stride(0), w13_all.stride(0), w13_all.stride(1), w2_all.stride(0), w2_all.stride(1),
             float(routed_scaling_factor))
     cfg = dict(consts, **persistent_grid(_moe_block_kernel, args, dict(consts, PHASE=0), dev, sms, key, _CANDIDATES,
                                          functools.partial(_plan_consts, key), _CHOSEN, op))
     nprog = cfg["NPROG"]
+    if timing and (_TIMELINE.dtype != torch.int64 or _TIMELINE.numel() < 16 * nprog or _TIMELINE.device != dev):
+        raise ValueError(f"{op}: the timeline buffer must be int64 with >= {16 * nprog} elements on {dev}, got "
+                         f"{_TIMELINE.dtype} x {_TIMELINE.numel()} on {_TIMELINE.device}")
     if interp:  # programs run one after another: the three phases as three launches, no grid barrier
         for phase in (1, 2, 3):
             _moe_block_kernel[(nprog,)](*args, PHASE=phase, **cfg)

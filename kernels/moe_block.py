@@ -100,6 +100,29 @@ def _gate_up_rows(t, I: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
+def _phase1_item(item, router_ptr, w13_ptr, stride_w13e, stride_w13n, H: tl.constexpr, I: tl.constexpr,
+                 E: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NR: tl.constexpr, SPLIT1: tl.constexpr):
+    """Phase-1 item ``item`` = (tile, split): (weight base, its rows [2 * BN], row mask, row stride, k_lo, k_hi).
+    Tiles below NR are the router's (2 * BN rows each), the rest the shared expert's (expert E) gate/up I-tiles;
+    split p covers K chunks [p * NCH / SPLIT1, (p + 1) * NCH / SPLIT1)."""
+    NCH: tl.constexpr = (H + BK - 1) // BK
+    tile = item // SPLIT1
+    sp = item % SPLIT1
+    j2 = tl.arange(0, 2 * BN)
+    g_rows, g_mask = _gate_up_rows(tile - NR, I, BN)
+    is_router = tile < NR
+    rows = tl.where(is_router, tile * 2 * BN + j2, g_rows)
+    rmask = tl.where(is_router, tile * 2 * BN + j2 < E, g_mask)
+    if is_router:
+        w_base = router_ptr
+        stride_wn = (stride_w13n * 0 + H).to(tl.int64)
+    else:
+        w_base = w13_ptr + stride_w13e.to(tl.int64) * E
+        stride_wn = stride_w13n.to(tl.int64)
+    return w_base, rows, rmask, stride_wn, sp * NCH // SPLIT1 * BK, (sp + 1) * NCH // SPLIT1 * BK
+
+
+@triton.jit
 def _split_sum(part_ptr, SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr, stride_split, lo: tl.constexpr,
                N: tl.constexpr):
     """sum over splits p < SPLIT of part[p * stride_split + lo + j], j < N (fp32, read past L1)."""
@@ -170,14 +193,9 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
     cols = tl.arange(0, 16)
     if PREFETCH & ((PHASE == 0) | (PHASE == 1)):  # weights are constant: this program's first phase-1 slice goes to
         if pid < T1 * SPLIT1:  # L2 while the previous kernel finishes
-            tile = pid // SPLIT1
-            g_rows, g_mask = _gate_up_rows(tile - NR, I, BN)
-            if tile < NR:
-                _prefetch_rows(router_ptr, tile * W + j2, tile * W + j2 < E, H, (pid % SPLIT1) * NCH // SPLIT1 * BK,
-                               ((pid % SPLIT1) + 1) * NCH // SPLIT1 * BK, H, BK)
-            else:
-                _prefetch_rows(w13_ptr + stride_w13e.to(tl.int64) * E, g_rows, g_mask, stride_w13n,
-                               (pid % SPLIT1) * NCH // SPLIT1 * BK, ((pid % SPLIT1) + 1) * NCH // SPLIT1 * BK, H, BK)
+            w_base, rows, rmask, stride_wn, k_lo, k_hi = _phase1_item(pid, router_ptr, w13_ptr, stride_w13e,
+                                                                      stride_w13n, H, I, E, BN, BK, NR, SPLIT1)
+            _prefetch_rows(w_base, rows, rmask, stride_wn, k_lo, k_hi, H, BK)
     if PDL:  # x comes from the previous kernel; nothing is read or written before this
         gdc_wait()
     _stamp(ts_ptr, pid, 1, TIMING)
@@ -187,19 +205,9 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
         for item in range(pid, T1 * SPLIT1, NPROG):
             tile = item // SPLIT1
             sp = item % SPLIT1
-            k_lo = sp * NCH // SPLIT1 * BK
-            k_hi = (sp + 1) * NCH // SPLIT1 * BK
             # one K loop for both kinds of tile (each loop's pipeline buffers take shared memory of their own)
-            g_rows, g_mask = _gate_up_rows(tile - NR, I, BN)
-            is_router = tile < NR
-            rows = tl.where(is_router, tile * W + j2, g_rows)
-            rmask = tl.where(is_router, tile * W + j2 < E, g_mask)
-            if is_router:
-                w_base = router_ptr
-                stride_wn = (stride_w13n * 0 + H).to(tl.int64)
-            else:
-                w_base = w13_ptr + stride_w13e.to(tl.int64) * E
-                stride_wn = stride_w13n.to(tl.int64)
+            w_base, rows, rmask, stride_wn, k_lo, k_hi = _phase1_item(item, router_ptr, w13_ptr, stride_w13e,
+                                                                      stride_w13n, H, I, E, BN, BK, NR, SPLIT1)
             acc = _tile_dot(w_base, rows, rmask, stride_wn, x_ptr, stride_xm, k_lo, k_hi, H, MT, BK, STAGES_K,
                             DOT_FP32)
             tl.store(part_ptr + ((tile * SPLIT1 + sp) * MT + cols[None, :]) * W + j2[:, None], acc,

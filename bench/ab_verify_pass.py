@@ -9,7 +9,8 @@ default table), ``no-<slot>`` (one slot of ``FUSIONS`` emptied); gate/up of the 
 ``specverify.moe._STREAM_OVERRIDE``): ``fma`` (no split-K MMA gate/up), ``splitk-m4`` / ``splitk-m6`` (split-K up
 to 4 / 6 tokens); ``block-m4`` (the one-launch MoE block up to 4 tokens instead of ``MOE_BLOCK_MAX_M``);
 ``w<1|4>-<router|qkv|qb>`` (that GEMV's grid at 1 or 4 programs an SM instead of 2); ``shared-early`` (the MoE
-block computes the shared expert's down partial while its programs route, ``moe_layer._SHARED_EARLY``).
+block computes the shared expert's down partial while its programs route, ``moe_layer._SHARED_EARLY``),
+``no-early-kv`` (the MLA attention's first prefix KV tile read after the PDL wait, not before).
 Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded into the projections and
 q_a's norm in the qkv_a GEMV's last tile (slower in the pass), the split merge fused with W_UV (slower alone), a
 stream-K gate/up and TMA weight tiles (no faster in the pass), an L2 prefetch of o_proj / router / shared expert on
@@ -27,6 +28,7 @@ Usage: ``python bench/ab_verify_pass.py [--model kimi-k2] [--batch 1] [--context
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 
@@ -38,8 +40,9 @@ VARIANTS = {"chain": dict(off=FUSIONS), "fused": dict(off=()), "fma": dict(off=(
 VARIANTS.update({f"no-{slot}": dict(off=(slot,)) for slot in FUSIONS})
 VARIANTS.update({f"splitk-m{m}": dict(off=(), stream={"splitk_max_m": m}) for m in (4, 6)})
 VARIANTS["block-m4"] = dict(off=(), set={"moe_block_max_m": 4})
-#: MoE block launcher settings (``specverify.moe_layer`` attributes)
-VARIANTS["shared-early"] = dict(off=(), block={"_SHARED_EARLY": True})
+#: module attributes read at each launch: (module, attribute, value)
+VARIANTS["shared-early"] = dict(off=(), attrs=(("specverify.moe_layer", "_SHARED_EARLY", True),))
+VARIANTS["no-early-kv"] = dict(off=(), attrs=(("specverify.kernels.tree_attention_wgmma", "EARLY_KV", False),))
 #: GEMV launch rules tried in the pass ahead of ``specverify.gemv.SHAPE_CONFIGS``: the shape's own config (read
 #: from ``gemv_config`` at the rule's largest M and smallest N, K) with the grid at ``WAVES`` programs an SM.
 _GEMV_RULES = {"router": (1, (384, 384), (7168, 7168)), "qkv": (4, (2048, 4096), (7168, 7168)),
@@ -82,8 +85,8 @@ def main(argv=None) -> int:
     vw._wall_ops = ops_of_variant
     import specverify.gemv as gemv
     import specverify.moe as moe
-    import specverify.moe_layer as moe_layer
-    saved_block = {k: getattr(moe_layer, k) for name in names for k in VARIANTS[name].get("block", {})}
+    saved_attrs = {(mod, attr): getattr(importlib.import_module(mod), attr) for name in names
+                   for mod, attr, _ in VARIANTS[name].get("attrs", ())}
     saved_stream = dict(moe._STREAM_OVERRIDE)
     saved_rules = gemv.SHAPE_CONFIGS
     results = []
@@ -94,8 +97,9 @@ def main(argv=None) -> int:
         moe._STREAM_OVERRIDE.clear()
         moe._STREAM_OVERRIDE.update(saved_stream, **var.get("stream", {}))
         gemv.SHAPE_CONFIGS = tuple(var.get("gemv", ())) + saved_rules
-        for k, v in saved_block.items():
-            setattr(moe_layer, k, var.get("block", {}).get(k, v))
+        want = {(mod, attr): v for mod, attr, v in var.get("attrs", ())}
+        for (mod, attr), v in saved_attrs.items():
+            setattr(importlib.import_module(mod), attr, want.get((mod, attr), v))
         last = i == len(order) - 1
         s = vw.WallSettings(model=args.model, batch=args.batch, context=args.context, tree=args.tree,
                             draft_tokens=args.draft_tokens, distinct_layers=args.distinct_layers,
@@ -110,8 +114,8 @@ def main(argv=None) -> int:
     moe._STREAM_OVERRIDE.clear()
     moe._STREAM_OVERRIDE.update(saved_stream)
     gemv.SHAPE_CONFIGS = saved_rules
-    for k, v in saved_block.items():
-        setattr(moe_layer, k, v)
+    for (mod, attr), v in saved_attrs.items():
+        setattr(importlib.import_module(mod), attr, v)
     print("\nms (efficiency vs the bytes floor), mean of the two passes:")
     ks = args.draft_tokens
     print(f"{'variant':>10} " + " ".join(f"{'k=' + str(k):>16}" for k in ks))

@@ -14,7 +14,11 @@ while tile i is used; the page ids of the next copy are loaded one tile earlier.
 the prefix and page-table loads, in tile 0's group, so its latency overlaps theirs. Every copy moves 16 bytes, so
 Q, QR and KV need 16-byte aligned bases and strides (but the last) that are multiples of 16 elements (Triton's
 divisibility specialisation; the launcher checks it). ``PDL``: the kernel waits for the previous kernel's writes
-(``griddepcontrol.wait``) before its first load and lets the merge grid launch at once.
+(``griddepcontrol.wait``) before its first load and lets the merge grid launch at once. With ``EARLY_KV`` (the
+default with PDL) it reads the prefix length, the page table and its first KV tile before that wait when the tile
+holds prefix tokens only, so the tile's HBM read overlaps the previous kernels; the prefix lengths, the page table
+and the KV of prefix positions are then read before the wait, so they must not be written by the PDL-chained
+kernels just before (in the verify pass they are written before the pass, behind a full dependency).
 
 Grid, split ranges, workspace and merge: the same as ``_tree_attention_fwd_kernel`` (axis 0: row tiles of
 ``BLOCK_R`` rows, axis 1: split, axis 2: batch; ``_tree_attention_merge_kernel`` merges the splits).
@@ -69,6 +73,8 @@ except (ImportError, AttributeError) as _exc:  # the launcher refuses KERNEL="ml
 #: 6.89 us on the H200 (run 32) and was neutral at batch 64 / 4k and batch 8 / 32k (81.4 / 81.9 against 81.3 /
 #: 81.8 us); fp32 partials beat bf16 ones at batch 1 (9.90 / 10.22 us).
 MLA_WGMMA_DEFAULT = {"KERNEL": "mla_wgmma", "BLOCK_N": 64, "num_stages": 2, "PDL": True}
+#: With PDL, the first KV tile of prefix tokens copied before the wait (read at each launch, so an A/B can flip it)
+EARLY_KV = True
 
 if AVAILABLE:
 
@@ -110,7 +116,8 @@ if AVAILABLE:
         stride_ob, stride_ot, stride_oh,
         NUM_DRAFT: gl.constexpr, NUM_Q_HEADS: gl.constexpr, PAGE_SIZE: gl.constexpr, NUM_SPLITS: gl.constexpr,
         D: gl.constexpr, DR: gl.constexpr, BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
-        HAS_MASK: gl.constexpr, STORE_LSE: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr,
+        HAS_MASK: gl.constexpr, STORE_LSE: gl.constexpr, PDL: gl.constexpr, EARLY_KV: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
         gl.static_assert(D % 64 == 0, "the latent dim is copied 64 columns at a time")
         gl.static_assert(DR == 64, "the rope part is one 64-column copy")
@@ -135,11 +142,11 @@ if AVAILABLE:
         b = gl.program_id(2)
         b64 = b.to(gl.int64)
 
-        if PDL:  # launched as a programmatic dependent: wait for the previous kernel's writes, let the merge launch
+        if PDL and not EARLY_KV:  # launched as a programmatic dependent: wait for the previous kernel's writes
             _gdc_wait()
             _gdc_launch_dependents()
-        # ---- q tile -> shared memory by cp.async, issued first: it joins tile 0's copy group, so its latency
-        # overlaps the prefix and page-table loads (rows m = token * H + head; padded rows are zero-filled) -------
+        # ---- q tile -> shared memory by cp.async (rows m = token * H + head; padded rows are zero-filled): issued
+        # first without EARLY_KV (its latency overlaps the prefix and page-table loads), else after the wait -------
         offs_qm = m_tile * BLOCK_R + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, ld))
         qm_valid = offs_qm < NUM_DRAFT * NUM_Q_HEADS
         q_tok = (offs_qm // NUM_Q_HEADS).to(gl.int64)
@@ -149,9 +156,10 @@ if AVAILABLE:
         qr_smem = gl.allocate_shared_memory(dtype, [BLOCK_R, DR], qr_sl)
         offs_d_ld = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
         q_ptr = Q + (b64 * stride_qb + q_tok * stride_qt + q_head * stride_qh)[:, None] + offs_d_ld[None, :]
-        _async_load(q_smem, q_ptr, mask=qm_valid[:, None])
         qr_ptr = QR + (b64 * stride_qrb + q_tok * stride_qrt + q_head * stride_qrh)[:, None] + offs_c[None, :]
-        _async_load(qr_smem, qr_ptr, mask=qm_valid[:, None])
+        if not (PDL and EARLY_KV):
+            _async_load(q_smem, q_ptr, mask=qm_valid[:, None])
+            _async_load(qr_smem, qr_ptr, mask=qm_valid[:, None])
 
         kv_lat = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, D], kv_sl)
         kv_rope = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, DR], kr_sl)
@@ -169,13 +177,24 @@ if AVAILABLE:
         pt_row = PT + b64 * stride_ptb
         offs_t_ld = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
 
-        # prologue: copies of tiles 0 .. NUM_BUF - 2; page ids of tile NUM_BUF - 1 ahead
+        # prologue: copies of tiles 0 .. NUM_BUF - 2; page ids of tile NUM_BUF - 1 ahead. EARLY_KV: tile 0 is
+        # copied before the PDL wait when it holds only prefix tokens (constant during the pass: written before
+        # this kernel's predecessors started), so its HBM read overlaps the previous kernels; q and every later
+        # tile come after the wait
+        if PDL and EARLY_KV:
+            if gl.minimum(start + BLOCK_N, end) > prefix:  # tile 0 holds draft tokens: the previous kernel's writes
+                _gdc_wait()
         for j in gl.static_range(NUM_BUF - 1):
             pos_j = start + j * BLOCK_N + offs_t_ld
             ok = pos_j < end
             page = gl.load(pt_row + pos_j // PAGE_SIZE, mask=ok, other=0).to(gl.int64)
             row_off = page * stride_kp + (pos_j % PAGE_SIZE).to(gl.int64) * stride_ks
             _issue_kv_tile(KV, row_off, ok, kv_lat.index(j), kv_rope.index(j), offs_d_ld, offs_c, D)
+            if PDL and EARLY_KV and j == 0:  # q joins tile 0's copy group
+                _gdc_wait()
+                _gdc_launch_dependents()
+                _async_load(q_smem, q_ptr, mask=qm_valid[:, None])
+                _async_load(qr_smem, qr_ptr, mask=qm_valid[:, None])
             async_copy.commit_group()
         pos_nxt = start + (NUM_BUF - 1) * BLOCK_N + offs_t_ld
         page_nxt = gl.load(pt_row + pos_nxt // PAGE_SIZE, mask=pos_nxt < end, other=0)

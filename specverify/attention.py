@@ -453,7 +453,7 @@ def _wgmma_compile(wg, index: int, *, num_warps: int) -> tuple[str, int]:
                 64, 0, 1, k * heads * d, heads * d, d,
                 NUM_DRAFT=k, NUM_Q_HEADS=heads, PAGE_SIZE=ps, NUM_SPLITS=splits, D=d, DR=dr, BLOCK_R=heads * k,
                 BLOCK_N=cfg["BLOCK_N"], NUM_BUF=cfg["num_stages"], HAS_MASK=True, STORE_LSE=False, PDL=cfg["PDL"],
-                num_warps=num_warps, grid=(1, splits, 1))
+                EARLY_KV=wg.EARLY_KV, num_warps=num_warps, grid=(1, splits, 1))
         except Exception as exc:  # noqa: BLE001 - a compile failure is the answer
             lines = str(exc).strip().splitlines()
             return f"{type(exc).__name__}: {(lines[-1] if lines else '')[:200]}", 0
@@ -685,7 +685,7 @@ def _launch(*, q, qr, kc, vc, k_strides, v_strides, page_table, prefix_lens, tre
             k_strides[0], k_strides[1], *tail,
             NUM_DRAFT=k, NUM_Q_HEADS=hq, PAGE_SIZE=page_size, NUM_SPLITS=splits, D=d, DR=dr, BLOCK_R=cfg["BLOCK_M"],
             BLOCK_N=cfg["BLOCK_N"], NUM_BUF=cfg["num_stages"], HAS_MASK=tree_mask is not None, STORE_LSE=store_lse,
-            PDL=bool(pdl), num_warps=cfg["num_warps"], **pdl)
+            PDL=bool(pdl), EARLY_KV=_wgmma_kernels().EARLY_KV, num_warps=cfg["num_warps"], **pdl)
     else:
         launch_fitting(kernels._tree_attention_fwd_kernel, grid, (
             q, qr_t, kc, vc, page_table, prefix_lens, mask_arg, out, lse_arg, ws_o, ws_lse, scale, *q_strides,

@@ -8,9 +8,9 @@ two launches, the shared expert's slot appended by a launch of its own, no one-l
 default table), ``no-<slot>`` (one slot of ``FUSIONS`` emptied); gate/up of the stream experts (merged into
 ``specverify.moe._STREAM_OVERRIDE``): ``fma`` (no split-K MMA gate/up), ``splitk-m4`` / ``splitk-m6`` (split-K up
 to 4 / 6 tokens); ``block-m4`` (the one-launch MoE block up to 4 tokens instead of ``MOE_BLOCK_MAX_M``);
-``w<1|4>-<router|qkv|qb>`` (that GEMV's grid at 1 or 4 programs an SM instead of 2); ``shared-early`` (the MoE
-block computes the shared expert's down partial while its programs route, ``moe_layer._SHARED_EARLY``),
-``no-early-kv`` (the MLA attention's first prefix KV tile read after the PDL wait, not before).
+``w<1|4>-<router|qkv|qb>`` (that GEMV's grid at 1 or 4 programs an SM instead of 2); ``store-all`` (every
+program of the MoE block stores the routing's ids and weights, ``moe_layer._STORE_LAST`` off), ``no-early-kv``
+(the MLA attention's first prefix KV tile read after the PDL wait, not before).
 Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded into the projections and
 q_a's norm in the qkv_a GEMV's last tile (slower in the pass), the split merge fused with W_UV (slower alone), a
 stream-K gate/up and TMA weight tiles (no faster in the pass), an L2 prefetch of o_proj / router / shared expert on
@@ -20,7 +20,8 @@ tokens), one-shot q_b / o_proj GEMVs (whole slices before the wait, no split red
 down tiles of every slot sent to L2 before its second barrier and its K split into as many parts as fill the grid
 (slower), the whole MLA attention in one persistent launch (`no-mla_block` against it: 0.62 / 0.83 ms slower at k =
 1 / 2), the router GEMV and the routing in one launch (`no-router_route` against it: 0.86 / 1.11 / 2.63 ms slower at
-k = 3 / 4 / 8; bench/results/HISTORY.md).
+k = 3 / 4 / 8), the MoE block's shared-expert down computed while its programs route (`shared-early`: 0.06 / 0.08
+ms slower at k = 1 / 2; bench/results/HISTORY.md).
 
 Usage: ``python bench/ab_verify_pass.py [--model kimi-k2] [--batch 1] [--context 4096] [--tree chain]
 [--draft-tokens 1,2,4,8] [--iters 10] [--page-size 64] [--variants ...] [--kernels] [--json PATH]``.
@@ -41,7 +42,7 @@ VARIANTS.update({f"no-{slot}": dict(off=(slot,)) for slot in FUSIONS})
 VARIANTS.update({f"splitk-m{m}": dict(off=(), stream={"splitk_max_m": m}) for m in (4, 6)})
 VARIANTS["block-m4"] = dict(off=(), set={"moe_block_max_m": 4})
 #: module attributes read at each launch: (module, attribute, value)
-VARIANTS["shared-early"] = dict(off=(), attrs=(("specverify.moe_layer", "_SHARED_EARLY", True),))
+VARIANTS["store-all"] = dict(off=(), attrs=(("specverify.moe_layer", "_STORE_LAST", False),))
 VARIANTS["no-early-kv"] = dict(off=(), attrs=(("specverify.kernels.tree_attention_wgmma", "EARLY_KV", False),))
 #: GEMV launch rules tried in the pass ahead of ``specverify.gemv.SHAPE_CONFIGS``: the shape's own config (read
 #: from ``gemv_config`` at the rule's largest M and smallest N, K) with the grid at ``WAVES`` programs an SM.

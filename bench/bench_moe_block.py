@@ -10,11 +10,8 @@ start; median and last program over the grid, each the median over ``--replays``
 (router + shared gate/up), barrier 1, the routing, phase 2 (routed gate/up), the down prefetch, barrier 2, phase 3
 (down).
 
-``--shared-early`` adds the block with the shared expert's down partial computed while its programs route
-(``moe_layer._SHARED_EARLY``), timed in the order default, early, early, default.
-
 Usage: ``python bench/bench_moe_block.py [--models kimi-k2,deepseek-v3] [--tokens 1,2,4,8] [--sets 4]
-[--timeline] [--replays 50] [--shared-early] [--json PATH]``.
+[--timeline] [--replays 50] [--json PATH]``.
 """
 from __future__ import annotations
 
@@ -35,8 +32,6 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="1,2,4,8")
     ap.add_argument("--sets", type=int, default=4, help="weight sets cycled through (HBM, not L2)")
     ap.add_argument("--timeline", action="store_true", help="also the phase timeline of the block")
-    ap.add_argument("--shared-early", action="store_true",
-                    help="also the block with the shared expert's down in phase 2 (row block_early)")
     ap.add_argument("--replays", type=int, default=50, help="graph replays the timeline is the median of")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
@@ -45,10 +40,7 @@ def main(argv=None) -> int:
         return 2
     from specverify.gemv import linear
     from specverify.moe import fused_moe, moe_route
-    from specverify import moe_layer
     from specverify.moe_layer import moe_block
-
-    saved_early = moe_layer._SHARED_EARLY
 
     dev = torch.device("cuda")
     bw = copy_bandwidth_gbps()
@@ -83,30 +75,17 @@ def main(argv=None) -> int:
             nbytes = 2 * (e * h + experts * 3 * inter * h)
             floor = nbytes / (bw * 1e3)
             row = {"model": model, "m": m, "distinct_experts": experts, "bytes": nbytes, "floor_us": floor}
-            variants = [("block", False)] + ([("block_early", True)] if args.shared_early else [])
-            order = variants + variants[::-1]  # a drift across the run shows as a difference between the passes
-            for name, early in order + [("composed", False)]:
-                moe_layer._SHARED_EARLY = early
-                us = graph_us(block if name != "composed" else composed, calls=2, replays=10, repeats=5,
-                              stat="median") / len(sets)
-                row.setdefault(f"{name}_runs_us", []).append(us)
-            for name, early in variants:
-                row[f"{name}_us"] = sum(row[f"{name}_runs_us"]) / 2
-                if args.timeline:
-                    moe_layer._SHARED_EARLY = early
-                    row[f"{name}_timeline"] = _timeline(block, args.replays)
-            row["composed_us"] = row["composed_runs_us"][0]
-            moe_layer._SHARED_EARLY = saved_early
+            for name, fn in (("block", block), ("composed", composed)):
+                row[f"{name}_us"] = graph_us(fn, calls=2, replays=10, repeats=5, stat="median") / len(sets)
+            if args.timeline:
+                row["timeline"] = _timeline(block, args.replays)
             rows.append(row)
             print(f"{model:>12} M={m}: block {row['block_us']:6.1f} us, four launches {row['composed_us']:6.1f} us, "
                   f"floor {floor:5.1f} us ({experts} experts): {floor / row['block_us']:4.0%} / "
                   f"{floor / row['composed_us']:4.0%} of it", flush=True)
-            for name, _ in variants:
-                if name != "block":
-                    print(f"    {name}: {row[name + '_us']:6.1f} us ({floor / row[name + '_us']:4.0%})", flush=True)
-                if args.timeline:
-                    print(f"    {name} timeline: " + ", ".join(f"{k} {v[0]:.2f} / {v[1]:.2f}"
-                                                          for k, v in row[f"{name}_timeline"].items()), flush=True)
+            if args.timeline:
+                print("    " + ", ".join(f"{k} {v[0]:.2f} / {v[1]:.2f}" for k, v in row["timeline"].items()),
+                      flush=True)
     if args.json:
         write_rows_json(args.json, __file__, rows, copy_bw_gbps=bw, args=vars(args))
     return 0

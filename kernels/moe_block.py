@@ -28,8 +28,9 @@ shared memory). Each phase hands its work items out round-robin (item ``i`` to p
              self-resetting ticket, acquire-release) sums the partials: the router's logits, or the shared slot's
              act. Before its PDL wait each program sends its first item's weight slice to L2.
     barrier 1
-    phase 2  every program routes all MT rows (identical results; the ids / weights stores race with equal
-             values), then items (routed slot, I-tile, split) as in phase 1 over the chosen expert's rows; the
+    phase 2  every program routes all MT rows (identical ids; with STORE_LAST only program NPROG - 1 stores
+             ids and weights, after its items: the weights' reload of the winners' logits stays off every
+             program's path to its first loads; else every program stores them, racing with equal values), then items (routed slot, I-tile, split) as in phase 1 over the chosen expert's rows; the
              tile's last item writes the slot's act. Then each program sends the down rows of its phase-3 range
              for the first PF_SLOTS slots to L2.
     barrier 2 (then, with PDL, ``gdc_launch_dependents``)
@@ -175,7 +176,7 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
                       BN: tl.constexpr, BK: tl.constexpr, SPLIT1: tl.constexpr, SPLIT1_PAD: tl.constexpr,
                       SPLIT2: tl.constexpr, SPLIT2_PAD: tl.constexpr, RH: tl.constexpr, BH: tl.constexpr,
                       BI: tl.constexpr, SPP: tl.constexpr, STAGES_K: tl.constexpr, STAGES_D: tl.constexpr,
-                      PF_SLOTS: tl.constexpr, PF_BI: tl.constexpr, PREFETCH: tl.constexpr, SHARED_EARLY: tl.constexpr,
+                      PF_SLOTS: tl.constexpr, PF_BI: tl.constexpr, PREFETCH: tl.constexpr, STORE_LAST: tl.constexpr,
                       NPROG: tl.constexpr,
                       PHASE: tl.constexpr,
                       DOT_FP32: tl.constexpr, PDL: tl.constexpr, TIMING: tl.constexpr):
@@ -189,9 +190,6 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
     W: tl.constexpr = 2 * BN
     # fp32 partials: phase 1 [T1, SPLIT1, MT, W], then phase 2 [T2, SPLIT2, W]
     P2_BASE: tl.constexpr = T1 * SPLIT1 * MT * W
-    # then (SHARED_EARLY, the interpreter's phase 2 to phase 3) each program's shared down partial [BH, 16]
-    P3_BASE: tl.constexpr = P2_BASE + T2 * SPLIT2 * W
-    SH_EARLY: tl.constexpr = SHARED_EARLY and (I <= BI)  # the shared expert's down slice is one [BH, BI] tile
     NCH: tl.constexpr = (H + BK - 1) // BK  # K chunks; split p covers chunks [p * NCH // SPLIT, (p + 1) * NCH // SPLIT)
     j2 = tl.arange(0, W)
     cols = tl.arange(0, 16)
@@ -239,26 +237,11 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
 
     # ---- phase 2: routing (every program), the routed experts' gate/up ------------------------------------------
     if (PHASE == 0) | (PHASE == 2):
-        if SH_EARLY:  # the shared expert's down rows of this program's phase-3 range: loaded while it routes
-            ohs = pid * RH + tl.arange(0, BH)
-            hms = (tl.arange(0, BH) < RH) & (ohs < H)
-            ics = tl.arange(0, BI)
-            w_sh = tl.load(w2_ptr + stride_w2e.to(tl.int64) * E + ohs.to(tl.int64)[:, None] * stride_w2n
-                           + ics[None, :], mask=hms[:, None] & (ics < I)[None, :], other=0.0)
+        # the ids only (no stores): the weights' reload of the winners' logits would hold up this program's
+        # phase-2 loads; the last program, whose phase-2 share is the smallest, stores ids and weights below
         ids = _route_rows(logits_ptr, bias_ptr, ids_ptr, tw_ptr, ids_ptr, ids_ptr, 0, MT, E, scale, E, E, EP, ROWS,
-                          TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS, RENORM, False, OUT_K)
-        if SH_EARLY:  # the shared slot's act is complete since barrier 1
-            at_sh = tl.zeros((BI, 16), w_sh.dtype)
-            for m_sh in tl.static_range(MT):
-                a_sh = tl.load(act_ptr + (m_sh * OUT_K + TOP_K) * I + ics, mask=ics < I, other=0.0,
-                               cache_modifier=".cg")
-                at_sh = tl.where(cols[None, :] == m_sh, a_sh[:, None], at_sh)
-            if DOT_FP32:
-                acc_sh = tl.dot(w_sh.to(tl.float32), at_sh.to(tl.float32))
-            else:
-                acc_sh = tl.dot(w_sh, at_sh)
-            if PHASE == 2:  # the interpreter launches phase 3 apart: hand the partial over in the scratch
-                tl.store(part_ptr + P3_BASE + (pid * BH + tl.arange(0, BH))[:, None] * 16 + cols[None, :], acc_sh)
+                          TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS, RENORM, False, OUT_K,
+                          STORE=not STORE_LAST)
         _stamp(ts_ptr, pid, 4, TIMING)
         for item in range(pid, T2 * SPLIT2, NPROG):
             tile = item // SPLIT2
@@ -289,6 +272,11 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
                     u = _split_sum(base, SPLIT2, SPLIT2_PAD, W, BN, BN)
                     tl.store(a_row, (g / (1.0 + tl.exp(-g)) * u).to(act_ptr.dtype.element_ty), mask=ri < I)
                     tl.atomic_xchg(ticket_ptr + T1 + tile, 0)
+        if STORE_LAST:
+            if pid == NPROG - 1:  # ids and weights (read by phase 3 after barrier 2), once
+                _route_rows(logits_ptr, bias_ptr, ids_ptr, tw_ptr, ids_ptr, ids_ptr, 0, MT, E, scale, E, E, EP, ROWS,
+                            TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS, RENORM, False,
+                            OUT_K)
         _stamp(ts_ptr, pid, 5, TIMING)
     if PREFETCH & ((PHASE == 0) | (PHASE == 2)):  # the first PF_SLOTS slots of this program's first down tile to L2
         if pid * RH < H:  # before the barrier (the routing is known; the w2 rows are constant)
@@ -311,7 +299,6 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
     # ---- phase 3: down projection, weighted top-k (+ shared) sum -----------------------------------------------
     if (PHASE == 0) | (PHASE == 3):
         SP: tl.constexpr = MT * OUT_K
-        NS: tl.constexpr = MT * TOP_K if SH_EARLY else SP  # slots summed here (the shared one already, if early)
         NI: tl.constexpr = (I + BI - 1) // BI
         s_ar = tl.arange(0, SPP)
         e_all = tl.load(ids_ptr + s_ar, mask=s_ar < SP, other=0, cache_modifier=".cg")
@@ -320,17 +307,9 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
         for item in range(pid, (H + RH - 1) // RH, NPROG):
             oh = item * RH + tl.arange(0, BH)
             hmask = (tl.arange(0, BH) < RH) & (oh < H)
-            if SH_EARLY:  # one range a program (item == pid): its shared partial starts the sum
-                if PHASE == 3:
-                    acc = tl.load(part_ptr + P3_BASE + (pid * BH + tl.arange(0, BH))[:, None] * 16 + cols[None, :])
-                else:
-                    acc = acc_sh
-            else:
-                acc = tl.zeros((BH, 16), dtype=tl.float32)
-            for it in tl.range(0, NS * NI, num_stages=STAGES_D):
+            acc = tl.zeros((BH, 16), dtype=tl.float32)
+            for it in tl.range(0, SP * NI, num_stages=STAGES_D):
                 s = it // NI
-                if SH_EARLY:  # routed slots only: slot (m, j) is m * OUT_K + j
-                    s = s // TOP_K * OUT_K + s % TOP_K
                 i0 = (it % NI) * BI
                 e = tl.sum(tl.where(s_ar == s, e_all, 0), axis=0)
                 r = tl.sum(tl.where(s_ar == s, r_all, 0.0), axis=0)

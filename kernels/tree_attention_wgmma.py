@@ -10,15 +10,18 @@ Kimi-K2 rank has only 8 heads x k draft tokens = 8..64 query rows):
 with softmax statistics per column (query row). Both products are ``warpgroup_mma`` with operands in shared memory
 (the tensor cores read them; no per-warp ``ldmatrix`` of q and K as the ``tl.dot`` kernels do). The KV tile is
 gathered through the page table with ``cp.async`` into ``NUM_BUF`` shared buffers: tile i + NUM_BUF - 1 is copied
-while tile i is used; the page ids of the next copy are loaded one tile earlier. q is copied by ``cp.async`` before
-the prefix and page-table loads, in tile 0's group, so its latency overlaps theirs. Every copy moves 16 bytes, so
+while tile i is used; the page ids of the next copy are loaded one tile earlier. q is copied by ``cp.async`` in
+tile 0's group: before the prefix and page-table loads (so its latency overlaps theirs), or with ``EARLY_KV`` right
+after the PDL wait. Every copy moves 16 bytes, so
 Q, QR and KV need 16-byte aligned bases and strides (but the last) that are multiples of 16 elements (Triton's
 divisibility specialisation; the launcher checks it). ``PDL``: the kernel waits for the previous kernel's writes
 (``griddepcontrol.wait``) before its first load and lets the merge grid launch at once. With ``EARLY_KV`` (the
 default with PDL) it reads the prefix length, the page table and its first KV tile before that wait when the tile
-holds prefix tokens only, so the tile's HBM read overlaps the previous kernels; the prefix lengths, the page table
-and the KV of prefix positions are then read before the wait, so they must not be written by the PDL-chained
-kernels just before (in the verify pass they are written before the pass, behind a full dependency).
+holds prefix tokens only, so the tile's HBM read overlaps the previous kernels. The prefix lengths, the page table
+and the KV of prefix positions are then read before the wait, so they must be written before the last kernel
+launched without PDL, or the last one that lets its successor launch only after its own wait, ahead of this one
+(our GEMVs and MLA preparation let theirs launch before their wait, so the read may overlap several kernels back).
+In the verify pass they are written before the pass (the KV compaction is launched without PDL).
 
 Grid, split ranges, workspace and merge: the same as ``_tree_attention_fwd_kernel`` (axis 0: row tiles of
 ``BLOCK_R`` rows, axis 1: split, axis 2: batch; ``_tree_attention_merge_kernel`` merges the splits).
@@ -122,6 +125,7 @@ if AVAILABLE:
         gl.static_assert(D % 64 == 0, "the latent dim is copied 64 columns at a time")
         gl.static_assert(DR == 64, "the rope part is one 64-column copy")
         gl.static_assert(BLOCK_N == 64, "one wgmma M tile of KV tokens")
+        gl.static_assert(NUM_BUF >= 2 or not (PDL and EARLY_KV), "EARLY_KV copies q with the prologue's tile 0")
         dtype: gl.constexpr = Q.dtype.element_ty
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=_score_warps(num_warps), instr_shape=[16, BLOCK_R * 4 // num_warps, 16])

@@ -35,11 +35,8 @@ _CHOSEN: dict = {}
 #: each launch then stamps its programs' phase boundaries into it (``_stamp`` in the kernel; a kernel compiled
 #: apart). None in the pass.
 _TIMELINE: torch.Tensor | None = None
-#: kernel keywords set over the launcher's (``bench/ab_verify_pass.py`` variants)
-_OVERRIDE: dict = {}
-#: the shared expert's down rows loaded while the programs route, its partial computed before the routed experts'
-#: gate/up (phase 2) instead of in the down phase
-_SHARED_EARLY = False
+#: the routing's ids and weights stored by the last program only, after its phase-2 items (``STORE_LAST``)
+_STORE_LAST = True
 
 
 class MoEBlockResult(NamedTuple):
@@ -68,7 +65,7 @@ def _plan(m: int, h: int, inter: int, e: int, top_k: int, nprog: int) -> dict:
                 SPLIT2_PAD=max(2, _next_pow2(s2)), RH=rh, BH=_next_pow2(rh), BI=min(256, _next_pow2(inter)),
                 PF_BI=max(64, min(256, _next_pow2(inter))),
                 SPP=max(2, _next_pow2(m * (top_k + 1))), PF_SLOTS=max(1, min(_PF_SLOTS, m * (top_k + 1))), T1=t1,
-                T2=t2, M=m, NPROG=nprog)
+                T2=t2, M=m)
 
 
 def _workspace(device, part: int, tickets: int):
@@ -82,7 +79,7 @@ def _plan_consts(key, nprog: int, cand: tuple[int, int, int]) -> dict:
     """Launch keywords of ``nprog`` programs with the (K stages, down stages, warps) candidate ``cand``."""
     m, h, inter, e, top_k = key[:5]
     p = _plan(m, h, inter, e, top_k, nprog)
-    for k in ("T1", "T2", "M", "NPROG"):
+    for k in ("T1", "T2", "M"):
         p.pop(k)
     return dict(p, NPROG=nprog, STAGES_K=cand[0], STAGES_D=cand[1], num_warps=cand[2])
 
@@ -204,19 +201,18 @@ def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor,
     # the launch choice depends on the compiled kernel: key it on everything that selects one
     timing = _TIMELINE is not None and not interp
     key = (m, h, inter, e, top_k, hidden.dtype, scoring, n_group, topk_group, correction_bias is not None,
-           bool(renormalize), pdl, timing, tuple(sorted(_OVERRIDE.items())))
+           bool(renormalize), pdl, timing, _STORE_LAST)
     ep = max(_next_pow2(e), 16)
     consts = dict(MT=m, H=h, I=inter, E=e, EP=ep, TOP_K=top_k, TOPK_P=max(2, _next_pow2(top_k)),
                   ROWS=_next_pow2(m), N_GROUP=n_group, NG_P=max(2, _next_pow2(n_group)), GSIZE=e // n_group,
                   TOPK_GROUP=topk_group, SOFTMAX=scoring == "softmax", HAS_BIAS=correction_bias is not None,
                   RENORM=renormalize, DOT_FP32=interp, PREFETCH=not interp, TIMING=timing,
-                  **{"SHARED_EARLY": _SHARED_EARLY, **_OVERRIDE}, **pdl_kwargs(dev))
+                  STORE_LAST=_STORE_LAST, **pdl_kwargs(dev))
     # the workspace covers either grid size's plan (sized before the kernel is compiled) at every token count up to
     # the forward's, so a graph captured later at another count needs no allocation
     sms = sm_count(dev.type, dev.index)
     plans = [_plan(mm, h, inter, e, top_k, sms * p) for p in (1, 2) for mm in range(1, max(m, MOE_BLOCK_MAX_M) + 1)]
-    need_p = max(p["T1"] * p["SPLIT1"] * p["M"] * 2 * _BN + p["T2"] * p["SPLIT2"] * 2 * _BN + p["NPROG"] * p["BH"] * 16
-                 for p in plans)
+    need_p = max(p["T1"] * p["SPLIT1"] * p["M"] * 2 * _BN + p["T2"] * p["SPLIT2"] * 2 * _BN for p in plans)
     need_t = max(p["T1"] + p["T2"] for p in plans)
     part, ticket, bar = _workspace(dev, need_p, need_t)
 

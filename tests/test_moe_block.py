@@ -87,24 +87,18 @@ def fresh_workspace(monkeypatch):
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("m", [1, 2, 3])
-@pytest.mark.parametrize("early", [False, True], ids=["shared-late", "shared-early"])
-def test_moe_block_matches_reference(case, m, early, device, monkeypatch, fresh_workspace):
-    """``early``: the shared expert's down partial computed in phase 2 (while the programs route) and handed to the
-    down phase (on the CPU through the scratch, on the GPU in registers)."""
-    monkeypatch.setattr(block_mod, "_SHARED_EARLY", early)
-    x, router, w13, w2, kw = _weights(case, m, seed=100 * m + len(case) + early, device=device)
+def test_moe_block_matches_reference(case, m, device, fresh_workspace):
+    x, router, w13, w2, kw = _weights(case, m, seed=100 * m + len(case), device=device)
     check_block(moe_block(x, router, w13, w2, **kw), x, router, w13, w2, kw)
 
 
 @pytest.mark.parametrize("programs", [12, 24])
-@pytest.mark.parametrize("early", [False, True], ids=["shared-late", "shared-early"])
-def test_moe_block_split_k_and_row_ranges(programs, early, monkeypatch, fresh_workspace):
+def test_moe_block_split_k_and_row_ranges(programs, monkeypatch, fresh_workspace):
     """More programs than the tiny shapes' tiles: K split into whole-chunk parts (tickets, partial sums) in phases 1
     and 2, some of unequal length (H = 640: 5 chunks of 128 over 3 or 2 parts), and down rows in ranges that are not
     a power of two (54 / 27 rows)."""
     monkeypatch.setitem(CASES, "wide", (640, 64, 48, 6, "sigmoid", True, 1, 1, True, 2.827))
     monkeypatch.setattr(block_mod, "sm_count", lambda *a: programs)
-    monkeypatch.setattr(block_mod, "_SHARED_EARLY", early)
     plan = block_mod._plan(1, 640, 64, 48, 6, programs)
     assert plan["SPLIT1"] > 1 and plan["RH"] % 16  # the paths this test is for: splits, rows not a tile multiple,
     assert 5 % plan["SPLIT1"] or 5 % plan["SPLIT2"]  # and splits of unequal length
@@ -194,11 +188,9 @@ _RANK = {"kimi-k2": (7168, 256, 384, 8, "sigmoid", True, 1, 1, True, 2.827),
 @pytest.mark.gpu
 @pytest.mark.parametrize("model", list(_RANK))
 @pytest.mark.parametrize("m", [1, 2, 4])
-@pytest.mark.parametrize("early", [False, True], ids=["shared-late", "shared-early"])
-def test_moe_block_rank_shapes_gpu(model, m, early, monkeypatch):
+def test_moe_block_rank_shapes_gpu(model, m, monkeypatch):
     from conftest import check_graph_replay, warm_up_for_capture
 
-    monkeypatch.setattr(block_mod, "_SHARED_EARLY", early)
     monkeypatch.setitem(CASES, model, _RANK[model])
     x, router, w13, w2, kw = _weights(model, m, seed=m, device="cuda")
     res = warm_up_for_capture(lambda: moe_block(x, router, w13, w2, **kw))

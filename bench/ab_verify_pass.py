@@ -9,7 +9,8 @@ default table), ``no-<slot>`` (one slot of ``FUSIONS`` emptied); gate/up of the 
 ``specverify.moe._STREAM_OVERRIDE``): ``fma`` (no split-K MMA gate/up), ``splitk-m4`` / ``splitk-m6`` (split-K up
 to 4 / 6 tokens); ``block-m4`` (the one-launch MoE block up to 4 tokens instead of ``MOE_BLOCK_MAX_M``);
 ``w<1|4>-<router|qkv|qb>`` (that GEMV's grid at 1 or 4 programs an SM instead of 2); ``store-all`` (every
-program of the MoE block stores the routing's ids and weights, ``moe_layer._STORE_LAST`` off), ``no-early-kv``
+program of the MoE block stores the routing's ids and weights, ``moe_layer._STORE_LAST`` off), ``barrier1`` (the
+MoE block's routing waits at a grid barrier for every phase-1 item, ``moe_layer._ROUTER_WAIT`` off), ``no-early-kv``
 (the MLA attention's first prefix KV tile read after the PDL wait, not before).
 Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded into the projections and
 q_a's norm in the qkv_a GEMV's last tile (slower in the pass), the split merge fused with W_UV (slower alone), a
@@ -43,6 +44,7 @@ VARIANTS.update({f"splitk-m{m}": dict(off=(), stream={"splitk_max_m": m}) for m 
 VARIANTS["block-m4"] = dict(off=(), set={"moe_block_max_m": 4})
 #: module attributes read at each launch: (module, attribute, value)
 VARIANTS["store-all"] = dict(off=(), attrs=(("specverify.moe_layer", "_STORE_LAST", False),))
+VARIANTS["barrier1"] = dict(off=(), attrs=(("specverify.moe_layer", "_ROUTER_WAIT", False),))
 VARIANTS["no-early-kv"] = dict(off=(), attrs=(("specverify.kernels.tree_attention_wgmma", "EARLY_KV", False),))
 #: GEMV launch rules tried in the pass ahead of ``specverify.gemv.SHAPE_CONFIGS``: the shape's own config (read
 #: from ``gemv_config`` at the rule's largest M and smallest N, K) with the grid at ``WAVES`` programs an SM.

@@ -35,10 +35,11 @@ _CHOSEN: dict = {}
 #: each launch then stamps its programs' phase boundaries into it (``_stamp`` in the kernel; a kernel compiled
 #: apart). None in the pass.
 _TIMELINE: torch.Tensor | None = None
-#: the routing's ids and weights stored by the last program only, after its phase-2 items (``STORE_LAST``)
-_STORE_LAST = True
-#: the routing waits for the router's tiles only, not for every phase-1 item (``ROUTER_WAIT``; see ``_plan``)
-_ROUTER_WAIT = True
+#: the routing's ids and weights stored by the last program only, after its phase-2 items (``STORE_LAST``), and the
+#: routing waiting for the router's tiles only, not for every phase-1 item (``ROUTER_WAIT``; see ``_plan``): both
+#: opt-in until timed on a GPU (2026-12-06: CPU tests and offline compiles only; no device could be had)
+_STORE_LAST = False
+_ROUTER_WAIT = False
 
 
 class MoEBlockResult(NamedTuple):

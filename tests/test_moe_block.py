@@ -87,8 +87,13 @@ def fresh_workspace(monkeypatch):
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("m", [1, 2, 3])
-def test_moe_block_matches_reference(case, m, device, fresh_workspace):
-    x, router, w13, w2, kw = _weights(case, m, seed=100 * m + len(case), device=device)
+@pytest.mark.parametrize("new_path", [False, True], ids=["barrier1", "router-wait+store-last"])
+def test_moe_block_matches_reference(case, m, new_path, device, monkeypatch, fresh_workspace):
+    """``new_path``: router and shared tiles split apart (``_ROUTER_WAIT``; on the CPU the phases run as launches, so
+    the count is not waited on) and the routing stored by the last program only (``_STORE_LAST``)."""
+    monkeypatch.setattr(block_mod, "_ROUTER_WAIT", new_path)
+    monkeypatch.setattr(block_mod, "_STORE_LAST", new_path)
+    x, router, w13, w2, kw = _weights(case, m, seed=100 * m + len(case) + new_path, device=device)
     check_block(moe_block(x, router, w13, w2, **kw), x, router, w13, w2, kw)
 
 
@@ -191,11 +196,14 @@ _RANK = {"kimi-k2": (7168, 256, 384, 8, "sigmoid", True, 1, 1, True, 2.827),
 @pytest.mark.gpu
 @pytest.mark.parametrize("model", list(_RANK))
 @pytest.mark.parametrize("m", [1, 2, 4])
-@pytest.mark.parametrize("router_wait", [False, True], ids=["barrier1", "router-wait"])
-def test_moe_block_rank_shapes_gpu(model, m, router_wait, monkeypatch):
+@pytest.mark.parametrize("new_path", [False, True], ids=["barrier1", "router-wait+store-last"])
+def test_moe_block_rank_shapes_gpu(model, m, new_path, monkeypatch):
+    """``new_path``: the routing waits for the router tiles' count (no grid barrier 1) and only the last program
+    stores the routing (``_ROUTER_WAIT``, ``_STORE_LAST``)."""
     from conftest import check_graph_replay, warm_up_for_capture
 
-    monkeypatch.setattr(block_mod, "_ROUTER_WAIT", router_wait)
+    monkeypatch.setattr(block_mod, "_ROUTER_WAIT", new_path)
+    monkeypatch.setattr(block_mod, "_STORE_LAST", new_path)
     monkeypatch.setitem(CASES, model, _RANK[model])
     x, router, w13, w2, kw = _weights(model, m, seed=m, device="cuda")
     res = warm_up_for_capture(lambda: moe_block(x, router, w13, w2, **kw))

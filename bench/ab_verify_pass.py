@@ -8,11 +8,8 @@ two launches, the shared expert's slot appended by a launch of its own, no one-l
 default table), ``no-<slot>`` (one slot of ``FUSIONS`` emptied); gate/up of the stream experts (merged into
 ``specverify.moe._STREAM_OVERRIDE``): ``fma`` (no split-K MMA gate/up), ``splitk-m4`` / ``splitk-m6`` (split-K up
 to 4 / 6 tokens); ``block-m4`` (the one-launch MoE block up to 4 tokens instead of ``MOE_BLOCK_MAX_M``);
-``w<1|4>-<router|qkv|qb>`` (that GEMV's grid at 1 or 4 programs an SM instead of 2); ``store-last`` (only the
-last program of the MoE block stores the routing's ids and weights, ``moe_layer._STORE_LAST``), ``router-wait``
-(the MoE block's routing waits for the router tiles' count instead of a grid barrier, ``moe_layer._ROUTER_WAIT``),
-``router-wait+store-last`` (both); ``no-early-kv`` (the MLA attention's first prefix KV tile read after the PDL
-wait, not before).
+``w<1|4>-<router|qkv|qb>`` (that GEMV's grid at 1 or 4 programs an SM instead of 2); ``no-early-kv`` (the MLA
+attention's first prefix KV tile read after the PDL wait, not before).
 Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded into the projections and
 q_a's norm in the qkv_a GEMV's last tile (slower in the pass), the split merge fused with W_UV (slower alone), a
 stream-K gate/up and TMA weight tiles (no faster in the pass), an L2 prefetch of o_proj / router / shared expert on
@@ -44,10 +41,6 @@ VARIANTS.update({f"no-{slot}": dict(off=(slot,)) for slot in FUSIONS})
 VARIANTS.update({f"splitk-m{m}": dict(off=(), stream={"splitk_max_m": m}) for m in (4, 6)})
 VARIANTS["block-m4"] = dict(off=(), set={"moe_block_max_m": 4})
 #: module attributes read at each launch: (module, attribute, value)
-VARIANTS["store-last"] = dict(off=(), attrs=(("specverify.moe_layer", "_STORE_LAST", True),))
-VARIANTS["router-wait"] = dict(off=(), attrs=(("specverify.moe_layer", "_ROUTER_WAIT", True),))
-VARIANTS["router-wait+store-last"] = dict(off=(), attrs=(("specverify.moe_layer", "_ROUTER_WAIT", True),
-                                                         ("specverify.moe_layer", "_STORE_LAST", True)))
 VARIANTS["no-early-kv"] = dict(off=(), attrs=(("specverify.kernels.tree_attention_wgmma", "EARLY_KV", False),))
 #: GEMV launch rules tried in the pass ahead of ``specverify.gemv.SHAPE_CONFIGS``: the shape's own config (read
 #: from ``gemv_config`` at the rule's largest M and smallest N, K) with the grid at ``WAVES`` programs an SM.

@@ -8,8 +8,14 @@ two launches, the shared expert's slot appended by a launch of its own, no one-l
 default table), ``no-<slot>`` (one slot of ``FUSIONS`` emptied); gate/up of the stream experts (merged into
 ``specverify.moe._STREAM_OVERRIDE``): ``fma`` (no split-K MMA gate/up), ``splitk-m4`` / ``splitk-m6`` (split-K up
 to 4 / 6 tokens); ``block-m4`` (the one-launch MoE block up to 4 tokens instead of ``MOE_BLOCK_MAX_M``);
-``w<1|4>-<router|qkv|qb>`` (that GEMV's grid at 1 or 4 programs an SM instead of 2); ``no-early-kv`` (the MLA
-attention's first prefix KV tile read after the PDL wait, not before).
+``w<1|4>-<router|qkv|qb>`` (that GEMV's grid at 1 or 4 programs an SM instead of 2); ``rr-<qkv|qb|o>-k..-s..``
+(that projection on the row-range GEMV, see ``_RR_RULES``); ``store-last`` (only the
+last program of the MoE block stores the routing's ids and weights, ``moe_layer._STORE_LAST``), ``router-wait``
+(the MoE block's routing waits for the router tiles' count instead of a grid barrier, ``moe_layer._ROUTER_WAIT``),
+``router-wait+store-last`` (both); ``shared-pf1`` / ``shared-pf2`` (the MoE block sends the shared expert's down
+rows of each program's phase-3 range to L2 before its PDL wait / after its phase-1 items, ``moe_layer._SHARED_PF``);
+``no-early-kv`` (the MLA attention's first prefix KV tile read after the PDL
+wait, not before).
 Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded into the projections and
 q_a's norm in the qkv_a GEMV's last tile (slower in the pass), the split merge fused with W_UV (slower alone), a
 stream-K gate/up and TMA weight tiles (no faster in the pass), an L2 prefetch of o_proj / router / shared expert on
@@ -41,6 +47,11 @@ VARIANTS.update({f"no-{slot}": dict(off=(slot,)) for slot in FUSIONS})
 VARIANTS.update({f"splitk-m{m}": dict(off=(), stream={"splitk_max_m": m}) for m in (4, 6)})
 VARIANTS["block-m4"] = dict(off=(), set={"moe_block_max_m": 4})
 #: module attributes read at each launch: (module, attribute, value)
+VARIANTS["store-last"] = dict(off=(), attrs=(("specverify.moe_layer", "_STORE_LAST", True),))
+VARIANTS["router-wait"] = dict(off=(), attrs=(("specverify.moe_layer", "_ROUTER_WAIT", True),))
+VARIANTS["router-wait+store-last"] = dict(off=(), attrs=(("specverify.moe_layer", "_ROUTER_WAIT", True),
+                                                         ("specverify.moe_layer", "_STORE_LAST", True)))
+VARIANTS.update({f"shared-pf{v}": dict(off=(), attrs=(("specverify.moe_layer", "_SHARED_PF", v),)) for v in (1, 2)})
 VARIANTS["no-early-kv"] = dict(off=(), attrs=(("specverify.kernels.tree_attention_wgmma", "EARLY_KV", False),))
 #: GEMV launch rules tried in the pass ahead of ``specverify.gemv.SHAPE_CONFIGS``: the shape's own config (read
 #: from ``gemv_config`` at the rule's largest M and smallest N, K) with the grid at ``WAVES`` programs an SM.
@@ -49,6 +60,31 @@ _GEMV_RULES = {"router": (1, (384, 384), (7168, 7168)), "qkv": (4, (2048, 4096),
 VARIANTS.update({f"w{w}-{name}": dict(off=(), gemv=((rule, {**gemv_config(rule[0], rule[1][0], rule[2][0]),
                                                              "WAVES": w}),))
                  for name, rule in _GEMV_RULES.items() for w in (1, 4)})
+#: row-range GEMVs (``ROW_RANGE``: one range of weight rows a program over all K, no reduce), named
+#: ``rr-<proj>-k<BLOCK_K>-s<stages>[-w<warps>][-x<waves>]`` and built on demand (:func:`_variant`); ``o`` also gives
+#: o_proj (N 7168, K 1024 / 2048, cuBLAS's today) to the GEMV
+_RR_RULES = {"qkv": (8, (2048, 4096), (7168, 7168)), "qb": (4, (1536, 1536), (1536, 1536)),
+             "o": (8, (7168, 7168), (1024, 2048))}
+
+
+def _variant(name: str) -> dict | None:
+    """``VARIANTS[name]``, or the row-range variant that ``name`` spells (see ``_RR_RULES``), or None."""
+    if name in VARIANTS:
+        return VARIANTS[name]
+    parts = name.split("-")
+    if len(parts) < 4 or parts[0] != "rr" or parts[1] not in _RR_RULES:
+        return None
+    rule = _RR_RULES[parts[1]]
+    over = {"ROW_RANGE": True, "WAVES": 1}
+    keys = {"k": "BLOCK_K", "s": "num_stages", "w": "num_warps", "x": "WAVES"}
+    for p in parts[2:]:
+        if p[:1] not in keys or not p[1:].isdigit():
+            return None
+        over[keys[p[0]]] = int(p[1:])
+    var = dict(off=(), gemv=((rule, {**gemv_config(rule[0], rule[1][0], rule[2][0]), **over}),))
+    if parts[1] == "o":
+        var["linear"] = (rule,)
+    return var
 
 
 def main(argv=None) -> int:
@@ -66,7 +102,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
     names = [v for v in args.variants.split(",") if v]
-    unknown = [v for v in names if v not in VARIANTS]
+    unknown = [v for v in names if _variant(v) is None]
     if unknown:
         print(f"ab_verify_pass: unknown variants {unknown}; expected some of {list(VARIANTS)}", file=sys.stderr)
         return 2
@@ -85,17 +121,19 @@ def main(argv=None) -> int:
     import specverify.gemv as gemv
     import specverify.moe as moe
     saved_attrs = {(mod, attr): getattr(importlib.import_module(mod), attr) for name in names
-                   for mod, attr, _ in VARIANTS[name].get("attrs", ())}
+                   for mod, attr, _ in _variant(name).get("attrs", ())}
     saved_stream = dict(moe._STREAM_OVERRIDE)
     saved_rules = gemv.SHAPE_CONFIGS
+    saved_linear = gemv.LINEAR_RULES
     results = []
     order = names + names[::-1]
     for i, name in enumerate(order):
-        var = VARIANTS[name]
+        var = _variant(name)
         current["off"], current["set"] = var["off"], var.get("set", {})
         moe._STREAM_OVERRIDE.clear()
         moe._STREAM_OVERRIDE.update(saved_stream, **var.get("stream", {}))
         gemv.SHAPE_CONFIGS = tuple(var.get("gemv", ())) + saved_rules
+        gemv.LINEAR_RULES = tuple(var.get("linear", ())) + saved_linear
         want = {(mod, attr): v for mod, attr, v in var.get("attrs", ())}
         for (mod, attr), v in saved_attrs.items():
             setattr(importlib.import_module(mod), attr, want.get((mod, attr), v))
@@ -113,6 +151,7 @@ def main(argv=None) -> int:
     moe._STREAM_OVERRIDE.clear()
     moe._STREAM_OVERRIDE.update(saved_stream)
     gemv.SHAPE_CONFIGS = saved_rules
+    gemv.LINEAR_RULES = saved_linear
     for (mod, attr), v in saved_attrs.items():
         setattr(importlib.import_module(mod), attr, v)
     print("\nms (efficiency vs the bytes floor), mean of the two passes:")

@@ -379,6 +379,26 @@ def scen_block(quick: bool, target: str):
             mb._TIMELINE = None
     yield "moe_block kimi-k2 M1 timeline", run_timeline
 
+    def run_new_path(m):  # the opt-in routing path (moe_layer._ROUTER_WAIT, _STORE_LAST)
+        mb._ROUTER_WAIT = mb._STORE_LAST = True
+        try:
+            mb.moe_block(_cuda(m, 7168), _cuda(384, 7168), _cuda(385, 512, 7168), _cuda(385, 7168, 256), top_k=8,
+                         correction_bias=_cuda(384, dtype=torch.float32), routed_scaling_factor=2.5)
+        finally:
+            mb._ROUTER_WAIT = mb._STORE_LAST = False
+    for m in (1, 2):
+        yield f"moe_block kimi-k2 M{m} router-wait store-last", lambda m=m: run_new_path(m)
+
+    def run_shared_pf(v):  # the opt-in shared expert's down prefetch (moe_layer._SHARED_PF)
+        mb._SHARED_PF = v
+        try:
+            mb.moe_block(_cuda(1, 7168), _cuda(384, 7168), _cuda(385, 512, 7168), _cuda(385, 7168, 256), top_k=8,
+                         correction_bias=_cuda(384, dtype=torch.float32), routed_scaling_factor=2.5)
+        finally:
+            mb._SHARED_PF = 0
+    for v in (1, 2):
+        yield f"moe_block kimi-k2 M1 shared-pf{v}", lambda v=v: run_shared_pf(v)
+
 
 def scen_accept(quick: bool, target: str):
     """Acceptance: greedy (from logits) and sampling, Kimi-K2 vocab 163840."""
@@ -477,6 +497,22 @@ def scen_gemv(quick: bool, target: str):
     for n, k in shapes:
         for m in (1,) if quick else (1, 4, 8):  # M = 4: the per-shape configs (qkv_a 4 stages, q_b 8 warps)
             yield f"gemv m{m} {k}->{n}", lambda m=m, n=n, k=k: gemv(_cuda(m, k), _cuda(n, k), impl="triton")
+    if quick:
+        return
+    import specverify.gemv as gm
+
+    def run_rr(n, k, over):  # a row-range candidate of bench/sweep_gemv.py (one range of rows a program)
+        saved = dict(gm._CONFIG)
+        gm._CONFIG.update(over)
+        try:
+            gemv(_cuda(1, k), _cuda(n, k), impl="triton")
+        finally:
+            gm._CONFIG.clear()
+            gm._CONFIG.update(saved)
+    for n, k, cands in ((2112, 7168, ((256, 4), (512, 3))), (7168, 1024, ((128, 4), (256, 3)))):
+        for bk, st in cands:
+            over = {"ROW_RANGE": True, "WAVES": 1, "BLOCK_K": bk, "num_stages": st}
+            yield f"gemv rr m1 {k}->{n} k{bk} s{st}", lambda n=n, k=k, over=over: run_rr(n, k, over)
 
 
 SCENARIOS = dict(attn=scen_attn, gqa=scen_gqa, route=scen_route, moe=scen_moe, block=scen_block, accept=scen_accept,

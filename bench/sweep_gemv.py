@@ -6,7 +6,7 @@ For each shape (one tp-8 rank of Kimi-K2 / DeepSeek-V3, ``bench_gemv.SHAPES``) a
 exceed 4x L2, so each call reads HBM as in the pass); cuBLAS (``torch.matmul``) beside it. ``bw`` = weight bytes /
 time / copy bandwidth of the same run.
 
-Usage: ``python bench/sweep_gemv.py [--ms 1,4] [--shapes kimi-k2:qkv_a,...] [--json PATH]``; prints a table last.
+Usage: ``python bench/sweep_gemv.py [--ms 1,4] [--shapes kimi-k2:qkv_a,...] [--row-range] [--json PATH]``; prints a table last.
 """
 from __future__ import annotations
 
@@ -32,6 +32,14 @@ CONFIGS = [
     {"BLOCK_K": 256}, {"BLOCK_K": 256, "num_stages": 4}, {"BLOCK_K": 256, "WAVES": 4},
     {"BLOCK_N": 128}, {"BLOCK_N": 128, "WAVES": 3}, {"BLOCK_N": 128, "num_warps": 8},
     {"BLOCK_N": 32}, {"BLOCK_N": 32, "WAVES": 4},
+    # row ranges: one range of weight rows a program over all K, no split reduce (``ROW_RANGE``)
+    {"ROW_RANGE": True, "WAVES": 1, "BLOCK_K": 128, "num_stages": 4},
+    {"ROW_RANGE": True, "WAVES": 1, "BLOCK_K": 256, "num_stages": 3},
+    {"ROW_RANGE": True, "WAVES": 1, "BLOCK_K": 256, "num_stages": 4},
+    {"ROW_RANGE": True, "WAVES": 1, "BLOCK_K": 512, "num_stages": 3},
+    {"ROW_RANGE": True, "WAVES": 1, "BLOCK_K": 256, "num_stages": 3, "num_warps": 8},
+    {"ROW_RANGE": True, "WAVES": 2, "BLOCK_K": 256, "num_stages": 3},
+    {"ROW_RANGE": True, "WAVES": 2, "BLOCK_K": 128, "num_stages": 4},
 ]
 
 
@@ -44,8 +52,10 @@ def main(argv=None) -> int:
     ap.add_argument("--ms", type=token_counts, default=[1, 2, 4, 8])
     ap.add_argument("--shapes", default="", help="comma-separated model:proj (default: all of bench_gemv.SHAPES but "
                                                  "the LM head)")
+    ap.add_argument("--row-range", action="store_true", help="today's launch and the row-range candidates only")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
+    configs = [c for c in CONFIGS if not c or c.get("ROW_RANGE")] if args.row_range else CONFIGS
     if not torch.cuda.is_available():
         print("sweep_gemv: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -76,7 +86,7 @@ def main(argv=None) -> int:
             gm.SHAPE_CONFIGS = rules
             shape_cfg = gm.gemv_config(m, n, k)  # today's launch of this shape ("default")
             gm.SHAPE_CONFIGS = ()
-            for over in CONFIGS:
+            for over in configs:
                 gm._CONFIG.clear()
                 gm._CONFIG.update(shape_cfg, **over)
                 try:

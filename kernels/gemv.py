@@ -11,6 +11,10 @@ grid covers every SM about twice (N of 384-7168 gives only 6-112 row tiles)::
         one [SPLIT_PAD, BLOCK_N] load and tree sum per token row (WIDE_REDUCE: one token, or many splits),
         else split by split
 
+Row ranges (``ROWS`` < ``BLOCK_N``): program n takes weight rows [n * ROWS, (n + 1) * ROWS) in a BLOCK_N tile (the
+rows past ROWS masked, never loaded), so a grid of exactly ``WAVES`` programs an SM covers N with no split of K and
+no reduce (the launcher's ``ROW_RANGE`` config); ``ROWS == BLOCK_N`` is the tiling above.
+
 One launch: the partials go to an fp32 workspace [SPLIT_K, BLOCK_M, N] and the tile's last program (its ticket,
 acquire-release) reduces them and resets the ticket, so the launch is graph-replayable with no memset.
 
@@ -36,14 +40,15 @@ def _prefetch_l2(ptrs):
 
 @triton.jit
 def _gemv_splitk_kernel(X, W, Y, P, TICKET, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split, k_prefetch,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLIT_K: tl.constexpr, SPLIT_PAD: tl.constexpr, WIDE_REDUCE: tl.constexpr,
                         DOT_FP32: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rr = tl.arange(0, BLOCK_N)
+    rn = pid_n * ROWS + rr
     rm = tl.arange(0, BLOCK_M)
-    nmask = rn < N
+    nmask = (rr < ROWS) & (rn < N)
     mmask = rm < M
     k_lo = pid_s * k_per_split
     if PDL:

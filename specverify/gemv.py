@@ -55,20 +55,34 @@ def gemv_config(m: int, n: int, k: int) -> dict:
     return dict(_CONFIG)
 
 
-def prefetch_columns(programs: int, per: int, elem_bytes: int, cfg: dict | None = None) -> int:
-    """K columns of its slice (``per`` wide) each of ``programs`` programs prefetches under ``PREFETCH_BYTES``."""
+def prefetch_columns(programs: int, per: int, elem_bytes: int, cfg: dict | None = None, rows: int | None = None) -> int:
+    """K columns of its slice (``per`` wide, ``rows`` weight rows, default ``BLOCK_N``) each of ``programs`` programs
+    prefetches under ``PREFETCH_BYTES``."""
     cfg = cfg or _CONFIG
     budget = cfg["PREFETCH_BYTES"]
     if budget <= 0:
         return 0
-    chunk = cfg["BLOCK_N"] * cfg["BLOCK_K"] * elem_bytes
+    chunk = (rows or cfg["BLOCK_N"]) * cfg["BLOCK_K"] * elem_bytes
     return min(per, max(1, budget // (programs * chunk)) * cfg["BLOCK_K"])
+
+
+def gemv_rows(n: int, sms: int, cfg: dict | None = None) -> tuple[int, int]:
+    """(weight rows a program, its pow-2 tile height): ``BLOCK_N`` both, or with ``ROW_RANGE`` N cut into
+    ``WAVES * sms`` equal ranges (rounded up) in a tile of the next power of two, at least 16 (the MMA's side)."""
+    cfg = cfg or _CONFIG
+    if not cfg.get("ROW_RANGE"):
+        return cfg["BLOCK_N"], cfg["BLOCK_N"]
+    rows = -(-n // (cfg["WAVES"] * sms))
+    return rows, max(16, triton_next_pow2(rows))
 
 
 def gemv_split(n: int, k: int, sms: int, cfg: dict | None = None) -> tuple[int, int]:
     """(split count, K elements a split): splits of whole ``BLOCK_K`` chunks, as long as at least ``WAVES * sms``
-    programs over the ``ceil(n / BLOCK_N)`` row tiles need (at most one chunk a split when even that falls short)."""
+    programs over the ``ceil(n / BLOCK_N)`` row tiles need (at most one chunk a split when even that falls short);
+    one split of all K with ``ROW_RANGE`` (:func:`gemv_rows`)."""
     cfg = cfg or _CONFIG
+    if cfg.get("ROW_RANGE"):
+        return 1, k
     tiles = -(-n // cfg["BLOCK_N"])
     chunks = -(-k // cfg["BLOCK_K"])
     want = max(1, -(-cfg["WAVES"] * sms // tiles))
@@ -76,13 +90,13 @@ def gemv_split(n: int, k: int, sms: int, cfg: dict | None = None) -> tuple[int, 
     return -(-k // per), per
 
 
-def _buffers(device, n, split, block_n):
-    """(partials fp32 [split, MAX_M, n], tickets int32 [row tiles]) for one (device, N, tile), grown to ``split`` and
-    kept (graph replays reuse the addresses)."""
-    key = (device, n, block_n)
+def _buffers(device, n, split, rows):
+    """(partials fp32 [split, MAX_M, n], tickets int32 [row tiles]) for one (device, N, rows a tile), grown to
+    ``split`` and kept (graph replays reuse the addresses)."""
+    key = (device, n, rows)
     buf = _BUFFERS.get(key)
     if buf is None or buf[0].shape[0] < split:
-        tiles = -(-n // block_n)
+        tiles = -(-n // rows)
         buf = (torch.empty(split, MAX_M, n, dtype=torch.float32, device=device),
                torch.zeros(tiles, dtype=torch.int32, device=device))
         _BUFFERS[key] = buf
@@ -184,13 +198,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None = None, i
     cfg = gemv_config(m, n, k)
     sms = sm_count(x.device.type, x.device.index)
     split, per = gemv_split(n, k, sms, cfg)
-    part, ticket = _buffers(x.device, n, split, cfg["BLOCK_N"])
-    grid = (-(-n // cfg["BLOCK_N"]), split)
+    rows, block_n = gemv_rows(n, sms, cfg)
+    part, ticket = _buffers(x.device, n, split, rows)
+    grid = (-(-n // rows), split)
     pdl = pdl_launch(x.device)
-    k_prefetch = prefetch_columns(grid[0] * grid[1], per, x.element_size(), cfg) if pdl else 0
+    k_prefetch = prefetch_columns(grid[0] * grid[1], per, x.element_size(), cfg, rows) if pdl else 0
     _gemv_splitk_kernel[grid](x, w, out, part, ticket, m, n, k, x.stride(0), w.stride(0), out.stride(0), per,
                               k_prefetch,
-                              BLOCK_M=max(16, triton_next_pow2(m)), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                              BLOCK_M=max(16, triton_next_pow2(m)), BLOCK_N=block_n, ROWS=rows, BLOCK_K=cfg["BLOCK_K"],
                               SPLIT_K=split, SPLIT_PAD=triton_next_pow2(split),
                               WIDE_REDUCE=m == 1 or split >= WIDE_REDUCE_MIN_SPLITS,
                               DOT_FP32=not x.is_cuda, PDL=pdl, PREFETCH=k_prefetch > 0,

@@ -100,9 +100,11 @@ def test_shape_configs_pick_the_swept_launch():
     assert gemv_mod.gemv_config(2, 384, 7168)["WAVES"] == gemv_mod._CONFIG["WAVES"]  # cuBLAS's above one token
 
 
-# the swept candidates compute the same product: a wider tile, longer K chunks, more stages and warps, more waves
+# the swept candidates compute the same product: a wider tile, longer K chunks, more stages and warps, more waves,
+# row ranges (38 rows in a 64-row tile at 4 programs; 19 in 32 at 8)
 @pytest.mark.parametrize("over", [{"BLOCK_N": 128, "num_warps": 8}, {"BLOCK_K": 256, "num_stages": 4},
-                                  {"BLOCK_N": 32, "WAVES": 4}, {"WAVES": 1}])
+                                  {"BLOCK_N": 32, "WAVES": 4}, {"WAVES": 1}, {"ROW_RANGE": True, "WAVES": 1},
+                                  {"ROW_RANGE": True, "WAVES": 2, "BLOCK_K": 256}])
 def test_gemv_configs_match_reference(device, monkeypatch, over):
     monkeypatch.setattr(gemv_mod, "_CONFIG", {**gemv_mod._CONFIG, **over})
     monkeypatch.setattr(gemv_mod, "sm_count", lambda device_type, index: 4)
@@ -114,3 +116,14 @@ def test_gemv_configs_match_reference(device, monkeypatch, over):
     eps = torch.finfo(torch.bfloat16).eps
     torch.testing.assert_close(gemv(x, w, out=out, impl="triton"), want, rtol=2 * eps,
                                atol=2 * eps * float(want.abs().max()) + 1e-5 * 1000 ** 0.5)
+
+
+@pytest.mark.parametrize("n,sms,waves", [(7168, 132, 1), (2112, 132, 1), (2112, 132, 2), (1536, 188, 1), (150, 4, 2)])
+def test_row_ranges_cover_every_row_once(n, sms, waves):
+    """ROW_RANGE: WAVES x SMs programs at most, consecutive ranges cover [0, N), the last one non-empty, one split."""
+    cfg = {**gemv_mod._CONFIG, "ROW_RANGE": True, "WAVES": waves}
+    rows, block = gemv_mod.gemv_rows(n, sms, cfg)
+    programs = -(-n // rows)
+    assert programs <= waves * sms and (programs - 1) * rows < n <= programs * rows
+    assert block >= max(16, rows) and block & (block - 1) == 0
+    assert gemv_mod.gemv_split(n, 7168, sms, cfg) == (1, 7168)

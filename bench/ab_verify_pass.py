@@ -14,7 +14,8 @@ last program of the MoE block stores the routing's ids and weights, ``moe_layer.
 (the MoE block's routing waits for the router tiles' count instead of a grid barrier, ``moe_layer._ROUTER_WAIT``),
 ``router-wait+store-last`` (both); ``shared-pf1`` / ``shared-pf2`` (the MoE block sends the shared expert's down
 rows of each program's phase-3 range to L2 before its PDL wait / after its phase-1 items, ``moe_layer._SHARED_PF``);
-``no-early-kv`` (the MLA attention's first prefix KV tile read after the PDL
+``no-q-fold`` (q_a's RMSNorm a launch of its own again, ``forward.model.FOLD_Q_NORM``); ``no-early-kv`` (the MLA
+attention's first prefix KV tile read after the PDL
 wait, not before).
 Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded into the projections and
 q_a's norm in the qkv_a GEMV's last tile (slower in the pass), the split merge fused with W_UV (slower alone), a
@@ -52,6 +53,7 @@ VARIANTS["router-wait"] = dict(off=(), attrs=(("specverify.moe_layer", "_ROUTER_
 VARIANTS["router-wait+store-last"] = dict(off=(), attrs=(("specverify.moe_layer", "_ROUTER_WAIT", True),
                                                          ("specverify.moe_layer", "_STORE_LAST", True)))
 VARIANTS.update({f"shared-pf{v}": dict(off=(), attrs=(("specverify.moe_layer", "_SHARED_PF", v),)) for v in (1, 2)})
+VARIANTS["no-q-fold"] = dict(off=(), attrs=(("specverify.forward.model", "FOLD_Q_NORM", False),))
 VARIANTS["no-early-kv"] = dict(off=(), attrs=(("specverify.kernels.tree_attention_wgmma", "EARLY_KV", False),))
 #: GEMV launch rules tried in the pass ahead of ``specverify.gemv.SHAPE_CONFIGS``: the shape's own config (read
 #: from ``gemv_config`` at the rule's largest M and smallest N, K) with the grid at ``WAVES`` programs an SM.

@@ -466,6 +466,14 @@ def scen_fused(quick: bool, target: str):
                                theta=50000.0, nope_dim=128, impl="triton")
         yield f"mla_prep_absorb h8 b{batch} k{k}", prep_absorb
 
+        def prep_absorb_scaled(batch=batch, k=k):  # with q_a's RMSNorm scale (24 partials of gemv_sumsq)
+            pages, table, prefix = _paged(batch, 4096, k)
+            fo.mla_prep_absorb(_cuda(batch, k, 8, 192), _cuda(batch, k, 576), _cuda(batch, k, dtype=torch.int64),
+                               _cuda(512), _cuda(8, 128, 512), _cuda(batch * pages, 64, 576), table, prefix, eps=1e-6,
+                               theta=50000.0, nope_dim=128, q_sumsq=_cuda(24, batch * k, dtype=torch.float32),
+                               q_dim=1536, impl="triton")
+        yield f"mla_prep_absorb q_scale h8 b{batch} k{k}", prep_absorb_scaled
+
         def gqaprep(batch=batch, k=k):
             pages, table, prefix = _paged(batch, 4096, k)
             kc = _cuda(batch * pages, 64, 1, 128)
@@ -497,15 +505,23 @@ def scen_gemv(quick: bool, target: str):
     for n, k in shapes:
         for m in (1,) if quick else (1, 4, 8):  # M = 4: the per-shape configs (qkv_a 4 stages, q_b 8 warps)
             yield f"gemv m{m} {k}->{n}", lambda m=m, n=n, k=k: gemv(_cuda(m, k), _cuda(n, k), impl="triton")
+    from specverify.gemv import gemv_sumsq
+
+    for m in (1,) if quick else (1, 4, 8):  # qkv_a with q_a's sums of squares (q_lora 1536): both reduce forms
+        yield f"gemv_sumsq m{m} 7168->2112 cols1536", \
+            lambda m=m: gemv_sumsq(_cuda(m, 7168), _cuda(2112, 7168), 1536, impl="triton")
     if quick:
         return
     import specverify.gemv as gm
 
-    def run_rr(n, k, over):  # a row-range candidate of bench/sweep_gemv.py (one range of rows a program)
+    def run_rr(n, k, over, cols=0):  # a row-range candidate of bench/sweep_gemv.py (one range of rows a program)
         saved = dict(gm._CONFIG)
         gm._CONFIG.update(over)
         try:
-            gemv(_cuda(1, k), _cuda(n, k), impl="triton")
+            if cols:
+                gemv_sumsq(_cuda(1, k), _cuda(n, k), cols, impl="triton")
+            else:
+                gemv(_cuda(1, k), _cuda(n, k), impl="triton")
         finally:
             gm._CONFIG.clear()
             gm._CONFIG.update(saved)
@@ -513,6 +529,8 @@ def scen_gemv(quick: bool, target: str):
         for bk, st in cands:
             over = {"ROW_RANGE": True, "WAVES": 1, "BLOCK_K": bk, "num_stages": st}
             yield f"gemv rr m1 {k}->{n} k{bk} s{st}", lambda n=n, k=k, over=over: run_rr(n, k, over)
+    over = {"ROW_RANGE": True, "WAVES": 1, "BLOCK_K": 256, "num_stages": 4}  # qkv_a's row ranges with the sums
+    yield "gemv_sumsq rr m1 7168->2112 k256 s4", lambda: run_rr(2112, 7168, over, cols=1536)
 
 
 SCENARIOS = dict(attn=scen_attn, gqa=scen_gqa, route=scen_route, moe=scen_moe, block=scen_block, accept=scen_accept,

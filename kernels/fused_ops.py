@@ -28,7 +28,16 @@ launches per layer is what matters.
    fp32 accumulation, one rounding to the activation dtype; each weight element is loaded once per call.
 
 6. MLA preparation and query absorption in one launch (items 2 and 5 side by side in one grid; the absorbed
-   query reads q's nope columns, the preparation rotates its rope columns).
+   query reads q's nope columns, the preparation rotates its rope columns). With ``Q_SCALE`` q is q_b's output
+   over a folded weight (q_b * q_a_norm along q_lora) from the un-normed q_a, and each program applies q_a's
+   RMSNorm scale per token from the qkv_a GEMV's sums of squares (``specverify.gemv.gemv_sumsq``)::
+
+       s_t = rsqrt(sum_p QSS[p, t] / q_dim + eps)
+       q_latent[t, h, :] = s_t * (q[t, h, :NOPE] @ W_uk[h])                  (on the fp32 accumulator)
+       q[t, h, NOPE:]    = rope(s_t * q[t, h, NOPE:], pos[t])                (in place, one rounding)
+
+   q_b, the absorption and RoPE are linear in q per token, so this is the normed chain; q_a's RMSNorm kernel is
+   gone from the pass. The partials are one [BLOCK_P, tokens] load beside each program's first activation load.
 
 ``PDL`` (every kernel here; programmatic dependent launch, sm_90+): the grid may start while the previous kernel
 finishes; it loads only constant weights before ``gdc_wait`` and lets the next kernel launch at once.
@@ -46,6 +55,7 @@ Tensors (T = batch * k tokens):
 | PREFIX      | [B]                           | int32      | prefix length per request                    |
 | CACHE       | [num_pages, S, ...]           | bf16/fp16  | paged KV cache                               |
 | GU, ACT     | [T, 2I], [T, I]               | bf16/fp16  | gate/up projection, activation               |
+| QSS         | [P, T] (strided)              | fp32       | per-tile sums of squares of q_a (Q_SCALE)    |
 """
 import triton
 import triton.language as tl
@@ -105,18 +115,27 @@ def _mla_kv_prep_kernel(KV, W, Q, POS, PAGE_TABLE, PREFIX, CACHE, COS_SIN,
                         INTERLEAVED: tl.constexpr, PDL: tl.constexpr = False):
     _mla_kv_prep_token(tl.program_id(0), KV, W, Q, POS, PAGE_TABLE, PREFIX, CACHE, COS_SIN,
                        stride_kv, stride_qt, stride_qh, stride_pt, stride_cp, stride_cs, stride_cos_sin,
-                       k, page_size, num_heads, eps, log2_theta, R, DR, NOPE, BLOCK_R, BLOCK_H, TABLE, INTERLEAVED,
-                       PDL)
+                       k, page_size, num_heads, eps, log2_theta, KV, 0, 0, 1, 1, R, DR, NOPE, BLOCK_R, BLOCK_H, TABLE,
+                       INTERLEAVED, PDL, False, 1)
+
+
+@triton.jit
+def _q_scale(QSS, stride_sp, stride_st, offs_t, tmask, n_part, q_dim, eps, BLOCK_P: tl.constexpr):
+    # item 6: s_t = rsqrt(sum_p QSS[p, t] / q_dim + eps) for the tokens offs_t [BLOCK_T] (masked ones: rsqrt(eps))
+    rp = tl.arange(0, BLOCK_P)
+    ss = tl.load(QSS + rp[:, None] * stride_sp + offs_t[None, :] * stride_st,
+                 mask=(rp < n_part)[:, None] & tmask[None, :], other=0.0)
+    return tl.rsqrt(tl.sum(ss, axis=0) / q_dim + eps)
 
 
 @triton.jit
 def _mla_kv_prep_token(t, KV, W, Q, POS, PAGE_TABLE, PREFIX, CACHE, COS_SIN,
                        stride_kv, stride_qt, stride_qh, stride_pt, stride_cp, stride_cs, stride_cos_sin,
-                       k, page_size, num_heads, eps, log2_theta,
+                       k, page_size, num_heads, eps, log2_theta, QSS, stride_sp, stride_st, n_part, q_dim,
                        R: tl.constexpr, DR: tl.constexpr, NOPE: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, TABLE: tl.constexpr,
-                       INTERLEAVED: tl.constexpr, PDL: tl.constexpr):
-    # item 2 of the docstring for draft token t
+                       INTERLEAVED: tl.constexpr, PDL: tl.constexpr, Q_SCALE: tl.constexpr, BLOCK_P: tl.constexpr):
+    # item 2 of the docstring for draft token t (with Q_SCALE, item 6's scale of q's rope part)
     b = t // k
     i = t % k
     HALF: tl.constexpr = DR // 2
@@ -127,6 +146,10 @@ def _mla_kv_prep_token(t, KV, W, Q, POS, PAGE_TABLE, PREFIX, CACHE, COS_SIN,
         gdc_launch_dependents()
         gdc_wait()
     pos = tl.load(POS + t)
+    if Q_SCALE:  # q_a's RMSNorm scale of this token, loaded beside its position
+        rp = tl.arange(0, BLOCK_P)
+        ss = tl.load(QSS + rp * stride_sp + t * stride_st, mask=rp < n_part, other=0.0)
+        qs = tl.rsqrt(tl.sum(ss, axis=0) / q_dim + eps)
     # latent: RMSNorm
     lat = tl.load(KV + t * stride_kv + offs, mask=rmask, other=0.0).to(tl.float32)
     var = tl.sum(lat * lat, axis=0) / R
@@ -155,6 +178,9 @@ def _mla_kv_prep_token(t, KV, W, Q, POS, PAGE_TABLE, PREFIX, CACHE, COS_SIN,
     qbase = Q + t * stride_qt + h[:, None] * stride_qh + NOPE
     q1 = tl.load(qbase + o1[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
     q2 = tl.load(qbase + o2[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
+    if Q_SCALE:
+        q1 = q1 * qs
+        q2 = q2 * qs
     r1, r2 = _rope_pair(q1, q2, pos, j[None, :], HALF, log2_theta, COS_SIN, stride_cos_sin, TABLE)
     tl.store(qbase + o1[None, :], r1.to(Q.dtype.element_ty), mask=hmask[:, None])
     tl.store(qbase + o2[None, :], r2.to(Q.dtype.element_ty), mask=hmask[:, None])
@@ -231,37 +257,40 @@ def _head_matmul_kernel(A, W, OUT, T, stride_at, stride_ah, stride_wh, stride_wk
     """OUT[t, h, n] = sum_j A[t, h, j] * W[h, j, n] for one head and one tile of n (item 5 of the docstring).
     UPCAST (fp32 inputs, and the interpreter, whose bf16 ``tl.dot`` returns garbage) multiplies in full fp32."""
     _head_matmul_tile(tl.program_id(0), tl.program_id(1), A, W, OUT, T, stride_at, stride_ah, stride_wh, stride_wk,
-                      stride_ot, stride_oh, KDIM, NDIM, BLOCK_T, BLOCK_N, UPCAST, PDL)
+                      stride_ot, stride_oh, A, 0, 0, 1, 1, 0.0, KDIM, NDIM, BLOCK_T, BLOCK_N, UPCAST, PDL, False, 1)
 
 
 @triton.jit
 def _mla_prep_absorb_kernel(A, W, OUT, T, stride_at, stride_ah, stride_wh, stride_wk, stride_ot, stride_oh,
                             KV, NW, POS, PAGE_TABLE, PREFIX, CACHE, COS_SIN,
                             stride_kv, stride_pt, stride_cp, stride_cs, stride_cos_sin,
-                            k, page_size, num_heads, eps, log2_theta,
+                            k, page_size, num_heads, eps, log2_theta, QSS, stride_sp, stride_st, n_part, q_dim,
                             KDIM: tl.constexpr, NDIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
                             UPCAST: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, BLOCK_R: tl.constexpr,
                             BLOCK_H: tl.constexpr, TABLE: tl.constexpr, INTERLEAVED: tl.constexpr,
-                            PDL: tl.constexpr = False):
+                            Q_SCALE: tl.constexpr = False, BLOCK_P: tl.constexpr = 1, PDL: tl.constexpr = False):
     """Items 2 and 5 in one grid: programs [0, heads * column tiles) absorb the query (q_nope @ W_uk), the T
     programs after them prepare one draft token each (latent norm, rope key, KV write, query rope). The two read
-    disjoint parts of Q (nope / rope columns), so they need no order between them."""
+    disjoint parts of Q (nope / rope columns), so they need no order between them. ``Q_SCALE``: item 6 (QSS [P, T]
+    with strides (stride_sp, stride_st), P = n_part; both kinds of program scale by q_a's RMSNorm)."""
     pid = tl.program_id(0)
     tiles: tl.constexpr = NDIM // BLOCK_N
     if pid < num_heads * tiles:
         _head_matmul_tile(pid // tiles, pid % tiles, A, W, OUT, T, stride_at, stride_ah, stride_wh, stride_wk,
-                          stride_ot, stride_oh, KDIM, NDIM, BLOCK_T, BLOCK_N, UPCAST, PDL)
+                          stride_ot, stride_oh, QSS, stride_sp, stride_st, n_part, q_dim, eps, KDIM, NDIM, BLOCK_T,
+                          BLOCK_N, UPCAST, PDL, Q_SCALE, BLOCK_P)
     else:
         _mla_kv_prep_token(pid - num_heads * tiles, KV, NW, A, POS, PAGE_TABLE, PREFIX, CACHE, COS_SIN,
                            stride_kv, stride_at, stride_ah, stride_pt, stride_cp, stride_cs, stride_cos_sin,
-                           k, page_size, num_heads, eps, log2_theta, R, DR, KDIM, BLOCK_R, BLOCK_H, TABLE,
-                           INTERLEAVED, PDL)
+                           k, page_size, num_heads, eps, log2_theta, QSS, stride_sp, stride_st, n_part, q_dim,
+                           R, DR, KDIM, BLOCK_R, BLOCK_H, TABLE, INTERLEAVED, PDL, Q_SCALE, BLOCK_P)
 
 
 @triton.jit
 def _head_matmul_tile(h, nb, A, W, OUT, T, stride_at, stride_ah, stride_wh, stride_wk, stride_ot, stride_oh,
+                      QSS, stride_sp, stride_st, n_part, q_dim, eps,
                       KDIM: tl.constexpr, NDIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                      UPCAST: tl.constexpr, PDL: tl.constexpr):
+                      UPCAST: tl.constexpr, PDL: tl.constexpr, Q_SCALE: tl.constexpr, BLOCK_P: tl.constexpr):
     offs_k = tl.arange(0, KDIM)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     w = tl.load(W + h * stride_wh + offs_k[:, None] * stride_wk + offs_n[None, :])
@@ -274,9 +303,13 @@ def _head_matmul_tile(h, nb, A, W, OUT, T, stride_at, stride_ah, stride_wh, stri
         offs_t = t0 + tl.arange(0, BLOCK_T)
         tm = offs_t < T
         a = tl.load(A + offs_t[:, None] * stride_at + h * stride_ah + offs_k[None, :], mask=tm[:, None], other=0.0)
+        if Q_SCALE:  # item 6: the rows' q_a RMSNorm scales, loaded beside their activations
+            qs = _q_scale(QSS, stride_sp, stride_st, offs_t, tm, n_part, q_dim, eps, BLOCK_P)
         if UPCAST:
             acc = tl.dot(a.to(tl.float32), w, input_precision="ieee")
         else:
             acc = tl.dot(a, w)
+        if Q_SCALE:
+            acc = acc * qs[:, None]
         tl.store(OUT + offs_t[:, None] * stride_ot + h * stride_oh + offs_n[None, :],
                  acc.to(OUT.dtype.element_ty), mask=tm[:, None])

@@ -23,8 +23,19 @@ acquire-release) reduces them and resets the ticket, so the launch is graph-repl
 slice (constant data; the launcher bounds the grid's total, so a large weight does not thrash L2), then lets the
 next kernel launch (``gdc_launch_dependents``) and waits (``gdc_wait``) before it touches X, the workspace or Y.
 
+``SUMSQ`` (the qkv_a projection of MLA, whose first ``sumsq_cols`` = q_lora columns feed q_a's RMSNorm): the
+program that stores row tile n (the plain store at ``SPLIT_K == 1``, else the tile's last program, in both reduce
+forms) also writes, per token row m, the sum of squares of the values it stored in columns ``< sumsq_cols``::
+
+    S[n, m] = sum over j < ROWS with n * ROWS + j < sumsq_cols of  float(Y[m, n * ROWS + j])^2     (Y as stored)
+
+Tiles that start at or past ``sumsq_cols`` write nothing (their slots are not part of the partials the launcher
+returns). One slot per tile and token, summed within one program: no atomics, the same bits every launch. The
+consumer (``specverify.fused_ops.mla_prep_absorb``) sums the tiles' slots, so q_a's RMSNorm needs no kernel of its
+own: its weight is folded into q_b's, its per-token scale rsqrt(mean + eps) is applied after q_b.
+
 Tensors: X [M, K] (unit stride on K), W [N, K] (torch's Linear layout), Y [M, N]; bf16 / fp16; P fp32; TICKET
-int32 [row tiles], zero between launches.
+int32 [row tiles], zero between launches; S fp32 [row tiles, stride_s >= M] (``SUMSQ`` only).
 """
 import triton
 import triton.language as tl
@@ -39,10 +50,19 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
-def _gemv_splitk_kernel(X, W, Y, P, TICKET, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split, k_prefetch,
+def _sumsq_cols(y, rn, mask, sumsq_cols):
+    # per token column of a [BLOCK_N, BLOCK_M] tile of stored values: the sum of y^2 over the rows n < sumsq_cols
+    yf = y.to(tl.float32)
+    return tl.sum(tl.where(mask & (rn < sumsq_cols)[:, None], yf * yf, 0.0), axis=0)
+
+
+@triton.jit
+def _gemv_splitk_kernel(X, W, Y, P, TICKET, S, M, N, K, stride_xm, stride_wn, stride_ym, stride_s, k_per_split,
+                        k_prefetch, sumsq_cols,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLIT_K: tl.constexpr, SPLIT_PAD: tl.constexpr, WIDE_REDUCE: tl.constexpr,
-                        DOT_FP32: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                        DOT_FP32: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+                        SUMSQ: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     rr = tl.arange(0, BLOCK_N)
@@ -72,8 +92,14 @@ def _gemv_splitk_kernel(X, W, Y, P, TICKET, M, N, K, stride_xm, stride_wn, strid
         else:
             acc += tl.dot(w, xt)
     out_mask = nmask[:, None] & mmask[None, :]
+    s_row = S + pid_n * stride_s  # this tile's slots (SUMSQ)
+    s_here = pid_n * ROWS < sumsq_cols  # the tile holds columns < sumsq_cols
     if SPLIT_K == 1:
-        tl.store(Y + rm[None, :] * stride_ym + rn[:, None], acc.to(Y.dtype.element_ty), mask=out_mask)
+        y = acc.to(Y.dtype.element_ty)
+        tl.store(Y + rm[None, :] * stride_ym + rn[:, None], y, mask=out_mask)
+        if SUMSQ:
+            if s_here:
+                tl.store(s_row + rm, _sumsq_cols(y, rn, out_mask, sumsq_cols), mask=mmask)
     else:
         p_tile = P + (pid_s * BLOCK_M + rm[None, :]) * N + rn[:, None]
         tl.store(p_tile, acc, mask=out_mask)
@@ -88,10 +114,19 @@ def _gemv_splitk_kernel(X, W, Y, P, TICKET, M, N, K, stride_xm, stride_wn, strid
                 for m in range(0, M):
                     part = tl.load(P + (rs[:, None] * BLOCK_M + m) * N + rn[None, :],
                                    mask=smask[:, None] & nmask[None, :], other=0.0)
-                    tl.store(Y + m * stride_ym + rn, tl.sum(part, axis=0).to(Y.dtype.element_ty), mask=nmask)
+                    y = tl.sum(part, axis=0).to(Y.dtype.element_ty)
+                    tl.store(Y + m * stride_ym + rn, y, mask=nmask)
+                    if SUMSQ:
+                        if s_here:
+                            yf = y.to(tl.float32)
+                            tl.store(s_row + m, tl.sum(tl.where(nmask & (rn < sumsq_cols), yf * yf, 0.0), axis=0))
             else:
                 total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
                 for s in range(0, SPLIT_K):
                     total += tl.load(P + (s * BLOCK_M + rm[None, :]) * N + rn[:, None], mask=out_mask, other=0.0)
-                tl.store(Y + rm[None, :] * stride_ym + rn[:, None], total.to(Y.dtype.element_ty), mask=out_mask)
+                y = total.to(Y.dtype.element_ty)
+                tl.store(Y + rm[None, :] * stride_ym + rn[:, None], y, mask=out_mask)
+                if SUMSQ:
+                    if s_here:
+                        tl.store(s_row + rm, _sumsq_cols(y, rn, out_mask, sumsq_cols), mask=mmask)
             tl.atomic_xchg(TICKET + pid_n, 0)

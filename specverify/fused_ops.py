@@ -321,15 +321,40 @@ def mla_absorb_q(q, w_uk, nope_dim: int, *, out=None, impl: str = "auto"):
     return out
 
 
+def _check_q_sumsq(op, q_sumsq, q_dim, tokens, like):
+    """The sums of squares of q_a (``q_sumsq`` fp32 [P, tokens]) and their divisor ``q_dim`` (an int >= 1)."""
+    if not isinstance(q_sumsq, torch.Tensor):
+        raise TypeError(f"{op}: q_sumsq must be None or a tensor (gemv_sumsq's partials), got "
+                        f"{type(q_sumsq).__name__}")
+    if q_sumsq.dtype != torch.float32:
+        raise TypeError(f"{op}: q_sumsq must be float32 [P, batch * k = {tokens}] (gemv_sumsq's partials), got "
+                        f"{q_sumsq.dtype}")
+    if q_sumsq.dim() != 2 or q_sumsq.shape[0] < 1 or q_sumsq.shape[1] != tokens:
+        raise ValueError(f"{op}: q_sumsq must be float32 [P >= 1, batch * k = {tokens}] (one column per token of q), "
+                         f"got {list(q_sumsq.shape)}")
+    if q_sumsq.device != like.device:
+        raise ValueError(f"{op}: q_sumsq must be on q's device {like.device}, got {q_sumsq.device}")
+    if isinstance(q_dim, bool) or not isinstance(q_dim, int) or q_dim < 1:
+        raise ValueError(f"{op}: with q_sumsq, q_dim must be the int q_lora_rank (>= 1; the mean's divisor), got "
+                         f"{q_dim!r}")
+
+
 def mla_prep_absorb(q, kv, positions, norm_weight, w_uk, cache, page_table, prefix_lens, *, eps: float,
                     theta: float, nope_dim: int, cos_sin=None, interleaved: bool = False, out=None,
-                    impl: str = "auto"):
+                    q_sumsq=None, q_dim: int | None = None, impl: str = "auto"):
     """:func:`mla_kv_prep` and :func:`mla_absorb_q` in one launch: the query absorbed into the latent space, the
     latent KV normalised, the rope key and the query's rope part rotated, the KV written into the paged cache.
 
     The two read disjoint columns of ``q`` (the absorption its nope part, the preparation rotates its rope part in
     place), so one grid runs both: the absorption's (head, column tile) programs, then one program per draft token.
     Saves one launch of the verify pass per layer against the two ops.
+
+    With ``q_sumsq``, ``q`` is q_b's output over the folded weight (q_b times q_a's norm weight along q_lora) from
+    the un-normed q_a, and every program applies q_a's RMSNorm scale ``s_t = rsqrt(sum_p q_sumsq[p, t] / q_dim +
+    eps)`` per token: to the absorbed query's fp32 accumulator and to the rope part before its rotation. q_b, the
+    absorption and RoPE are linear in q per token, so the result is the normed chain's, and q_a's RMSNorm kernel
+    leaves the pass (one launch fewer per layer; the sums come from the qkv_a GEMV's epilogue,
+    :func:`specverify.gemv.gemv_sumsq`).
 
     Parameters
     ----------
@@ -338,28 +363,46 @@ def mla_prep_absorb(q, kv, positions, norm_weight, w_uk, cache, page_table, pref
         [batch * k, heads, nope_dim + rope_dim] with a unit last stride (the q_b projection's output is).
     w_uk, nope_dim, out
         As in :func:`mla_absorb_q`.
+    q_sumsq : fp32 Tensor [P, batch * k] or None
+        Partial sums of squares of each token's q_a (rows summed; any strides), as :func:`specverify.gemv.gemv_sumsq`
+        returns them. None (default): no scale, the kernel of before (a compile-time switch).
+    q_dim : int
+        q_lora_rank, the divisor of the mean; required with ``q_sumsq``. ``eps`` is q_a's RMSNorm eps too.
 
     Returns
     -------
-    q_latent : Tensor [batch, k, heads, kv_lora_rank], contiguous, q's dtype. ``q`` and ``cache`` are mutated.
+    q_latent : Tensor [batch, k, heads, kv_lora_rank], contiguous, q's dtype. ``q`` and ``cache`` are mutated (with
+    ``q_sumsq``, q's rope part holds the scaled and rotated values, as the attention reads them).
 
     Raises
     ------
     TypeError, ValueError
-        As the two ops raise; ValueError also for a ``q`` that cannot be viewed as [batch * k, heads, dim].
+        As the two ops raise; ValueError also for a ``q`` that cannot be viewed as [batch * k, heads, dim]; for
+        ``q_sumsq``: TypeError unless a float32 tensor, ValueError for a shape other than [P, batch * k], another
+        device, or a missing / non-positive ``q_dim``.
 
     Notes
     -----
-    CUDA-graph capturable; a programmatic dependent on sm_90+. Page ids are not range-checked here (see the
-    verify API). ``impl="reference"``: the two references in turn.
+    CUDA-graph capturable (``q_sumsq`` is read on the device; its address is the GEMV's persistent buffer); a
+    programmatic dependent on sm_90+. Page ids are not range-checked here (see the verify API).
+    ``impl="reference"``: the two references in turn (with ``q_sumsq``,
+    :func:`specverify.reference.fused_ops.mla_prep_absorb_reference`).
     """
+    from specverify.reference import fused_ops as ref
+
     op = "mla_prep_absorb"
     b, k, h, d = _check_absorb(op, q, w_uk, nope_dim)
     r = norm_weight.shape[0]
     dr = kv.shape[-1] - r
     _check_cos_sin(op, cos_sin, dr)
+    if q_sumsq is not None:
+        _check_q_sumsq(op, q_sumsq, q_dim, b * k, q)
     out = _check_out(op, out, (b, k, h, w_uk.shape[2]), q)
     if not _use_triton(impl, q, kv, cache, w_uk):
+        if q_sumsq is not None:
+            return out.copy_(ref.mla_prep_absorb_reference(
+                q, kv, positions, norm_weight, w_uk, cache, page_table, prefix_lens, eps, theta, nope_dim,
+                cos_sin=cos_sin, interleaved=interleaved, q_sumsq=q_sumsq, q_dim=q_dim))
         mla_kv_prep(q, kv, positions, norm_weight, cache, page_table, prefix_lens, eps=eps, theta=theta,
                     nope_dim=nope_dim, cos_sin=cos_sin, interleaved=interleaved, impl="reference")
         return mla_absorb_q(q, w_uk, nope_dim, out=out, impl="reference")
@@ -373,10 +416,14 @@ def mla_prep_absorb(q, kv, positions, norm_weight, w_uk, cache, page_table, pref
     kv2 = kv.reshape(b * k, kv.shape[-1])
     pos = positions.reshape(-1)
     table = kv2 if cos_sin is None else cos_sin
+    scaled = q_sumsq is not None
+    qss = q_sumsq if scaled else kv2  # unread without Q_SCALE
+    n_part = q_sumsq.shape[0] if scaled else 1
     prep = ((kv2, norm_weight, pos, page_table, prefix_lens, cache, table, kv2.stride(0), page_table.stride(0),
-             cache.stride(0), cache.stride(1), table.stride(0), k, cache.shape[1], h, eps, math.log2(theta)),
+             cache.stride(0), cache.stride(1), table.stride(0), k, cache.shape[1], h, eps, math.log2(theta),
+             qss, qss.stride(0) if scaled else 0, qss.stride(1) if scaled else 0, n_part, q_dim if scaled else 1),
             dict(R=r, DR=dr, BLOCK_R=triton_next_pow2(r), BLOCK_H=triton_next_pow2(h), TABLE=cos_sin is not None,
-                 INTERLEAVED=bool(interleaved)))
+                 INTERLEAVED=bool(interleaved), Q_SCALE=scaled, BLOCK_P=triton_next_pow2(n_part)))
     _head_matmul(op, q3, w_uk, out.view(b * k, h, -1), b * k, h, prep=prep)
     return out
 

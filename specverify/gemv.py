@@ -17,6 +17,7 @@ _FLOAT = (torch.bfloat16, torch.float16)
 #: Largest M the kernel serves (the MMA's N side, 16 token columns); callers use torch.matmul above it.
 MAX_M = 16
 _BUFFERS: dict = {}
+_SUMSQ: dict = {}
 #: Splits from which the last program of a row tile sums the partials with one wide load per token row at every M
 #: (below it, and above one token, split by split): qkv_a's 8 splits lost with the wide form at 8 tokens (15.0
 #: against 11.4 us); the router's ~66 splits serialise the split-by-split loop (15.5 us at 4 tokens, bench_gemv).
@@ -90,6 +91,17 @@ def gemv_split(n: int, k: int, sms: int, cfg: dict | None = None) -> tuple[int, 
     return -(-k // per), per
 
 
+def _sumsq_buffer(device, n, rows):
+    """fp32 [row tiles, MAX_M]: the per-tile sums of squares of :func:`gemv_sumsq` for one (device, N, rows a tile),
+    kept (graph replays reuse the address)."""
+    key = (device, n, rows)
+    buf = _SUMSQ.get(key)
+    if buf is None:
+        buf = torch.empty(-(-n // rows), MAX_M, dtype=torch.float32, device=device)
+        _SUMSQ[key] = buf
+    return buf
+
+
 def _buffers(device, n, split, rows):
     """(partials fp32 [split, MAX_M, n], tickets int32 [row tiles]) for one (device, N, rows a tile), grown to
     ``split`` and kept (graph replays reuse the addresses)."""
@@ -122,14 +134,9 @@ def gemv_is_faster(m: int, n: int, k: int) -> bool:
     return any(_holds(rule, m, n, k) for rule in LINEAR_RULES)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T`` for the verify pass's projections: :func:`gemv` where it measured faster than cuBLAS
-    (:func:`gemv_is_faster`; bf16 / fp16 with unit stride on K, on CUDA or under the interpreter), ``torch.matmul``
-    otherwise.
-
-    x [..., K]; w [N, K]. Returns [..., N] in x's dtype. Graph capturable after one eager call per (device, N)
-    (see :func:`gemv`); no validation beyond the shape rule (the verify forward's own tensors).
-    """
+def _served(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """x as [M, K] when :func:`linear` runs ``x @ w.T`` on :func:`gemv` (the shape rule, bf16 / fp16 with unit
+    stride on K, on CUDA or under the interpreter), else None."""
     k = x.shape[-1]
     m = x.numel() // k if k else 0
     n = w.shape[0]
@@ -137,8 +144,90 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             and w.shape[1] == k and w.stride(1) == 1 and _use_triton("auto", x, w)):
         flat = x.reshape(m, k)
         if flat.stride(1) == 1:
-            return gemv(flat, w).view(*x.shape[:-1], n)
+            return flat
+    return None
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` for the verify pass's projections: :func:`gemv` where it measured faster than cuBLAS
+    (:func:`gemv_is_faster`; bf16 / fp16 with unit stride on K, on CUDA or under the interpreter), ``torch.matmul``
+    otherwise.
+
+    x [..., K] (any leading strides that flatten to [M, K] with unit stride on K, e.g. a column slice of a wider
+    activation); w [N, K]. Returns [..., N] in x's dtype. Graph capturable after one eager call per (device, N)
+    (see :func:`gemv`); no validation beyond the shape rule (the verify forward's own tensors).
+    """
+    flat = _served(x, w)
+    if flat is not None:
+        return gemv(flat, w).view(*x.shape[:-1], w.shape[0])
     return x @ w.t()
+
+
+def linear_sumsq(x: torch.Tensor, w: torch.Tensor, cols: int):
+    """:func:`linear` with the sums of squares of :func:`gemv_sumsq`, where :func:`linear` would run :func:`gemv`.
+
+    x [..., K]; w [N, K]; cols in [1, N]. Returns ``(y [..., N], partials fp32 [P, M])`` (M = x's rows; see
+    :func:`gemv_sumsq`), or None where :func:`linear` runs ``torch.matmul`` (no epilogue there; nothing is launched
+    and the caller takes its unfused path). The choice depends on shapes and dtypes only, so it is fixed under graph
+    capture. The verify forward's qkv_a projection: q_a's RMSNorm scale without a norm kernel.
+    """
+    flat = _served(x, w)
+    if flat is None:
+        return None
+    y, part = gemv_sumsq(flat, w, cols)
+    return y.view(*x.shape[:-1], w.shape[0]), part
+
+
+def _check(op, x, w, out):
+    """Validate a GEMV's operands; returns (m, n, k, out) with ``out`` allocated when None."""
+    for name, t in (("x", x), ("w", w)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
+        if t.dtype not in _FLOAT or t.dim() != 2:
+            raise TypeError(f"{op}: {name} must be a 2-d bf16/fp16 tensor, got {t.dtype} {list(t.shape)}")
+    if w.dtype != x.dtype:
+        raise TypeError(f"{op}: w must have x's dtype {x.dtype}, got {w.dtype}")
+    m, k = x.shape
+    n = w.shape[0]
+    if w.shape[1] != k:
+        raise ValueError(f"{op}: w must be [N, K = {k}] (x is [{m}, {k}]), got {list(w.shape)}")
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"{op}: x must have 1..{MAX_M} rows, got {m}; use torch.matmul for wider inputs")
+    if x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError(f"{op}: x and w need a unit stride on K; pass .contiguous() tensors")
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    elif tuple(out.shape) != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(f"{op}: out must be {x.dtype} [{m}, {n}] with unit stride, got {out.dtype} "
+                         f"{list(out.shape)}")
+    return m, n, k, out
+
+
+def _launch(x, w, out, sumsq_cols: int = 0):
+    """One launch of the split-K kernel; with ``sumsq_cols`` its sums of squares too: returns the partials view
+    [tiles over sumsq_cols, M] of the persistent buffer, else None."""
+    from specverify.kernels.gemv import _gemv_splitk_kernel
+
+    m, k = x.shape
+    n = w.shape[0]
+    cfg = gemv_config(m, n, k)
+    sms = sm_count(x.device.type, x.device.index)
+    split, per = gemv_split(n, k, sms, cfg)
+    rows, block_n = gemv_rows(n, sms, cfg)
+    part, ticket = _buffers(x.device, n, split, rows)
+    sums = _sumsq_buffer(x.device, n, rows) if sumsq_cols else part
+    grid = (-(-n // rows), split)
+    pdl = pdl_launch(x.device)
+    k_prefetch = prefetch_columns(grid[0] * grid[1], per, x.element_size(), cfg, rows) if pdl else 0
+    _gemv_splitk_kernel[grid](x, w, out, part, ticket, sums, m, n, k, x.stride(0), w.stride(0), out.stride(0),
+                              MAX_M, per, k_prefetch, sumsq_cols,
+                              BLOCK_M=max(16, triton_next_pow2(m)), BLOCK_N=block_n, ROWS=rows, BLOCK_K=cfg["BLOCK_K"],
+                              SPLIT_K=split, SPLIT_PAD=triton_next_pow2(split),
+                              WIDE_REDUCE=m == 1 or split >= WIDE_REDUCE_MIN_SPLITS,
+                              DOT_FP32=not x.is_cuda, PDL=pdl, PREFETCH=k_prefetch > 0, SUMSQ=sumsq_cols > 0,
+                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                              **({"launch_pdl": True} if pdl else {}))
+    return sums[: -(-sumsq_cols // rows), :m] if sumsq_cols else None
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None = None, impl: str = "auto") -> torch.Tensor:
@@ -169,46 +258,64 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None = None, i
     """
     from specverify.reference.gemv import gemv_reference
 
-    op = "gemv"
-    for name, t in (("x", x), ("w", w)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
-        if t.dtype not in _FLOAT or t.dim() != 2:
-            raise TypeError(f"{op}: {name} must be a 2-d bf16/fp16 tensor, got {t.dtype} {list(t.shape)}")
-    if w.dtype != x.dtype:
-        raise TypeError(f"{op}: w must have x's dtype {x.dtype}, got {w.dtype}")
-    m, k = x.shape
-    n = w.shape[0]
-    if w.shape[1] != k:
-        raise ValueError(f"{op}: w must be [N, K = {k}] (x is [{m}, {k}]), got {list(w.shape)}")
-    if not 1 <= m <= MAX_M:
-        raise ValueError(f"{op}: x must have 1..{MAX_M} rows, got {m}; use torch.matmul for wider inputs")
-    if x.stride(1) != 1 or w.stride(1) != 1:
-        raise ValueError(f"{op}: x and w need a unit stride on K; pass .contiguous() tensors")
-    if out is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    elif tuple(out.shape) != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
-        raise ValueError(f"{op}: out must be {x.dtype} [{m}, {n}] with unit stride, got {out.dtype} "
-                         f"{list(out.shape)}")
+    m, n, k, out = _check("gemv", x, w, out)
     if not _use_triton(impl, x, w):
         out.copy_(gemv_reference(x, w))
         return out
-    from specverify.kernels.gemv import _gemv_splitk_kernel
-
-    cfg = gemv_config(m, n, k)
-    sms = sm_count(x.device.type, x.device.index)
-    split, per = gemv_split(n, k, sms, cfg)
-    rows, block_n = gemv_rows(n, sms, cfg)
-    part, ticket = _buffers(x.device, n, split, rows)
-    grid = (-(-n // rows), split)
-    pdl = pdl_launch(x.device)
-    k_prefetch = prefetch_columns(grid[0] * grid[1], per, x.element_size(), cfg, rows) if pdl else 0
-    _gemv_splitk_kernel[grid](x, w, out, part, ticket, m, n, k, x.stride(0), w.stride(0), out.stride(0), per,
-                              k_prefetch,
-                              BLOCK_M=max(16, triton_next_pow2(m)), BLOCK_N=block_n, ROWS=rows, BLOCK_K=cfg["BLOCK_K"],
-                              SPLIT_K=split, SPLIT_PAD=triton_next_pow2(split),
-                              WIDE_REDUCE=m == 1 or split >= WIDE_REDUCE_MIN_SPLITS,
-                              DOT_FP32=not x.is_cuda, PDL=pdl, PREFETCH=k_prefetch > 0,
-                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                              **({"launch_pdl": True} if pdl else {}))
+    _launch(x, w, out)
     return out
+
+
+def gemv_sumsq(x: torch.Tensor, w: torch.Tensor, cols: int, *, out: torch.Tensor | None = None,
+               impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gemv` that also returns, per token row, partial sums of squares of its first ``cols`` output columns
+    as stored (rounded to x's dtype): the RMSNorm statistic of a projection's leading slice from the same launch.
+
+    The verify forward's qkv_a projection (q_a, then kv_a) passes ``cols = q_lora_rank``: q_a's RMSNorm then needs
+    no kernel of its own, one launch fewer per MLA layer. Its weight is folded into q_b's (``q_b_folded``,
+    :func:`specverify.forward.model.fold_q_norm`) and its per-token scale ``rsqrt(sum_p partials[p, t] / cols +
+    eps)`` is applied after q_b, in :func:`specverify.fused_ops.mla_prep_absorb` (``q_sumsq``): every op after q_b is
+    linear in q per token.
+
+    Parameters
+    ----------
+    x, w, out, impl
+        As in :func:`gemv`.
+    cols : int in [1, N]
+        The leading output columns whose squares are summed.
+
+    Returns
+    -------
+    out : Tensor [M, N], x's dtype, as :func:`gemv` returns it.
+    partials : fp32 Tensor [P, M]
+        ``partials.sum(0)[m] == sum(float(out[m, :cols]) ** 2)`` up to fp32 summation order. Row p is the kernel's
+        row tile p (its rows below ``cols``), so P = ceil(cols / rows a tile) depends on the launch config (1 with
+        ``impl="reference"``). With Triton it is a strided view (row stride 16) of a buffer kept per (device, N,
+        rows a tile): the next :func:`gemv_sumsq` over the same N overwrites it, so read it before then (the verify
+        forward reads it two launches later, in the same layer).
+
+    Raises
+    ------
+    TypeError
+        As :func:`gemv`; ``cols`` not an int.
+    ValueError
+        As :func:`gemv`; ``cols`` outside [1, N].
+
+    Notes
+    -----
+    One launch, deterministic (one slot per row tile and token, summed in one program: no atomics). CUDA-graph
+    capturable after one eager call per (device, N) (the partials buffer keeps its address); a programmatic
+    dependent on sm_90+.
+    """
+    from specverify.reference.gemv import gemv_reference
+
+    op = "gemv_sumsq"
+    m, n, k, out = _check(op, x, w, out)
+    if isinstance(cols, bool) or not isinstance(cols, int):
+        raise TypeError(f"{op}: cols must be an int in [1, N = {n}] (e.g. q_lora_rank), got {type(cols).__name__}")
+    if not 1 <= cols <= n:
+        raise ValueError(f"{op}: cols must lie in [1, N = {n}] (the leading output columns to sum), got {cols}")
+    if not _use_triton(impl, x, w):
+        out.copy_(gemv_reference(x, w))
+        return out, out[:, :cols].float().pow(2).sum(-1).unsqueeze(0)
+    return out, _launch(x, w, out, cols)

@@ -204,6 +204,63 @@ def test_mla_prep_absorb_is_the_two_ops(device, table, interleaved, poison):
     torch.testing.assert_close(got.double(), want, rtol=2 * eps, atol=4 * eps)
 
 
+# q_a's RMSNorm folded away: q from the folded q_b over the un-normed q_a, the per-token scale from partial sums of
+# squares (3 partials: not a power of two) against the normed chain; 2 x 3 tokens over two pages, 3 heads; q_a of
+# magnitude ~8 so the scale is far from 1; theta angles and an interleaved rotary table
+@pytest.mark.parametrize("table, interleaved", [(False, False), (True, True)])
+def test_mla_prep_absorb_scaled_is_the_normed_chain(device, table, interleaved, poison):
+    g = torch.Generator().manual_seed(400 + 2 * table + interleaved)
+    b, k, h, nope, dr, r, ps, q_lora, eps_norm = 2, 3, 3, 32, 16, 64, 4, 48, 1e-6
+    dtype = torch.bfloat16
+    pt, prefix, cache, cache_chain, _, _, kv, nw = _mla_prep_inputs(g, device, b, k, h, nope, dr, r, ps, [2, 9], 12)
+    cache_plain = cache.clone()
+    w_uk = (torch.randn(h, nope, r, generator=g) / nope ** 0.5).to(dtype).to(device)
+    a = (8 * torch.randn(b, k, q_lora, generator=g)).to(dtype).to(device)  # q_a as the qkv_a GEMV stored it
+    gq = (1 + 0.3 * torch.randn(q_lora, generator=g)).to(dtype).to(device)  # q_a's norm weight
+    q_b = (torch.randn(h * (nope + dr), q_lora, generator=g) / q_lora ** 0.5).to(dtype).to(device)
+    angles = 6.0 * torch.rand(32, dr // 2, generator=g)
+    cos_sin = torch.cat([angles.cos(), angles.sin()], -1).to(device) if table else None
+    pos = prefix.long().unsqueeze(1) + torch.tensor([0, 1, 1], device=device)
+    kw = dict(cos_sin=cos_sin, interleaved=interleaved)
+    sq = a.float().pow(2).reshape(b * k, q_lora)
+    q_sumsq = torch.stack([sq[:, :20].sum(-1), sq[:, 20:40].sum(-1), sq[:, 40:].sum(-1)])  # [3, T]
+    folded = (q_b.float() * gq.float()).to(dtype)
+    q = (a.float() @ folded.float().t()).to(dtype).view(b, k, h, nope + dr)
+    q_ref = q.clone()
+    out = poison(torch.empty(b, k, h, r, dtype=dtype, device=device))
+    got = fused_ops.mla_prep_absorb(q, kv, pos, nw, w_uk, cache, pt, prefix, eps=eps_norm, theta=1e4, nope_dim=nope,
+                                    out=out, q_sumsq=q_sumsq, q_dim=q_lora, impl="triton", **kw)
+    assert got.data_ptr() == out.data_ptr() and not torch.isnan(got).any()
+    # the KV written is the unscaled op's, bit for bit
+    fused_ops.mla_prep_absorb(q_ref.clone(), kv, pos, nw, w_uk, cache_plain, pt, prefix, eps=eps_norm, theta=1e4,
+                              nope_dim=nope, impl="triton", **kw)
+    assert torch.equal(cache.isnan(), cache_plain.isnan()) and torch.equal(cache.nan_to_num(), cache_plain.nan_to_num())
+    # the reference of the scaled op: the kernel within its rounding
+    ref_latent = fused_ops.mla_prep_absorb(q_ref, kv, pos, nw, w_uk, cache_chain.clone(), pt, prefix, eps=eps_norm,
+                                           theta=1e4, nope_dim=nope, q_sumsq=q_sumsq, q_dim=q_lora, impl="reference",
+                                           **kw)
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(got, ref_latent, rtol=2 * eps, atol=2 * eps * float(ref_latent.abs().max()))
+    torch.testing.assert_close(q, q_ref, rtol=2 * eps, atol=2 * eps * float(q_ref.abs().max()))
+    assert torch.equal(q[..., :nope], q_ref[..., :nope])  # the nope part is read, never written
+
+    def chain(ctype):  # rmsnorm, q_b, then the unfused prep and absorption, all in ctype
+        qn = ref.rmsnorm_reference(a.to(ctype), gq.to(ctype), eps_norm)
+        qc = (qn @ q_b.to(ctype).t()).view(b, k, h, nope + dr)
+        c = cache_chain.to(ctype)
+        ref.mla_kv_prep_reference(qc, kv.to(ctype), pos, nw.to(ctype), c, pt, prefix, eps_norm, 1e4, nope, **kw)
+        return ref.mla_absorb_q_reference(qc, w_uk.to(ctype), nope), qc
+
+    lat64, q64 = chain(torch.float64)
+    lat16, q16 = chain(dtype)
+    # the fold moves where bf16 rounds (q_b * g once, the scale after q_b), nothing else: at most twice the bf16
+    # chain's own error against fp64, plus two ulp of the largest value
+    for mine, theirs, truth in ((got, lat16, lat64), (q[..., nope:], q16[..., nope:], q64[..., nope:])):
+        e_fold = float((mine.double() - truth).abs().max())
+        e_chain = float((theirs.double() - truth).abs().max())
+        assert e_fold <= 2 * e_chain + 2 * eps * float(truth.abs().max()), (e_fold, e_chain)
+
+
 def test_mla_prep_absorb_errors():
     q = torch.zeros(1, 2, 2, 48, dtype=torch.bfloat16)
     kv, nw = torch.zeros(1, 2, 80, dtype=torch.bfloat16), torch.ones(64, dtype=torch.bfloat16)
@@ -216,6 +273,17 @@ def test_mla_prep_absorb_errors():
     with pytest.raises(ValueError, match="cos_sin must be"):
         fused_ops.mla_prep_absorb(q, *args, torch.zeros(2, 32, 64, dtype=torch.bfloat16), *tail, eps=1e-6,
                                   theta=1e4, nope_dim=32, cos_sin=torch.zeros(8, 7))
+    w_uk = torch.zeros(2, 32, 64, dtype=torch.bfloat16)
+    cases = ((torch.zeros(3, 2, dtype=torch.bfloat16), 64, TypeError, "q_sumsq must be float32"),
+             (torch.zeros(3, 4), 64, ValueError, r"q_sumsq must be float32 \[P >= 1, batch \* k = 2\]"),
+             (torch.zeros(0, 2), 64, ValueError, r"\[P >= 1"),
+             ([[1.0, 2.0]], 64, TypeError, "q_sumsq must be None or a tensor"),
+             (torch.zeros(3, 2), None, ValueError, "q_dim must be the int q_lora_rank"),
+             (torch.zeros(3, 2), 0, ValueError, "q_dim must be the int q_lora_rank"))
+    for bad, q_dim, err, match in cases:
+        with pytest.raises(err, match=match):
+            fused_ops.mla_prep_absorb(q, *args, w_uk, *tail, eps=1e-6, theta=1e4, nope_dim=32, q_sumsq=bad,
+                                      q_dim=q_dim)
 
 
 def test_mla_projection_errors(device):

@@ -127,3 +127,81 @@ def test_row_ranges_cover_every_row_once(n, sms, waves):
     assert programs <= waves * sms and (programs - 1) * rows < n <= programs * rows
     assert block >= max(16, rows) and block & (block - 1) == 0
     assert gemv_mod.gemv_split(n, 7168, sms, cfg) == (1, 7168)
+
+
+def _tile_sumsq(y, cols, rows):
+    """[ceil(cols / rows), M]: per row tile of ``rows`` output columns, each token's sum of squares of the stored
+    y over the tile's columns below ``cols`` (fp64)."""
+    return torch.stack([y[:, p:min(p + rows, cols)].double().pow(2).sum(-1) for p in range(0, cols, rows)])
+
+
+# every store path of the kernel: split K with the split-by-split reduce (3 tokens) and the wide one (one token; 3
+# tokens with the wide rule lowered), one split (a single wave of 4 programs on 2 SMs), row ranges (38 rows in a
+# 64-row tile); cols 100 ends inside a tile, 150 = N takes every column, 1 a single one
+@pytest.mark.parametrize("m, over, wide_min", [(3, {}, 16), (1, {}, 16), (3, {}, 2), (3, {"WAVES": 1}, 16),
+                                               (2, {"ROW_RANGE": True, "WAVES": 1}, 16)])
+@pytest.mark.parametrize("cols", [100, 150, 1])
+def test_gemv_sumsq_partials_are_the_stored_tiles_squares(device, monkeypatch, m, over, wide_min, cols):
+    sms = 2 if over.get("WAVES") == 1 and not over.get("ROW_RANGE") else 4
+    monkeypatch.setattr(gemv_mod, "_CONFIG", {**gemv_mod._CONFIG, **over})
+    monkeypatch.setattr(gemv_mod, "sm_count", lambda device_type, index: sms)
+    monkeypatch.setattr(gemv_mod, "WIDE_REDUCE_MIN_SPLITS", wide_min)
+    n, k = 150, 1000  # three row tiles of 64 (the last partial); K not a multiple of the chunk
+    cfg = gemv_mod.gemv_config(m, n, k)
+    split = gemv_split(n, k, sms, cfg)[0]
+    rows = gemv_mod.gemv_rows(n, sms, cfg)[0]
+    assert (split > 1) == (not over), (split, over)  # the path this case is for
+    g = torch.Generator().manual_seed(m * 100 + cols + len(over))
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(device)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16).to(device)
+    plain = gemv(x, w, impl="triton")
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
+    for _ in range(2):  # the second launch finds the tickets reset and its partials poisoned by the test
+        y, part = gemv_mod.gemv_sumsq(x, w, cols, out=out, impl="triton")
+        assert y.data_ptr() == out.data_ptr() and torch.equal(y, plain)  # the epilogue changes no output bit
+        assert part.dtype == torch.float32 and tuple(part.shape) == (-(-cols // rows), m)
+        want = _tile_sumsq(y, cols, rows)
+        # fp32 sums of at most `rows` squares, in another order than fp64's: relative error <= rows * 2^-24
+        torch.testing.assert_close(part.double(), want, rtol=rows * 2.0 ** -24, atol=1e-30)
+        part.fill_(float("nan"))
+        out.fill_(float("nan"))
+    y_ref, part_ref = gemv_mod.gemv_sumsq(x, w, cols, impl="reference")  # one row: the total
+    assert part_ref.shape == (1, m)
+    torch.testing.assert_close(part_ref.double(), _tile_sumsq(y_ref, cols, cols), rtol=cols * 2.0 ** -24, atol=1e-30)
+
+
+def test_linear_sumsq_serves_where_linear_runs_the_gemv(device, monkeypatch):
+    """The forward's qkv_a: (y, partials) where linear would take our GEMV, None (nothing launched) where it takes
+    cuBLAS; q_b's input is then the strided q_a columns of qkv_a's output, which linear takes as they are."""
+    monkeypatch.setattr(gemv_mod, "LINEAR_RULES", ((8, (96, 1 << 30), (64, 1 << 30)),))
+    calls = []
+    real = gemv_mod.gemv
+    monkeypatch.setattr(gemv_mod, "gemv", lambda x, w, **kw: (calls.append(x.stride()), real(x, w))[1])
+    g = torch.Generator().manual_seed(4)
+    dtype = torch.bfloat16
+    w = torch.randn(104, 256, generator=g).to(dtype).to(device)  # q_lora 64 + kv 40
+    x = torch.randn(2, 3, 256, generator=g).to(dtype).to(device)
+    y, part = gemv_mod.linear_sumsq(x, w, 64)
+    assert y.shape == (2, 3, 104) and part.shape[1] == 6
+    torch.testing.assert_close(part.sum(0).double(), y.reshape(6, 104)[:, :64].double().pow(2).sum(-1), rtol=1e-5,
+                               atol=1e-30)
+    assert gemv_mod.linear_sumsq(torch.randn(3, 3, 256, generator=g).to(dtype).to(device), w, 64) is None  # M = 9
+    assert gemv_mod.linear_sumsq(x.double(), w.double(), 64) is None  # fp64: torch
+    q_b = torch.randn(96, 64, generator=g).to(dtype).to(device)
+    got = gemv_mod.linear(y[..., :64], q_b)  # row stride 104: no copy, our GEMV
+    assert calls == [(104, 1)]
+    eps = torch.finfo(dtype).eps
+    want = y[..., :64].float() @ q_b.float().t()
+    torch.testing.assert_close(got.float(), want, rtol=2 * eps, atol=2 * eps * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("cols, err, match", [(0, ValueError, r"cols must lie in \[1, N = 4\]"),
+                                              (5, ValueError, r"cols must lie in \[1, N = 4\]"),
+                                              (2.0, TypeError, "cols must be an int"),
+                                              (True, TypeError, "cols must be an int")])
+def test_gemv_sumsq_bad_input(cols, err, match):
+    x, w = torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=torch.bfloat16)
+    with pytest.raises(err, match=match):
+        gemv_mod.gemv_sumsq(x, w, cols)
+    with pytest.raises(ValueError, match="1..16 rows"):  # the GEMV's own checks come first
+        gemv_mod.gemv_sumsq(torch.zeros(17, 8, dtype=torch.bfloat16), w, 2)

@@ -41,9 +41,9 @@ def _count_calls(ops, slots):
     calls = {f: 0 for f in slots}
 
     def wrap(name, real):
-        def counted(*a):
+        def counted(*a, **kw):
             calls[name] += 1
-            return real(*a)
+            return real(*a, **kw)
         return counted
 
     for f in slots:
@@ -151,3 +151,88 @@ def test_route_shared_slot_only_in_specverify_tables():
     assert Ops().route_shared is None
     ops, _ = specverify_ops(None)
     assert ops.route_shared is not None and ops.experts_with_shared is not None
+
+
+def _fp64_twin(model, name):
+    """The same model in fp64 over the same (bf16-rounded) weights, on the reference table: the truth."""
+    ref = VerifyModel(name, dtype=torch.float64, seed=11, device=model.device)
+    for key, w in model._sets.items():
+        for n, t in w.items():
+            if isinstance(t, torch.Tensor):
+                ref._sets[key][n].copy_(t.double())
+    ref.embed.copy_(model.embed.double())
+    ref.lm_head.copy_(model.lm_head.double())
+    ref.ops = Ops()
+    return ref
+
+
+# M = 2 and 6 tokens on our GEMV (the fold); M = 6 with the GEMV's rule cut to 4 tokens (qkv_a on torch: no fold)
+@pytest.mark.parametrize("b, k, max_m", [(1, 2, 16), (2, 3, 16), (2, 3, 4)])
+def test_folded_q_norm_forward_matches_the_norm_chain(device, monkeypatch, b, k, max_m):
+    """q_a's RMSNorm folded into q_b (its scale from the qkv_a GEMV's epilogue, applied in prep_absorb) gives the
+    logits and KV of the chain with the norm, within the bf16 error budget; the norm kernel is really gone."""
+    import specverify.forward.model as model_mod
+
+    monkeypatch.setattr(gemv_mod, "LINEAR_RULES", ((max_m, (1, 1 << 30), (1, 1 << 30)),))
+    name, page_size = "tiny-mla-moe", 4
+    model = VerifyModel(name, dtype=torch.bfloat16, seed=11, device=device)
+    c = model.config
+    # seed 19: no expert choice near a tie at these inputs (a routing flip between bf16 and fp64 makes both errors
+    # ~1/3 of the logits and the bound below loose)
+    g = torch.Generator().manual_seed(19)
+    for w in model._sets.values():  # a norm weight far from ones, so the fold is not the identity
+        w["q_a_norm"].copy_((1 + 0.5 * torch.randn(c.q_lora_rank, generator=g)).to(w["q_a_norm"]))
+        w["q_b_folded"] = model_mod.fold_q_norm(w["q_b"], w["q_a_norm"])
+    ops, _ = specverify_ops(model)
+    calls = _count_calls(ops, ("linear_sumsq", "mla_prep_absorb"))
+    q_norms = []
+    real_rmsnorm = ops.rmsnorm
+
+    def rmsnorm(x, w, eps):  # q_a's norm is the only one as wide as q_lora (hidden 64, the latent's is fused)
+        q_norms.append(x.shape[-1] == c.q_lora_rank)
+        return real_rmsnorm(x, w, eps)
+
+    ops.rmsnorm = rmsnorm
+    model.ops = ops
+    ids, pos, pt, prefix, pool = _inputs(model, b, k, page_size, seed=b * 10 + k)
+    out = {}
+    for fold in (True, False):
+        monkeypatch.setattr(model_mod, "FOLD_Q_NORM", fold)
+        q_norms.clear()
+        caches = _caches(model, pool, page_size, seed=5)
+        logits, _, aux = model.forward_captured(ids, pos, caches, pt, prefix, capture_layers=(1,))
+        out[fold] = (logits, aux, caches)
+        taken = fold and b * k <= max_m
+        assert sum(q_norms) == (0 if taken else model.num_layers), (fold, q_norms)
+    # linear_sumsq asked once per layer while the switch is on; it serves (and the norm is skipped) only on the GEMV
+    assert calls == {"linear_sumsq": model.num_layers, "mla_prep_absorb": 2 * model.num_layers}, calls
+    ref = _fp64_twin(model, name)
+    caches64 = [[t.double() for t in layer] for layer in _caches(model, pool, page_size, seed=5)]
+    truth, _, aux64 = ref.forward_captured(ids, pos, caches64, pt, prefix, capture_layers=(1,))
+    assert not torch.isnan(out[True][0]).any()
+    if b * k > max_m:  # no fold: the very same launches
+        assert torch.equal(out[True][0], out[False][0])
+        return
+    err = {fold: float((o[0].double() - truth).abs().max()) for fold, o in out.items()}
+    # the fold moves where bf16 rounds (q_b * g once; the scale after q_b, in fp32), nothing else
+    assert err[True] <= 2 * err[False] + 1e-2 * float(truth.abs().max()), err
+    for a_f, a_c, a_t in zip(out[True][1], out[False][1], aux64):
+        assert float((a_f.double() - a_t).abs().max()) <= 2 * float((a_c.double() - a_t).abs().max()) + \
+            1e-2 * float(a_t.abs().max())
+    for lf, lc, lt in zip(out[True][2], out[False][2], caches64):  # the KV, over the whole pool
+        e_f = float((lf[0].double() - lt[0]).abs().max())
+        e_c = float((lc[0].double() - lt[0]).abs().max())
+        assert e_f <= 2 * e_c + 1e-2 * float(lt[0].abs().max()), (e_f, e_c)
+
+
+def test_fold_slot_only_in_specverify_tables():
+    # the reference and SGLang tables keep q_a's RMSNorm: no linear_sumsq; the synthetic model holds the folded q_b
+    import specverify.forward.model as model_mod
+
+    assert Ops().linear_sumsq is None
+    ops, _ = specverify_ops(None)
+    assert ops.linear_sumsq is not None
+    model = VerifyModel("tiny-mla-moe", dtype=torch.float32, seed=3)
+    for w in model._sets.values():
+        torch.testing.assert_close(w["q_b_folded"], w["q_b"] * w["q_a_norm"], rtol=0, atol=0)
+    assert model_mod.FOLD_Q_NORM is True

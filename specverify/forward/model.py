@@ -18,6 +18,11 @@ Weight layout: tensors that read the same input are stacked so one GEMM serves t
 seed with standard deviation ``1/sqrt(fan_in)`` so activations stay finite over 61 layers. RoPE is the rotate-half
 form at each node's tree position ``prefix_len + depth``; long-context scaling (YaRN) is left out, as it changes no
 shapes or bytes.
+
+MLA's q_a RMSNorm is folded away where the op table can (:data:`FOLD_Q_NORM`, one launch fewer per layer): q_b's
+weight times the norm weight along q_lora (``q_b_folded``, :func:`fold_q_norm`) projects the un-normed q_a, the
+qkv_a GEMV's epilogue sums q_a's squares (``Ops.linear_sumsq``), and ``Ops.mla_prep_absorb`` applies the per-token
+scale ``rsqrt(mean(q_a^2) + eps)`` to the absorbed query and the rope part (all linear in q per token).
 """
 from __future__ import annotations
 
@@ -29,6 +34,19 @@ import torch
 
 from specverify.configs import ModelConfig, RankShapes, get_config, per_rank_shapes
 from specverify.forward.ops import Ops, RouteParams, provider_ops
+
+#: Fold MLA's q_a RMSNorm into q_b where the op table can (``linear_sumsq`` and ``mla_prep_absorb`` set, the layer
+#: holds ``q_b_folded`` and our GEMV runs qkv_a at this shape): the norm's launch leaves the pass. Read at each
+#: forward, so an A/B can set it False (the unfolded chain: qkv_a, RMSNorm, q_b, prep_absorb).
+FOLD_Q_NORM = True
+
+
+def fold_q_norm(q_b: torch.Tensor, q_a_norm: torch.Tensor) -> torch.Tensor:
+    """q_b's weight [heads, qk, q_lora] times q_a's RMSNorm weight [q_lora] along q_lora: ``q_b(rmsnorm(a)) ==
+    (q_b * g)(a) * rsqrt(mean(a^2) + eps)`` per token. Computed in fp32 (fp64 for fp64 weights) and rounded once
+    into q_b's dtype; a new contiguous tensor (the inputs are not modified)."""
+    ctype = torch.float64 if q_b.dtype == torch.float64 else torch.float32
+    return (q_b.to(ctype) * q_a_norm.to(ctype)).to(q_b.dtype).contiguous()
 
 
 class _ParamFactory:
@@ -155,6 +173,7 @@ class VerifyModel:
             q_a = pf.rand(f"{tag}.q_a", [c.q_lora_rank, h], fan_in=h)
             w["q_a_norm"] = pf.ones([c.q_lora_rank])
             w["q_b"] = pf.rand(f"{tag}.q_b", [heads_full, qk, c.q_lora_rank], shard_dim=0, fan_in=c.q_lora_rank)
+            w["q_b_folded"] = fold_q_norm(w["q_b"], w["q_a_norm"])  # q_b's input is then the un-normed q_a
             kv_a = pf.rand(f"{tag}.kv_a", [c.kv_lora_rank + c.qk_rope_head_dim, h], fan_in=h)
             # q_a and kv_a read the same input: one stacked matrix, one GEMM (as serving engines fuse them)
             w["qkv_a"] = torch.cat([q_a, kv_a], 0)
@@ -225,7 +244,8 @@ class VerifyModel:
         seen, total = set(), 0
         tensors = [self.embed, self.final_norm, self.lm_head]
         for w in self._sets.values():
-            tensors += [v for v in w.values() if isinstance(v, torch.Tensor)]
+            # q_b_folded is left out: a pass reads q_b or its folded copy, never both
+            tensors += [v for n, v in w.items() if isinstance(v, torch.Tensor) and n != "q_b_folded"]
         for t in tensors:  # views (q_a and kv_a of qkv_a, ...) share their storage: count each storage once
             st = t.untyped_storage()
             if st.data_ptr() not in seen:
@@ -294,13 +314,29 @@ class VerifyModel:
         eps = c.rms_norm_eps
         b, k, _ = x.shape
         heads = s.num_heads
-        qkv = ops.linear(x, w["qkv_a"])  # [b, k, q_lora + kv_lora + rope]: q_a and kv_a in one GEMM
-        q = ops.rmsnorm(qkv[..., : c.q_lora_rank], w["q_a_norm"], eps)
-        q_b = w["q_b"]  # [heads, nope + rope, q_lora]
+        q_lora = c.q_lora_rank
+        fold = None
+        if FOLD_Q_NORM and ops.linear_sumsq is not None and ops.mla_prep_absorb is not None and "q_b_folded" in w:
+            # None where our GEMV does not run qkv_a (above 8 tokens, other dtypes): then the unfolded chain
+            fold = ops.linear_sumsq(x, w["qkv_a"], q_lora)
+        if fold is not None:
+            # q_a's RMSNorm folded: q_b's weight carries the norm weight, the qkv_a GEMV the per-token sums of squares
+            # (q_sumsq [P, b * k] fp32), prep_absorb the scale; q_b reads the strided q_a columns of qkv
+            qkv, q_sumsq = fold
+            q = qkv[..., :q_lora]
+            q_b = w["q_b_folded"]
+        else:
+            qkv = ops.linear(x, w["qkv_a"])  # [b, k, q_lora + kv_lora + rope]: q_a and kv_a in one GEMM
+            q = ops.rmsnorm(qkv[..., :q_lora], w["q_a_norm"], eps)
+            q_b = w["q_b"]  # [heads, nope + rope, q_lora]
         q = ops.linear(q, q_b.reshape(-1, q_b.shape[-1])).view(b, k, heads, q_b.shape[1])  # [b, k, heads, nope + rope]
-        kv = qkv[..., c.q_lora_rank:]  # [b, k, kv_lora + rope]
+        kv = qkv[..., q_lora:]  # [b, k, kv_lora + rope]
         # latent norm, rope of key and query rope part, KV written into the cache; the query into the latent space
-        if ops.mla_prep_absorb is not None:
+        if fold is not None:
+            q_latent = ops.mla_prep_absorb(q, kv, positions, w["kv_a_norm"], w["w_uk"], cache[0], page_table,
+                                           prefix_lens, eps, c.rope_theta, c.qk_nope_head_dim, q_sumsq=q_sumsq,
+                                           q_dim=q_lora)
+        elif ops.mla_prep_absorb is not None:
             q_latent = ops.mla_prep_absorb(q, kv, positions, w["kv_a_norm"], w["w_uk"], cache[0], page_table,
                                            prefix_lens, eps, c.rope_theta, c.qk_nope_head_dim)
         else:

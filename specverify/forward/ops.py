@@ -36,8 +36,15 @@ silu_mul             gate_up [M, 2I] -> [M, I]
 mla_absorb_q         q, w_uk, nope -> q_latent [b, k, h, R]
 mla_up_v             o_latent, w_uv -> [b, k, h * V]
 linear               x [..., K], w [N, K] -> x @ w.T
-mla_prep_absorb      q, kv, positions, norm_w, w_uk, cache, page_table, prefix_lens, eps, theta, nope -> q_latent:
-                     mla_prep then mla_absorb_q in one launch; None: the two slots
+linear_sumsq         x [..., K], w [N, K], cols -> (x @ w.T, partials fp32 [P, M]) with ``partials.sum(0)`` each
+                     token's sum of squares of its first ``cols`` outputs as stored, or None where the projection
+                     has no such epilogue at this shape (nothing launched); with ``mla_prep_absorb`` set, the forward
+                     folds q_a's RMSNorm away through it (:data:`specverify.forward.model.FOLD_Q_NORM`); None: never
+mla_prep_absorb      q, kv, positions, norm_w, w_uk, cache, page_table, prefix_lens, eps, theta, nope
+                     [, q_sumsq=, q_dim=] -> q_latent: mla_prep then mla_absorb_q in one launch; with the keywords
+                     (only when ``linear_sumsq`` is set) q is q_b's output over ``q_b_folded`` and q_a's RMSNorm
+                     scale is applied to q_latent and q's rope part (:func:`specverify.fused_ops.mla_prep_absorb`);
+                     None: the two slots
 moe_block            hidden [M, H], router [E, H], :class:`RouteParams`, w13_all [E + 1, 2I, H], w2_all
                      [E + 1, H, I] -> [M, H]: the router GEMV, routing and the routed + shared experts in one launch,
                      run up to ``moe_block_max_m`` tokens (a fusion; None: the forward composes linear,
@@ -113,8 +120,11 @@ class Ops:
     mla_absorb_q: Callable = mla_absorb_q_reference  # (q, w_uk, nope) -> q_latent [b, k, h, R]
     mla_up_v: Callable = mla_up_v_reference  # (o_latent, w_uv) -> [b, k, h * V]
     linear: Callable = None  # (x [..., K], w [N, K]) -> x @ w.T: the projections that may leave cuBLAS
-    # a fusion; None: the forward composes mla_prep and mla_absorb_q
-    mla_prep_absorb: Callable = None  # (q, kv, positions, norm_w, w_uk, cache, pt, prefix, eps, theta, nope) -> q_latent
+    # a fusion (q_a's RMSNorm folded away, with mla_prep_absorb's q_sumsq); None: the forward runs the norm
+    linear_sumsq: Callable = None  # (x, w, cols) -> (x @ w.T, partials fp32 [P, M]) or None (not served here)
+    # a fusion; None: the forward composes mla_prep and mla_absorb_q. (q, kv, positions, norm_w, w_uk, cache, pt,
+    # prefix, eps, theta, nope, q_sumsq=None, q_dim=None) -> q_latent; the keywords only with linear_sumsq set
+    mla_prep_absorb: Callable = None
     # a fusion; None (or above moe_block_max_m tokens): the forward composes linear, route_shared and experts
     moe_block: Callable = None  # (hidden, router, RouteParams, w13_all, w2_all) -> [M, H]
     moe_block_max_m: int = 0
@@ -273,9 +283,10 @@ def specverify_ops(model):
             return gqa_prep(q, k, v, positions, qn, kn, kc, vc, page_table, prefix_lens, eps=eps, theta=theta,
                             impl="triton")
 
-        def prep_absorb(q, kv, positions, norm_w, w_uk, cache, page_table, prefix_lens, eps, theta, nope):
+        def prep_absorb(q, kv, positions, norm_w, w_uk, cache, page_table, prefix_lens, eps, theta, nope,
+                        q_sumsq=None, q_dim=None):
             return mla_prep_absorb(q, kv, positions, norm_w, w_uk, cache, page_table, prefix_lens, eps=eps,
-                                   theta=theta, nope_dim=nope, impl="triton")
+                                   theta=theta, nope_dim=nope, q_sumsq=q_sumsq, q_dim=q_dim, impl="triton")
 
         ops.mla_prep, ops.gqa_prep, ops.mla_prep_absorb = mla_prep, gqa, prep_absorb
         ops.silu_mul = lambda gu: silu_mul(gu, impl="triton")
@@ -284,9 +295,9 @@ def specverify_ops(model):
         ops.pieces["small_ops"] = "triton"
     else:
         missing.append(why)
-    fns, why = _try("specverify.gemv", "linear")
+    fns, why = _try("specverify.gemv", "linear", "linear_sumsq")
     if fns:
-        ops.linear = fns[0]
+        ops.linear, ops.linear_sumsq = fns
         ops.pieces["projections"] = "triton gemv where faster, else cuBLAS"
     else:
         missing.append(why)

@@ -21,7 +21,7 @@ import dataclasses
 import torch
 
 from specverify.configs import ModelConfig, RankShapes
-from specverify.forward.model import VerifyModel
+from specverify.forward.model import VerifyModel, fold_q_norm
 from specverify.forward.ops import Ops
 from specverify.reference.attention import gather_positions
 from specverify.tree import pack_mask
@@ -105,9 +105,11 @@ def model_ops(base: Ops, cos_sin: torch.Tensor, neox: bool, sm_scale: float) -> 
         return mla_kv_prep(q, kv, positions, norm_w, cache, page_table, prefix_lens, eps=eps, theta=1.0,
                            nope_dim=nope, cos_sin=cos_sin, interleaved=not neox, impl=impl)
 
-    def prep_absorb(q, kv, positions, norm_w, w_uk, cache, page_table, prefix_lens, eps, _theta, nope):
+    def prep_absorb(q, kv, positions, norm_w, w_uk, cache, page_table, prefix_lens, eps, _theta, nope, q_sumsq=None,
+                    q_dim=None):
         return mla_prep_absorb(q, kv, positions, norm_w, w_uk, cache, page_table, prefix_lens, eps=eps, theta=1.0,
-                               nope_dim=nope, cos_sin=cos_sin, interleaved=not neox, impl=impl)
+                               nope_dim=nope, cos_sin=cos_sin, interleaved=not neox, q_sumsq=q_sumsq, q_dim=q_dim,
+                               impl=impl)
 
     def attention(q_latent, q_rope, cache, page_table, prefix_lens, tree_mask, _generic_scale):
         return attention_mla(q_latent, q_rope, cache, page_table, prefix_lens, tree_mask, sm_scale)
@@ -134,6 +136,8 @@ class LoadedVerifyModel(VerifyModel):
     the shards need not be ``ceil(vocab / tp)``); ``lm_head`` is the rank's whole (padded) shard, and the gathered
     logits are cut to the config's vocabulary, which assumes the engine pads at the end (SGLang's
     ``VocabParallelEmbedding`` does).
+    MLA layers get ``q_b_folded`` (a copy of q_b times q_a's norm weight, :attr:`folded_bytes` in all) so the forward
+    folds q_a's RMSNorm away where our kernels run qkv_a (see :data:`~specverify.forward.model.FOLD_Q_NORM`).
     ``collectives`` does every collective, so the engine's own paths (custom all-reduce, graph-capture buffers)
     serve ours: ``collectives.all_reduce(x) -> x summed over the group`` (in place or a new tensor) and
     ``collectives.all_gather(x, dim) -> the ranks' x concatenated along dim`` (SGLang's
@@ -167,8 +171,23 @@ class LoadedVerifyModel(VerifyModel):
         w = self._given
         self.embed, self.lm_head, self.final_norm = w["embed"], w["lm_head"], w["final_norm"]
         self.vocab_range = w.get("vocab_range")
-        self.layers = list(w["layers"])
+        self.layers = [self._with_folded_q_b(lw) for lw in w["layers"]]
         self._sets = {("layer", i): lw for i, lw in enumerate(self.layers)}
+        self.folded_bytes = sum(lw["q_b_folded"].numel() * lw["q_b_folded"].element_size() for lw in self.layers
+                                if "q_b_folded" in lw)
+
+    @staticmethod
+    def _with_folded_q_b(lw: dict) -> dict:
+        """A layer dict with ``q_b_folded`` (q_b times q_a's norm weight, :func:`~specverify.forward.model.fold_q_norm`)
+        added: a copy of ours, made once here, so the forward can fold q_a's RMSNorm away (one launch fewer per layer;
+        :data:`~specverify.forward.model.FOLD_Q_NORM`). The engine's tensors and the given dict are not modified.
+        Left out (the forward keeps the RMSNorm) for a non-MLA layer, one that already has it, or a q_b that is not
+        bf16 / fp16 / fp32 (a quantised weight cannot take the norm weight this way)."""
+        q_b, g = lw.get("q_b"), lw.get("q_a_norm")
+        if "q_b_folded" in lw or q_b is None or g is None or \
+                q_b.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+            return lw
+        return {**lw, "q_b_folded": fold_q_norm(q_b, g)}
 
     def _shard_shapes(self) -> RankShapes:
         """This rank's shapes, read from the shards (an engine's padding may differ from ``per_rank_shapes``)."""

@@ -52,9 +52,10 @@ def apply_table_rope(x, positions, cos_sin, interleaved: bool):
 
 
 def mla_kv_prep_reference(q, kv, positions, norm_weight, cache, page_table, prefix_lens, eps, theta, nope_dim,
-                          cos_sin=None, interleaved=False):
+                          cos_sin=None, interleaved=False, q_scale=None):
     """q [b, k, h, nope + rope] (rope part rotated in place); kv [b, k, R + rope]; writes the cache. RoPE from
-    ``theta`` (rotate-half), or from the table ``cos_sin`` (see :func:`apply_table_rope`)."""
+    ``theta`` (rotate-half), or from the table ``cos_sin`` (see :func:`apply_table_rope`). ``q_scale`` (float
+    [b, k, 1, 1], optional): multiplies q's rope part before the rotation, in its precision (one rounding into q)."""
     def rope(x):
         if cos_sin is None:
             return apply_rope(x, positions, theta)
@@ -64,8 +65,33 @@ def mla_kv_prep_reference(q, kv, positions, norm_weight, cache, page_table, pref
     latent = rmsnorm_reference(kv[..., :r], norm_weight, eps)
     k_pe = rope(kv[..., r:])
     write_draft_kv(cache, page_table, prefix_lens, torch.cat([latent, k_pe], -1))
-    q[..., nope_dim:] = rope(q[..., nope_dim:])
+    q[..., nope_dim:] = rope(q[..., nope_dim:] if q_scale is None else q[..., nope_dim:].to(q_scale.dtype) * q_scale)
     return q
+
+
+def rms_scale(q_sumsq, q_dim, eps, dtype=torch.float32):
+    """[T]: ``rsqrt(sum_p q_sumsq[p, t] / q_dim + eps)``, RMSNorm's per-token scale from partial sums of squares."""
+    return torch.rsqrt(q_sumsq.to(dtype).sum(0) / q_dim + eps)
+
+
+def mla_prep_absorb_reference(q, kv, positions, norm_weight, w_uk, cache, page_table, prefix_lens, eps, theta,
+                              nope_dim, cos_sin=None, interleaved=False, q_sumsq=None, q_dim=None):
+    """:func:`mla_kv_prep_reference` then :func:`mla_absorb_q_reference`; returns q_latent [b, k, h, R] in q's dtype.
+
+    With ``q_sumsq`` (fp32 [P, b * k], partial sums of squares of q_a) and ``q_dim`` (q_lora_rank), q is q_b's output
+    over the folded weight from the un-normed q_a: both q's rope part (before RoPE) and the absorbed query are
+    multiplied by q_a's RMSNorm scale :func:`rms_scale` per token, in fp32 (fp64 for fp64 q), then rounded once
+    into q's dtype. That is the normed chain, as q_b, the absorption and RoPE are linear in q per token."""
+    if q_sumsq is None:
+        mla_kv_prep_reference(q, kv, positions, norm_weight, cache, page_table, prefix_lens, eps, theta, nope_dim,
+                              cos_sin=cos_sin, interleaved=interleaved)
+        return mla_absorb_q_reference(q, w_uk, nope_dim)
+    b, k = q.shape[:2]
+    ctype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    s = rms_scale(q_sumsq, q_dim, eps, ctype).view(b, k, 1, 1)
+    mla_kv_prep_reference(q, kv, positions, norm_weight, cache, page_table, prefix_lens, eps, theta, nope_dim,
+                          cos_sin=cos_sin, interleaved=interleaved, q_scale=s)
+    return (mla_absorb_q_reference(q.to(ctype), w_uk.to(ctype), nope_dim) * s).to(q.dtype)
 
 
 def gqa_prep_reference(q, k, v, positions, q_norm, k_norm, k_cache, v_cache, page_table, prefix_lens, eps, theta):

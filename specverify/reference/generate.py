@@ -75,6 +75,10 @@ class NoisyCopyDrafter:
                                                                  dtype=t.dtype)
                 else:
                     nw[name] = t
+            if "q_b_folded" in w:  # q_b's folded copy follows the noisy q_b (not noise of its own)
+                from specverify.forward.model import fold_q_norm
+
+                nw["q_b_folded"] = fold_q_norm(nw["q_b"], nw["q_a_norm"])
             mapping[id(w)] = nw
             self.model._sets[key] = nw
         self.model.layers = [mapping[id(w)] for w in model.layers]

@@ -9,13 +9,8 @@ default table), ``no-<slot>`` (one slot of ``FUSIONS`` emptied); gate/up of the 
 ``specverify.moe._STREAM_OVERRIDE``): ``fma`` (no split-K MMA gate/up), ``splitk-m4`` / ``splitk-m6`` (split-K up
 to 4 / 6 tokens); ``block-m4`` (the one-launch MoE block up to 4 tokens instead of ``MOE_BLOCK_MAX_M``);
 ``w<1|4>-<router|qkv|qb>`` (that GEMV's grid at 1 or 4 programs an SM instead of 2); ``rr-<qkv|qb|o>-k..-s..``
-(that projection on the row-range GEMV, see ``_RR_RULES``); ``store-last`` (only the
-last program of the MoE block stores the routing's ids and weights, ``moe_layer._STORE_LAST``), ``router-wait``
-(the MoE block's routing waits for the router tiles' count instead of a grid barrier, ``moe_layer._ROUTER_WAIT``),
-``router-wait+store-last`` (both); ``shared-pf1`` / ``shared-pf2`` (the MoE block sends the shared expert's down
-rows of each program's phase-3 range to L2 before its PDL wait / after its phase-1 items, ``moe_layer._SHARED_PF``);
-``no-q-fold`` (q_a's RMSNorm a launch of its own again, ``forward.model.FOLD_Q_NORM``); ``no-early-kv`` (the MLA
-attention's first prefix KV tile read after the PDL
+(that projection on the row-range GEMV, see ``_RR_RULES``); ``no-q-fold`` (q_a's RMSNorm a launch of its own
+again, ``forward.model.FOLD_Q_NORM``); ``no-early-kv`` (the MLA attention's first prefix KV tile read after the PDL
 wait, not before).
 Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded into the projections and
 q_a's norm in the qkv_a GEMV's last tile (slower in the pass), the split merge fused with W_UV (slower alone), a
@@ -27,7 +22,9 @@ down tiles of every slot sent to L2 before its second barrier and its K split in
 (slower), the whole MLA attention in one persistent launch (`no-mla_block` against it: 0.62 / 0.83 ms slower at k =
 1 / 2), the router GEMV and the routing in one launch (`no-router_route` against it: 0.86 / 1.11 / 2.63 ms slower at
 k = 3 / 4 / 8), the MoE block's shared-expert down computed while its programs route (`shared-early`: 0.06 / 0.08
-ms slower at k = 1 / 2; bench/results/HISTORY.md).
+ms slower at k = 1 / 2), the MoE block's routing waiting on the router tiles' count with the routing stored once
+(`router-wait+store-last` 0.28 / 0.19 ms slower, `store-last` alone 0.04 / 0.13) and the shared expert's down rows
+sent to L2 before the PDL wait or after phase 1 (0.08 / 0.03 and 0.02 / 0.03 ms slower; bench/results/HISTORY.md).
 
 Usage: ``python bench/ab_verify_pass.py [--model kimi-k2] [--batch 1] [--context 4096] [--tree chain]
 [--draft-tokens 1,2,4,8] [--iters 10] [--page-size 64] [--variants ...] [--kernels] [--json PATH]``.
@@ -48,11 +45,6 @@ VARIANTS.update({f"no-{slot}": dict(off=(slot,)) for slot in FUSIONS})
 VARIANTS.update({f"splitk-m{m}": dict(off=(), stream={"splitk_max_m": m}) for m in (4, 6)})
 VARIANTS["block-m4"] = dict(off=(), set={"moe_block_max_m": 4})
 #: module attributes read at each launch: (module, attribute, value)
-VARIANTS["store-last"] = dict(off=(), attrs=(("specverify.moe_layer", "_STORE_LAST", True),))
-VARIANTS["router-wait"] = dict(off=(), attrs=(("specverify.moe_layer", "_ROUTER_WAIT", True),))
-VARIANTS["router-wait+store-last"] = dict(off=(), attrs=(("specverify.moe_layer", "_ROUTER_WAIT", True),
-                                                         ("specverify.moe_layer", "_STORE_LAST", True)))
-VARIANTS.update({f"shared-pf{v}": dict(off=(), attrs=(("specverify.moe_layer", "_SHARED_PF", v),)) for v in (1, 2)})
 VARIANTS["no-q-fold"] = dict(off=(), attrs=(("specverify.forward.model", "FOLD_Q_NORM", False),))
 VARIANTS["no-early-kv"] = dict(off=(), attrs=(("specverify.kernels.tree_attention_wgmma", "EARLY_KV", False),))
 #: GEMV launch rules tried in the pass ahead of ``specverify.gemv.SHAPE_CONFIGS``: the shape's own config (read
@@ -63,7 +55,8 @@ VARIANTS.update({f"w{w}-{name}": dict(off=(), gemv=((rule, {**gemv_config(rule[0
                                                              "WAVES": w}),))
                  for name, rule in _GEMV_RULES.items() for w in (1, 4)})
 #: row-range GEMVs (``ROW_RANGE``: one range of weight rows a program over all K, no reduce), named
-#: ``rr-<proj>-k<BLOCK_K>-s<stages>[-w<warps>][-x<waves>]`` and built on demand (:func:`_variant`); ``o`` also gives
+#: ``rr-<proj>-k<BLOCK_K>-s<stages>[-w<warps>][-x<waves>][-p<prefetch bytes>]`` and built on demand
+#: (:func:`_variant`); ``o`` also gives
 #: o_proj (N 7168, K 1024 / 2048, cuBLAS's today) to the GEMV
 _RR_RULES = {"qkv": (8, (2048, 4096), (7168, 7168)), "qb": (4, (1536, 1536), (1536, 1536)),
              "o": (8, (7168, 7168), (1024, 2048))}
@@ -78,7 +71,7 @@ def _variant(name: str) -> dict | None:
         return None
     rule = _RR_RULES[parts[1]]
     over = {"ROW_RANGE": True, "WAVES": 1}
-    keys = {"k": "BLOCK_K", "s": "num_stages", "w": "num_warps", "x": "WAVES"}
+    keys = {"k": "BLOCK_K", "s": "num_stages", "w": "num_warps", "x": "WAVES", "p": "PREFETCH_BYTES"}
     for p in parts[2:]:
         if p[:1] not in keys or not p[1:].isdigit():
             return None

@@ -379,26 +379,6 @@ def scen_block(quick: bool, target: str):
             mb._TIMELINE = None
     yield "moe_block kimi-k2 M1 timeline", run_timeline
 
-    def run_new_path(m):  # the opt-in routing path (moe_layer._ROUTER_WAIT, _STORE_LAST)
-        mb._ROUTER_WAIT = mb._STORE_LAST = True
-        try:
-            mb.moe_block(_cuda(m, 7168), _cuda(384, 7168), _cuda(385, 512, 7168), _cuda(385, 7168, 256), top_k=8,
-                         correction_bias=_cuda(384, dtype=torch.float32), routed_scaling_factor=2.5)
-        finally:
-            mb._ROUTER_WAIT = mb._STORE_LAST = False
-    for m in (1, 2):
-        yield f"moe_block kimi-k2 M{m} router-wait store-last", lambda m=m: run_new_path(m)
-
-    def run_shared_pf(v):  # the opt-in shared expert's down prefetch (moe_layer._SHARED_PF)
-        mb._SHARED_PF = v
-        try:
-            mb.moe_block(_cuda(1, 7168), _cuda(384, 7168), _cuda(385, 512, 7168), _cuda(385, 7168, 256), top_k=8,
-                         correction_bias=_cuda(384, dtype=torch.float32), routed_scaling_factor=2.5)
-        finally:
-            mb._SHARED_PF = 0
-    for v in (1, 2):
-        yield f"moe_block kimi-k2 M1 shared-pf{v}", lambda v=v: run_shared_pf(v)
-
 
 def scen_accept(quick: bool, target: str):
     """Acceptance: greedy (from logits) and sampling, Kimi-K2 vocab 163840."""

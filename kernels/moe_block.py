@@ -22,22 +22,15 @@ gate/up, which needs no routing, streams with the router's rows.
 Grid: ``NPROG`` programs, all resident at once (the launcher sizes it from the compiled kernel's registers and
 shared memory). Each phase hands its work items out round-robin (item ``i`` to program ``i % NPROG``):
 
-    phase 1  items (tile, split): router tiles of 2 * BN rows (split in SPLIT_R parts), then shared-expert tiles
-             of BN gate + BN up rows (SPLIT_S parts), over H in parts of whole BK-column chunks (part p of S:
-             chunks [p * NCH / S, (p + 1) * NCH / S), any S <= NCH); each item writes an fp32 partial [MT, 2 * BN];
-             the tile's last item (a self-resetting ticket, acquire-release) sums the partials: the router's
-             logits, or the shared slot's act. Before its PDL wait each program sends its items' weight slices to
-             L2.
-    barrier 1: with ROUTER_WAIT each router tile's last item counts the tile on ``BAR[2]`` (release) and every
-             program waits (acquire) for all NR tiles only: the shared act is read in phase 3, after barrier 2, so
-             a program goes on to route once its own items are done and the logits are out (the launcher then
-             splits router and shared tiles each to fill the grid: a program takes a router item, then a shared
-             one). Without it, a grid barrier.
-    phase 2  every program routes all MT rows (identical ids; with STORE_LAST only program NPROG - 1 stores
-             ids and weights, after its items: the weights' reload of the winners' logits stays off every
-             program's path to its first loads; else every program stores them, racing with equal values),
-             then items (routed slot, I-tile, split) as in phase 1 over the chosen expert's rows; the tile's last
-             item writes the slot's act. Then each program sends the down rows of its phase-3 range
+    phase 1  items (tile, split): router tiles of 2 * BN rows and shared-expert tiles of BN gate + BN up rows, over
+             H split in SPLIT1 parts of whole BK-column chunks (part p: chunks [p * NCH / SPLIT1, (p + 1) * NCH /
+             SPLIT1), any SPLIT1 <= NCH); each item writes an fp32 partial [MT, 2 * BN]; the tile's last item (a
+             self-resetting ticket, acquire-release) sums the partials: the router's logits, or the shared slot's
+             act. Before its PDL wait each program sends its first item's weight slice to L2.
+    barrier 1
+    phase 2  every program routes all MT rows (identical results; the ids / weights stores race with equal
+             values), then items (routed slot, I-tile, split) as in phase 1 over the chosen expert's rows; the
+             tile's last item writes the slot's act. Then each program sends the down rows of its phase-3 range
              for the first PF_SLOTS slots to L2.
     barrier 2 (then, with PDL, ``gdc_launch_dependents``)
     phase 3  items = RH output rows each (in a BH = next-power-of-two tile; the launcher takes RH = H / NPROG
@@ -45,10 +38,9 @@ shared memory). Each phase hands its work items out round-robin (item ``i`` to p
              act[s], scaled by w[s], summed into the token's column; out written once, no atomics.
 
 A grid barrier: every thread's stores, a CTA barrier, one release add on ``BAR[0]``, spin (acquire) until it
-reaches ``NPROG`` times the barrier's number (grid barriers so far); the last program past barrier 2 (``BAR[1]``, a
-ticket) resets the three counters, so the launch is CUDA-graph replayable. ``PHASE`` 1 / 2 / 3 runs one phase alone
-(no barriers, no counts): the CPU interpreter, which runs programs one after another and would spin forever,
-launches the three in turn.
+reaches ``NPROG`` times the barrier's number; the last program past barrier 2 (``BAR[1]``, a ticket) resets both
+counters, so the launch is CUDA-graph replayable. ``PHASE`` 1 / 2 / 3 runs one phase alone (no barriers): the CPU
+interpreter, which runs programs one after another and would spin forever, launches the three in turn.
 
 The kernel lets its dependents launch only after barrier 2: a dependent grid resident before all of this grid is
 would hold SM slots this grid's barrier waits for; past barrier 2 every program is resident. With ``PDL`` it waits
@@ -57,7 +49,7 @@ would hold SM slots this grid's barrier waits for; past barrier 2 every program 
 Tensors: x [MT, H] bf16/fp16 (unit column stride); router [E, H]; bias [E] fp32; w13 [E + 1, 2I, H]; w2
 [E + 1, H, I] (unit column strides); logits [MT, E] fp32 (out); ids [MT, TOP_K + 1] int32 (out); tw [MT, TOP_K + 1]
 fp32 (out); act [MT * (TOP_K + 1), I] (x's dtype, scratch); part fp32 scratch; ticket int32 (zero between
-launches); bar int32 [3] (zero between launches); out [MT, H]; ts int64 [NPROG, 16] (``TIMING`` only: each
+launches); bar int32 [2] (zero between launches); out [MT, H]; ts int64 [NPROG, 16] (``TIMING`` only: each
 program's global-timer stamps at the start, after the PDL wait, after its phase-1 items, barrier 1, the routing,
 its phase-2 items, the down prefetch, barrier 2 and its phase-3 items: points 0-8).
 """
@@ -109,18 +101,16 @@ def _gate_up_rows(t, I: tl.constexpr, BN: tl.constexpr):
 
 @triton.jit
 def _phase1_item(item, router_ptr, w13_ptr, stride_w13e, stride_w13n, H: tl.constexpr, I: tl.constexpr,
-                 E: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NR: tl.constexpr, SPLIT_R: tl.constexpr,
-                 SPLIT_S: tl.constexpr):
-    """Phase-1 item ``item``: (tile, split, weight base, its rows [2 * BN], row mask, row stride, k_lo, k_hi). Items
-    below NR * SPLIT_R are the router's (tile item // SPLIT_R of 2 * BN rows), the rest the shared expert's (expert
-    E) gate/up I-tiles (tile NR + t, SPLIT_S splits); split p of S covers K chunks [p * NCH / S, (p + 1) * NCH / S)."""
+                 E: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NR: tl.constexpr, SPLIT1: tl.constexpr):
+    """Phase-1 item ``item`` = (tile, split): (weight base, its rows [2 * BN], row mask, row stride, k_lo, k_hi).
+    Tiles below NR are the router's (2 * BN rows each), the rest the shared expert's (expert E) gate/up I-tiles;
+    split p covers K chunks [p * NCH / SPLIT1, (p + 1) * NCH / SPLIT1)."""
     NCH: tl.constexpr = (H + BK - 1) // BK
-    is_router = item < NR * SPLIT_R
-    tile = tl.where(is_router, item // SPLIT_R, NR + (item - NR * SPLIT_R) // SPLIT_S)
-    sp = tl.where(is_router, item % SPLIT_R, (item - NR * SPLIT_R) % SPLIT_S)
-    n_sp = tl.where(is_router, SPLIT_R, SPLIT_S)
+    tile = item // SPLIT1
+    sp = item % SPLIT1
     j2 = tl.arange(0, 2 * BN)
     g_rows, g_mask = _gate_up_rows(tile - NR, I, BN)
+    is_router = tile < NR
     rows = tl.where(is_router, tile * 2 * BN + j2, g_rows)
     rmask = tl.where(is_router, tile * 2 * BN + j2 < E, g_mask)
     if is_router:
@@ -129,7 +119,7 @@ def _phase1_item(item, router_ptr, w13_ptr, stride_w13e, stride_w13n, H: tl.cons
     else:
         w_base = w13_ptr + stride_w13e.to(tl.int64) * E
         stride_wn = stride_w13n.to(tl.int64)
-    return tile, sp, w_base, rows, rmask, stride_wn, sp * NCH // n_sp * BK, (sp + 1) * NCH // n_sp * BK
+    return w_base, rows, rmask, stride_wn, sp * NCH // SPLIT1 * BK, (sp + 1) * NCH // SPLIT1 * BK
 
 
 @triton.jit
@@ -151,17 +141,6 @@ def _prefetch_rows(w_base, rows, rmask, stride_wn, k_lo, k_hi, H: tl.constexpr, 
         lk = k0 + lines * 64
         pmask = rmask[:, None] & (lk < H)[None, :]
         _prefetch_l2(tl.where(pmask, w_base + rows.to(tl.int64)[:, None] * stride_wn + lk[None, :], w_base))
-
-
-@triton.jit
-def _prefetch_shared_down(w2_ptr, pid, stride_w2e, stride_w2n, H: tl.constexpr, I: tl.constexpr, E: tl.constexpr,
-                          RH: tl.constexpr, BH: tl.constexpr, PF_BI: tl.constexpr):
-    """The shared expert's down rows of this program's phase-3 range (w2[E, pid * RH:(pid + 1) * RH, :]) to L2:
-    constant weights, needed by no routing."""
-    if pid * RH < H:
-        oh = pid * RH + tl.arange(0, BH)
-        hm = (tl.arange(0, BH) < RH) & (oh < H)
-        _prefetch_rows(w2_ptr + tl.full((), E, tl.int64) * stride_w2e, oh, hm, stride_w2n, 0, I, I, PF_BI)
 
 
 @triton.jit
@@ -193,12 +172,10 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
                       TOP_K: tl.constexpr, TOPK_P: tl.constexpr, ROWS: tl.constexpr, N_GROUP: tl.constexpr,
                       NG_P: tl.constexpr, GSIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, SOFTMAX: tl.constexpr,
                       HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
-                      BN: tl.constexpr, BK: tl.constexpr, SPLIT_R: tl.constexpr, SPLIT_R_PAD: tl.constexpr,
-                      SPLIT_S: tl.constexpr, SPLIT_S_PAD: tl.constexpr, ROUTER_WAIT: tl.constexpr,
+                      BN: tl.constexpr, BK: tl.constexpr, SPLIT1: tl.constexpr, SPLIT1_PAD: tl.constexpr,
                       SPLIT2: tl.constexpr, SPLIT2_PAD: tl.constexpr, RH: tl.constexpr, BH: tl.constexpr,
                       BI: tl.constexpr, SPP: tl.constexpr, STAGES_K: tl.constexpr, STAGES_D: tl.constexpr,
-                      PF_SLOTS: tl.constexpr, PF_BI: tl.constexpr, PREFETCH: tl.constexpr, STORE_LAST: tl.constexpr,
-                      SHARED_PF: tl.constexpr, NPROG: tl.constexpr,
+                      PF_SLOTS: tl.constexpr, PF_BI: tl.constexpr, PREFETCH: tl.constexpr, NPROG: tl.constexpr,
                       PHASE: tl.constexpr,
                       DOT_FP32: tl.constexpr, PDL: tl.constexpr, TIMING: tl.constexpr):
     pid = tl.program_id(0)
@@ -209,78 +186,57 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
     T1: tl.constexpr = NR + NT  # phase-1 tiles: router, then the shared expert's
     T2: tl.constexpr = MT * TOP_K * NT  # phase-2 tiles: routed slot x I-tile
     W: tl.constexpr = 2 * BN
-    N1: tl.constexpr = NR * SPLIT_R + NT * SPLIT_S  # phase-1 items: the router's, then the shared expert's
-    SPLIT1: tl.constexpr = max(SPLIT_R, SPLIT_S)
     # fp32 partials: phase 1 [T1, SPLIT1, MT, W], then phase 2 [T2, SPLIT2, W]
     P2_BASE: tl.constexpr = T1 * SPLIT1 * MT * W
     NCH: tl.constexpr = (H + BK - 1) // BK  # K chunks; split p covers chunks [p * NCH // SPLIT, (p + 1) * NCH // SPLIT)
     j2 = tl.arange(0, W)
     cols = tl.arange(0, 16)
     if PREFETCH & ((PHASE == 0) | (PHASE == 1)):  # weights are constant: this program's first phase-1 slice goes to
-        for item in range(pid, N1, NPROG):  # L2 while the previous kernel finishes
-            _, _, w_base, rows, rmask, stride_wn, k_lo, k_hi = _phase1_item(
-                item, router_ptr, w13_ptr, stride_w13e, stride_w13n, H, I, E, BN, BK, NR, SPLIT_R, SPLIT_S)
+        if pid < T1 * SPLIT1:  # L2 while the previous kernel finishes
+            w_base, rows, rmask, stride_wn, k_lo, k_hi = _phase1_item(pid, router_ptr, w13_ptr, stride_w13e,
+                                                                      stride_w13n, H, I, E, BN, BK, NR, SPLIT1)
             _prefetch_rows(w_base, rows, rmask, stride_wn, k_lo, k_hi, H, BK)
-        if SHARED_PF == 1:
-            _prefetch_shared_down(w2_ptr, pid, stride_w2e, stride_w2n, H, I, E, RH, BH, PF_BI)
     if PDL:  # x comes from the previous kernel; nothing is read or written before this
         gdc_wait()
     _stamp(ts_ptr, pid, 1, TIMING)
 
     # ---- phase 1: router logits and the shared expert's gate/up ------------------------------------------------
     if (PHASE == 0) | (PHASE == 1):
-        for item in range(pid, N1, NPROG):
+        for item in range(pid, T1 * SPLIT1, NPROG):
+            tile = item // SPLIT1
+            sp = item % SPLIT1
             # one K loop for both kinds of tile (each loop's pipeline buffers take shared memory of their own)
-            tile, sp, w_base, rows, rmask, stride_wn, k_lo, k_hi = _phase1_item(
-                item, router_ptr, w13_ptr, stride_w13e, stride_w13n, H, I, E, BN, BK, NR, SPLIT_R, SPLIT_S)
+            w_base, rows, rmask, stride_wn, k_lo, k_hi = _phase1_item(item, router_ptr, w13_ptr, stride_w13e,
+                                                                      stride_w13n, H, I, E, BN, BK, NR, SPLIT1)
             acc = _tile_dot(w_base, rows, rmask, stride_wn, x_ptr, stride_xm, k_lo, k_hi, H, MT, BK, STAGES_K,
                             DOT_FP32)
             tl.store(part_ptr + ((tile * SPLIT1 + sp) * MT + cols[None, :]) * W + j2[:, None], acc,
                      mask=(cols < MT)[None, :])
             tl.debug_barrier()  # this item's partial precedes its ticket
             ticket = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel")
-            if tile < NR:
-                if ticket == SPLIT_R - 1:
-                    for m in tl.static_range(MT):
-                        base = part_ptr + (tile * SPLIT1 * MT + m) * W
-                        v = _split_sum(base, SPLIT_R, SPLIT_R_PAD, MT * W, 0, W)
+            if ticket == SPLIT1 - 1:
+                for m in tl.static_range(MT):
+                    base = part_ptr + (tile * SPLIT1 * MT + m) * W
+                    if tile < NR:
+                        v = _split_sum(base, SPLIT1, SPLIT1_PAD, MT * W, 0, W)
                         tl.store(logits_ptr + m * E + tile * W + j2, v, mask=tile * W + j2 < E)
-                    tl.atomic_xchg(ticket_ptr + tile, 0)
-                    if ROUTER_WAIT and PHASE == 0:  # this tile's logits are out: count it (every thread's stores
-                        # precede; the interpreter's phase launches need no count)
-                        tl.debug_barrier()
-                        tl.atomic_add(bar_ptr + 2, 1, sem="release")
-            else:
-                if ticket == SPLIT_S - 1:
-                    t = tile - NR
-                    for m in tl.static_range(MT):
-                        base = part_ptr + (tile * SPLIT1 * MT + m) * W
-                        g = _split_sum(base, SPLIT_S, SPLIT_S_PAD, MT * W, 0, BN)
-                        u = _split_sum(base, SPLIT_S, SPLIT_S_PAD, MT * W, BN, BN)
+                    else:
+                        t = tile - NR
+                        g = _split_sum(base, SPLIT1, SPLIT1_PAD, MT * W, 0, BN)
+                        u = _split_sum(base, SPLIT1, SPLIT1_PAD, MT * W, BN, BN)
                         ri = t * BN + tl.arange(0, BN)
                         a = g / (1.0 + tl.exp(-g)) * u
                         tl.store(act_ptr + (m * OUT_K + TOP_K) * I + ri, a.to(act_ptr.dtype.element_ty), mask=ri < I)
-                    tl.atomic_xchg(ticket_ptr + tile, 0)
-    if PREFETCH & (SHARED_PF == 2) & ((PHASE == 0) | (PHASE == 1)):  # HBM idles through the tail, barrier 1 and
-        _prefetch_shared_down(w2_ptr, pid, stride_w2e, stride_w2n, H, I, E, RH, BH, PF_BI)  # the routing
+                tl.atomic_xchg(ticket_ptr + tile, 0)
     _stamp(ts_ptr, pid, 2, TIMING)
     if PHASE == 0:
-        if ROUTER_WAIT:  # the routing needs the router's logits only (the shared act is read after barrier 2)
-            seen = tl.atomic_add(bar_ptr + 2, 0, sem="acquire")
-            while seen < NR:
-                seen = tl.atomic_add(bar_ptr + 2, 0, sem="acquire")
-            tl.debug_barrier()
-        else:
-            _grid_barrier(bar_ptr, NPROG)
+        _grid_barrier(bar_ptr, NPROG)
     _stamp(ts_ptr, pid, 3, TIMING)
 
     # ---- phase 2: routing (every program), the routed experts' gate/up ------------------------------------------
     if (PHASE == 0) | (PHASE == 2):
-        # the ids only (no stores): the weights' reload of the winners' logits would hold up this program's
-        # phase-2 loads; the last program, whose phase-2 share is the smallest, stores ids and weights below
         ids = _route_rows(logits_ptr, bias_ptr, ids_ptr, tw_ptr, ids_ptr, ids_ptr, 0, MT, E, scale, E, E, EP, ROWS,
-                          TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS, RENORM, False, OUT_K,
-                          STORE=not STORE_LAST)
+                          TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS, RENORM, False, OUT_K)
         _stamp(ts_ptr, pid, 4, TIMING)
         for item in range(pid, T2 * SPLIT2, NPROG):
             tile = item // SPLIT2
@@ -311,11 +267,6 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
                     u = _split_sum(base, SPLIT2, SPLIT2_PAD, W, BN, BN)
                     tl.store(a_row, (g / (1.0 + tl.exp(-g)) * u).to(act_ptr.dtype.element_ty), mask=ri < I)
                     tl.atomic_xchg(ticket_ptr + T1 + tile, 0)
-        if STORE_LAST:
-            if pid == NPROG - 1:  # ids and weights (read by phase 3 after barrier 2), once
-                _route_rows(logits_ptr, bias_ptr, ids_ptr, tw_ptr, ids_ptr, ids_ptr, 0, MT, E, scale, E, E, EP, ROWS,
-                            TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS, RENORM, False,
-                            OUT_K)
         _stamp(ts_ptr, pid, 5, TIMING)
     if PREFETCH & ((PHASE == 0) | (PHASE == 2)):  # the first PF_SLOTS slots of this program's first down tile to L2
         if pid * RH < H:  # before the barrier (the routing is known; the w2 rows are constant)
@@ -330,7 +281,7 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
                 _prefetch_rows(w2_ptr + e3.to(tl.int64) * stride_w2e, oh0, hm0, stride_w2n, 0, I, I, PF_BI)
     _stamp(ts_ptr, pid, 6, TIMING)
     if PHASE == 0:
-        _grid_barrier(bar_ptr, NPROG if ROUTER_WAIT else 2 * NPROG)
+        _grid_barrier(bar_ptr, 2 * NPROG)
         if PDL:  # every program is resident (all passed the barrier): the next kernel may launch now
             gdc_launch_dependents()
     _stamp(ts_ptr, pid, 7, TIMING)
@@ -371,4 +322,3 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
         if done == NPROG - 1:
             tl.atomic_xchg(bar_ptr, 0)
             tl.atomic_xchg(bar_ptr + 1, 0)
-            tl.atomic_xchg(bar_ptr + 2, 0)

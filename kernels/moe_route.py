@@ -133,14 +133,12 @@ def _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, row0,
                 E: tl.constexpr, EP: tl.constexpr, ROWS: tl.constexpr, TOP_K: tl.constexpr,
                 TOPK_P: tl.constexpr, N_GROUP: tl.constexpr, NG_P: tl.constexpr, GSIZE: tl.constexpr,
                 TOPK_GROUP: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
-                DO_ALIGN: tl.constexpr, OUT_K: tl.constexpr, MASK: tl.constexpr = False,
-                STORE: tl.constexpr = True):
+                DO_ALIGN: tl.constexpr, OUT_K: tl.constexpr, MASK: tl.constexpr = False):
     """Route rows ``row0 .. row0 + ROWS - 1``; returns their ids [ROWS, TOPK_P] (-1 for padding lanes and rows past
     M; a slot past the row's finite candidates holds a filler: the lowest expert id not chosen yet, weight 0).
     The winners by one bitonic top-k of the keys (tl.topk). DO_ALIGN: each slot's rank by an atomic add on
     ``count_ptr`` (int32 per expert), stored at ``rank_ptr``; with MASK instead bit ``row`` of ``count_ptr``'s int64
-    row mask of each chosen expert is set (rows < 64). Without STORE (no DO_ALIGN) nothing is stored: the ids
-    only, without the weights' dependent reload of the winners' logits.
+    row mask of each chosen expert is set (rows < 64).
 
     The outputs have rows of OUT_K slots: TOP_K, or TOP_K + 1 (no DO_ALIGN) where slot TOP_K of each row is the
     shared expert, ``shared_id`` with weight 1.0 (the returned ids hold the routed slots only).
@@ -218,13 +216,12 @@ def _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, row0,
             tl.atomic_or(count_ptr + safe, bit, mask=valid, sem="relaxed")
         else:
             rank = tl.atomic_add(count_ptr + safe, 1, mask=valid, sem="relaxed")
-    tl.static_assert(STORE or not DO_ALIGN, "the alignment stores its ranks")
-    if STORE:  # weights: the unbiased scores of the winners, recomputed from their logits with the same formula
-        _store_winners(logits_ptr, row_off[:, None], ids, won, kmask, mx, den, scale, out_off, ids_ptr, w_ptr,
-                       SOFTMAX, RENORM)
+    # weights: the unbiased scores of the winners, recomputed from their logits with the same formula
+    _store_winners(logits_ptr, row_off[:, None], ids, won, kmask, mx, den, scale, out_off, ids_ptr, w_ptr, SOFTMAX,
+                   RENORM)
     if DO_ALIGN and not MASK:
         tl.store(rank_ptr + out_off, rank, mask=valid)
-    if STORE and OUT_K > TOP_K:  # the shared expert: every row's last slot, weight 1
+    if OUT_K > TOP_K:  # the shared expert: every row's last slot, weight 1
         sh = rows * OUT_K + TOP_K
         tl.store(ids_ptr + sh, tl.full([ROWS], 0, tl.int32) + shared_id, mask=rmask)
         tl.store(w_ptr + sh, tl.full([ROWS], 1.0, tl.float32), mask=rmask)

@@ -35,15 +35,6 @@ _CHOSEN: dict = {}
 #: each launch then stamps its programs' phase boundaries into it (``_stamp`` in the kernel; a kernel compiled
 #: apart). None in the pass.
 _TIMELINE: torch.Tensor | None = None
-#: the routing's ids and weights stored by the last program only, after its phase-2 items (``STORE_LAST``), and the
-#: routing waiting for the router's tiles only, not for every phase-1 item (``ROUTER_WAIT``; see ``_plan``): both
-#: opt-in until timed on a GPU (2026-12-06: CPU tests and offline compiles only; no device could be had)
-_STORE_LAST = False
-_ROUTER_WAIT = False
-#: the shared expert's down rows of each program's phase-3 range sent to L2 (``SHARED_PF``): 0 no, 1 before the PDL
-#: wait (with the phase-1 slices), 2 after the program's phase-1 items (HBM idles through the phase-1 tail, barrier 1
-#: and the routing); opt-in until timed on a GPU
-_SHARED_PF = 0
 
 
 class MoEBlockResult(NamedTuple):
@@ -56,27 +47,19 @@ class MoEBlockResult(NamedTuple):
     router_logits: torch.Tensor
 
 
-def _plan(m: int, h: int, inter: int, e: int, top_k: int, nprog: int, router_wait: bool = True) -> dict:
+def _plan(m: int, h: int, inter: int, e: int, top_k: int, nprog: int) -> dict:
     """Tiles and splits for ``nprog`` programs: K split into parts of equal whole chunks so each K phase has at most
     one item a program, the down rows cut into ``nprog`` ranges (one each). H200, Kimi-K2 b 1 / 4k pass
     (bench/ab_verify_pass.py, both orders): parts as many as fill the grid (9 of 6-7 chunks at one token, 126
     items) were 0.02 / 0.07 ms slower at k = 1 / 2 than 8 equal ones (112 items); row ranges against 64-row tiles
-    (112 items) equal within 0.01 ms. ``router_wait`` (``ROUTER_WAIT``): phase 1's router tiles and shared-expert
-    tiles each split to fill the grid on their own (a program takes one router item, then at most one shared
-    item), else both split alike over all phase-1 tiles."""
+    (112 items) equal within 0.01 ms."""
     chunks = _cdiv(h, _BK)
-    nr, nt = _cdiv(e, 2 * _BN), _cdiv(inter, _BN)
-    t1 = nr + nt
+    t1 = _cdiv(e, 2 * _BN) + _cdiv(inter, _BN)
     t2 = m * top_k * _cdiv(inter, _BN)
-
-    def fill(tiles):  # equal parts of whole chunks, at most one item a program
-        return _cdiv(chunks, _cdiv(chunks, max(1, nprog // tiles)))
-
-    s_r, s_s = (fill(nr), fill(nt)) if router_wait else (fill(t1), fill(t1))
-    s2 = fill(t2)
+    s1 = _cdiv(chunks, _cdiv(chunks, max(1, nprog // t1)))
+    s2 = _cdiv(chunks, _cdiv(chunks, max(1, nprog // t2)))
     rh = max(16, _cdiv(h, nprog))
-    return dict(BN=_BN, BK=_BK, SPLIT_R=s_r, SPLIT_R_PAD=max(2, _next_pow2(s_r)), SPLIT_S=s_s,
-                SPLIT_S_PAD=max(2, _next_pow2(s_s)), ROUTER_WAIT=router_wait, SPLIT2=s2,
+    return dict(BN=_BN, BK=_BK, SPLIT1=s1, SPLIT1_PAD=max(2, _next_pow2(s1)), SPLIT2=s2,
                 SPLIT2_PAD=max(2, _next_pow2(s2)), RH=rh, BH=_next_pow2(rh), BI=min(256, _next_pow2(inter)),
                 PF_BI=max(64, min(256, _next_pow2(inter))),
                 SPP=max(2, _next_pow2(m * (top_k + 1))), PF_SLOTS=max(1, min(_PF_SLOTS, m * (top_k + 1))), T1=t1,
@@ -84,16 +67,16 @@ def _plan(m: int, h: int, inter: int, e: int, top_k: int, nprog: int, router_wai
 
 
 def _workspace(device, part: int, tickets: int):
-    """(fp32 partials, int32 tickets, int32 barrier counters [3]) of ``device``; tickets and counters zero."""
-    return grown_workspace(_WS, device, (part, tickets, 3), lambda n: (
+    """(fp32 partials, int32 tickets, int32 barrier counters [2]) of ``device``; tickets and counters zero."""
+    return grown_workspace(_WS, device, (part, tickets, 2), lambda n: (
         torch.empty(n[0], dtype=torch.float32, device=device), torch.zeros(n[1], dtype=torch.int32, device=device),
-        torch.zeros(3, dtype=torch.int32, device=device)), "moe_block")
+        torch.zeros(2, dtype=torch.int32, device=device)), "moe_block")
 
 
 def _plan_consts(key, nprog: int, cand: tuple[int, int, int]) -> dict:
     """Launch keywords of ``nprog`` programs with the (K stages, down stages, warps) candidate ``cand``."""
     m, h, inter, e, top_k = key[:5]
-    p = _plan(m, h, inter, e, top_k, nprog, key[-1])
+    p = _plan(m, h, inter, e, top_k, nprog)
     for k in ("T1", "T2", "M"):
         p.pop(k)
     return dict(p, NPROG=nprog, STAGES_K=cand[0], STAGES_D=cand[1], num_warps=cand[2])
@@ -216,20 +199,17 @@ def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor,
     # the launch choice depends on the compiled kernel: key it on everything that selects one
     timing = _TIMELINE is not None and not interp
     key = (m, h, inter, e, top_k, hidden.dtype, scoring, n_group, topk_group, correction_bias is not None,
-           bool(renormalize), pdl, timing, _STORE_LAST, _SHARED_PF, _ROUTER_WAIT)  # _plan_consts reads the last
+           bool(renormalize), pdl, timing)
     ep = max(_next_pow2(e), 16)
     consts = dict(MT=m, H=h, I=inter, E=e, EP=ep, TOP_K=top_k, TOPK_P=max(2, _next_pow2(top_k)),
                   ROWS=_next_pow2(m), N_GROUP=n_group, NG_P=max(2, _next_pow2(n_group)), GSIZE=e // n_group,
                   TOPK_GROUP=topk_group, SOFTMAX=scoring == "softmax", HAS_BIAS=correction_bias is not None,
-                  RENORM=renormalize, DOT_FP32=interp, PREFETCH=not interp, TIMING=timing,
-                  STORE_LAST=_STORE_LAST, SHARED_PF=_SHARED_PF, **pdl_kwargs(dev))
+                  RENORM=renormalize, DOT_FP32=interp, PREFETCH=not interp, TIMING=timing, **pdl_kwargs(dev))
     # the workspace covers either grid size's plan (sized before the kernel is compiled) at every token count up to
     # the forward's, so a graph captured later at another count needs no allocation
     sms = sm_count(dev.type, dev.index)
-    plans = [_plan(mm, h, inter, e, top_k, sms * p, rw) for p in (1, 2) for rw in (False, True)
-             for mm in range(1, max(m, MOE_BLOCK_MAX_M) + 1)]
-    need_p = max(p["T1"] * max(p["SPLIT_R"], p["SPLIT_S"]) * p["M"] * 2 * _BN + p["T2"] * p["SPLIT2"] * 2 * _BN
-                 for p in plans)
+    plans = [_plan(mm, h, inter, e, top_k, sms * p) for p in (1, 2) for mm in range(1, max(m, MOE_BLOCK_MAX_M) + 1)]
+    need_p = max(p["T1"] * p["SPLIT1"] * p["M"] * 2 * _BN + p["T2"] * p["SPLIT2"] * 2 * _BN for p in plans)
     need_t = max(p["T1"] + p["T2"] for p in plans)
     part, ticket, bar = _workspace(dev, need_p, need_t)
 

@@ -87,29 +87,21 @@ def fresh_workspace(monkeypatch):
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("m", [1, 2, 3])
-@pytest.mark.parametrize("new_path", [False, True], ids=["barrier1", "router-wait+store-last"])
-def test_moe_block_matches_reference(case, m, new_path, device, monkeypatch, fresh_workspace):
-    """``new_path``: router and shared tiles split apart (``_ROUTER_WAIT``; on the CPU the phases run as launches, so
-    the count is not waited on) and the routing stored by the last program only (``_STORE_LAST``)."""
-    monkeypatch.setattr(block_mod, "_ROUTER_WAIT", new_path)
-    monkeypatch.setattr(block_mod, "_STORE_LAST", new_path)
-    x, router, w13, w2, kw = _weights(case, m, seed=100 * m + len(case) + new_path, device=device)
+def test_moe_block_matches_reference(case, m, device, fresh_workspace):
+    x, router, w13, w2, kw = _weights(case, m, seed=100 * m + len(case), device=device)
     check_block(moe_block(x, router, w13, w2, **kw), x, router, w13, w2, kw)
 
 
 @pytest.mark.parametrize("programs", [12, 24])
-@pytest.mark.parametrize("router_wait", [False, True])
-def test_moe_block_split_k_and_row_ranges(programs, router_wait, monkeypatch, fresh_workspace):
+def test_moe_block_split_k_and_row_ranges(programs, monkeypatch, fresh_workspace):
     """More programs than the tiny shapes' tiles: K split into whole-chunk parts (tickets, partial sums) in phases 1
     and 2, some of unequal length (H = 640: 5 chunks of 128 over 3 or 2 parts), and down rows in ranges that are not
     a power of two (54 / 27 rows)."""
     monkeypatch.setitem(CASES, "wide", (640, 64, 48, 6, "sigmoid", True, 1, 1, True, 2.827))
     monkeypatch.setattr(block_mod, "sm_count", lambda *a: programs)
-    monkeypatch.setattr(block_mod, "_ROUTER_WAIT", router_wait)
-    plan = block_mod._plan(1, 640, 64, 48, 6, programs, router_wait)
-    assert plan["SPLIT_R"] > 1 and plan["SPLIT_S"] > 1 and plan["RH"] % 16  # the paths this test is for: splits,
-    assert router_wait or 5 % plan["SPLIT_R"] or 5 % plan["SPLIT2"]  # rows not a tile multiple, and splits of
-    # unequal length (the router and shared tiles split alike; with router_wait each fills the grid on its own)
+    plan = block_mod._plan(1, 640, 64, 48, 6, programs)
+    assert plan["SPLIT1"] > 1 and plan["RH"] % 16  # the paths this test is for: splits, rows not a tile multiple,
+    assert 5 % plan["SPLIT1"] or 5 % plan["SPLIT2"]  # and splits of unequal length
     for m in (1, 2):
         x, router, w13, w2, kw = _weights("wide", m, seed=programs + m, device="cpu")
         check_block(moe_block(x, router, w13, w2, **kw), x, router, w13, w2, kw)
@@ -196,17 +188,9 @@ _RANK = {"kimi-k2": (7168, 256, 384, 8, "sigmoid", True, 1, 1, True, 2.827),
 @pytest.mark.gpu
 @pytest.mark.parametrize("model", list(_RANK))
 @pytest.mark.parametrize("m", [1, 2, 4])
-@pytest.mark.parametrize("path", [{}, {"_ROUTER_WAIT": True, "_STORE_LAST": True}, {"_SHARED_PF": 1},
-                                  {"_SHARED_PF": 2}], ids=["barrier1", "router-wait+store-last", "shared-pf1",
-                                                           "shared-pf2"])
-def test_moe_block_rank_shapes_gpu(model, m, path, monkeypatch):
-    """``path``: the module switches of the launch: the routing waits for the router tiles' count (no grid barrier
-    1) and only the last program stores the routing (``_ROUTER_WAIT``, ``_STORE_LAST``); the shared expert's down
-    rows sent to L2 before the PDL wait or after phase 1 (``_SHARED_PF``, prefetches only: GPU alone)."""
+def test_moe_block_rank_shapes_gpu(model, m, monkeypatch):
     from conftest import check_graph_replay, warm_up_for_capture
 
-    for attr, value in path.items():
-        monkeypatch.setattr(block_mod, attr, value)
     monkeypatch.setitem(CASES, model, _RANK[model])
     x, router, w13, w2, kw = _weights(model, m, seed=m, device="cuda")
     res = warm_up_for_capture(lambda: moe_block(x, router, w13, w2, **kw))

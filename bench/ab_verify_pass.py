@@ -9,9 +9,9 @@ default table), ``no-<slot>`` (one slot of ``FUSIONS`` emptied); gate/up of the 
 ``specverify.moe._STREAM_OVERRIDE``): ``fma`` (no split-K MMA gate/up), ``splitk-m4`` / ``splitk-m6`` (split-K up
 to 4 / 6 tokens); ``block-m4`` (the one-launch MoE block up to 4 tokens instead of ``MOE_BLOCK_MAX_M``);
 ``w<1|4>-<router|qkv|qb>`` (that GEMV's grid at 1 or 4 programs an SM instead of 2); ``rr-<qkv|qb|o>-k..-s..``
-(that projection on the row-range GEMV, see ``_RR_RULES``); ``no-q-fold`` (q_a's RMSNorm a launch of its own
-again, ``forward.model.FOLD_Q_NORM``); ``no-early-kv`` (the MLA attention's first prefix KV tile read after the PDL
-wait, not before).
+(that projection on the row-range GEMV, see ``_RR_RULES``); ``cublas-o`` (o_proj on cuBLAS again);
+``no-q-fold`` (q_a's RMSNorm a launch of its own again, ``forward.model.FOLD_Q_NORM``); ``no-early-kv`` (the MLA
+attention's first prefix KV tile read after the PDL wait, not before).
 Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded into the projections and
 q_a's norm in the qkv_a GEMV's last tile (slower in the pass), the split merge fused with W_UV (slower alone), a
 stream-K gate/up and TMA weight tiles (no faster in the pass), an L2 prefetch of o_proj / router / shared expert on
@@ -45,6 +45,7 @@ VARIANTS.update({f"no-{slot}": dict(off=(slot,)) for slot in FUSIONS})
 VARIANTS.update({f"splitk-m{m}": dict(off=(), stream={"splitk_max_m": m}) for m in (4, 6)})
 VARIANTS["block-m4"] = dict(off=(), set={"moe_block_max_m": 4})
 #: module attributes read at each launch: (module, attribute, value)
+VARIANTS["cublas-o"] = dict(off=(), linear_drop=((8, (7168, 7168), (1024, 2048)),))
 VARIANTS["no-q-fold"] = dict(off=(), attrs=(("specverify.forward.model", "FOLD_Q_NORM", False),))
 VARIANTS["no-early-kv"] = dict(off=(), attrs=(("specverify.kernels.tree_attention_wgmma", "EARLY_KV", False),))
 #: GEMV launch rules tried in the pass ahead of ``specverify.gemv.SHAPE_CONFIGS``: the shape's own config (read
@@ -128,7 +129,8 @@ def main(argv=None) -> int:
         moe._STREAM_OVERRIDE.clear()
         moe._STREAM_OVERRIDE.update(saved_stream, **var.get("stream", {}))
         gemv.SHAPE_CONFIGS = tuple(var.get("gemv", ())) + saved_rules
-        gemv.LINEAR_RULES = tuple(var.get("linear", ())) + saved_linear
+        gemv.LINEAR_RULES = tuple(var.get("linear", ())) + tuple(r for r in saved_linear
+                                                                if r not in var.get("linear_drop", ()))
         want = {(mod, attr): v for mod, attr, v in var.get("attrs", ())}
         for (mod, attr), v in saved_attrs.items():
             setattr(importlib.import_module(mod), attr, want.get((mod, attr), v))

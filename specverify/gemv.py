@@ -34,11 +34,15 @@ _INF = 1 << 62
 #: stages (10.14 / 10.74 us at M = 1 / 4 against 12.31 / 12.68 with 3; cuBLAS 12.28 / 13.27); Kimi-K2's q_b
 #: 1536 -> 1536 at 2-4 tokens with 8 warps (5.34 us at M = 4 against 5.83 with 4; cuBLAS 6.13). Kimi-K2's router
 #: 7168 -> 384 at one token with one program an SM (``bench/ab_verify_pass.py``, the whole pass, both orders: 4.873 /
-#: 4.877 ms at k = 1 against 4.890 / 4.897 with two; 4 an SM 4.892; bench/RESULTS.md "Verify pass").
+#: 4.877 ms at k = 1 against 4.890 / 4.897 with two; 4 an SM 4.892; bench/RESULTS.md "Verify pass"). o_proj 1024 /
+#: 2048 -> 7168 on row ranges with 256-column chunks, 3 stages and a 2 MiB prefetch (the pass on the H100,
+#: 2026-12-06: see :data:`LINEAR_RULES`; row ranges for qkv_a and q_b measured slower in the pass).
 SHAPE_CONFIGS: tuple = (((4, (2048, 4096), (7168, 7168)), {"num_stages": 4}),
                         ((1, (384, 384), (7168, 7168)), {"WAVES": 1}),
                         ((1, (1536, 1536), (1536, 1536)), {}),
-                        ((4, (1536, 1536), (1536, 1536)), {"num_warps": 8}))
+                        ((4, (1536, 1536), (1536, 1536)), {"num_warps": 8}),
+                        ((8, (7168, 7168), (1024, 2048)), {"ROW_RANGE": True, "WAVES": 1, "BLOCK_K": 256,
+                                                           "num_stages": 3, "PREFETCH_BYTES": 2 << 20}))
 
 
 def _holds(rule, m: int, n: int, k: int) -> bool:
@@ -124,9 +128,13 @@ def _buffers(device, n, split, rows):
 #: * M <= 4, N = K = 1536: Kimi-K2's q_b 1536 -> 1536 (M = 1 0.85x; M = 4 0.87x with 8 warps, sweep_gemv
 #:   2026-12-03; DeepSeek-V3's 1536 -> 3072 is 1.08-1.17x).
 #:
-#: o_proj (1024 / 2048 -> 7168) lost at every M (1.18-1.81x; 2026-12-03 with every swept config: 1.23-1.26x).
+#: * M <= 8, N = 7168, K = 1024 / 2048: o_proj on row ranges (one range of 55 weight rows a program over all K,
+#:   no split reduce): alone 5.92 against cuBLAS's 7.71 us (Kimi-K2, M = 1, H100, sweep_gemv 2026-12-06); in the pass
+#:   (``ab_verify_pass.py``, both orders) 5.396 / 7.405 against 5.434 / 7.451 ms at k = 1 / 2 with a 2 MiB prefetch.
+#:   The split-K tiles had lost at every M (1.18-1.81x cuBLAS's time, 2026-12-03).
 #: K is bounded by what was measured (7168, the hidden size): a K = 8192 o_proj (DeepSeek-V3 at tp 2) stays cuBLAS's.
-LINEAR_RULES = ((8, (2048, _INF), (7168, 7168)), (1, (1, 512), (7168, 7168)), (4, (1536, 1536), (1536, 1536)))
+LINEAR_RULES = ((8, (2048, _INF), (7168, 7168)), (1, (1, 512), (7168, 7168)), (4, (1536, 1536), (1536, 1536)),
+                (8, (7168, 7168), (1024, 2048)))
 
 
 def gemv_is_faster(m: int, n: int, k: int) -> bool:

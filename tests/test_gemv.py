@@ -69,7 +69,9 @@ def test_linear_takes_the_gemv_only_where_it_measured_faster(device, monkeypatch
     assert len(calls) == before
     monkeypatch.undo()
     assert gemv_mod.gemv_is_faster(1, 2112, 7168) and gemv_mod.gemv_is_faster(8, 20480, 7168)  # qkv_a, LM head
-    assert not gemv_mod.gemv_is_faster(9, 2112, 7168) and not gemv_mod.gemv_is_faster(1, 7168, 1024)  # M, o_proj
+    assert not gemv_mod.gemv_is_faster(9, 2112, 7168)  # M
+    assert gemv_mod.gemv_is_faster(8, 7168, 1024) and gemv_mod.gemv_is_faster(1, 7168, 2048)  # o_proj, row ranges
+    assert gemv_mod.gemv_config(1, 7168, 1024)["ROW_RANGE"] and not gemv_mod.gemv_is_faster(9, 7168, 1024)
     assert gemv_mod.gemv_is_faster(1, 384, 7168) and not gemv_mod.gemv_is_faster(2, 384, 7168)  # the router
     assert gemv_mod.gemv_is_faster(4, 1536, 1536) and not gemv_mod.gemv_is_faster(5, 1536, 1536)  # Kimi-K2's q_b
     assert not gemv_mod.gemv_is_faster(1, 3072, 1536)  # DeepSeek-V3's q_b

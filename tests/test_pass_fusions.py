@@ -166,14 +166,17 @@ def _fp64_twin(model, name):
     return ref
 
 
-# M = 2 and 6 tokens on our GEMV (the fold); M = 6 with the GEMV's rule cut to 4 tokens (qkv_a on torch: no fold)
-@pytest.mark.parametrize("b, k, max_m", [(1, 2, 16), (2, 3, 16), (2, 3, 4)])
-def test_folded_q_norm_forward_matches_the_norm_chain(device, monkeypatch, b, k, max_m):
+# M = 2 and 6 tokens on our GEMV (the fold); M = 6 with the GEMV's rule cut to 4 tokens (qkv_a on torch: no fold);
+# M = 6 above the fold's own limit (no fold, linear_sumsq not asked)
+@pytest.mark.parametrize("b, k, max_m, fold_max", [(1, 2, 16, 16), (2, 3, 16, 16), (2, 3, 4, 16), (2, 3, 16, 4)])
+def test_folded_q_norm_forward_matches_the_norm_chain(device, monkeypatch, b, k, max_m, fold_max):
     """q_a's RMSNorm folded into q_b (its scale from the qkv_a GEMV's epilogue, applied in prep_absorb) gives the
     logits and KV of the chain with the norm, within the bf16 error budget; the norm kernel is really gone."""
     import specverify.forward.model as model_mod
 
     monkeypatch.setattr(gemv_mod, "LINEAR_RULES", ((max_m, (1, 1 << 30), (1, 1 << 30)),))
+    monkeypatch.setattr(model_mod, "FOLD_Q_NORM_MAX_M", fold_max)
+    max_m = min(max_m, fold_max)
     name, page_size = "tiny-mla-moe", 4
     model = VerifyModel(name, dtype=torch.bfloat16, seed=11, device=device)
     c = model.config
@@ -205,7 +208,8 @@ def test_folded_q_norm_forward_matches_the_norm_chain(device, monkeypatch, b, k,
         taken = fold and b * k <= max_m
         assert sum(q_norms) == (0 if taken else model.num_layers), (fold, q_norms)
     # linear_sumsq asked once per layer while the switch is on; it serves (and the norm is skipped) only on the GEMV
-    assert calls == {"linear_sumsq": model.num_layers, "mla_prep_absorb": 2 * model.num_layers}, calls
+    asked = model.num_layers if b * k <= fold_max else 0
+    assert calls == {"linear_sumsq": asked, "mla_prep_absorb": 2 * model.num_layers}, calls
     ref = _fp64_twin(model, name)
     caches64 = [[t.double() for t in layer] for layer in _caches(model, pool, page_size, seed=5)]
     truth, _, aux64 = ref.forward_captured(ids, pos, caches64, pt, prefix, capture_layers=(1,))

@@ -39,6 +39,11 @@ from specverify.forward.ops import Ops, RouteParams, provider_ops
 #: holds ``q_b_folded`` and our GEMV runs qkv_a at this shape): the norm's launch leaves the pass. Read at each
 #: forward, so an A/B can set it False (the unfolded chain: qkv_a, RMSNorm, q_b, prep_absorb).
 FOLD_Q_NORM = True
+#: Tokens (batch x draft tokens) up to which the fold runs. H100, ``bench/ab_verify_pass.py`` (fold against
+#: ``no-q-fold``, both orders, 2026-12-06): Kimi-K2 b 1 5.501 / 7.622 against 5.557 / 7.643 ms at 1 / 2 tokens;
+#: DeepSeek-V3 b 4 / 16k 12.521 against 12.541 ms at 4 tokens but 17.868 against 17.762 at 8: above 4 the
+#: unfolded chain.
+FOLD_Q_NORM_MAX_M = 4
 
 
 def fold_q_norm(q_b: torch.Tensor, q_a_norm: torch.Tensor) -> torch.Tensor:
@@ -316,7 +321,8 @@ class VerifyModel:
         heads = s.num_heads
         q_lora = c.q_lora_rank
         fold = None
-        if FOLD_Q_NORM and ops.linear_sumsq is not None and ops.mla_prep_absorb is not None and "q_b_folded" in w:
+        if (FOLD_Q_NORM and b * k <= FOLD_Q_NORM_MAX_M and ops.linear_sumsq is not None
+                and ops.mla_prep_absorb is not None and "q_b_folded" in w):
             # None where our GEMV does not run qkv_a (above 8 tokens, other dtypes): then the unfolded chain
             fold = ops.linear_sumsq(x, w["qkv_a"], q_lora)
         if fold is not None:

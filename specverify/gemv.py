@@ -35,13 +35,14 @@ _INF = 1 << 62
 #: 1536 -> 1536 at 2-4 tokens with 8 warps (5.34 us at M = 4 against 5.83 with 4; cuBLAS 6.13). Kimi-K2's router
 #: 7168 -> 384 at one token with one program an SM (``bench/ab_verify_pass.py``, the whole pass, both orders: 4.873 /
 #: 4.877 ms at k = 1 against 4.890 / 4.897 with two; 4 an SM 4.892; bench/RESULTS.md "Verify pass"). o_proj 1024 /
-#: 2048 -> 7168 on row ranges with 256-column chunks, 3 stages and a 2 MiB prefetch (the pass on the H100,
-#: 2026-12-06: see :data:`LINEAR_RULES`; row ranges for qkv_a and q_b measured slower in the pass).
+#: 2048 -> 7168 on row ranges of 28 rows (two programs an SM) with 256-column chunks, 3 stages and a 2 MiB
+#: prefetch (the pass on the H100, 2026-12-06: see :data:`LINEAR_RULES`; 5.367 / 7.374 ms at k = 1 / 2 against
+#: 5.392 / 7.393 with 55 rows; row ranges for qkv_a and q_b measured slower in the pass).
 SHAPE_CONFIGS: tuple = (((4, (2048, 4096), (7168, 7168)), {"num_stages": 4}),
                         ((1, (384, 384), (7168, 7168)), {"WAVES": 1}),
                         ((1, (1536, 1536), (1536, 1536)), {}),
                         ((4, (1536, 1536), (1536, 1536)), {"num_warps": 8}),
-                        ((8, (7168, 7168), (1024, 2048)), {"ROW_RANGE": True, "WAVES": 1, "BLOCK_K": 256,
+                        ((8, (7168, 7168), (1024, 2048)), {"ROW_RANGE": True, "WAVES": 2, "BLOCK_K": 256,
                                                            "num_stages": 3, "PREFETCH_BYTES": 2 << 20}))
 
 
@@ -128,7 +129,7 @@ def _buffers(device, n, split, rows):
 #: * M <= 4, N = K = 1536: Kimi-K2's q_b 1536 -> 1536 (M = 1 0.85x; M = 4 0.87x with 8 warps, sweep_gemv
 #:   2026-12-03; DeepSeek-V3's 1536 -> 3072 is 1.08-1.17x).
 #:
-#: * M <= 8, N = 7168, K = 1024 / 2048: o_proj on row ranges (one range of 55 weight rows a program over all K,
+#: * M <= 8, N = 7168, K = 1024 / 2048: o_proj on row ranges (one range of weight rows a program over all K,
 #:   no split reduce): alone 5.92 against cuBLAS's 7.71 us (Kimi-K2, M = 1, H100, sweep_gemv 2026-12-06); in the pass
 #:   (``ab_verify_pass.py``, both orders) 5.396 / 7.405 against 5.434 / 7.451 ms at k = 1 / 2 with a 2 MiB prefetch.
 #:   The split-K tiles had lost at every M (1.18-1.81x cuBLAS's time, 2026-12-03).

@@ -80,15 +80,7 @@ def test_fused_forward_matches_the_op_chain(device, monkeypatch, name, b, k):
             block = b * k <= fused.moe_block_max_m
             assert calls == {"mla_prep_absorb": model.num_layers, "route_shared": 0 if block else moe,
                              "moe_block": moe if block else 0}, calls
-    # fp64 truth over the same bf16 weights
-    ref = VerifyModel(name, dtype=torch.float64, seed=11, device=device)
-    for key, w in model._sets.items():
-        for n, t in w.items():
-            if isinstance(t, torch.Tensor):
-                ref._sets[key][n].copy_(t.double())
-    ref.embed.copy_(model.embed.double())
-    ref.lm_head.copy_(model.lm_head.double())
-    ref.ops = Ops()
+    ref = _fp64_twin(model, name)  # fp64 truth over the same bf16 weights
     caches64 = [[c.double() for c in layer] for layer in _caches(model, pool, page_size, seed=5)]
     truth, _, aux64 = ref.forward_captured(ids, pos, caches64, pt, prefix, capture_layers=(1,))
     err = {tag: float((o[0].double() - truth).abs().max()) for tag, o in out.items()}

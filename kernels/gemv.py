@@ -6,13 +6,13 @@ over the bandwidth it reaches. The weight rows take the MMA's M side and the few
 weight rows x 16 token columns a tile, the tokens zero-padded), so a tile is one ``tl.dot``, and K is split so the
 grid covers every SM about twice (N of 384-7168 gives only 6-112 row tiles)::
 
-    program (n, s):  P[s, :, n0:n0+BLOCK_N] = sum over k in slice s of  X[:, k] * W[n0 + j, k]      fp32
-    last program of row tile n (a self-resetting ticket per tile):  Y[m, n0:n0+BLOCK_N] = sum_s P[s, m]  (x's dtype):
+    program (n, s):  P[s, :, n0:n0+ROWS] = sum over k in slice s of  X[:, k] * W[n0 + j, k]   (n0 = n * ROWS) fp32
+    last program of row tile n (a self-resetting ticket per tile):  Y[m, n0:n0+ROWS] = sum_s P[s, m]  (x's dtype):
         one [SPLIT_PAD, BLOCK_N] load and tree sum per token row (WIDE_REDUCE: one token, or many splits),
         else split by split
 
 Row ranges (``ROWS`` < ``BLOCK_N``): program n takes weight rows [n * ROWS, (n + 1) * ROWS) in a BLOCK_N tile (the
-rows past ROWS masked, never loaded), so a grid of exactly ``WAVES`` programs an SM covers N with no split of K and
+rows past ROWS masked, never loaded), so a grid of at most ``WAVES`` programs an SM covers N with no split of K and
 no reduce (the launcher's ``ROW_RANGE`` config); ``ROWS == BLOCK_N`` is the tiling above.
 
 One launch: the partials go to an fp32 workspace [SPLIT_K, BLOCK_M, N] and the tile's last program (its ticket,

@@ -334,7 +334,10 @@ def _check_q_sumsq(op, q_sumsq, q_dim, tokens, like):
                          f"got {list(q_sumsq.shape)}")
     if q_sumsq.device != like.device:
         raise ValueError(f"{op}: q_sumsq must be on q's device {like.device}, got {q_sumsq.device}")
-    if isinstance(q_dim, bool) or not isinstance(q_dim, int) or q_dim < 1:
+    if isinstance(q_dim, bool) or not isinstance(q_dim, int):
+        raise TypeError(f"{op}: with q_sumsq, q_dim must be the int q_lora_rank (the mean's divisor), got "
+                        f"{type(q_dim).__name__}")
+    if q_dim < 1:
         raise ValueError(f"{op}: with q_sumsq, q_dim must be the int q_lora_rank (>= 1; the mean's divisor), got "
                          f"{q_dim!r}")
 
@@ -372,14 +375,15 @@ def mla_prep_absorb(q, kv, positions, norm_weight, w_uk, cache, page_table, pref
     Returns
     -------
     q_latent : Tensor [batch, k, heads, kv_lora_rank], contiguous, q's dtype. ``q`` and ``cache`` are mutated (with
-    ``q_sumsq``, q's rope part holds the scaled and rotated values, as the attention reads them).
+    ``q_sumsq``, q's rope part holds the scaled and rotated values, as the attention reads them; its nope part
+    stays the folded q_b's unscaled output, read by nothing after this op).
 
     Raises
     ------
     TypeError, ValueError
         As the two ops raise; ValueError also for a ``q`` that cannot be viewed as [batch * k, heads, dim]; for
-        ``q_sumsq``: TypeError unless a float32 tensor, ValueError for a shape other than [P, batch * k], another
-        device, or a missing / non-positive ``q_dim``.
+        ``q_sumsq``: TypeError unless a float32 tensor or for a non-int ``q_dim``, ValueError for a shape other
+        than [P, batch * k], another device, a non-positive ``q_dim``, or ``q_dim`` without ``q_sumsq``.
 
     Notes
     -----
@@ -397,6 +401,9 @@ def mla_prep_absorb(q, kv, positions, norm_weight, w_uk, cache, page_table, pref
     _check_cos_sin(op, cos_sin, dr)
     if q_sumsq is not None:
         _check_q_sumsq(op, q_sumsq, q_dim, b * k, q)
+    elif q_dim is not None:
+        raise ValueError(f"{op}: q_dim is read only with q_sumsq, got q_dim={q_dim!r} and no q_sumsq; pass both or "
+                         "neither")
     out = _check_out(op, out, (b, k, h, w_uk.shape[2]), q)
     if not _use_triton(impl, q, kv, cache, w_uk):
         if q_sumsq is not None:

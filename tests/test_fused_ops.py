@@ -278,8 +278,10 @@ def test_mla_prep_absorb_errors():
              (torch.zeros(3, 4), 64, ValueError, r"q_sumsq must be float32 \[P >= 1, batch \* k = 2\]"),
              (torch.zeros(0, 2), 64, ValueError, r"\[P >= 1"),
              ([[1.0, 2.0]], 64, TypeError, "q_sumsq must be None or a tensor"),
-             (torch.zeros(3, 2), None, ValueError, "q_dim must be the int q_lora_rank"),
-             (torch.zeros(3, 2), 0, ValueError, "q_dim must be the int q_lora_rank"))
+             (torch.zeros(3, 2), None, TypeError, "q_dim must be the int q_lora_rank"),
+             (torch.zeros(3, 2), 2.0, TypeError, "q_dim must be the int q_lora_rank"),
+             (torch.zeros(3, 2), 0, ValueError, "q_dim must be the int q_lora_rank"),
+             (None, 64, ValueError, "q_dim is read only with q_sumsq"))
     for bad, q_dim, err, match in cases:
         with pytest.raises(err, match=match):
             fused_ops.mla_prep_absorb(q, *args, w_uk, *tail, eps=1e-6, theta=1e4, nope_dim=32, q_sumsq=bad,

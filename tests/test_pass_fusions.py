@@ -150,7 +150,7 @@ def _fp64_twin(model, name):
     ref = VerifyModel(name, dtype=torch.float64, seed=11, device=model.device)
     for key, w in model._sets.items():
         for n, t in w.items():
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and n != "q_b_folded":  # the fp64 truth takes no fold
                 ref._sets[key][n].copy_(t.double())
     ref.embed.copy_(model.embed.double())
     ref.lm_head.copy_(model.lm_head.double())
@@ -159,15 +159,18 @@ def _fp64_twin(model, name):
 
 
 # M = 2 and 6 tokens on our GEMV (the fold); M = 6 with the GEMV's rule cut to 4 tokens (qkv_a on torch: no fold);
-# M = 6 above the fold's own limit (no fold, linear_sumsq not asked)
-@pytest.mark.parametrize("b, k, max_m, fold_max", [(1, 2, 16, 16), (2, 3, 16, 16), (2, 3, 4, 16), (2, 3, 16, 4)])
-def test_folded_q_norm_forward_matches_the_norm_chain(device, monkeypatch, b, k, max_m, fold_max):
+# M = 6 above the fold's own limit (no fold, linear_sumsq not asked); 16-row GEMV tiles: q_lora's sums of squares
+# in two tiles' partials
+@pytest.mark.parametrize("b, k, max_m, fold_max, block_n", [(1, 2, 16, 16, 64), (2, 3, 16, 16, 64),
+                                                            (2, 3, 4, 16, 64), (2, 3, 16, 4, 64), (1, 2, 16, 16, 16)])
+def test_folded_q_norm_forward_matches_the_norm_chain(device, monkeypatch, b, k, max_m, fold_max, block_n):
     """q_a's RMSNorm folded into q_b (its scale from the qkv_a GEMV's epilogue, applied in prep_absorb) gives the
     logits and KV of the chain with the norm, within the bf16 error budget; the norm kernel is really gone."""
     import specverify.forward.model as model_mod
 
     monkeypatch.setattr(gemv_mod, "LINEAR_RULES", ((max_m, (1, 1 << 30), (1, 1 << 30)),))
     monkeypatch.setattr(model_mod, "FOLD_Q_NORM_MAX_M", fold_max)
+    monkeypatch.setitem(gemv_mod._CONFIG, "BLOCK_N", block_n)
     max_m = min(max_m, fold_max)
     name, page_size = "tiny-mla-moe", 4
     model = VerifyModel(name, dtype=torch.bfloat16, seed=11, device=device)
@@ -177,7 +180,7 @@ def test_folded_q_norm_forward_matches_the_norm_chain(device, monkeypatch, b, k,
     g = torch.Generator().manual_seed(19)
     for w in model._sets.values():  # a norm weight far from ones, so the fold is not the identity
         w["q_a_norm"].copy_((1 + 0.5 * torch.randn(c.q_lora_rank, generator=g)).to(w["q_a_norm"]))
-        w["q_b_folded"] = model_mod.fold_q_norm(w["q_b"], w["q_a_norm"])
+        model_mod.attach_folded_q_b(w)
     ops, _ = specverify_ops(model)
     calls = _count_calls(ops, ("linear_sumsq", "mla_prep_absorb"))
     q_norms = []
@@ -228,7 +231,9 @@ def test_fold_slot_only_in_specverify_tables():
     assert Ops().linear_sumsq is None
     ops, _ = specverify_ops(None)
     assert ops.linear_sumsq is not None
-    model = VerifyModel("tiny-mla-moe", dtype=torch.float32, seed=3)
+    model = VerifyModel("tiny-mla-moe", dtype=torch.bfloat16, seed=3)
     for w in model._sets.values():
         torch.testing.assert_close(w["q_b_folded"], w["q_b"] * w["q_a_norm"], rtol=0, atol=0)
+    # bf16 only: fp16's range is short for the un-normed q, fp32 / fp64 models never run our GEMV
+    assert all("q_b_folded" not in w for w in VerifyModel("tiny-mla-moe", dtype=torch.float32, seed=3)._sets.values())
     assert model_mod.FOLD_Q_NORM is True

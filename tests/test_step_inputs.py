@@ -132,7 +132,7 @@ def test_loaded_model_folds_q_b_into_a_copy_of_its_own(monkeypatch):
     """LoadedVerifyModel adds q_b_folded (q_b times q_a's norm weight) to copies of the engine's layer dicts; the
     given dicts and tensors stay as they were, and the folded forward gives the synthetic model's logits."""
     from specverify import gemv as gemv_mod
-    from specverify.forward.model import fold_q_norm
+    from specverify.forward.model import attach_folded_q_b, fold_q_norm
     from specverify.forward.ops import specverify_ops
 
     monkeypatch.setattr(gemv_mod, "LINEAR_RULES", ((16, (1, 1 << 30), (1, 1 << 30)),))  # our GEMV at tiny sizes
@@ -141,8 +141,8 @@ def test_loaded_model_folds_q_b_into_a_copy_of_its_own(monkeypatch):
     layers = []
     for w in src.layers:
         w["q_a_norm"].copy_((1 + 0.5 * torch.randn(w["q_a_norm"].shape, generator=g)).to(w["q_a_norm"]))
-        w["q_b_folded"] = fold_q_norm(w["q_b"], w["q_a_norm"])
-        layers.append({n: t for n, t in w.items() if n != "q_b_folded"})  # as an engine hands them over
+        attach_folded_q_b(w)
+        layers.append({n: t for n, t in w.items() if not n.startswith("q_b_folded")})  # as an engine hands them
     q_b_before = [lw["q_b"].clone() for lw in layers]
     given = {"embed": src.embed, "lm_head": src.lm_head, "final_norm": src.final_norm, "layers": layers}
     ops, _ = specverify_ops(src)
@@ -166,3 +166,11 @@ def test_loaded_model_folds_q_b_into_a_copy_of_its_own(monkeypatch):
                 c.copy_(torch.randn(c.shape, generator=torch.Generator().manual_seed(8)))
         out.append(m.forward(ids, pos, caches, table, prefix))
     assert not torch.isnan(out[0]).any() and torch.equal(out[0], out[1])  # the same weights, the same launches
+    # an in-place weight update makes the fold stale: the forward refuses it until refold()
+    layers[0]["q_a_norm"].mul_(2)
+    caches = loaded.allocate_kv(4, ps)
+    with pytest.raises(RuntimeError, match="refold"):
+        loaded.forward(ids, pos, caches, table, prefix)
+    loaded.refold()
+    assert torch.equal(loaded.layers[0]["q_b_folded"], fold_q_norm(layers[0]["q_b"], layers[0]["q_a_norm"]))
+    assert not torch.isnan(loaded.forward(ids, pos, caches, table, prefix)).any()

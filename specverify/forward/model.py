@@ -46,6 +46,24 @@ FOLD_Q_NORM = True
 FOLD_Q_NORM_MAX_M = 4
 
 
+def attach_folded_q_b(w: dict) -> dict:
+    """Set ``w["q_b_folded"]`` (:func:`fold_q_norm` of the layer's ``q_b`` and ``q_a_norm``) and the two tensors'
+    in-place versions it was made from; the forward refuses a stale fold (:func:`check_folded_q_b`). Returns ``w``."""
+    w["q_b_folded"] = fold_q_norm(w["q_b"], w["q_a_norm"])
+    w["q_b_folded_from"] = (w["q_b"]._version, w["q_a_norm"]._version)
+    return w
+
+
+def check_folded_q_b(w: dict) -> None:
+    """Raise RuntimeError when ``q_b`` or ``q_a_norm`` changed in place after ``w``'s fold (a weight update): the
+    fold path would run the old weights while the unfolded one (above :data:`FOLD_Q_NORM_MAX_M` tokens) runs the new.
+    Fix: ``model.refold()`` after updating weights."""
+    if w.get("q_b_folded_from") != (w["q_b"]._version, w["q_a_norm"]._version):
+        raise RuntimeError("q_b or q_a_norm changed in place after q_b_folded was made (a weight update?): call "
+                           "model.refold() after updating weights, or set specverify.forward.model.FOLD_Q_NORM = "
+                           "False")
+
+
 def fold_q_norm(q_b: torch.Tensor, q_a_norm: torch.Tensor) -> torch.Tensor:
     """q_b's weight [heads, qk, q_lora] times q_a's RMSNorm weight [q_lora] along q_lora: ``q_b(rmsnorm(a)) ==
     (q_b * g)(a) * rsqrt(mean(a^2) + eps)`` per token. Computed in fp32 (fp64 for fp64 weights) and rounded once
@@ -178,7 +196,8 @@ class VerifyModel:
             q_a = pf.rand(f"{tag}.q_a", [c.q_lora_rank, h], fan_in=h)
             w["q_a_norm"] = pf.ones([c.q_lora_rank])
             w["q_b"] = pf.rand(f"{tag}.q_b", [heads_full, qk, c.q_lora_rank], shard_dim=0, fan_in=c.q_lora_rank)
-            w["q_b_folded"] = fold_q_norm(w["q_b"], w["q_a_norm"])  # q_b's input is then the un-normed q_a
+            if self.dtype == torch.bfloat16:  # the fold serves bf16 only (fp16's range is short for an un-normed q)
+                attach_folded_q_b(w)  # q_b's input is then the un-normed q_a
             kv_a = pf.rand(f"{tag}.kv_a", [c.kv_lora_rank + c.qk_rope_head_dim, h], fan_in=h)
             # q_a and kv_a read the same input: one stacked matrix, one GEMM (as serving engines fuse them)
             w["qkv_a"] = torch.cat([q_a, kv_a], 0)
@@ -244,6 +263,13 @@ class VerifyModel:
             w["route"] = RouteParams(c.num_experts_per_tok, c.scoring_func, w["bias"], c.n_group, c.topk_group,
                                      c.norm_topk_prob, c.routed_scaling_factor, e)
         return w
+
+    def refold(self) -> None:
+        """Remake every layer's ``q_b_folded`` from its current ``q_b`` and ``q_a_norm`` (after an in-place weight
+        update; :func:`check_folded_q_b`). Allocates: not inside a CUDA-graph capture; recapture graphs after it."""
+        for w in self._sets.values():
+            if "q_b_folded" in w:
+                attach_folded_q_b(w)
 
     def weight_bytes(self) -> int:
         seen, total = set(), 0
@@ -322,7 +348,8 @@ class VerifyModel:
         q_lora = c.q_lora_rank
         fold = None
         if (FOLD_Q_NORM and b * k <= FOLD_Q_NORM_MAX_M and ops.linear_sumsq is not None
-                and ops.mla_prep_absorb is not None and "q_b_folded" in w):
+                and ops.mla_prep_absorb is not None and "q_b_folded" in w and x.dtype == torch.bfloat16):
+            check_folded_q_b(w)
             # None where our GEMV does not run qkv_a (above 8 tokens, other dtypes): then the unfolded chain
             fold = ops.linear_sumsq(x, w["qkv_a"], q_lora)
         if fold is not None:

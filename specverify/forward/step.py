@@ -21,8 +21,9 @@ import dataclasses
 import torch
 
 from specverify.configs import ModelConfig, RankShapes
-from specverify.forward.model import VerifyModel, fold_q_norm
+from specverify.forward.model import VerifyModel, attach_folded_q_b
 from specverify.forward.ops import Ops
+from specverify.gemv import gemv_is_faster
 from specverify.reference.attention import gather_positions
 from specverify.tree import pack_mask
 
@@ -178,16 +179,18 @@ class LoadedVerifyModel(VerifyModel):
 
     @staticmethod
     def _with_folded_q_b(lw: dict) -> dict:
-        """A layer dict with ``q_b_folded`` (q_b times q_a's norm weight, :func:`~specverify.forward.model.fold_q_norm`)
-        added: a copy of ours, made once here, so the forward can fold q_a's RMSNorm away (one launch fewer per layer;
-        :data:`~specverify.forward.model.FOLD_Q_NORM`). The engine's tensors and the given dict are not modified.
-        Left out (the forward keeps the RMSNorm) for a non-MLA layer, one that already has it, or a q_b that is not
-        bf16 / fp16 / fp32 (a quantised weight cannot take the norm weight this way)."""
-        q_b, g = lw.get("q_b"), lw.get("q_a_norm")
-        if "q_b_folded" in lw or q_b is None or g is None or \
-                q_b.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        """A layer dict with ``q_b_folded`` (q_b times q_a's norm weight,
+        :func:`~specverify.forward.model.attach_folded_q_b`) added: a copy of ours, made once here, so the forward can
+        fold q_a's RMSNorm away (one launch fewer per layer; :data:`~specverify.forward.model.FOLD_Q_NORM`). The
+        engine's tensors and the given dict are not modified. Made only where the fold can run: a bf16 q_b and a
+        qkv_a shape our GEMV serves (:func:`specverify.gemv.gemv_is_faster` at one token); else the forward keeps the
+        RMSNorm. The copy is a snapshot: after an in-place weight update call :meth:`refold` (the forward raises on
+        a stale one)."""
+        q_b, g, qkv_a = lw.get("q_b"), lw.get("q_a_norm"), lw.get("qkv_a")
+        if ("q_b_folded" in lw or q_b is None or g is None or qkv_a is None or q_b.dtype != torch.bfloat16
+                or not gemv_is_faster(1, qkv_a.shape[0], qkv_a.shape[1])):
             return lw
-        return {**lw, "q_b_folded": fold_q_norm(q_b, g)}
+        return attach_folded_q_b(dict(lw))
 
     def _shard_shapes(self) -> RankShapes:
         """This rank's shapes, read from the shards (an engine's padding may differ from ``per_rank_shapes``)."""

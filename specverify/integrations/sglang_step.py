@@ -43,6 +43,8 @@ Weights (:func:`read_weights`): every tensor our layout needs is a view of SGLan
 agree, which is all of them except the expert stack with the shared expert appended (``w13_all`` / ``w2_all``),
 built only when the op table fuses the shared expert into the expert pass. That stack is copied once, and SGLang's
 routed-expert and shared-expert parameters are then re-pointed at views of it, so no memory is held twice. The
+one copy held beside SGLang's parameters: each MLA layer's q_b times q_a's norm weight (``q_b_folded``, where the
+fold can run; :class:`~specverify.forward.step.LoadedVerifyModel`), counted in ``held_extra_bytes``. The
 expert stacks of layers whose routed experts stay SGLang's are not read at all.
 
 RoPE and the softmax scale are the model's: DeepSeek-V3 / Kimi-K2 use YaRN (``deepseek_yarn``) rotary tables in
@@ -667,6 +669,7 @@ class VerifyStep:
         self.verify_model = LoadedVerifyModel(self.config, weights, dtype=self.dtype, device=self.device, ops=ops,
                                               tp=self.tp_size, rank=self.tp_rank,
                                               collectives=sglang_collectives() if self.tp_size > 1 else None)
+        self.weights.held_extra_bytes += self.verify_model.folded_bytes  # q_b's folded copies
         if self.tp_size > 1:  # our loop's collectives (the op table's allreduce is not called)
             ops.pieces["allreduce"] = "SGLang's TP group (tensor_model_parallel_all_reduce / all_gather)"
         self.calls = collections.Counter()

@@ -70,15 +70,17 @@ class NoisyCopyDrafter:
         for key, w in model._sets.items():
             nw = {}
             for name, t in w.items():
+                if name == "q_b_folded":  # follows the noisy q_b below: no draw of its own (the stream stays as it was)
+                    continue
                 if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 2:
                     nw[name] = t + noise * t.std() * torch.randn(t.shape, generator=g, device=t.device,
                                                                  dtype=t.dtype)
                 else:
                     nw[name] = t
             if "q_b_folded" in w:  # q_b's folded copy follows the noisy q_b (not noise of its own)
-                from specverify.forward.model import fold_q_norm
+                from specverify.forward.model import attach_folded_q_b
 
-                nw["q_b_folded"] = fold_q_norm(nw["q_b"], nw["q_a_norm"])
+                attach_folded_q_b(nw)
             mapping[id(w)] = nw
             self.model._sets[key] = nw
         self.model.layers = [mapping[id(w)] for w in model.layers]

@@ -128,7 +128,7 @@ def test_wall_step_case_does_the_verify_cases_work(tree_spec):
         torch.testing.assert_close(a[0], c[0], rtol=1e-5, atol=1e-5)
 
 
-def test_loaded_model_folds_q_b_into_a_copy_of_its_own(monkeypatch):
+def test_loaded_model_folds_q_b_into_a_copy_of_its_own(device, monkeypatch):
     """LoadedVerifyModel adds q_b_folded (q_b times q_a's norm weight) to copies of the engine's layer dicts; the
     given dicts and tensors stay as they were, and the folded forward gives the synthetic model's logits."""
     from specverify import gemv as gemv_mod
@@ -136,7 +136,7 @@ def test_loaded_model_folds_q_b_into_a_copy_of_its_own(monkeypatch):
     from specverify.forward.ops import specverify_ops
 
     monkeypatch.setattr(gemv_mod, "LINEAR_RULES", ((16, (1, 1 << 30), (1, 1 << 30)),))  # our GEMV at tiny sizes
-    src = VerifyModel("tiny-mla-moe", dtype=torch.bfloat16, seed=2)
+    src = VerifyModel("tiny-mla-moe", dtype=torch.bfloat16, seed=2, device=device)
     g = torch.Generator().manual_seed(3)
     layers = []
     for w in src.layers:
@@ -146,7 +146,7 @@ def test_loaded_model_folds_q_b_into_a_copy_of_its_own(monkeypatch):
     q_b_before = [lw["q_b"].clone() for lw in layers]
     given = {"embed": src.embed, "lm_head": src.lm_head, "final_norm": src.final_norm, "layers": layers}
     ops, _ = specverify_ops(src)
-    loaded = step.LoadedVerifyModel(src.config, given, dtype=torch.bfloat16, device="cpu", ops=ops)
+    loaded = step.LoadedVerifyModel(src.config, given, dtype=torch.bfloat16, device=device, ops=ops)
     assert all("q_b_folded" not in lw for lw in layers)  # the given dicts are not modified
     assert all(torch.equal(lw["q_b"], before) for lw, before in zip(layers, q_b_before))
     for lw, mine in zip(layers, loaded.layers):
@@ -154,10 +154,10 @@ def test_loaded_model_folds_q_b_into_a_copy_of_its_own(monkeypatch):
     assert loaded.folded_bytes == sum(lw["q_b"].numel() * 2 for lw in layers)
     src.ops = ops
     b, k, ps = 1, 3, 4
-    table = torch.arange(3, dtype=torch.int32).view(1, 3)
-    prefix = torch.tensor([5], dtype=torch.int32)
-    ids = torch.randint(0, src.config.vocab_size, (b, k), generator=g)
-    pos = prefix.long()[:, None] + torch.arange(k)
+    table = torch.arange(3, dtype=torch.int32, device=device).view(1, 3)
+    prefix = torch.tensor([5], dtype=torch.int32, device=device)
+    ids = torch.randint(0, src.config.vocab_size, (b, k), generator=g).to(device)
+    pos = prefix.long()[:, None] + torch.arange(k, device=device)
     out = []
     for m in (src, loaded):
         caches = m.allocate_kv(4, ps)

@@ -45,7 +45,9 @@ VARIANTS.update({f"no-{slot}": dict(off=(slot,)) for slot in FUSIONS})
 VARIANTS.update({f"splitk-m{m}": dict(off=(), stream={"splitk_max_m": m}) for m in (4, 6)})
 VARIANTS["block-m4"] = dict(off=(), set={"moe_block_max_m": 4})
 #: module attributes read at each launch: (module, attribute, value)
-VARIANTS["cublas-o"] = dict(off=(), linear_drop=((8, (7168, 7168), (1024, 2048)),))
+#: o_proj's rule (``specverify.gemv.LINEAR_RULES``, N 7168, K 1024 / 2048): the ``cublas-o`` and ``rr-o-*`` variants
+_O_PROJ = (8, (7168, 7168), (1024, 2048))
+VARIANTS["cublas-o"] = dict(off=(), linear_drop=(_O_PROJ,))
 VARIANTS["no-q-fold"] = dict(off=(), attrs=(("specverify.forward.model", "FOLD_Q_NORM", False),))
 VARIANTS["no-early-kv"] = dict(off=(), attrs=(("specverify.kernels.tree_attention_wgmma", "EARLY_KV", False),))
 #: GEMV launch rules tried in the pass ahead of ``specverify.gemv.SHAPE_CONFIGS``: the shape's own config (read
@@ -57,10 +59,9 @@ VARIANTS.update({f"w{w}-{name}": dict(off=(), gemv=((rule, {**gemv_config(rule[0
                  for name, rule in _GEMV_RULES.items() for w in (1, 4)})
 #: row-range GEMVs (``ROW_RANGE``: one range of weight rows a program over all K, no reduce), named
 #: ``rr-<proj>-k<BLOCK_K>-s<stages>[-w<warps>][-x<waves>][-p<prefetch bytes>]`` and built on demand
-#: (:func:`_variant`); ``o`` also gives
-#: o_proj (N 7168, K 1024 / 2048, cuBLAS's today) to the GEMV
+#: (:func:`_variant`); ``o`` also adds o_proj's rule to ``LINEAR_RULES`` (already there since 2026-12-06)
 _RR_RULES = {"qkv": (8, (2048, 4096), (7168, 7168)), "qb": (4, (1536, 1536), (1536, 1536)),
-             "o": (8, (7168, 7168), (1024, 2048))}
+             "o": _O_PROJ}
 
 
 def _variant(name: str) -> dict | None:

@@ -389,8 +389,8 @@ def mla_prep_absorb(q, kv, positions, norm_weight, w_uk, cache, page_table, pref
     -----
     CUDA-graph capturable (``q_sumsq`` is read on the device; its address is the GEMV's persistent buffer); a
     programmatic dependent on sm_90+. Page ids are not range-checked here (see the verify API).
-    ``impl="reference"``: the two references in turn (with ``q_sumsq``,
-    :func:`specverify.reference.fused_ops.mla_prep_absorb_reference`).
+    ``impl="reference"``: :func:`specverify.reference.fused_ops.mla_prep_absorb_reference` (the two references in
+    turn).
     """
     from specverify.reference import fused_ops as ref
 
@@ -406,13 +406,9 @@ def mla_prep_absorb(q, kv, positions, norm_weight, w_uk, cache, page_table, pref
                          "neither")
     out = _check_out(op, out, (b, k, h, w_uk.shape[2]), q)
     if not _use_triton(impl, q, kv, cache, w_uk):
-        if q_sumsq is not None:
-            return out.copy_(ref.mla_prep_absorb_reference(
-                q, kv, positions, norm_weight, w_uk, cache, page_table, prefix_lens, eps, theta, nope_dim,
-                cos_sin=cos_sin, interleaved=interleaved, q_sumsq=q_sumsq, q_dim=q_dim))
-        mla_kv_prep(q, kv, positions, norm_weight, cache, page_table, prefix_lens, eps=eps, theta=theta,
-                    nope_dim=nope_dim, cos_sin=cos_sin, interleaved=interleaved, impl="reference")
-        return mla_absorb_q(q, w_uk, nope_dim, out=out, impl="reference")
+        return out.copy_(ref.mla_prep_absorb_reference(
+            q, kv, positions, norm_weight, w_uk, cache, page_table, prefix_lens, eps, theta, nope_dim,
+            cos_sin=cos_sin, interleaved=interleaved, q_sumsq=q_sumsq, q_dim=q_dim))
     if q.stride(-1) != 1 or kv.stride(-1) != 1 or not cache.is_contiguous():
         raise ValueError(f"{op}: q, kv need a unit last stride and the cache must be contiguous")
     try:

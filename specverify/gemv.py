@@ -17,7 +17,6 @@ _FLOAT = (torch.bfloat16, torch.float16)
 #: Largest M the kernel serves (the MMA's N side, 16 token columns); callers use torch.matmul above it.
 MAX_M = 16
 _BUFFERS: dict = {}
-_SUMSQ: dict = {}
 #: Splits from which the last program of a row tile sums the partials with one wide load per token row at every M
 #: (below it, and above one token, split by split): qkv_a's 8 splits lost with the wide form at 8 tokens (15.0
 #: against 11.4 us); the router's ~66 splits serialise the split-by-split loop (15.5 us at 4 tokens, bench_gemv).
@@ -96,26 +95,17 @@ def gemv_split(n: int, k: int, sms: int, cfg: dict | None = None) -> tuple[int, 
     return -(-k // per), per
 
 
-def _sumsq_buffer(device, n, rows):
-    """fp32 [row tiles, MAX_M]: the per-tile sums of squares of :func:`gemv_sumsq` for one (device, N, rows a tile),
-    kept (graph replays reuse the address)."""
-    key = (device, n, rows)
-    buf = _SUMSQ.get(key)
-    if buf is None:
-        buf = torch.empty(-(-n // rows), MAX_M, dtype=torch.float32, device=device)
-        _SUMSQ[key] = buf
-    return buf
-
-
 def _buffers(device, n, split, rows):
-    """(partials fp32 [split, MAX_M, n], tickets int32 [row tiles]) for one (device, N, rows a tile), grown to
-    ``split`` and kept (graph replays reuse the addresses)."""
+    """(partials fp32 [split, MAX_M, n], tickets int32 [row tiles], sums of squares fp32 [row tiles, MAX_M] of
+    :func:`gemv_sumsq`) for one (device, N, rows a tile), grown to ``split`` and kept (graph replays reuse the
+    addresses)."""
     key = (device, n, rows)
     buf = _BUFFERS.get(key)
     if buf is None or buf[0].shape[0] < split:
         tiles = -(-n // rows)
         buf = (torch.empty(split, MAX_M, n, dtype=torch.float32, device=device),
-               torch.zeros(tiles, dtype=torch.int32, device=device))
+               torch.zeros(tiles, dtype=torch.int32, device=device),
+               torch.empty(tiles, MAX_M, dtype=torch.float32, device=device))
         _BUFFERS[key] = buf
     return buf
 
@@ -223,8 +213,7 @@ def _launch(x, w, out, sumsq_cols: int = 0):
     sms = sm_count(x.device.type, x.device.index)
     split, per = gemv_split(n, k, sms, cfg)
     rows, block_n = gemv_rows(n, sms, cfg)
-    part, ticket = _buffers(x.device, n, split, rows)
-    sums = _sumsq_buffer(x.device, n, rows) if sumsq_cols else part
+    part, ticket, sums = _buffers(x.device, n, split, rows)
     grid = (-(-n // rows), split)
     pdl = pdl_launch(x.device)
     k_prefetch = prefetch_columns(grid[0] * grid[1], per, x.element_size(), cfg, rows) if pdl else 0

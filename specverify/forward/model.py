@@ -365,13 +365,10 @@ class VerifyModel:
         q = ops.linear(q, q_b.reshape(-1, q_b.shape[-1])).view(b, k, heads, q_b.shape[1])  # [b, k, heads, nope + rope]
         kv = qkv[..., q_lora:]  # [b, k, kv_lora + rope]
         # latent norm, rope of key and query rope part, KV written into the cache; the query into the latent space
-        if fold is not None:
+        if ops.mla_prep_absorb is not None:  # with the fold, q_a's RMSNorm scale from the sums of squares
+            scale = dict(q_sumsq=q_sumsq, q_dim=q_lora) if fold is not None else {}
             q_latent = ops.mla_prep_absorb(q, kv, positions, w["kv_a_norm"], w["w_uk"], cache[0], page_table,
-                                           prefix_lens, eps, c.rope_theta, c.qk_nope_head_dim, q_sumsq=q_sumsq,
-                                           q_dim=q_lora)
-        elif ops.mla_prep_absorb is not None:
-            q_latent = ops.mla_prep_absorb(q, kv, positions, w["kv_a_norm"], w["w_uk"], cache[0], page_table,
-                                           prefix_lens, eps, c.rope_theta, c.qk_nope_head_dim)
+                                           prefix_lens, eps, c.rope_theta, c.qk_nope_head_dim, **scale)
         else:
             ops.mla_prep(q, kv, positions, w["kv_a_norm"], cache[0], page_table, prefix_lens, eps, c.rope_theta,
                          c.qk_nope_head_dim)

@@ -8,7 +8,7 @@ two launches, the shared expert's slot appended by a launch of its own, no one-l
 default table), ``no-<slot>`` (one slot of ``FUSIONS`` emptied); gate/up of the stream experts (merged into
 ``specverify.moe._STREAM_OVERRIDE``): ``fma`` (no split-K MMA gate/up), ``splitk-m4`` / ``splitk-m6`` (split-K up
 to 4 / 6 tokens); ``block-m4`` (the one-launch MoE block up to 4 tokens instead of ``MOE_BLOCK_MAX_M``);
-``w<1|4>-<router|qkv|qb>`` (that GEMV's grid at 1 or 4 programs an SM instead of 2); ``rr-<qkv|qb|o|router>-k..-s..``
+``w<1|4>-<router|qkv|qb>`` (that GEMV's grid at 1 or 4 programs an SM instead of 2); ``rr-<qkv|qb|o>-k..-s..``
 (that projection on the row-range GEMV, see ``_RR_RULES``); ``cublas-o`` (o_proj on cuBLAS again);
 ``no-q-fold`` (q_a's RMSNorm a launch of its own again, ``forward.model.FOLD_Q_NORM``); ``no-early-kv`` (the MLA
 attention's first prefix KV tile read after the PDL wait, not before).
@@ -39,7 +39,7 @@ import sys
 from specverify import verify_wall as vw
 from specverify.gemv import gemv_config
 
-FUSIONS = ("mla_prep_absorb", "route_shared", "moe_block")
+FUSIONS = ("mla_prep_absorb", "route_shared", "moe_block", "attention_mla_up_v")
 VARIANTS = {"chain": dict(off=FUSIONS), "fused": dict(off=()), "fma": dict(off=(), stream={"splitk_max_m": 0})}
 VARIANTS.update({f"no-{slot}": dict(off=(slot,)) for slot in FUSIONS})
 VARIANTS.update({f"splitk-m{m}": dict(off=(), stream={"splitk_max_m": m}) for m in (4, 6)})
@@ -49,6 +49,9 @@ VARIANTS["block-m4"] = dict(off=(), set={"moe_block_max_m": 4})
 _O_PROJ = (8, (7168, 7168), (1024, 2048))
 VARIANTS["cublas-o"] = dict(off=(), linear_drop=(_O_PROJ,))
 VARIANTS["no-q-fold"] = dict(off=(), attrs=(("specverify.forward.model", "FOLD_Q_NORM", False),))
+#: the fused merge + W_UV's grid (``specverify.attention.MERGE_UP_V_PROGRAMS``: latent parts until this many programs)
+VARIANTS.update({f"muv-p{n}": dict(off=(), attrs=(("specverify.attention", "MERGE_UP_V_PROGRAMS", n),))
+                 for n in (32, 64, 256, 512)})
 VARIANTS["no-early-kv"] = dict(off=(), attrs=(("specverify.kernels.tree_attention_wgmma", "EARLY_KV", False),))
 #: GEMV launch rules tried in the pass ahead of ``specverify.gemv.SHAPE_CONFIGS``: the shape's own config (read
 #: from ``gemv_config`` at the rule's largest M and smallest N, K) with the grid at ``WAVES`` programs an SM.
@@ -59,10 +62,9 @@ VARIANTS.update({f"w{w}-{name}": dict(off=(), gemv=((rule, {**gemv_config(rule[0
                  for name, rule in _GEMV_RULES.items() for w in (1, 4)})
 #: row-range GEMVs (``ROW_RANGE``: one range of weight rows a program over all K, no reduce), named
 #: ``rr-<proj>-k<BLOCK_K>-s<stages>[-w<warps>][-x<waves>][-p<prefetch bytes>]`` and built on demand
-#: (:func:`_variant`); ``o`` and ``router`` also add their rule to ``LINEAR_RULES`` (o_proj's is there since
-#: 2026-12-06)
+#: (:func:`_variant`); ``o`` also adds o_proj's rule to ``LINEAR_RULES`` (already there since 2026-12-06)
 _RR_RULES = {"qkv": (8, (2048, 4096), (7168, 7168)), "qb": (4, (1536, 1536), (1536, 1536)),
-             "o": _O_PROJ, "router": (8, (256, 384), (7168, 7168))}
+             "o": _O_PROJ}
 
 
 def _variant(name: str) -> dict | None:
@@ -80,7 +82,7 @@ def _variant(name: str) -> dict | None:
             return None
         over[keys[p[0]]] = int(p[1:])
     var = dict(off=(), gemv=((rule, {**gemv_config(rule[0], rule[1][0], rule[2][0]), **over}),))
-    if parts[1] in ("o", "router"):  # projections cuBLAS serves today at these shapes
+    if parts[1] == "o":
         var["linear"] = (rule,)
     return var
 

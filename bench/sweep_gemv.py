@@ -40,12 +40,6 @@ CONFIGS = [
     {"ROW_RANGE": True, "WAVES": 1, "BLOCK_K": 256, "num_stages": 3, "num_warps": 8},
     {"ROW_RANGE": True, "WAVES": 2, "BLOCK_K": 256, "num_stages": 3},
     {"ROW_RANGE": True, "WAVES": 2, "BLOCK_K": 128, "num_stages": 4},
-    # the router (N 256 / 384 over K 7168): 2-3 rows a program, so few, long K chunks
-    {"ROW_RANGE": True, "WAVES": 1, "BLOCK_K": 512, "num_stages": 4},
-    {"ROW_RANGE": True, "WAVES": 1, "BLOCK_K": 1024, "num_stages": 2},
-    {"ROW_RANGE": True, "WAVES": 1, "BLOCK_K": 1024, "num_stages": 3},
-    {"ROW_RANGE": True, "WAVES": 2, "BLOCK_K": 512, "num_stages": 3},
-    {"ROW_RANGE": True, "WAVES": 2, "BLOCK_K": 1024, "num_stages": 2},
 ]
 
 

@@ -286,22 +286,22 @@ class VerifyModel:
 
     # KV cache ---------------------------------------------------------------------------------------------
     def allocate_kv(self, num_pages: int, page_size: int, fill: float | None = None):
-        """One cache per layer: MLA ``[num_pages, page_size, kv_lora + rope]``; GQA a (k, v) pair of
-        ``[num_pages, page_size, kv_heads, head_dim]``. ``fill`` (e.g. NaN) poisons every slot."""
+        """One cache per layer, as views of ONE buffer: MLA ``[num_pages, page_size, kv_lora + rope]`` (layer l is
+        ``buf[l]`` of ``[num_layers, num_pages, page_size, row]``); GQA a (k, v) pair of ``[num_pages, page_size,
+        kv_heads, head_dim]`` (``buf[l, 0]``, ``buf[l, 1]`` of ``[num_layers, 2, ...]``). Each view is contiguous
+        and the flattened list ``[c for layer in caches for c in layer]`` is equally spaced, so
+        :func:`specverify.compact_kv` compacts every layer in one launch. ``fill`` (default 0; e.g. NaN) poisons
+        every slot."""
         s = self.shapes
-        caches = []
-        for _ in range(self.num_layers):
-            if s.attention == "mla":
-                shape = [(num_pages, page_size, s.kv_lora_rank + s.qk_rope_head_dim)]
-            else:
-                shape = [(num_pages, page_size, s.num_kv_heads, s.head_dim)] * 2
-            bufs = []
-            for sh in shape:
-                t = torch.empty(sh, device=self.device, dtype=self.dtype)
-                t.fill_(0.0 if fill is None else fill)
-                bufs.append(t)
-            caches.append(bufs)
-        return caches
+        if s.attention == "mla":
+            buf = torch.empty(self.num_layers, num_pages, page_size, s.kv_lora_rank + s.qk_rope_head_dim,
+                              device=self.device, dtype=self.dtype)
+        else:
+            buf = torch.empty(self.num_layers, 2, num_pages, page_size, s.num_kv_heads, s.head_dim,
+                              device=self.device, dtype=self.dtype)
+        buf.fill_(0.0 if fill is None else fill)
+        return [[buf[layer]] if s.attention == "mla" else [buf[layer, 0], buf[layer, 1]]
+                for layer in range(self.num_layers)]
 
     # collectives -------------------------------------------------------------------------------------------
     def allreduce(self, x):
@@ -375,8 +375,13 @@ class VerifyModel:
             q_latent = ops.mla_absorb_q(q, w["w_uk"], c.qk_nope_head_dim)  # [b, k, heads, kv_lora]
         q_pe = q[..., c.qk_nope_head_dim:]  # a view: the attention kernels take strided queries
         sm_scale = 1.0 / math.sqrt(c.qk_nope_head_dim + c.qk_rope_head_dim)
-        o_latent = ops.attention_mla(q_latent, q_pe, cache[0], page_table, prefix_lens, tree_mask, sm_scale)
-        return ops.linear(ops.mla_up_v(o_latent, w["w_uv"]), w["o"])
+        if ops.attention_mla_up_v is not None:  # the split merge and W_UV in one launch
+            v = ops.attention_mla_up_v(q_latent, q_pe, cache[0], page_table, prefix_lens, tree_mask, sm_scale,
+                                       w["w_uv"])
+        else:
+            o_latent = ops.attention_mla(q_latent, q_pe, cache[0], page_table, prefix_lens, tree_mask, sm_scale)
+            v = ops.mla_up_v(o_latent, w["w_uv"])
+        return ops.linear(v, w["o"])
 
     def _gqa(self, w, x, positions, cache, page_table, prefix_lens, tree_mask):
         s, c, ops = self.shapes, self.config, self.ops

@@ -332,9 +332,9 @@ def _mla_merge_up_v_kernel(
     v_mask = offs_v < V
     w = tl.load(W + h * stride_wh + offs_j[:, None] * stride_wk + offs_v[None, :], mask=v_mask[None, :],
                 other=0.0).to(tl.float32)
-    if PDL:  # the weight above is constant: loaded while the split kernel finishes
+    if PDL:  # the weight above is constant: loaded while the split kernel finishes; the successor launches only
+        gdc_wait()  # after the wait (resident early, its programs would take the split kernel's room)
         gdc_launch_dependents()
-        gdc_wait()
     b = row // NUM_DRAFT
     i = row % NUM_DRAFT
     offs_s = tl.arange(0, BLOCK_S)

@@ -717,8 +717,9 @@ def _launch(*, q, qr, kc, vc, k_strides, v_strides, page_table, prefix_lens, tre
 #: The fused merge + W_UV launch splits each (token, head)'s latent columns into parts until it has at least this
 #: many programs (or 16-column parts); a part holds its splits' partials [splits, columns] in registers (<= 4096).
 MERGE_UP_V_PROGRAMS = 128
-#: (partials fp32, tickets int32) of the fused merge + W_UV per (device, V), grown and kept (graph replays reuse the
-#: addresses; the tickets reset themselves)
+#: (partials fp32, tickets int32) of the fused merge + W_UV per (device, V, token-head rows, latent parts): one pair
+#: per shape, never replaced (a graph captured at one draft length keeps its addresses while another length runs;
+#: the tickets reset themselves)
 _MERGE_UP_V_BUFFERS: dict = {}
 
 
@@ -731,12 +732,11 @@ def _merge_up_v_block_j(d: int, splits: int, rows: int) -> int:
 
 
 def _merge_up_v_buffers(device, rows: int, parts: int, v: int):
-    key = (device, v)
+    key = (device, v, rows, parts)
     buf = _MERGE_UP_V_BUFFERS.get(key)
-    if buf is None or buf[0].shape[0] < rows * parts or buf[1].numel() < rows:
-        n = max(rows, 0 if buf is None else buf[1].numel())
-        p = max(rows * parts, 0 if buf is None else buf[0].shape[0])
-        buf = (torch.empty(p, v, dtype=torch.float32, device=device), torch.zeros(n, dtype=torch.int32, device=device))
+    if buf is None:
+        buf = (torch.empty(rows * parts, v, dtype=torch.float32, device=device),
+               torch.zeros(rows, dtype=torch.int32, device=device))
         _MERGE_UP_V_BUFFERS[key] = buf
     return buf
 

@@ -127,3 +127,30 @@ def test_gpu_merge_up_v(case, poison, graph_replay):
     kw = dict(page_table=c["table"], prefix_lens=c["prefix"], tree_mask=c["mask"], sm_scale=0.1, plan=plan,
               validate=False)
     graph_replay(lambda: tree_attention_mla_up_v(c["ql"], c["qr"], c["kv"], c["w_uv"], **kw), [c["ql"], c["qr"]])
+
+
+@pytest.mark.gpu
+def test_gpu_graph_keeps_its_buffers_across_draft_lengths():
+    """A pass captured at one draft length replays right after eager calls at other lengths (each (token x head,
+    parts) shape keeps its own partials and tickets; a buffer grown in place would leave the graph on freed memory)."""
+    from conftest import warm_up_for_capture
+
+    cases = {k: _case("cuda", prefix_lens=[4095, 2000], k=k, h=8, r=512, dr=64, v=128, page_size=64,
+                      mask_kind="chain", dtype=torch.bfloat16, seed=k) for k in (1, 4, 8)}
+
+    def step(k):
+        c = cases[k]
+        return tree_attention_mla_up_v(c["ql"], c["qr"], c["kv"], c["w_uv"], page_table=c["table"],
+                                       prefix_lens=c["prefix"], sm_scale=0.1, validate=False)
+
+    warm_up_for_capture(lambda: step(1))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step(1)
+    for k in (4, 8):  # other shapes after the capture
+        step(k)
+    for _ in range(2):
+        cases[1]["ql"].copy_(torch.randn_like(cases[1]["ql"]))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, step(1))

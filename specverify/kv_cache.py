@@ -53,10 +53,15 @@ def compact_kv(caches: Sequence[torch.Tensor] | torch.Tensor, page_table: torch.
 
     Notes
     -----
-    One launch per cache (grid: request x column block); with ``validate=False`` or under capture no host sync:
-    CUDA-graph capturable. Copies run in
-    increasing depth inside one program, which is safe for overlapping ranges because accepted node indices
-    strictly increase and are never below their depth.
+    One launch per run of equally spaced caches (grid: request x column block x cache of the run): consecutive
+    caches of one shape, dtype and strides, views of one storage at a constant, nonzero address step no smaller than
+    the span of one cache (so they do not overlap), such as the per-layer views of
+    :meth:`specverify.forward.model.VerifyModel.allocate_kv`'s one buffer, flattened ``[c for layer in caches for
+    c in layer]``: a 61-layer model pays one launch, not 61. Any other cache (a separate allocation, a repeated or
+    overlapping view) is a run of one, launched on its own in list order, as before. A run longer than CUDA's
+    grid limit (65535) is split. With ``validate=False`` or under capture no host sync: CUDA-graph capturable.
+    Copies run in increasing depth inside one program, which is safe for overlapping ranges because accepted node
+    indices strictly increase and are never below their depth.
 
     Examples
     --------
@@ -119,13 +124,62 @@ def compact_kv(caches: Sequence[torch.Tensor] | torch.Tensor, page_table: torch.
 
     nodes = accepted_nodes.contiguous()
     pt = page_table if page_table.stride(1) == 1 else page_table.contiguous()
-    for c in caches:
+    for c, count, stride_cache in _compaction_runs(caches):
         row = c[0, 0].numel()
         block = min(4096, max(16, _pow2(row)))
-        grid = (batch, -(-row // block))
-        _kv_compact_kernel[grid](c, pt, prefix_lens, nodes, accept_len, length, row, c.stride(0), c.stride(1),
-                                 pt.stride(0), PAGE_SIZE=page_size, BLOCK=block,
+        grid = (batch, -(-row // block), count)
+        _kv_compact_kernel[grid](c, pt, prefix_lens, nodes, accept_len, length, row, stride_cache, c.stride(0),
+                                 c.stride(1), pt.stride(0), PAGE_SIZE=page_size, BLOCK=block,
                                  num_warps=4 if block >= 512 else 1)
+
+
+#: CUDA's limit on grid axis 2 (the caches of one launch): a longer run is served by several launches
+_GRID_Z_MAX = 65535
+
+
+def _span_bytes(t: torch.Tensor) -> int:
+    """Bytes from the lowest to one past the highest address a non-empty tensor covers."""
+    return (sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
+def _compaction_runs(caches: list[torch.Tensor], max_run: int | None = None) -> list[tuple[torch.Tensor, int, int]]:
+    """Group ``caches`` into the runs one compaction launch serves: ``(base, count, stride_cache)``, cache z of the
+    run at ``base`` + ``z * stride_cache`` elements, in list order.
+
+    A run is consecutive caches of one shape, dtype and strides, views of one storage whose addresses step by a
+    constant ``delta`` bytes, a nonzero multiple of the element size with ``|delta|`` at least one cache's span: so
+    a run's caches are disjoint and compacting them in one grid equals compacting them one after another. A run
+    whose addresses decrease is launched from its lowest cache (``base`` is its last one, ``stride_cache`` > 0).
+    Everything else (a separate allocation, the same tensor twice, overlapping views) is a run of one,
+    ``(cache, 1, 0)``. Runs hold at most ``max_run`` caches (default: CUDA's grid limit, :data:`_GRID_Z_MAX`).
+    """
+    max_run = _GRID_Z_MAX if max_run is None else max_run
+    runs = []
+    i = 0
+    while i < len(caches):
+        first = caches[i]
+        j, delta = i + 1, 0
+        if first.numel() > 0:
+            storage, span = first.untyped_storage().data_ptr(), _span_bytes(first)
+            while j < len(caches) and j - i < max_run:
+                c = caches[j]
+                if (c.shape != first.shape or c.dtype != first.dtype or c.stride() != first.stride()
+                        or c.untyped_storage().data_ptr() != storage):
+                    break
+                step = c.data_ptr() - caches[j - 1].data_ptr()
+                if delta == 0:  # the run's second cache sets its step
+                    if step == 0 or step % first.element_size() or abs(step) < span:
+                        break
+                    delta = step
+                elif step != delta:
+                    break
+                j += 1
+        if j - i == 1:
+            runs.append((first, 1, 0))
+        else:
+            runs.append((first if delta > 0 else caches[j - 1], j - i, abs(delta) // first.element_size()))
+        i = j
+    return runs
 
 
 def _check_values(num_pages: int, page_size: int, page_table: torch.Tensor, prefix_lens: torch.Tensor,

@@ -13,7 +13,9 @@ to 4 / 6 tokens); ``block-m4`` (the one-launch MoE block up to 4 tokens instead 
 ``no-q-fold`` (q_a's RMSNorm a launch of its own again, ``forward.model.FOLD_Q_NORM``); ``no-early-kv`` (the MLA
 attention's first prefix KV tile read after the PDL wait, not before).
 Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded into the projections and
-q_a's norm in the qkv_a GEMV's last tile (slower in the pass), the split merge fused with W_UV (slower alone), a
+q_a's norm in the qkv_a GEMV's last tile (slower in the pass), the split merge fused with W_UV (slower alone; again
+as latent parts a program summed by a ticket, `no-attention_mla_up_v` against it: 0.06 / 0.12 / 0.32 / 0.48 ms
+slower at k = 1 / 2 / 4 / 8), the router on row-range GEMVs at 3-8 tokens (1.2 ms slower at k = 3), a
 stream-K gate/up and TMA weight tiles (no faster in the pass), an L2 prefetch of o_proj / router / shared expert on
 a side stream (slower), GEMV weight slices loaded before the PDL wait and the split merge letting its successor
 launch before its wait (no faster), the shared expert's rows sent to L2 before the gate/up's wait (slower at 2
@@ -39,7 +41,7 @@ import sys
 from specverify import verify_wall as vw
 from specverify.gemv import gemv_config
 
-FUSIONS = ("mla_prep_absorb", "route_shared", "moe_block", "attention_mla_up_v")
+FUSIONS = ("mla_prep_absorb", "route_shared", "moe_block")
 VARIANTS = {"chain": dict(off=FUSIONS), "fused": dict(off=()), "fma": dict(off=(), stream={"splitk_max_m": 0})}
 VARIANTS.update({f"no-{slot}": dict(off=(slot,)) for slot in FUSIONS})
 VARIANTS.update({f"splitk-m{m}": dict(off=(), stream={"splitk_max_m": m}) for m in (4, 6)})
@@ -49,9 +51,6 @@ VARIANTS["block-m4"] = dict(off=(), set={"moe_block_max_m": 4})
 _O_PROJ = (8, (7168, 7168), (1024, 2048))
 VARIANTS["cublas-o"] = dict(off=(), linear_drop=(_O_PROJ,))
 VARIANTS["no-q-fold"] = dict(off=(), attrs=(("specverify.forward.model", "FOLD_Q_NORM", False),))
-#: the fused merge + W_UV's grid (``specverify.attention.MERGE_UP_V_PROGRAMS``: latent parts until this many programs)
-VARIANTS.update({f"muv-p{n}": dict(off=(), attrs=(("specverify.attention", "MERGE_UP_V_PROGRAMS", n),))
-                 for n in (32, 64, 256, 512)})
 VARIANTS["no-early-kv"] = dict(off=(), attrs=(("specverify.kernels.tree_attention_wgmma", "EARLY_KV", False),))
 #: GEMV launch rules tried in the pass ahead of ``specverify.gemv.SHAPE_CONFIGS``: the shape's own config (read
 #: from ``gemv_config`` at the rule's largest M and smallest N, K) with the grid at ``WAVES`` programs an SM.

@@ -22,8 +22,6 @@ Split s covers prefix tokens ``[s * C, min((s + 1) * C, prefix))`` with ``C = ce
 BLOCK_N``; the last split continues through the k draft tokens in the same loop (their visibility read through the
 bit-packed mask; ``BLOCK_K`` is unused and kept for launcher compatibility). With S > 1 each split writes a normalised partial output and its lse to the workspace and
 ``_tree_attention_merge_kernel`` combines them: ``lse = logsumexp_s lse_s``, ``out = sum_s exp(lse_s - lse) o_s``.
-Absorbed MLA in the verify forward takes ``_mla_merge_up_v_kernel`` instead: the same merge, then the value
-up-projection W_UV of each head, in one launch (its programs split the latent columns; a ticket sums them).
 Empty splits write ``lse_s = -inf, o_s = 0``. ``DOT_FP32`` upcasts the dot operands to fp32; the launcher sets it
 only under the CPU interpreter, whose bf16 ``tl.dot`` returns garbage (seen with Triton 3.9 + numpy 2.4). Loads past a request's length are masked (``other=0``) and their scores
 set to -inf, so NaN in unused cache slots or garbage page ids past the length never reach the result.
@@ -302,63 +300,3 @@ def _tree_attention_merge_kernel(
         if dv_tile == 0:
             lse = tl.where(total > 0.0, m_safe + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf"))
             tl.store(LSE + row, lse)
-
-
-@triton.jit
-def _mla_merge_up_v_kernel(
-    WS_O, WS_LSE, W, OUT, PART, TICKET,
-    stride_wh, stride_wk, stride_ot, stride_oh,
-    NUM_DRAFT: tl.constexpr, NUM_Q_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, D: tl.constexpr, V: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr = False,
-):
-    """The split merge of the absorbed-MLA attention fused with the value up-projection W_UV:
-    ``OUT[t, h, :] = merge_s(WS_O[b, s, i, h, :]) @ W[h]`` (t = b * NUM_DRAFT + i), the merged latent rounded to
-    OUT's dtype first, as the merge kernel stores it. Program (h * J + jb, t) merges latent columns
-    [jb * BLOCK_J, (jb + 1) * BLOCK_J) of row (t, h) over every split and multiplies them by those rows of W[h]
-    (loaded before the PDL wait: a weight); with J = D / BLOCK_J > 1 it writes its fp32 partial [V] to PART and
-    takes a ticket of (t, h) (acquire-release); the J-th sums the J partials in order of jb, stores OUT and resets
-    the ticket (graph-replayable, no memset; the same bits every launch).
-
-    WS_O fp32 [>= B, S, k, H, D], WS_LSE fp32 [>= B, S, k, H] (the split kernels' workspace), W [H, D, V] (unit last
-    stride), OUT [T, H, V] strided (stride_ot, stride_oh; unit last), PART fp32 [>= T * H * J, V], TICKET int32
-    [>= T * H], zero before the first launch."""
-    J: tl.constexpr = D // BLOCK_J
-    pid = tl.program_id(0)
-    row = tl.program_id(1).to(tl.int64)
-    h = pid // J
-    jb = pid % J
-    offs_j = jb * BLOCK_J + tl.arange(0, BLOCK_J)
-    offs_v = tl.arange(0, BLOCK_V)
-    v_mask = offs_v < V
-    w = tl.load(W + h * stride_wh + offs_j[:, None] * stride_wk + offs_v[None, :], mask=v_mask[None, :],
-                other=0.0).to(tl.float32)
-    if PDL:  # the weight above is constant: loaded while the split kernel finishes; the successor launches only
-        gdc_wait()  # after the wait (resident early, its programs would take the split kernel's room)
-        gdc_launch_dependents()
-    b = row // NUM_DRAFT
-    i = row % NUM_DRAFT
-    offs_s = tl.arange(0, BLOCK_S)
-    s_mask = offs_s < NUM_SPLITS
-    ws_rows = ((b * NUM_SPLITS + offs_s) * NUM_DRAFT + i) * NUM_Q_HEADS + h  # [BLOCK_S]
-    lse_s = tl.load(WS_LSE + ws_rows, mask=s_mask, other=float("-inf"))
-    o = tl.load(WS_O + ws_rows[:, None] * D + offs_j[None, :], mask=s_mask[:, None], other=0.0)
-    m = tl.max(lse_s, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    wt = tl.exp(lse_s - m_safe)  # 0 for empty splits (their o is 0: no 0 * NaN)
-    total = tl.sum(wt, 0)
-    merged = tl.sum(wt[:, None] * o, 0) / tl.where(total > 0.0, total, 1.0)
-    merged = merged.to(OUT.dtype.element_ty).to(tl.float32)  # as the merge kernel stores it
-    part = tl.sum(merged[:, None] * w, 0)  # [BLOCK_V] fp32
-    out_ptr = OUT + row * stride_ot + h * stride_oh + offs_v
-    if J == 1:
-        tl.store(out_ptr, part.to(OUT.dtype.element_ty), mask=v_mask)
-    else:
-        th = row * NUM_Q_HEADS + h
-        tl.store(PART + (th * J + jb) * V + offs_v, part, mask=v_mask)
-        tl.debug_barrier()  # this program's partial precedes its ticket
-        ticket = tl.atomic_add(TICKET + th, 1, sem="acq_rel")
-        if ticket == J - 1:
-            offs_p = tl.arange(0, J)
-            parts = tl.load(PART + (th * J + offs_p)[:, None] * V + offs_v[None, :], mask=v_mask[None, :], other=0.0)
-            tl.store(out_ptr, tl.sum(parts, 0).to(OUT.dtype.element_ty), mask=v_mask)
-            tl.atomic_xchg(TICKET + th, 0)

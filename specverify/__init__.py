@@ -35,7 +35,6 @@ _LAZY = {
     # tree attention
     "tree_attention": "specverify.attention",
     "tree_attention_mla": "specverify.attention",
-    "tree_attention_mla_up_v": "specverify.attention",
     # MoE
     "moe_route": "specverify.moe",
     "fused_moe": "specverify.moe",

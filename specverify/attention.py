@@ -26,7 +26,6 @@ __all__ = [
     "plan_tree_attention_mla",
     "tree_attention",
     "tree_attention_mla",
-    "tree_attention_mla_up_v",
 ]
 
 _IMPLS = ("auto", "triton", "reference")
@@ -647,9 +646,7 @@ def _check_plan(op, plan, *, batch, k, hq, hkv, d, dr, dv, device):
 # launch
 # ----------------------------------------------------------------------------------------------------------------
 def _launch(*, q, qr, kc, vc, k_strides, v_strides, page_table, prefix_lens, tree_mask, sm_scale, out, lse,
-            plan, page_size, v_is_k, up_v=None):
-    """The split kernel, then the split merge; with ``up_v = (w_uv, out_v)`` (MLA) the merge fused with W_UV into
-    ``out_v`` [batch * k, heads, V] (one split: the attention writes ``out``, then :func:`mla_up_v` reads it)."""
+            plan, page_size, v_is_k):
     kernels = _kernels()
     batch, k, hq, d = q.shape
     dr = plan.rope_dim
@@ -701,58 +698,8 @@ def _launch(*, q, qr, kc, vc, k_strides, v_strides, page_table, prefix_lens, tre
                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
             what="tree_attention_mla" if dr else "tree_attention",
             spill_fallback={"num_warps": cfg["SPILL_WARPS"]} if cfg.get("SPILL_WARPS") else None)
-    if up_v is not None and (splits == 1 or dv & (dv - 1) or dv < 16):
-        from specverify.fused_ops import mla_up_v
-
-        if splits > 1:
-            _launch_merge(kernels, ws_o, ws_lse, out, lse, batch=batch, k=k, hq=hq, dv=dv, splits=splits, pdl=pdl)
-        w_uv, out_v = up_v
-        mla_up_v(out, w_uv, out=out_v.view(batch, k, -1), impl="triton")
-    elif up_v is not None:
-        _launch_merge_up_v(kernels, ws_o, ws_lse, *up_v, batch=batch, k=k, hq=hq, d=dv, splits=splits, pdl=pdl)
-    elif splits > 1:
+    if splits > 1:
         _launch_merge(kernels, ws_o, ws_lse, out, lse, batch=batch, k=k, hq=hq, dv=dv, splits=splits, pdl=pdl)
-
-
-#: The fused merge + W_UV launch splits each (token, head)'s latent columns into parts until it has at least this
-#: many programs (or 16-column parts); a part holds its splits' partials [splits, columns] in registers (<= 4096).
-MERGE_UP_V_PROGRAMS = 128
-#: (partials fp32, tickets int32) of the fused merge + W_UV per (device, V, token-head rows, latent parts): one pair
-#: per shape, never replaced (a graph captured at one draft length keeps its addresses while another length runs;
-#: the tickets reset themselves)
-_MERGE_UP_V_BUFFERS: dict = {}
-
-
-def _merge_up_v_block_j(d: int, splits: int, rows: int) -> int:
-    """Latent columns a program of the fused merge + W_UV takes (a power of two dividing ``d``)."""
-    bj = min(d, max(16, 4096 // _next_pow2(max(2, splits))))
-    while bj > 16 and rows * (d // bj) < MERGE_UP_V_PROGRAMS:
-        bj //= 2
-    return bj
-
-
-def _merge_up_v_buffers(device, rows: int, parts: int, v: int):
-    key = (device, v, rows, parts)
-    buf = _MERGE_UP_V_BUFFERS.get(key)
-    if buf is None:
-        buf = (torch.empty(rows * parts, v, dtype=torch.float32, device=device),
-               torch.zeros(rows, dtype=torch.int32, device=device))
-        _MERGE_UP_V_BUFFERS[key] = buf
-    return buf
-
-
-def _launch_merge_up_v(kernels, ws_o, ws_lse, w_uv, out_v, *, batch, k, hq, d, splits, pdl):
-    """The split merge fused with W_UV (``_mla_merge_up_v_kernel``): grid (heads x latent parts, batch * k)."""
-    t = batch * k
-    v = w_uv.shape[2]
-    bj = _merge_up_v_block_j(d, splits, t * hq)
-    parts = d // bj
-    part, ticket = _merge_up_v_buffers(out_v.device, t * hq, parts, v)
-    kernels._mla_merge_up_v_kernel[(hq * parts, t)](
-        ws_o, ws_lse, w_uv, out_v, part, ticket, w_uv.stride(0), w_uv.stride(1), out_v.stride(0), out_v.stride(1),
-        NUM_DRAFT=k, NUM_Q_HEADS=hq, NUM_SPLITS=splits, D=d, V=v, BLOCK_S=_next_pow2(max(2, splits)), BLOCK_J=bj,
-        BLOCK_V=_next_pow2(max(16, v)), PDL=bool(pdl), num_warps=4, num_stages=1, **pdl,
-    )
 
 
 def _launch_merge(kernels, ws_o, ws_lse, out, lse, *, batch, k, hq, dv, splits, pdl):
@@ -986,59 +933,7 @@ def tree_attention_mla(q_latent, q_rope, kv_cache, *, page_table, prefix_lens, t
     >>> o.shape
     torch.Size([1, 2, 8, 512])
     """
-    return _mla_call("tree_attention_mla", q_latent, q_rope, kv_cache, page_table=page_table, prefix_lens=prefix_lens,
-                     tree_mask=tree_mask, sm_scale=sm_scale, out=out, return_lse=return_lse, impl=impl, plan=plan,
-                     validate=validate)
-
-
-def tree_attention_mla_up_v(q_latent, q_rope, kv_cache, w_uv, *, page_table, prefix_lens, tree_mask=None, sm_scale,
-                            out=None, impl="auto", plan=None, validate=True):
-    """Absorbed-MLA tree attention out of the latent space: ``out[b, i, h * V:(h + 1) * V] =
-    tree_attention_mla(...)[b, i, h] @ w_uv[h]``, ready for o_proj (the verify forward's attention and W_UV).
-
-    Parameters
-    ----------
-    q_latent, q_rope, kv_cache, page_table, prefix_lens, tree_mask, sm_scale, impl, plan, validate
-        As in :func:`tree_attention_mla`.
-    w_uv : torch.Tensor
-        Shape: (num_heads, R, V) (V = v_head_dim, 128 for DeepSeek-V3 / Kimi-K2); q_latent's dtype and device; last
-        dim contiguous.
-    out : torch.Tensor, optional
-        Shape: (batch, num_draft_tokens, num_heads * V); q_latent's dtype; contiguous; written and returned.
-
-    Returns
-    -------
-    torch.Tensor
-        (batch, num_draft_tokens, num_heads * V), q_latent's dtype.
-
-    Raises
-    ------
-    TypeError, ValueError
-        As in :func:`tree_attention_mla`; also for a ``w_uv`` or ``out`` of another shape, dtype or device.
-
-    Notes
-    -----
-    Where the plan splits the KV (``num_splits > 1``) the split merge and W_UV are one launch
-    (``_mla_merge_up_v_kernel``: each program merges a part of a head's latent columns over every split and
-    multiplies it by those rows of W_UV; the last of a (token, head)'s programs, by a self-resetting ticket, sums
-    the parts): the merged latent never goes to memory and one launch less. The latent is rounded to q_latent's
-    dtype before W_UV, as the two-launch chain stores it. With one split the attention writes the latent and
-    :func:`specverify.fused_ops.mla_up_v` follows. Graph safety as in :func:`tree_attention_mla` after one eager call
-    at the largest ``batch * num_draft_tokens`` (which allocates the partials and tickets, per device and V).
-    Source: the split-KV combine of FlashDecoding with the absorbed value projection of DeepSeek-V2.
-    """
-    if not isinstance(w_uv, torch.Tensor):
-        raise TypeError(f"tree_attention_mla_up_v: w_uv must be a torch.Tensor [num_heads, kv_lora_rank, v_head_dim], "
-                        f"got {type(w_uv).__name__}")
-    return _mla_call("tree_attention_mla_up_v", q_latent, q_rope, kv_cache, page_table=page_table,
-                     prefix_lens=prefix_lens, tree_mask=tree_mask, sm_scale=sm_scale, out=None, return_lse=False,
-                     impl=impl, plan=plan, validate=validate, w_uv=w_uv, out_v=out)
-
-
-def _mla_call(op, q_latent, q_rope, kv_cache, *, page_table, prefix_lens, tree_mask, sm_scale, out, return_lse,
-              impl, plan, validate, w_uv=None, out_v=None):
-    """:func:`tree_attention_mla`'s checks and launch; with ``w_uv`` the attention output goes through each head's
-    W_UV into ``out_v`` (:func:`tree_attention_mla_up_v`)."""
+    op = "tree_attention_mla"
     _check_tensor(op, "q_latent", q_latent, ndim=4, dtypes=_FLOAT_DTYPES,
                   what="[batch, num_draft_tokens, num_heads, kv_lora_rank]")
     _check_tensor(op, "q_rope", q_rope, ndim=4, dtypes=_FLOAT_DTYPES,
@@ -1073,26 +968,6 @@ def _mla_call(op, q_latent, q_rope, kv_cache, *, page_table, prefix_lens, tree_m
     _check_common(op, q=q_latent, device=device, page_table=page_table, prefix_lens=prefix_lens,
                   tree_mask=tree_mask, page_size=page_size, batch=batch, k=k)
     _check_out(op, out, (batch, k, h, r), q_latent.dtype, device)
-    if w_uv is not None:
-        if not isinstance(w_uv, torch.Tensor):
-            raise TypeError(f"{op}: w_uv must be a torch.Tensor, got {type(w_uv).__name__}")
-        if w_uv.dim() != 3 or tuple(w_uv.shape[:2]) != (h, r) or w_uv.shape[2] < 1:
-            raise ValueError(f"{op}: w_uv must be [num_heads={h}, kv_lora_rank={r}, v_head_dim], got "
-                             f"{list(w_uv.shape)}")
-        if w_uv.dtype != q_latent.dtype or w_uv.device != device:
-            raise TypeError(f"{op}: w_uv must be {q_latent.dtype} on {device} like q_latent, got {w_uv.dtype} on "
-                            f"{w_uv.device}")
-        if w_uv.stride(-1) != 1:
-            raise ValueError(f"{op}: w_uv must have a contiguous last dim (stride 1), got strides {w_uv.stride()}")
-        v = w_uv.shape[2]
-        if out_v is None:
-            out_v = torch.empty(batch, k, h * v, dtype=q_latent.dtype, device=device)
-        elif (not isinstance(out_v, torch.Tensor) or tuple(out_v.shape) != (batch, k, h * v)
-              or out_v.dtype != q_latent.dtype or out_v.device != device or not out_v.is_contiguous()):
-            got = (f"{out_v.dtype} {list(out_v.shape)} on {out_v.device}" if isinstance(out_v, torch.Tensor)
-                   else type(out_v).__name__)
-            raise ValueError(f"{op}: out must be a contiguous {q_latent.dtype} [{batch}, {k}, {h * v}] tensor on "
-                             f"{device}, got {got}; allocate it with torch.empty or pass None")
     if plan is not None:
         _check_plan(op, plan, batch=batch, k=k, hq=h, hkv=1, d=r, dr=dr, dv=r, device=device)
     which = _resolve_impl(impl, device, op)
@@ -1106,10 +981,6 @@ def _mla_call(op, q_latent, q_rope, kv_cache, *, page_table, prefix_lens, tree_m
 
         res = tree_attention_mla_reference(q_latent, q_rope, kv_cache, page_table, prefix_lens, tree_mask,
                                            sm_scale, return_lse=True)
-        if w_uv is not None:
-            from specverify.reference.fused_ops import mla_up_v_reference
-
-            return out_v.copy_(mla_up_v_reference(res[0], w_uv).view(out_v.shape))
         return _finish(res[0], out, res[1], return_lse)
     if q_latent.stride(-1) != 1:
         q_latent = q_latent.contiguous()
@@ -1132,8 +1003,5 @@ def _mla_call(op, q_latent, q_rope, kv_cache, *, page_table, prefix_lens, tree_m
     strides = (kv_cache.stride(0), kv_cache.stride(1), 0)
     _launch(q=q_latent, qr=q_rope, kc=kv_cache, vc=kv_cache, k_strides=strides, v_strides=strides,
             page_table=page_table, prefix_lens=prefix_lens, tree_mask=tree_mask, sm_scale=sm_scale, out=out, lse=lse,
-            plan=plan, page_size=page_size, v_is_k=True,
-            up_v=None if w_uv is None else (w_uv, out_v.view(batch * k, h, w_uv.shape[2])))
-    if w_uv is not None:
-        return out_v
+            plan=plan, page_size=page_size, v_is_k=True)
     return (out, lse) if return_lse else out

@@ -13,7 +13,7 @@ from specverify.forward.model import VerifyModel
 from specverify.forward.ops import Ops, specverify_ops
 
 _ALL = ((16, (1, 1 << 30), (1, 1 << 30)),)
-FUSIONS = ("mla_prep_absorb", "route_shared", "moe_block", "attention_mla_up_v")  # the Ops slots that fuse
+FUSIONS = ("mla_prep_absorb", "route_shared", "moe_block")  # the Ops slots that fuse
 
 
 def _inputs(model, b, k, page_size, seed):
@@ -79,7 +79,7 @@ def test_fused_forward_matches_the_op_chain(device, monkeypatch, name, b, k):
             moe = _stacked_layers(model)  # MoE block up to its token count, else the router with the shared slot
             block = b * k <= fused.moe_block_max_m
             assert calls == {"mla_prep_absorb": model.num_layers, "route_shared": 0 if block else moe,
-                             "moe_block": moe if block else 0, "attention_mla_up_v": model.num_layers}, calls
+                             "moe_block": moe if block else 0}, calls
     ref = _fp64_twin(model, name)  # fp64 truth over the same bf16 weights
     caches64 = [[c.double() for c in layer] for layer in _caches(model, pool, page_size, seed=5)]
     truth, _, aux64 = ref.forward_captured(ids, pos, caches64, pt, prefix, capture_layers=(1,))

@@ -375,13 +375,8 @@ class VerifyModel:
             q_latent = ops.mla_absorb_q(q, w["w_uk"], c.qk_nope_head_dim)  # [b, k, heads, kv_lora]
         q_pe = q[..., c.qk_nope_head_dim:]  # a view: the attention kernels take strided queries
         sm_scale = 1.0 / math.sqrt(c.qk_nope_head_dim + c.qk_rope_head_dim)
-        if ops.attention_mla_up_v is not None:  # the split merge and W_UV in one launch
-            v = ops.attention_mla_up_v(q_latent, q_pe, cache[0], page_table, prefix_lens, tree_mask, sm_scale,
-                                       w["w_uv"])
-        else:
-            o_latent = ops.attention_mla(q_latent, q_pe, cache[0], page_table, prefix_lens, tree_mask, sm_scale)
-            v = ops.mla_up_v(o_latent, w["w_uv"])
-        return ops.linear(v, w["o"])
+        o_latent = ops.attention_mla(q_latent, q_pe, cache[0], page_table, prefix_lens, tree_mask, sm_scale)
+        return ops.linear(ops.mla_up_v(o_latent, w["w_uv"]), w["o"])
 
     def _gqa(self, w, x, positions, cache, page_table, prefix_lens, tree_mask):
         s, c, ops = self.shapes, self.config, self.ops

@@ -35,9 +35,6 @@ gqa_prep             q, k, v, positions, q_norm, k_norm, k_cache, v_cache, page_
 silu_mul             gate_up [M, 2I] -> [M, I]
 mla_absorb_q         q, w_uk, nope -> q_latent [b, k, h, R]
 mla_up_v             o_latent, w_uv -> [b, k, h * V]
-attention_mla_up_v   q_latent, q_rope, cache, page_table, prefix_lens, tree_mask, sm_scale, w_uv -> [b, k, h * V]:
-                     attention_mla then mla_up_v, the split merge and W_UV in one launch (a fusion; None: the two
-                     slots)
 linear               x [..., K], w [N, K] -> x @ w.T
 linear_sumsq         x [..., K], w [N, K], cols -> (x @ w.T, partials fp32 [P, M]) with ``partials.sum(0)`` each
                      token's sum of squares of its first ``cols`` outputs as stored, or None where the projection
@@ -122,8 +119,6 @@ class Ops:
     route_shared: Callable = None  # (logits, config, shared_id) -> (ids, weights) [M, top_k + 1]
     mla_absorb_q: Callable = mla_absorb_q_reference  # (q, w_uk, nope) -> q_latent [b, k, h, R]
     mla_up_v: Callable = mla_up_v_reference  # (o_latent, w_uv) -> [b, k, h * V]
-    # a fusion; None: the forward composes attention_mla and mla_up_v
-    attention_mla_up_v: Callable = None  # (q_latent, q_rope, cache, pt, prefix, tree_mask, sm_scale, w_uv) -> [b, k, h*V]
     linear: Callable = None  # (x [..., K], w [N, K]) -> x @ w.T: the projections that may leave cuBLAS
     # a fusion (q_a's RMSNorm folded away, with mla_prep_absorb's q_sumsq); None: the forward runs the norm
     linear_sumsq: Callable = None  # (x, w, cols) -> (x @ w.T, partials fp32 [P, M]) or None (not served here)
@@ -190,9 +185,9 @@ def specverify_ops(model):
     """
     ops = Ops()
     missing = []
-    fns, why = _try("specverify.attention", "tree_attention", "tree_attention_mla", "tree_attention_mla_up_v")
+    fns, why = _try("specverify.attention", "tree_attention", "tree_attention_mla")
     if fns:
-        tree_attention, tree_attention_mla, tree_attention_mla_up_v = fns
+        tree_attention, tree_attention_mla = fns
 
         def attention_mla(q_latent, q_rope, cache, page_table, prefix_lens, tree_mask, sm_scale):
             return tree_attention_mla(q_latent, q_rope, cache, page_table=page_table, prefix_lens=prefix_lens,
@@ -202,13 +197,7 @@ def specverify_ops(model):
             return tree_attention(q, k_cache, v_cache, page_table=page_table, prefix_lens=prefix_lens,
                                   tree_mask=tree_mask, sm_scale=sm_scale, impl="triton")
 
-        def attention_mla_up_v(q_latent, q_rope, cache, page_table, prefix_lens, tree_mask, sm_scale, w_uv):
-            return tree_attention_mla_up_v(q_latent, q_rope, cache, w_uv, page_table=page_table,
-                                           prefix_lens=prefix_lens, tree_mask=tree_mask, sm_scale=sm_scale,
-                                           impl="triton")
-
         ops.attention_mla, ops.attention_gqa = attention_mla, attention_gqa
-        ops.attention_mla_up_v = attention_mla_up_v
         ops.pieces["attention"] = "triton"
     else:
         missing.append(why)

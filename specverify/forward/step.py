@@ -80,8 +80,8 @@ def slot_table_width(tokens: int) -> int:
 
 
 def model_ops(base: Ops, cos_sin: torch.Tensor, neox: bool, sm_scale: float) -> Ops:
-    """``base`` with the model's RoPE in ``mla_prep`` (and ``mla_prep_absorb``) and ``attention_mla`` (and
-    ``attention_mla_up_v``) at the model's softmax scale.
+    """``base`` with the model's RoPE in ``mla_prep`` (and ``mla_prep_absorb``) and ``attention_mla`` at the model's
+    softmax scale.
 
     cos_sin : float [max_position, rope_dim]
         The model's rotary table (cos half, then sin half; SGLang's ``rotary_emb.cos_sin_cache``): DeepSeek-V3 and
@@ -115,12 +115,7 @@ def model_ops(base: Ops, cos_sin: torch.Tensor, neox: bool, sm_scale: float) -> 
     def attention(q_latent, q_rope, cache, page_table, prefix_lens, tree_mask, _generic_scale):
         return attention_mla(q_latent, q_rope, cache, page_table, prefix_lens, tree_mask, sm_scale)
 
-    def attention_up_v(q_latent, q_rope, cache, page_table, prefix_lens, tree_mask, _generic_scale, w_uv):
-        return attention_mla_up_v(q_latent, q_rope, cache, page_table, prefix_lens, tree_mask, sm_scale, w_uv)
-
-    attention_mla_up_v = base.attention_mla_up_v
     base.mla_prep, base.attention_mla = mla_prep, attention
-    base.attention_mla_up_v = attention_up_v if attention_mla_up_v is not None else None
     # the fused slot reads the same table (a table without it keeps composing mla_prep and mla_absorb_q)
     base.mla_prep_absorb = prep_absorb if base.mla_prep_absorb is not None else None
     base.pieces["rope"] = f"model table ({impl}, {'halves' if neox else 'interleaved pairs'})"

@@ -147,7 +147,10 @@ def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor,
     device (calls share the workspace and its barrier counters; the verify pass runs on one stream), and not beside
     work that holds SMs for its whole duration, nor under MPS or green contexts that give this process fewer SMs
     than the device has (the barrier would wait forever). CUDA (sm_80+; PDL wait on sm_90+) or the Triton
-    interpreter (which runs the three phases as three launches).
+    interpreter (which runs the three phases as three launches). With ``residual`` every program reads the two
+    rows and writes the normed rows to a scratch buffer itself before its first item (the same values from every
+    program; no extra barrier), and program 0 writes the sum: the residual add and RMSNorm before the block cost two
+    row loads a program instead of a launch (the verify forward's ``FOLD_MOE_NORM``).
     """
     from specverify.kernels.moe_block import _moe_block_kernel
 

@@ -44,9 +44,9 @@ interpreter, which runs programs one after another and would spin forever, launc
 
 ``NORM``: x is not given but made: after the PDL wait every program computes ``s = a + res`` (stored in the residual's
 dtype; program 0 writes it to ``res_out``) and ``x = s * rsqrt(mean(s^2) + eps) * nw`` (add_rmsnorm's math) for
-all MT rows and writes x itself; the programs write the same values to the same addresses, and each reads only
-after its own writes (a CTA barrier), so no grid barrier is needed. One launch (the residual add and RMSNorm before
-the block) less for two row loads and stores a program.
+all MT rows into its own copy ``x[pid]`` of a [NPROG, MT, H] scratch, which its items then read (after a CTA
+barrier; no grid barrier). One copy for all programs measured slower: 132 programs writing the same lines. One
+launch (the residual add and RMSNorm before the block) less for two row loads and a row store a program.
 
 The kernel lets its dependents launch only after barrier 2: a dependent grid resident before all of this grid is
 would hold SM slots this grid's barrier waits for; past barrier 2 every program is resident. With ``PDL`` it waits
@@ -56,7 +56,7 @@ Tensors: x [MT, H] bf16/fp16 (unit column stride); router [E, H]; bias [E] fp32;
 [E + 1, H, I] (unit column strides); logits [MT, E] fp32 (out); ids [MT, TOP_K + 1] int32 (out); tw [MT, TOP_K + 1]
 fp32 (out); act [MT * (TOP_K + 1), I] (x's dtype, scratch); part fp32 scratch; ticket int32 (zero between
 launches); bar int32 [2] (zero between launches); out [MT, H]; with NORM: a, res [MT, H] (strides stride_am /
-stride_rm, unit columns), nw [H], res_out [MT, H] contiguous, x then scratch [MT, H] written by the kernel; ts
+stride_rm, unit columns), nw [H], res_out [MT, H] contiguous, x then scratch [NPROG, MT, H] written by the kernel; ts
 int64 [NPROG, 16] (``TIMING`` only: each program's global-timer stamps at the start, after the PDL wait (and
 NORM's rows), after its phase-1 items, barrier 1, the routing, its phase-2 items, the down prefetch, barrier 2 and
 its phase-3 items: points 0-8).
@@ -207,7 +207,9 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
             _prefetch_rows(w_base, rows, rmask, stride_wn, k_lo, k_hi, H, BK)
     if PDL:  # x comes from the previous kernel; nothing is read or written before this
         gdc_wait()
-    if NORM & ((PHASE == 0) | (PHASE == 1)):  # the residual add and RMSNorm in every program (see the docstring)
+    if NORM:  # each program's own copy of the normed rows (see the docstring)
+        x_ptr += pid * MT * H
+    if NORM & ((PHASE == 0) | (PHASE == 1)):  # the residual add and RMSNorm in every program
         hc = tl.arange(0, HP)
         hm = hc < H
         for row in tl.static_range(MT):

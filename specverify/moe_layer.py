@@ -148,8 +148,8 @@ def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor,
     work that holds SMs for its whole duration, nor under MPS or green contexts that give this process fewer SMs
     than the device has (the barrier would wait forever). CUDA (sm_80+; PDL wait on sm_90+) or the Triton
     interpreter (which runs the three phases as three launches). With ``residual`` every program reads the two
-    rows and writes the normed rows to a scratch buffer itself before its first item (the same values from every
-    program; no extra barrier), and program 0 writes the sum: the residual add and RMSNorm before the block cost two
+    rows and writes the normed rows to its own copy in a scratch buffer before its first item (no extra barrier),
+    and program 0 writes the sum: the residual add and RMSNorm before the block cost two
     row loads a program instead of a launch (the verify forward's ``FOLD_MOE_NORM``).
     """
     from specverify.kernels.moe_block import _moe_block_kernel
@@ -241,19 +241,21 @@ def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor,
     part, ticket, bar = _workspace(dev, need_p, need_t)
 
     if norm:  # the kernel makes x (the normed rows) from hidden + residual
-        x = torch.empty((m, h), dtype=hidden.dtype, device=dev)
+        x = torch.empty((2 * sm_count(dev.type, dev.index), m, h), dtype=hidden.dtype, device=dev)  # a copy a program
         res_out = torch.empty((m, h), dtype=hidden.dtype, device=dev)
         extra = (hidden, residual, norm_weight, res_out, hidden.stride(0), residual.stride(0), float(eps))
     else:
         x, res_out = hidden, None
         extra = (hidden, hidden, hidden, hidden, 0, 0, 0.0)
     args = (x, router, bias, w13_all, w2_all, logits, ids, tw, act, part, ticket, bar, out,
-            _TIMELINE if timing else bar, x.stride(0),
+            _TIMELINE if timing else bar, x.stride(-2),
             out.stride(0), w13_all.stride(0), w13_all.stride(1), w2_all.stride(0), w2_all.stride(1),
             float(routed_scaling_factor), *extra)
     cfg = dict(consts, **persistent_grid(_moe_block_kernel, args, dict(consts, PHASE=0), dev, sms, key, _CANDIDATES,
                                          functools.partial(_plan_consts, key), _CHOSEN, op))
     nprog = cfg["NPROG"]
+    if norm and nprog > x.shape[0]:  # persistent_grid tries one or two programs an SM
+        raise RuntimeError(f"{op}: {nprog} programs but normed-row copies for {x.shape[0]}")
     if timing and (_TIMELINE.dtype != torch.int64 or _TIMELINE.numel() < 16 * nprog or _TIMELINE.device != dev):
         raise ValueError(f"{op}: the timeline buffer must be int64 with >= {16 * nprog} elements on {dev}, got "
                          f"{_TIMELINE.dtype} x {_TIMELINE.numel()} on {_TIMELINE.device}")

@@ -10,13 +10,14 @@ default table), ``no-<slot>`` (one slot of ``FUSIONS`` emptied); gate/up of the 
 to 4 / 6 tokens); ``block-m4`` (the one-launch MoE block up to 4 tokens instead of ``MOE_BLOCK_MAX_M``);
 ``w<1|4>-<router|qkv|qb>`` (that GEMV's grid at 1 or 4 programs an SM instead of 2); ``rr-<qkv|qb|o>-k..-s..``
 (that projection on the row-range GEMV, see ``_RR_RULES``); ``cublas-o`` (o_proj on cuBLAS again);
-``no-q-fold`` (q_a's RMSNorm a launch of its own again, ``forward.model.FOLD_Q_NORM``); ``no-moe-norm`` (the residual
-add and RMSNorm before the MoE block a launch of their own again, ``forward.model.FOLD_MOE_NORM``); ``no-early-kv``
-(the MLA attention's first prefix KV tile read after the PDL wait, not before).
+``no-q-fold`` (q_a's RMSNorm a launch of its own again, ``forward.model.FOLD_Q_NORM``); ``no-early-kv`` (the MLA
+attention's first prefix KV tile read after the PDL wait, not before).
 Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded into the projections and
 q_a's norm in the qkv_a GEMV's last tile (slower in the pass), the split merge fused with W_UV (slower alone; again
 as latent parts a program summed by a ticket, `no-attention_mla_up_v` against it: 0.06 / 0.12 / 0.32 / 0.48 ms
-slower at k = 1 / 2 / 4 / 8), the router on row-range GEMVs at 3-8 tokens (1.2 ms slower at k = 3), a
+slower at k = 1 / 2 / 4 / 8), the router on row-range GEMVs at 3-8 tokens (1.2 ms slower at k = 3), the residual
+add and RMSNorm before the MoE block made by every program of the block (`no-moe-norm` against it: 0.11 / 0.38 ms
+slower at k = 1 / 2 with a copy of the rows a program, 0.22 / 0.51 with one shared copy), a
 stream-K gate/up and TMA weight tiles (no faster in the pass), an L2 prefetch of o_proj / router / shared expert on
 a side stream (slower), GEMV weight slices loaded before the PDL wait and the split merge letting its successor
 launch before its wait (no faster), the shared expert's rows sent to L2 before the gate/up's wait (slower at 2
@@ -52,7 +53,6 @@ VARIANTS["block-m4"] = dict(off=(), set={"moe_block_max_m": 4})
 _O_PROJ = (8, (7168, 7168), (1024, 2048))
 VARIANTS["cublas-o"] = dict(off=(), linear_drop=(_O_PROJ,))
 VARIANTS["no-q-fold"] = dict(off=(), attrs=(("specverify.forward.model", "FOLD_Q_NORM", False),))
-VARIANTS["no-moe-norm"] = dict(off=(), attrs=(("specverify.forward.model", "FOLD_MOE_NORM", False),))
 VARIANTS["no-early-kv"] = dict(off=(), attrs=(("specverify.kernels.tree_attention_wgmma", "EARLY_KV", False),))
 #: GEMV launch rules tried in the pass ahead of ``specverify.gemv.SHAPE_CONFIGS``: the shape's own config (read
 #: from ``gemv_config`` at the rule's largest M and smallest N, K) with the grid at ``WAVES`` programs an SM.

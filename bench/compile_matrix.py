@@ -370,15 +370,6 @@ def scen_block(quick: bool, target: str):
                          routed_scaling_factor=2.5)
         yield f"moe_block {model} M{m}", run
 
-    for model, e, n_group, topk_group in ([("kimi-k2", 384, 1, 1)] if quick else
-                                          [("kimi-k2", 384, 1, 1), ("deepseek-v3", 256, 8, 4)]):
-        def run_norm(e=e, n_group=n_group, topk_group=topk_group):  # the pass's launch: the residual add + RMSNorm in
-            h = 7168  # every program
-            mb.moe_block(_cuda(2, h), _cuda(e, h), _cuda(e + 1, 512, h), _cuda(e + 1, h, 256), top_k=8,
-                         correction_bias=_cuda(e, dtype=torch.float32), n_group=n_group, topk_group=topk_group,
-                         routed_scaling_factor=2.5, residual=_cuda(2, h), norm_weight=_cuda(h), eps=1e-6)
-        yield f"moe_block {model} M2 with norm", run_norm
-
     def run_timeline():  # the phase stamps of bench_moe_block.py --timeline (a kernel compiled apart)
         mb._TIMELINE = _cuda(16 * 2 * 188, dtype=torch.int64)
         try:

@@ -42,12 +42,6 @@ reaches ``NPROG`` times the barrier's number; the last program past barrier 2 (`
 counters, so the launch is CUDA-graph replayable. ``PHASE`` 1 / 2 / 3 runs one phase alone (no barriers): the CPU
 interpreter, which runs programs one after another and would spin forever, launches the three in turn.
 
-``NORM``: x is not given but made: after the PDL wait every program computes ``s = a + res`` (stored in the residual's
-dtype; program 0 writes it to ``res_out``) and ``x = s * rsqrt(mean(s^2) + eps) * nw`` (add_rmsnorm's math) for
-all MT rows into its own copy ``x[pid]`` of a [NPROG, MT, H] scratch, which its items then read (after a CTA
-barrier; no grid barrier). One copy for all programs measured slower: 132 programs writing the same lines. One
-launch (the residual add and RMSNorm before the block) less for two row loads and a row store a program.
-
 The kernel lets its dependents launch only after barrier 2: a dependent grid resident before all of this grid is
 would hold SM slots this grid's barrier waits for; past barrier 2 every program is resident. With ``PDL`` it waits
 (``gdc_wait``) for its predecessor before it reads x or writes anything.
@@ -55,11 +49,9 @@ would hold SM slots this grid's barrier waits for; past barrier 2 every program 
 Tensors: x [MT, H] bf16/fp16 (unit column stride); router [E, H]; bias [E] fp32; w13 [E + 1, 2I, H]; w2
 [E + 1, H, I] (unit column strides); logits [MT, E] fp32 (out); ids [MT, TOP_K + 1] int32 (out); tw [MT, TOP_K + 1]
 fp32 (out); act [MT * (TOP_K + 1), I] (x's dtype, scratch); part fp32 scratch; ticket int32 (zero between
-launches); bar int32 [2] (zero between launches); out [MT, H]; with NORM: a, res [MT, H] (strides stride_am /
-stride_rm, unit columns), nw [H], res_out [MT, H] contiguous, x then scratch [NPROG, MT, H] written by the kernel; ts
-int64 [NPROG, 16] (``TIMING`` only: each program's global-timer stamps at the start, after the PDL wait (and
-NORM's rows), after its phase-1 items, barrier 1, the routing, its phase-2 items, the down prefetch, barrier 2 and
-its phase-3 items: points 0-8).
+launches); bar int32 [2] (zero between launches); out [MT, H]; ts int64 [NPROG, 16] (``TIMING`` only: each
+program's global-timer stamps at the start, after the PDL wait, after its phase-1 items, barrier 1, the routing,
+its phase-2 items, the down prefetch, barrier 2 and its phase-3 items: points 0-8).
 """
 from __future__ import annotations
 
@@ -175,7 +167,7 @@ def _stamp(ts_ptr, pid, i: tl.constexpr, TIMING: tl.constexpr):
 @triton.jit
 def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, ids_ptr, tw_ptr, act_ptr, part_ptr,
                       ticket_ptr, bar_ptr, out_ptr, ts_ptr, stride_xm, stride_om, stride_w13e, stride_w13n, stride_w2e,
-                      stride_w2n, scale, a_ptr, res_ptr, nw_ptr, res_out_ptr, stride_am, stride_rm, eps,
+                      stride_w2n, scale,
                       MT: tl.constexpr, H: tl.constexpr, I: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
                       TOP_K: tl.constexpr, TOPK_P: tl.constexpr, ROWS: tl.constexpr, N_GROUP: tl.constexpr,
                       NG_P: tl.constexpr, GSIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, SOFTMAX: tl.constexpr,
@@ -185,8 +177,7 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
                       BI: tl.constexpr, SPP: tl.constexpr, STAGES_K: tl.constexpr, STAGES_D: tl.constexpr,
                       PF_SLOTS: tl.constexpr, PF_BI: tl.constexpr, PREFETCH: tl.constexpr, NPROG: tl.constexpr,
                       PHASE: tl.constexpr,
-                      DOT_FP32: tl.constexpr, PDL: tl.constexpr, TIMING: tl.constexpr,
-                      NORM: tl.constexpr = False, HP: tl.constexpr = 16):
+                      DOT_FP32: tl.constexpr, PDL: tl.constexpr, TIMING: tl.constexpr):
     pid = tl.program_id(0)
     _stamp(ts_ptr, pid, 0, TIMING)
     OUT_K: tl.constexpr = TOP_K + 1
@@ -207,22 +198,6 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
             _prefetch_rows(w_base, rows, rmask, stride_wn, k_lo, k_hi, H, BK)
     if PDL:  # x comes from the previous kernel; nothing is read or written before this
         gdc_wait()
-    if NORM:  # each program's own copy of the normed rows (see the docstring)
-        x_ptr += pid * MT * H
-    if NORM & ((PHASE == 0) | (PHASE == 1)):  # the residual add and RMSNorm in every program
-        hc = tl.arange(0, HP)
-        hm = hc < H
-        for row in tl.static_range(MT):
-            n_a = tl.load(a_ptr + row * stride_am + hc, mask=hm, other=0.0).to(tl.float32)
-            n_r = tl.load(res_ptr + row * stride_rm + hc, mask=hm, other=0.0).to(tl.float32)
-            n_s = (n_a + n_r).to(res_out_ptr.dtype.element_ty)  # the residual stream as stored
-            if pid == 0:
-                tl.store(res_out_ptr + row * H + hc, n_s, mask=hm)
-            n_f = n_s.to(tl.float32)
-            n_inv = tl.rsqrt(tl.sum(n_f * n_f, axis=0) / H + eps)
-            n_w = tl.load(nw_ptr + hc, mask=hm, other=0.0).to(tl.float32)
-            tl.store(x_ptr + row * stride_xm + hc, (n_f * n_inv * n_w).to(x_ptr.dtype.element_ty), mask=hm)
-        tl.debug_barrier()  # this program's x rows precede its reads of them
     _stamp(ts_ptr, pid, 1, TIMING)
 
     # ---- phase 1: router logits and the shared expert's gate/up ------------------------------------------------

@@ -39,14 +39,12 @@ _TIMELINE: torch.Tensor | None = None
 
 class MoEBlockResult(NamedTuple):
     """out [M, H] (hidden's dtype); topk_ids int32 [M, top_k + 1] and topk_weights fp32 [M, top_k + 1] (last column:
-    the shared expert, id E, weight 1); router_logits fp32 [M, E]; residual [M, H] (``hidden + residual`` as
-    stored, when the call was given a residual; else None)."""
+    the shared expert, id E, weight 1); router_logits fp32 [M, E]."""
 
     out: torch.Tensor
     topk_ids: torch.Tensor
     topk_weights: torch.Tensor
     router_logits: torch.Tensor
-    residual: torch.Tensor | None = None
 
 
 def _plan(m: int, h: int, inter: int, e: int, top_k: int, nprog: int) -> dict:
@@ -86,9 +84,7 @@ def _plan_consts(key, nprog: int, cand: tuple[int, int, int]) -> dict:
 
 def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor, w2_all: torch.Tensor, *, top_k: int,
               scoring: str = "sigmoid", correction_bias: torch.Tensor | None = None, n_group: int = 1,
-              topk_group: int = 1, renormalize: bool = True, routed_scaling_factor: float = 1.0,
-              residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-              eps: float = 1e-6) -> MoEBlockResult:
+              topk_group: int = 1, renormalize: bool = True, routed_scaling_factor: float = 1.0) -> MoEBlockResult:
     """The MoE block of a verify layer (router, routing, routed + shared SwiGLU experts) in one persistent launch.
 
     Math: ``logits = hidden @ router^T`` (fp32); ids / weights by the routing of :func:`specverify.moe.moe_route`
@@ -109,11 +105,6 @@ def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor,
         expert E the shared one (the verify forward's ``w13_all`` / ``w2_all``).
     top_k, scoring, correction_bias, n_group, topk_group, renormalize, routed_scaling_factor
         As :func:`specverify.moe.moe_route` (``correction_bias`` fp32-convertible, shape (E,)).
-    residual, norm_weight, eps
-        With ``residual`` (M, H) (hidden's dtype, device and unit column stride) and ``norm_weight`` (H,)
-        (hidden's dtype): ``hidden`` is the block's input before the residual add and RMSNorm, which the kernel
-        makes itself (:func:`specverify.fused_ops.add_rmsnorm`'s math: ``s = hidden + residual`` stored, then
-        ``s * rsqrt(mean(s^2) + eps) * norm_weight``), one launch less; the result's ``residual`` is ``s``.
 
     Returns
     -------
@@ -147,10 +138,7 @@ def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor,
     device (calls share the workspace and its barrier counters; the verify pass runs on one stream), and not beside
     work that holds SMs for its whole duration, nor under MPS or green contexts that give this process fewer SMs
     than the device has (the barrier would wait forever). CUDA (sm_80+; PDL wait on sm_90+) or the Triton
-    interpreter (which runs the three phases as three launches). With ``residual`` every program reads the two
-    rows and writes the normed rows to its own copy in a scratch buffer before its first item (no extra barrier),
-    and program 0 writes the sum: the residual add and RMSNorm before the block cost two
-    row loads a program instead of a launch (the verify forward's ``FOLD_MOE_NORM``).
+    interpreter (which runs the three phases as three launches).
     """
     from specverify.kernels.moe_block import _moe_block_kernel
 
@@ -194,19 +182,6 @@ def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor,
     if not router.is_contiguous():
         raise ValueError(f"{op}: router must be contiguous (E, H), got strides {tuple(router.stride())}; pass "
                          "router.contiguous() once (the weight is constant)")
-    if (residual is None) != (norm_weight is None):
-        raise ValueError(f"{op}: residual and norm_weight go together (the fused residual add and RMSNorm), got "
-                         f"residual {'None' if residual is None else 'a tensor'} and norm_weight "
-                         f"{'None' if norm_weight is None else 'a tensor'}")
-    if residual is not None:
-        for name, t, shape in (("residual", residual, (m, h)), ("norm_weight", norm_weight, (h,))):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dtype != hidden.dtype or t.device != dev or tuple(t.shape) != shape or t.stride(-1) != 1:
-                raise ValueError(f"{op}: {name} must be {hidden.dtype} {list(shape)} on {dev} with a unit last "
-                                 f"stride, got {t.dtype} {list(t.shape)} on {t.device}, strides {tuple(t.stride())}")
-        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps > 0:
-            raise ValueError(f"{op}: eps must be a positive number, got {eps!r}")
     if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k > 64:
         raise ValueError(f"{op}: top_k must be at most 64, got {top_k}")
     logits = torch.empty((m, e), dtype=torch.float32, device=dev)
@@ -223,15 +198,13 @@ def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor,
     pdl = pdl_launch(dev)
     # the launch choice depends on the compiled kernel: key it on everything that selects one
     timing = _TIMELINE is not None and not interp
-    norm = residual is not None
     key = (m, h, inter, e, top_k, hidden.dtype, scoring, n_group, topk_group, correction_bias is not None,
-           bool(renormalize), pdl, timing, norm)
+           bool(renormalize), pdl, timing)
     ep = max(_next_pow2(e), 16)
     consts = dict(MT=m, H=h, I=inter, E=e, EP=ep, TOP_K=top_k, TOPK_P=max(2, _next_pow2(top_k)),
                   ROWS=_next_pow2(m), N_GROUP=n_group, NG_P=max(2, _next_pow2(n_group)), GSIZE=e // n_group,
                   TOPK_GROUP=topk_group, SOFTMAX=scoring == "softmax", HAS_BIAS=correction_bias is not None,
-                  RENORM=renormalize, DOT_FP32=interp, PREFETCH=not interp, TIMING=timing, NORM=norm,
-                  HP=_next_pow2(h), **pdl_kwargs(dev))
+                  RENORM=renormalize, DOT_FP32=interp, PREFETCH=not interp, TIMING=timing, **pdl_kwargs(dev))
     # the workspace covers either grid size's plan (sized before the kernel is compiled) at every token count up to
     # the forward's, so a graph captured later at another count needs no allocation
     sms = sm_count(dev.type, dev.index)
@@ -240,22 +213,13 @@ def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor,
     need_t = max(p["T1"] + p["T2"] for p in plans)
     part, ticket, bar = _workspace(dev, need_p, need_t)
 
-    if norm:  # the kernel makes x (the normed rows) from hidden + residual
-        x = torch.empty((2 * sm_count(dev.type, dev.index), m, h), dtype=hidden.dtype, device=dev)  # a copy a program
-        res_out = torch.empty((m, h), dtype=hidden.dtype, device=dev)
-        extra = (hidden, residual, norm_weight, res_out, hidden.stride(0), residual.stride(0), float(eps))
-    else:
-        x, res_out = hidden, None
-        extra = (hidden, hidden, hidden, hidden, 0, 0, 0.0)
-    args = (x, router, bias, w13_all, w2_all, logits, ids, tw, act, part, ticket, bar, out,
-            _TIMELINE if timing else bar, x.stride(-2),
+    args = (hidden, router, bias, w13_all, w2_all, logits, ids, tw, act, part, ticket, bar, out,
+            _TIMELINE if timing else bar, hidden.stride(0),
             out.stride(0), w13_all.stride(0), w13_all.stride(1), w2_all.stride(0), w2_all.stride(1),
-            float(routed_scaling_factor), *extra)
+            float(routed_scaling_factor))
     cfg = dict(consts, **persistent_grid(_moe_block_kernel, args, dict(consts, PHASE=0), dev, sms, key, _CANDIDATES,
                                          functools.partial(_plan_consts, key), _CHOSEN, op))
     nprog = cfg["NPROG"]
-    if norm and nprog > x.shape[0]:  # persistent_grid tries one or two programs an SM
-        raise RuntimeError(f"{op}: {nprog} programs but normed-row copies for {x.shape[0]}")
     if timing and (_TIMELINE.dtype != torch.int64 or _TIMELINE.numel() < 16 * nprog or _TIMELINE.device != dev):
         raise ValueError(f"{op}: the timeline buffer must be int64 with >= {16 * nprog} elements on {dev}, got "
                          f"{_TIMELINE.dtype} x {_TIMELINE.numel()} on {_TIMELINE.device}")
@@ -264,4 +228,4 @@ def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor,
             _moe_block_kernel[(nprog,)](*args, PHASE=phase, **cfg)
     else:
         _moe_block_kernel[(nprog,)](*args, PHASE=0, **cfg)
-    return MoEBlockResult(out, ids, tw, logits, res_out)
+    return MoEBlockResult(out, ids, tw, logits)

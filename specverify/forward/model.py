@@ -44,11 +44,6 @@ FOLD_Q_NORM = True
 #: DeepSeek-V3 b 4 / 16k 12.521 against 12.541 ms at 4 tokens but 17.868 against 17.762 at 8: above 4 the
 #: unfolded chain.
 FOLD_Q_NORM_MAX_M = 4
-#: Run the residual add and RMSNorm before a MoE layer inside the MoE block's launch where the block serves the layer
-#: (``moe_block`` set, at most ``moe_block_max_m`` tokens): every program of the block normalises the rows itself
-#: (:func:`specverify.moe_layer.moe_block` with ``residual``), one launch a layer less. Read at each forward (an A/B
-#: sets it False: ``no-moe-norm``).
-FOLD_MOE_NORM = True
 
 
 def attach_folded_q_b(w: dict) -> dict:
@@ -469,18 +464,9 @@ class VerifyModel:
             w = self.layers[layer]
             with self.section("attention"):
                 a = attn(w, h, positions, kv_caches[layer], page_table, prefix_lens, tree_mask)
-            if self._fold_moe_norm(w, a):  # the residual add and RMSNorm inside the MoE block's launch
-                with self.section("allreduce"):
-                    a = self.allreduce(a)
-                with self.section("moe_block"):
-                    flat = a.reshape(-1, a.shape[-1])
-                    m, residual = ops.moe_block(flat, w["router"], w["route"], w["w13_all"], w["w2_all"],
-                                                residual=residual.reshape(flat.shape), norm_w=w["mlp_norm"], eps=eps)
-                m, residual = m.view_as(a), residual.view_as(a)
-            else:
-                with self.section("allreduce"):  # allreduce, residual add and the next RMSNorm
-                    h, residual = ops.add_rmsnorm(self.allreduce(a), residual, w["mlp_norm"], eps)
-                m = self._mlp(w, h)
+            with self.section("allreduce"):  # allreduce, residual add and the next RMSNorm
+                h, residual = ops.add_rmsnorm(self.allreduce(a), residual, w["mlp_norm"], eps)
+            m = self._mlp(w, h)
             nxt = self.layers[layer + 1]["attn_norm"] if layer + 1 < self.num_layers else self.final_norm
             with self.section("allreduce"):
                 h, residual = ops.add_rmsnorm(self.allreduce(m), residual, nxt, eps)
@@ -489,15 +475,6 @@ class VerifyModel:
             logits = logits if logits.dtype == torch.float64 else logits.float()
             logits = self._gather_vocab(logits)
         return logits, h, aux
-
-    def _fold_moe_norm(self, w, a) -> bool:
-        """Whether this layer's residual add and RMSNorm before the MoE go into the MoE block's launch
-        (:data:`FOLD_MOE_NORM`): where :meth:`_mlp` would run the block (a stacked MoE layer, ``moe_block`` set, at
-        most ``moe_block_max_m`` tokens) on bf16 / fp16 activations."""
-        ops = self.ops
-        return (FOLD_MOE_NORM and not w["dense"] and "w13_all" in w and ops.moe_block is not None
-                and a.numel() // a.shape[-1] <= ops.moe_block_max_m and a.dtype in (torch.bfloat16, torch.float16)
-                and a.stride(-1) == 1)
 
     def check_verify_inputs(self, draft_tokens, parents, depth, tree_mask, kv_caches, page_table, prefix_lens):
         """Validate a verify call before any kernel runs (value checks skipped during graph capture).

@@ -46,11 +46,9 @@ mla_prep_absorb      q, kv, positions, norm_w, w_uk, cache, page_table, prefix_l
                      scale is applied to q_latent and q's rope part (:func:`specverify.fused_ops.mla_prep_absorb`);
                      None: the two slots
 moe_block            hidden [M, H], router [E, H], :class:`RouteParams`, w13_all [E + 1, 2I, H], w2_all
-                     [E + 1, H, I] [, residual=, norm_w=, eps=] -> [M, H]: the router GEMV, routing and the routed +
-                     shared experts in one launch, run up to ``moe_block_max_m`` tokens (a fusion; None: the forward
-                     composes linear, route_shared and experts); with the keywords ``hidden`` comes before the
-                     residual add and RMSNorm, which the launch makes too, and the result is ``(out, hidden +
-                     residual)`` (:data:`specverify.forward.model.FOLD_MOE_NORM`)
+                     [E + 1, H, I] -> [M, H]: the router GEMV, routing and the routed + shared experts in one launch,
+                     run up to ``moe_block_max_m`` tokens (a fusion; None: the forward composes linear,
+                     route_shared and experts)
 write_kv             :func:`specverify.reference.kv.write_draft_kv` (not called by the forward: the prep ops write)
 ===================  ===========================================================================================
 """
@@ -236,12 +234,10 @@ def specverify_ops(model):
     if fns:
         moe_block, max_m = fns
 
-        def moe_block_op(hidden, router, p, w13_all, w2_all, residual=None, norm_w=None, eps=1e-6):
-            res = moe_block(hidden, router, w13_all, w2_all, top_k=p.num_experts_per_tok, scoring=p.scoring_func,
-                            correction_bias=p.correction_bias, n_group=p.n_group, topk_group=p.topk_group,
-                            renormalize=p.norm_topk_prob, routed_scaling_factor=p.routed_scaling_factor,
-                            residual=residual, norm_weight=norm_w, eps=eps)
-            return res.out if residual is None else (res.out, res.residual)
+        def moe_block_op(hidden, router, p, w13_all, w2_all):
+            return moe_block(hidden, router, w13_all, w2_all, top_k=p.num_experts_per_tok, scoring=p.scoring_func,
+                             correction_bias=p.correction_bias, n_group=p.n_group, topk_group=p.topk_group,
+                             renormalize=p.norm_topk_prob, routed_scaling_factor=p.routed_scaling_factor).out
 
         ops.moe_block, ops.moe_block_max_m = moe_block_op, max_m
         ops.pieces["moe_block"] = "triton (one persistent launch at a few tokens)"

@@ -207,3 +207,50 @@ def test_gemv_sumsq_bad_input(cols, err, match):
         gemv_mod.gemv_sumsq(x, w, cols)
     with pytest.raises(ValueError, match="1..16 rows"):  # the GEMV's own checks come first
         gemv_mod.gemv_sumsq(torch.zeros(17, 8, dtype=torch.bfloat16), w, 2)
+
+
+def test_split_workspace_grown_keeps_the_old_set(device, monkeypatch):
+    """A projection whose split count grows at the same N (another K, or another M's config) gets a larger workspace;
+    the old set stays allocated for graphs captured on it, and both launches are right."""
+    from specverify import workspace
+
+    monkeypatch.setattr(gemv_mod, "_BUFFERS", {})
+    monkeypatch.setattr(gemv_mod, "sm_count", lambda device_type, index: 4)
+    g = torch.Generator().manual_seed(11)
+    x1 = torch.randn(1, 256, generator=g).to(torch.bfloat16).to(device)
+    x2 = torch.randn(1, 1024, generator=g).to(torch.bfloat16).to(device)
+    w1 = torch.randn(64, 256, generator=g).to(torch.bfloat16).to(device)
+    w2 = torch.randn(64, 1024, generator=g).to(torch.bfloat16).to(device)  # same N, four times the splits
+    assert gemv_split(64, 1024, 4)[0] > gemv_split(64, 256, 4)[0]
+    gemv(x1, w1, impl="triton")
+    (small,) = gemv_mod._BUFFERS.values()
+    got = gemv(x2, w2, impl="triton")
+    (large,) = gemv_mod._BUFFERS.values()
+    assert large[0].shape[0] > small[0].shape[0] and any(r is small for r in workspace._RETIRED)
+    torch.testing.assert_close(got, gemv_reference(x2, w2), rtol=1e-2, atol=1e-2 * 32)
+    torch.testing.assert_close(gemv(x1, w1, impl="triton"), gemv_reference(x1, w1), rtol=1e-2, atol=1e-2 * 16)
+
+
+@pytest.mark.gpu
+def test_gpu_graph_replays_after_the_workspace_grew(monkeypatch):
+    """A GEMV captured in a CUDA graph replays right after a later shape grew its split-K workspace (the retired set
+    stays allocated)."""
+    from conftest import warm_up_for_capture
+
+    monkeypatch.setattr(gemv_mod, "_BUFFERS", {})
+    g = torch.Generator().manual_seed(12)
+    x1 = torch.randn(1, 256, generator=g).to(torch.bfloat16).cuda()
+    w1 = torch.randn(2112, 256, generator=g).to(torch.bfloat16).cuda()
+    x2 = torch.randn(1, 7168, generator=g).to(torch.bfloat16).cuda()
+    w2 = torch.randn(2112, 7168, generator=g).to(torch.bfloat16).cuda()
+    warm_up_for_capture(lambda: gemv(x1, w1, impl="triton"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = gemv(x1, w1, impl="triton")
+    assert gemv_split(2112, 7168, 132)[0] > gemv_split(2112, 256, 132)[0]
+    gemv(x2, w2, impl="triton")  # more splits at the same N: a new workspace
+    for _ in range(2):
+        x1.copy_(torch.randn_like(x1))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(captured, gemv_reference(x1, w1), rtol=1e-2, atol=1e-2 * 16)

@@ -12,7 +12,7 @@ import torch
 
 from specverify.fit import pdl_launch, sm_count
 from specverify.fused_ops import _use_triton, triton_next_pow2
-from specverify.workspace import _RETIRED
+from specverify.workspace import grown_workspace
 
 _FLOAT = (torch.bfloat16, torch.float16)
 #: Largest M the kernel serves (the MMA's N side, 16 token columns); callers use torch.matmul above it.
@@ -97,25 +97,18 @@ def gemv_split(n: int, k: int, sms: int, cfg: dict | None = None) -> tuple[int, 
 
 
 def _buffers(device, n, split, rows):
-    """(partials fp32 [split, MAX_M, n], tickets int32 [row tiles], sums of squares fp32 [row tiles, MAX_M] of
-    :func:`gemv_sumsq`) for one (device, N, rows a tile), grown to ``split`` and kept (graph replays reuse the
-    addresses). A set replaced by a larger one stays allocated (``specverify.workspace``'s retired list): a graph
-    captured on it still replays into it. Growing during CUDA-graph capture raises RuntimeError (one eager call at
-    every shape first)."""
-    key = (device, n, rows)
-    buf = _BUFFERS.get(key)
-    if buf is None or buf[0].shape[0] < split:
-        if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"gemv: the split-K workspace for N = {n} must grow to {split} splits outside "
-                               "CUDA-graph capture; run one eager call at this shape first")
-        if buf is not None:
-            _RETIRED.append(buf)
-        tiles = -(-n // rows)
-        buf = (torch.empty(split, MAX_M, n, dtype=torch.float32, device=device),
-               torch.zeros(tiles, dtype=torch.int32, device=device),
-               torch.empty(tiles, MAX_M, dtype=torch.float32, device=device))
-        _BUFFERS[key] = buf
-    return buf
+    """(partials fp32 [>= split * MAX_M * n], tickets int32 [row tiles], sums of squares fp32 [row tiles, MAX_M] of
+    :func:`gemv_sumsq`) for one (device, N, rows a tile): :func:`specverify.workspace.grown_workspace` of
+    ``_BUFFERS[(N, rows)]``, grown to ``split`` and kept (graph replays reuse the addresses; a set replaced by a
+    larger one stays allocated for the graphs captured on it; growing during CUDA-graph capture raises
+    RuntimeError)."""
+    tiles = -(-n // rows)
+    part, ticket, sums = grown_workspace(
+        _BUFFERS.setdefault((n, rows), {}), torch.device(device), (split * MAX_M * n, tiles, tiles * MAX_M),
+        lambda size: (torch.empty(size[0], dtype=torch.float32, device=device),
+                      torch.zeros(size[1], dtype=torch.int32, device=device),
+                      torch.empty(size[2], dtype=torch.float32, device=device)), "gemv")
+    return part, ticket, sums.view(-1, MAX_M)
 
 
 #: Where :func:`gemv` beat cuBLAS on the H200 (bench_gemv, 2026-12-02), as (max M, N range, K range), bounds

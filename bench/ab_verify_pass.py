@@ -9,7 +9,8 @@ default table), ``no-<slot>`` (one slot of ``FUSIONS`` emptied); gate/up of the 
 ``specverify.moe._STREAM_OVERRIDE``): ``fma`` (no split-K MMA gate/up), ``splitk-m4`` / ``splitk-m6`` (split-K up
 to 4 / 6 tokens); ``block-m4`` (the one-launch MoE block up to 4 tokens instead of ``MOE_BLOCK_MAX_M``);
 ``w<1|4>-<router|qkv|qb>`` (that GEMV's grid at 1 or 4 programs an SM instead of 2); ``rr-<qkv|qb|o>-k..-s..``
-(that projection on the row-range GEMV, see ``_RR_RULES``); ``cublas-o`` (o_proj on cuBLAS again);
+(that projection on the row-range GEMV, see ``_RR_RULES``); ``mb-n<BN>-k<BK>-c<SK>.<SD>.<W>`` (the MoE block's
+tiles and launch candidate, as ``bench_moe_block.py --configs``); ``cublas-o`` (o_proj on cuBLAS again);
 ``no-q-fold`` (q_a's RMSNorm a launch of its own again, ``forward.model.FOLD_Q_NORM``); ``no-early-kv`` (the MLA
 attention's first prefix KV tile read after the PDL wait, not before).
 Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded into the projections and
@@ -73,6 +74,16 @@ def _variant(name: str) -> dict | None:
     if name in VARIANTS:
         return VARIANTS[name]
     parts = name.split("-")
+    if parts[0] == "mb":  # mb-n<BN>-k<BK>-c<SK>.<SD>.<W>: the MoE block's tiles and its one launch candidate
+        try:
+            bn, bk, cand = int(parts[1].removeprefix("n")), int(parts[2].removeprefix("k")), tuple(
+                int(v) for v in parts[3].removeprefix("c").split("."))
+        except (IndexError, ValueError):
+            return None
+        if len(parts) != 4 or len(cand) != 3:
+            return None
+        mod = "specverify.moe_layer"
+        return dict(off=(), attrs=((mod, "_BN", bn), (mod, "_BK", bk), (mod, "_CANDIDATES", (cand,))))
     if len(parts) < 4 or parts[0] != "rr" or parts[1] not in _RR_RULES:
         return None
     rule = _RR_RULES[parts[1]]

@@ -4,6 +4,10 @@ stream experts), at Kimi-K2 / DeepSeek-V3 rank shapes (tp 8), each timed by CUDA
 weight sets in turn (so weights come from HBM, not L2), with the bytes floor (router + the distinct experts read,
 shared included, over a copy bandwidth of the same run) (issue 22).
 
+``--configs`` times the block at each launch config given (``BNxBK:SK.SD.W``: gate / up rows of a tile, K chunk,
+K-loop and down-loop pipeline depths, warps; ``specverify.moe_layer._BN`` / ``_BK`` / ``_CANDIDATES``) after
+today's, each checked against today's output (same routing; outputs within a few bf16 rounding steps).
+
 ``--timeline`` also replays the block's graph with the kernel's phase stamps on (a build of its own: ``TIMING``)
 and gives, for the last launch of each replay, when the programs reached each point (µs from the first program's
 start; median and last program over the grid, each the median over ``--replays``): after the PDL wait, phase 1
@@ -11,7 +15,7 @@ start; median and last program over the grid, each the median over ``--replays``
 (down).
 
 Usage: ``python bench/bench_moe_block.py [--models kimi-k2,deepseek-v3] [--tokens 1,2,4,8] [--sets 4]
-[--timeline] [--replays 50] [--json PATH]``.
+[--configs 16x256:6.3.4,...] [--timeline] [--replays 50] [--json PATH]``.
 """
 from __future__ import annotations
 
@@ -33,8 +37,13 @@ def main(argv=None) -> int:
     ap.add_argument("--sets", type=int, default=4, help="weight sets cycled through (HBM, not L2)")
     ap.add_argument("--timeline", action="store_true", help="also the phase timeline of the block")
     ap.add_argument("--replays", type=int, default=50, help="graph replays the timeline is the median of")
+    ap.add_argument("--configs", default="", help="launch configs BNxBK:SK.SD.W to time after today's")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
+    try:
+        configs = [_parse_config(c) for c in args.configs.split(",") if c]
+    except ValueError as exc:
+        ap.error(str(exc))
     if not torch.cuda.is_available():
         print("bench_moe_block: needs a CUDA device", file=sys.stderr)
         return 2
@@ -77,6 +86,10 @@ def main(argv=None) -> int:
             row = {"model": model, "m": m, "distinct_experts": experts, "bytes": nbytes, "floor_us": floor}
             for name, fn in (("block", block), ("composed", composed)):
                 row[f"{name}_us"] = graph_us(fn, calls=2, replays=10, repeats=5, stat="median") / len(sets)
+            if configs:
+                row["configs"] = _sweep(configs, block, lambda: moe_block(
+                    x, sets[0]["router"], sets[0]["w13"], sets[0]["w2"], correction_bias=sets[0]["bias"], **rk),
+                    res, len(sets), args.timeline, args.replays)
             if args.timeline:
                 row["timeline"] = _timeline(block, args.replays)
             rows.append(row)
@@ -86,9 +99,61 @@ def main(argv=None) -> int:
             if args.timeline:
                 print("    " + ", ".join(f"{k} {v[0]:.2f} / {v[1]:.2f}" for k, v in row["timeline"].items()),
                       flush=True)
+            for c in row.get("configs", ()):
+                if "error" in c:
+                    continue
+                line = (f"    {c['config']:>16}: block {c['block_us']:6.1f} us ({floor / c['block_us']:4.0%}), "
+                        f"max |diff| {c['max_abs_diff']:.3g} (tol {c['tol']:.3g})")
+                if "timeline" in c:
+                    line += "; " + ", ".join(f"{k} {v[1]:.1f}" for k, v in c["timeline"].items())
+                print(line, flush=True)
     if args.json:
         write_rows_json(args.json, __file__, rows, copy_bw_gbps=bw, args=vars(args))
     return 0
+
+
+def _parse_config(text: str) -> tuple[int, int, tuple[int, int, int]]:
+    """``BNxBK:SK.SD.W`` -> (BN, BK, (SK, SD, W))."""
+    try:
+        tiles, cand = text.split(":")
+        bn, bk = (int(v) for v in tiles.split("x"))
+        sk, sd, w = (int(v) for v in cand.split("."))
+    except ValueError:
+        raise ValueError(f"--configs: expected BNxBK:SK.SD.W (e.g. 16x256:6.3.4), got {text!r}") from None
+    return bn, bk, (sk, sd, w)
+
+
+def _sweep(configs, block, once, res, n_sets: int, timeline: bool, replays: int) -> list[dict]:
+    """Each config's block time (and timeline), checked against today's result ``res``: the same routing, and
+    outputs within 4 bf16 rounding steps of today's largest (summation order and the rounded act differ)."""
+    from specverify import moe_layer
+
+    saved = (moe_layer._BN, moe_layer._BK, moe_layer._CANDIDATES)
+    out = []
+    try:
+        for bn, bk, cand in configs:
+            moe_layer._BN, moe_layer._BK, moe_layer._CANDIDATES = bn, bk, (cand,)
+            name = f"{bn}x{bk}:{'.'.join(map(str, cand))}"
+            try:
+                got = once()
+            except RuntimeError as exc:  # no launch of this config is resident (shared memory, registers)
+                print(f"    {name}: {exc}", flush=True)
+                out.append({"config": name, "error": str(exc)})
+                continue
+            if not torch.equal(got.topk_ids, res.topk_ids):
+                raise AssertionError(f"config {bn}x{bk}:{cand}: routing differs from today's")
+            diff = float((got.out.float() - res.out.float()).abs().max())
+            tol = 4 * 2.0 ** -8 * float(res.out.float().abs().max())
+            if not diff <= tol:
+                raise AssertionError(f"config {bn}x{bk}:{cand}: max |diff| {diff} above {tol}")
+            c = {"config": name, "max_abs_diff": diff, "tol": tol,
+                 "block_us": graph_us(block, calls=2, replays=10, repeats=5, stat="median") / n_sets}
+            if timeline:
+                c["timeline"] = _timeline(block, replays)
+            out.append(c)
+    finally:
+        moe_layer._BN, moe_layer._BK, moe_layer._CANDIDATES = saved
+    return out
 
 
 _POINTS = ("wait", "phase1", "barrier1", "routing", "phase2", "prefetch", "barrier2", "phase3")

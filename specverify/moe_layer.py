@@ -196,10 +196,11 @@ def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor,
     out = torch.empty((m, h), dtype=hidden.dtype, device=dev)
     interp = dev.type != "cuda" or envvars.triton_interpret()
     pdl = pdl_launch(dev)
-    # the launch choice depends on the compiled kernel: key it on everything that selects one
+    # the launch choice depends on the compiled kernel: key it on everything that selects one (the tiles and
+    # candidates too: ``bench/bench_moe_block.py --configs`` and ``bench/ab_verify_pass.py`` set them)
     timing = _TIMELINE is not None and not interp
     key = (m, h, inter, e, top_k, hidden.dtype, scoring, n_group, topk_group, correction_bias is not None,
-           bool(renormalize), pdl, timing)
+           bool(renormalize), pdl, timing, _BN, _BK, _CANDIDATES)
     ep = max(_next_pow2(e), 16)
     consts = dict(MT=m, H=h, I=inter, E=e, EP=ep, TOP_K=top_k, TOPK_P=max(2, _next_pow2(top_k)),
                   ROWS=_next_pow2(m), N_GROUP=n_group, NG_P=max(2, _next_pow2(n_group)), GSIZE=e // n_group,

@@ -107,6 +107,18 @@ def test_moe_block_split_k_and_row_ranges(programs, monkeypatch, fresh_workspace
         check_block(moe_block(x, router, w13, w2, **kw), x, router, w13, w2, kw)
 
 
+@pytest.mark.parametrize("bn,bk", [(16, 256), (8, 512)])
+def test_moe_block_other_tiles(bn, bk, monkeypatch, fresh_workspace):
+    """The tiles ``bench/bench_moe_block.py --configs`` sweeps: 16 / 32 weight rows a tile over 256 / 512-column
+    chunks (H = 640 leaves a partial last chunk), one and two tokens."""
+    monkeypatch.setitem(CASES, "wide", (640, 64, 48, 6, "sigmoid", True, 1, 1, True, 2.827))
+    monkeypatch.setattr(block_mod, "_BN", bn)
+    monkeypatch.setattr(block_mod, "_BK", bk)
+    for m in (1, 2):
+        x, router, w13, w2, kw = _weights("wide", m, seed=bn + bk + m, device="cpu")
+        check_block(moe_block(x, router, w13, w2, **kw), x, router, w13, w2, kw)
+
+
 def test_moe_block_workspace_sized_for_every_token_count(device, fresh_workspace):
     """The first call (one token) sizes the workspace for every count the forward runs through the block, so a
     graph captured later at two tokens allocates nothing."""

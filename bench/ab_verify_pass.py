@@ -7,8 +7,8 @@ Variants (``--variants``, comma-separated): ``chain`` (no fusion slot: MLA prepa
 two launches, the shared expert's slot appended by a launch of its own, no one-launch MoE block), ``fused`` (the
 default table), ``no-<slot>`` (one slot of ``FUSIONS`` emptied); gate/up of the stream experts (merged into
 ``specverify.moe._STREAM_OVERRIDE``): ``fma`` (no split-K MMA gate/up), ``splitk-m4`` / ``splitk-m6`` (split-K up
-to 4 / 6 tokens); ``block-m4`` (the one-launch MoE block up to 4 tokens instead of ``MOE_BLOCK_MAX_M``);
-``w<1|4>-<router|qkv|qb>`` (that GEMV's grid at 1 or 4 programs an SM instead of 2); ``rr-<qkv|qb|o>-k..-s..``
+to 4 / 6 tokens); ``block-m3`` / ``block-m4`` (the one-launch MoE block up to 3 / 4 tokens instead of
+``MOE_BLOCK_MAX_M``); ``w<1|4>-<router|qkv|qb>`` (that GEMV's grid at 1 or 4 programs an SM instead of 2); ``rr-<qkv|qb|o>-k..-s..``
 (that projection on the row-range GEMV, see ``_RR_RULES``); ``mb-n<BN>-k<BK>-c<SK>.<SD>.<W>`` (the MoE block's
 tiles and launch candidate, as ``bench_moe_block.py --configs``); ``cublas-o`` (o_proj on cuBLAS again);
 ``no-q-fold`` (q_a's RMSNorm a launch of its own again, ``forward.model.FOLD_Q_NORM``); ``no-early-kv`` (the MLA
@@ -48,7 +48,7 @@ FUSIONS = ("mla_prep_absorb", "route_shared", "moe_block")
 VARIANTS = {"chain": dict(off=FUSIONS), "fused": dict(off=()), "fma": dict(off=(), stream={"splitk_max_m": 0})}
 VARIANTS.update({f"no-{slot}": dict(off=(slot,)) for slot in FUSIONS})
 VARIANTS.update({f"splitk-m{m}": dict(off=(), stream={"splitk_max_m": m}) for m in (4, 6)})
-VARIANTS["block-m4"] = dict(off=(), set={"moe_block_max_m": 4})
+VARIANTS.update({f"block-m{m}": dict(off=(), set={"moe_block_max_m": m}) for m in (3, 4)})
 #: module attributes read at each launch: (module, attribute, value)
 #: o_proj's rule (``specverify.gemv.LINEAR_RULES``, N 7168, K 1024 / 2048): the ``cublas-o`` and ``rr-o-*`` variants
 _O_PROJ = (8, (7168, 7168), (1024, 2048))

@@ -10,7 +10,7 @@ default table), ``no-<slot>`` (one slot of ``FUSIONS`` emptied); gate/up of the 
 to 4 / 6 tokens); ``block-m3`` / ``block-m4`` (the one-launch MoE block up to 3 / 4 tokens instead of
 ``MOE_BLOCK_MAX_M``); ``w<1|4>-<router|qkv|qb>`` (that GEMV's grid at 1 or 4 programs an SM instead of 2); ``rr-<qkv|qb|o>-k..-s..``
 (that projection on the row-range GEMV, see ``_RR_RULES``); ``mb-n<BN>-k<BK>-c<SK>.<SD>.<W>`` (the MoE block's
-tiles and launch candidate, as ``bench_moe_block.py --configs``); ``cublas-o`` (o_proj on cuBLAS again);
+tiles at every token count and its launch candidate, as ``bench_moe_block.py --configs``); ``cublas-o`` (o_proj on cuBLAS again);
 ``no-q-fold`` (q_a's RMSNorm a launch of its own again, ``forward.model.FOLD_Q_NORM``); ``no-early-kv`` (the MLA
 attention's first prefix KV tile read after the PDL wait, not before).
 Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded into the projections and
@@ -83,7 +83,8 @@ def _variant(name: str) -> dict | None:
         if len(parts) != 4 or len(cand) != 3:
             return None
         mod = "specverify.moe_layer"
-        return dict(off=(), attrs=((mod, "_BN", bn), (mod, "_BK", bk), (mod, "_CANDIDATES", (cand,))))
+        return dict(off=(), attrs=((mod, "_BN", bn), (mod, "_BK", bk), (mod, "_TILES", {}),
+                                   (mod, "_CANDIDATES", (cand,))))
     if len(parts) < 4 or parts[0] != "rr" or parts[1] not in _RR_RULES:
         return None
     rule = _RR_RULES[parts[1]]

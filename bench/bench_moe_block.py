@@ -5,7 +5,8 @@ weight sets in turn (so weights come from HBM, not L2), with the bytes floor (ro
 shared included, over a copy bandwidth of the same run) (issue 22).
 
 ``--configs`` times the block at each launch config given (``BNxBK:SK.SD.W``: gate / up rows of a tile, K chunk,
-K-loop and down-loop pipeline depths, warps; ``specverify.moe_layer._BN`` / ``_BK`` / ``_CANDIDATES``) after
+K-loop and down-loop pipeline depths, warps; ``specverify.moe_layer._BN`` / ``_BK`` / ``_CANDIDATES``, at every
+token count: ``_TILES`` emptied) after
 today's, each checked against today's output (same routing; outputs within a few bf16 rounding steps).
 
 ``--timeline`` also replays the block's graph with the kernel's phase stamps on (a build of its own: ``TIMING``)
@@ -128,11 +129,11 @@ def _sweep(configs, block, once, res, n_sets: int, timeline: bool, replays: int)
     outputs within 4 bf16 rounding steps of today's largest (summation order and the rounded act differ)."""
     from specverify import moe_layer
 
-    saved = (moe_layer._BN, moe_layer._BK, moe_layer._CANDIDATES)
+    saved = (moe_layer._BN, moe_layer._BK, moe_layer._TILES, moe_layer._CANDIDATES)
     out = []
     try:
         for bn, bk, cand in configs:
-            moe_layer._BN, moe_layer._BK, moe_layer._CANDIDATES = bn, bk, (cand,)
+            moe_layer._BN, moe_layer._BK, moe_layer._TILES, moe_layer._CANDIDATES = bn, bk, {}, (cand,)
             name = f"{bn}x{bk}:{'.'.join(map(str, cand))}"
             try:
                 got = once()
@@ -152,7 +153,7 @@ def _sweep(configs, block, once, res, n_sets: int, timeline: bool, replays: int)
                 c["timeline"] = _timeline(block, replays)
             out.append(c)
     finally:
-        moe_layer._BN, moe_layer._BK, moe_layer._CANDIDATES = saved
+        moe_layer._BN, moe_layer._BK, moe_layer._TILES, moe_layer._CANDIDATES = saved
     return out
 
 

@@ -21,7 +21,11 @@ __all__ = ["MoEBlockResult", "moe_block", "MOE_BLOCK_MAX_M"]
 #: launches (router GEMV, routing, gate/up, down). Chosen from ``bench/ab_verify_pass.py`` on the H200.
 MOE_BLOCK_MAX_M = 2
 _KERNEL_MAX_M = 16
+#: (gate / up rows of a tile, K chunk): the default, and by token count where another measured faster in the pass
+#: (H100, ``ab_verify_pass.py``, both orders, 2026-12-06: 16 x 256 at one token 5.325 against 5.351 ms, at two
+#: 7.507 against 7.301; alone, ``bench_moe_block.py --configs``, no tile within 1 us of another at one token)
 _BN, _BK = 32, 128
+_TILES = {1: (16, 256)}
 #: (K loops, down loop) pipeline depths and warps, best first (H200 at Kimi-K2 M = 1, 2, 4 warps: 6 / 3 at one
 #: program an SM 39.4 / 60.4 us, 3 / 3 at two 40.2 / 65.6, 3 / 2 at two 44.4 / 73.2); the first whose compiled
 #: kernel lets the grid be resident without spilling is taken (sm_120's ~100 KB of shared memory a block takes a
@@ -53,13 +57,14 @@ def _plan(m: int, h: int, inter: int, e: int, top_k: int, nprog: int) -> dict:
     (bench/ab_verify_pass.py, both orders): parts as many as fill the grid (9 of 6-7 chunks at one token, 126
     items) were 0.02 / 0.07 ms slower at k = 1 / 2 than 8 equal ones (112 items); row ranges against 64-row tiles
     (112 items) equal within 0.01 ms."""
-    chunks = _cdiv(h, _BK)
-    t1 = _cdiv(e, 2 * _BN) + _cdiv(inter, _BN)
-    t2 = m * top_k * _cdiv(inter, _BN)
+    bn, bk = _TILES.get(m, (_BN, _BK))
+    chunks = _cdiv(h, bk)
+    t1 = _cdiv(e, 2 * bn) + _cdiv(inter, bn)
+    t2 = m * top_k * _cdiv(inter, bn)
     s1 = _cdiv(chunks, _cdiv(chunks, max(1, nprog // t1)))
     s2 = _cdiv(chunks, _cdiv(chunks, max(1, nprog // t2)))
     rh = max(16, _cdiv(h, nprog))
-    return dict(BN=_BN, BK=_BK, SPLIT1=s1, SPLIT1_PAD=max(2, _next_pow2(s1)), SPLIT2=s2,
+    return dict(BN=bn, BK=bk, SPLIT1=s1, SPLIT1_PAD=max(2, _next_pow2(s1)), SPLIT2=s2,
                 SPLIT2_PAD=max(2, _next_pow2(s2)), RH=rh, BH=_next_pow2(rh), BI=min(256, _next_pow2(inter)),
                 PF_BI=max(64, min(256, _next_pow2(inter))),
                 SPP=max(2, _next_pow2(m * (top_k + 1))), PF_SLOTS=max(1, min(_PF_SLOTS, m * (top_k + 1))), T1=t1,
@@ -200,7 +205,7 @@ def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor,
     # candidates too: ``bench/bench_moe_block.py --configs`` and ``bench/ab_verify_pass.py`` set them)
     timing = _TIMELINE is not None and not interp
     key = (m, h, inter, e, top_k, hidden.dtype, scoring, n_group, topk_group, correction_bias is not None,
-           bool(renormalize), pdl, timing, _BN, _BK, _CANDIDATES)
+           bool(renormalize), pdl, timing, _TILES.get(m, (_BN, _BK)), _CANDIDATES)
     ep = max(_next_pow2(e), 16)
     consts = dict(MT=m, H=h, I=inter, E=e, EP=ep, TOP_K=top_k, TOPK_P=max(2, _next_pow2(top_k)),
                   ROWS=_next_pow2(m), N_GROUP=n_group, NG_P=max(2, _next_pow2(n_group)), GSIZE=e // n_group,
@@ -210,7 +215,7 @@ def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor,
     # the forward's, so a graph captured later at another count needs no allocation
     sms = sm_count(dev.type, dev.index)
     plans = [_plan(mm, h, inter, e, top_k, sms * p) for p in (1, 2) for mm in range(1, max(m, MOE_BLOCK_MAX_M) + 1)]
-    need_p = max(p["T1"] * p["SPLIT1"] * p["M"] * 2 * _BN + p["T2"] * p["SPLIT2"] * 2 * _BN for p in plans)
+    need_p = max((p["T1"] * p["SPLIT1"] * p["M"] + p["T2"] * p["SPLIT2"]) * 2 * p["BN"] for p in plans)
     need_t = max(p["T1"] + p["T2"] for p in plans)
     part, ticket, bar = _workspace(dev, need_p, need_t)
 

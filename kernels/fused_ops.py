@@ -120,12 +120,18 @@ def _mla_kv_prep_kernel(KV, W, Q, POS, PAGE_TABLE, PREFIX, CACHE, COS_SIN,
 
 
 @triton.jit
+def _q_scale_of(ss, q_dim, eps):
+    # item 6's formula: rsqrt(sum over axis 0 of the parts' sums of squares ss / q_dim + eps), per token
+    return tl.rsqrt(tl.sum(ss, axis=0) / q_dim + eps)
+
+
+@triton.jit
 def _q_scale(QSS, stride_sp, stride_st, offs_t, tmask, n_part, q_dim, eps, BLOCK_P: tl.constexpr):
     # item 6: s_t = rsqrt(sum_p QSS[p, t] / q_dim + eps) for the tokens offs_t [BLOCK_T] (masked ones: rsqrt(eps))
     rp = tl.arange(0, BLOCK_P)
     ss = tl.load(QSS + rp[:, None] * stride_sp + offs_t[None, :] * stride_st,
                  mask=(rp < n_part)[:, None] & tmask[None, :], other=0.0)
-    return tl.rsqrt(tl.sum(ss, axis=0) / q_dim + eps)
+    return _q_scale_of(ss, q_dim, eps)
 
 
 @triton.jit
@@ -148,8 +154,7 @@ def _mla_kv_prep_token(t, KV, W, Q, POS, PAGE_TABLE, PREFIX, CACHE, COS_SIN,
     pos = tl.load(POS + t)
     if Q_SCALE:  # q_a's RMSNorm scale of this token, loaded beside its position
         rp = tl.arange(0, BLOCK_P)
-        ss = tl.load(QSS + rp * stride_sp + t * stride_st, mask=rp < n_part, other=0.0)
-        qs = tl.rsqrt(tl.sum(ss, axis=0) / q_dim + eps)
+        qs = _q_scale_of(tl.load(QSS + rp * stride_sp + t * stride_st, mask=rp < n_part, other=0.0), q_dim, eps)
     # latent: RMSNorm
     lat = tl.load(KV + t * stride_kv + offs, mask=rmask, other=0.0).to(tl.float32)
     var = tl.sum(lat * lat, axis=0) / R

@@ -50,10 +50,11 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
-def _sumsq_cols(y, rn, mask, sumsq_cols):
-    # per token column of a [BLOCK_N, BLOCK_M] tile of stored values: the sum of y^2 over the rows n < sumsq_cols
+def _sumsq(y, keep):
+    # the sum of y^2 (fp32) over axis 0 of the stored values y where keep: per token column of a [BLOCK_N, BLOCK_M]
+    # tile, or one token row's [BLOCK_N]
     yf = y.to(tl.float32)
-    return tl.sum(tl.where(mask & (rn < sumsq_cols)[:, None], yf * yf, 0.0), axis=0)
+    return tl.sum(tl.where(keep, yf * yf, 0.0), axis=0)
 
 
 @triton.jit
@@ -99,7 +100,7 @@ def _gemv_splitk_kernel(X, W, Y, P, TICKET, S, M, N, K, stride_xm, stride_wn, st
         tl.store(Y + rm[None, :] * stride_ym + rn[:, None], y, mask=out_mask)
         if SUMSQ:
             if s_here:
-                tl.store(s_row + rm, _sumsq_cols(y, rn, out_mask, sumsq_cols), mask=mmask)
+                tl.store(s_row + rm, _sumsq(y, out_mask & (rn < sumsq_cols)[:, None]), mask=mmask)
     else:
         p_tile = P + (pid_s * BLOCK_M + rm[None, :]) * N + rn[:, None]
         tl.store(p_tile, acc, mask=out_mask)
@@ -118,8 +119,7 @@ def _gemv_splitk_kernel(X, W, Y, P, TICKET, S, M, N, K, stride_xm, stride_wn, st
                     tl.store(Y + m * stride_ym + rn, y, mask=nmask)
                     if SUMSQ:
                         if s_here:
-                            yf = y.to(tl.float32)
-                            tl.store(s_row + m, tl.sum(tl.where(nmask & (rn < sumsq_cols), yf * yf, 0.0), axis=0))
+                            tl.store(s_row + m, _sumsq(y, nmask & (rn < sumsq_cols)))
             else:
                 total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
                 for s in range(0, SPLIT_K):
@@ -128,5 +128,5 @@ def _gemv_splitk_kernel(X, W, Y, P, TICKET, S, M, N, K, stride_xm, stride_wn, st
                 tl.store(Y + rm[None, :] * stride_ym + rn[:, None], y, mask=out_mask)
                 if SUMSQ:
                     if s_here:
-                        tl.store(s_row + rm, _sumsq_cols(y, rn, out_mask, sumsq_cols), mask=mmask)
+                        tl.store(s_row + rm, _sumsq(y, out_mask & (rn < sumsq_cols)[:, None]), mask=mmask)
             tl.atomic_xchg(TICKET + pid_n, 0)

@@ -224,16 +224,21 @@ def test_folded_q_norm_forward_matches_the_norm_chain(device, monkeypatch, b, k,
         assert e_f <= 2 * e_c + 1e-2 * float(lt[0].abs().max()), (e_f, e_c)
 
 
-def test_fold_slot_only_in_specverify_tables():
+def test_fold_slot_only_in_specverify_tables(monkeypatch):
     # the reference and SGLang tables keep q_a's RMSNorm: no linear_sumsq; the synthetic model holds the folded q_b
+    # where the fold can run (the rule LoadedVerifyModel shares: bf16, a qkv_a shape our GEMV serves)
     import specverify.forward.model as model_mod
 
     assert Ops().linear_sumsq is None
     ops, _ = specverify_ops(None)
     assert ops.linear_sumsq is not None
+    monkeypatch.setattr(gemv_mod, "LINEAR_RULES", _ALL)
     model = VerifyModel("tiny-mla-moe", dtype=torch.bfloat16, seed=3)
     for w in model._sets.values():
         torch.testing.assert_close(w["q_b_folded"], w["q_b"] * w["q_a_norm"], rtol=0, atol=0)
     # bf16 only: fp16's range is short for the un-normed q, fp32 / fp64 models never run our GEMV
     assert all("q_b_folded" not in w for w in VerifyModel("tiny-mla-moe", dtype=torch.float32, seed=3)._sets.values())
+    # a qkv_a our GEMV does not serve: no copy (it would never be read)
+    monkeypatch.setattr(gemv_mod, "LINEAR_RULES", ())
+    assert all("q_b_folded" not in w for w in VerifyModel("tiny-mla-moe", dtype=torch.bfloat16, seed=3)._sets.values())
     assert model_mod.FOLD_Q_NORM is True

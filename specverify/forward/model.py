@@ -34,6 +34,7 @@ import torch
 
 from specverify.configs import ModelConfig, RankShapes, get_config, per_rank_shapes
 from specverify.forward.ops import Ops, RouteParams, provider_ops
+from specverify.gemv import gemv_is_faster
 
 #: Fold MLA's q_a RMSNorm into q_b where the op table can (``linear_sumsq`` and ``mla_prep_absorb`` set, the layer
 #: holds ``q_b_folded`` and our GEMV runs qkv_a at this shape): the norm's launch leaves the pass. Read at each
@@ -44,6 +45,16 @@ FOLD_Q_NORM = True
 #: DeepSeek-V3 b 4 / 16k 12.521 against 12.541 ms at 4 tokens but 17.868 against 17.762 at 8: above 4 the
 #: unfolded chain.
 FOLD_Q_NORM_MAX_M = 4
+
+
+def q_norm_foldable(w: dict) -> bool:
+    """Whether a layer dict gets ``q_b_folded`` (:func:`attach_folded_q_b`): the forward can fold its q_a RMSNorm
+    only with a bf16 q_b (fp16's range is short for an un-normed q) and a qkv_a shape our GEMV serves, whose
+    epilogue gives the sums of squares (:func:`specverify.gemv.gemv_is_faster` at one token); elsewhere the copy
+    would never be read. Shared by the synthetic model and :class:`~specverify.forward.step.LoadedVerifyModel`."""
+    q_b, qkv_a = w.get("q_b"), w.get("qkv_a")
+    return (q_b is not None and qkv_a is not None and w.get("q_a_norm") is not None and q_b.dtype == torch.bfloat16
+            and gemv_is_faster(1, qkv_a.shape[0], qkv_a.shape[1]))
 
 
 def attach_folded_q_b(w: dict) -> dict:
@@ -196,13 +207,13 @@ class VerifyModel:
             q_a = pf.rand(f"{tag}.q_a", [c.q_lora_rank, h], fan_in=h)
             w["q_a_norm"] = pf.ones([c.q_lora_rank])
             w["q_b"] = pf.rand(f"{tag}.q_b", [heads_full, qk, c.q_lora_rank], shard_dim=0, fan_in=c.q_lora_rank)
-            if self.dtype == torch.bfloat16:  # the fold serves bf16 only (fp16's range is short for an un-normed q)
-                attach_folded_q_b(w)  # q_b's input is then the un-normed q_a
             kv_a = pf.rand(f"{tag}.kv_a", [c.kv_lora_rank + c.qk_rope_head_dim, h], fan_in=h)
             # q_a and kv_a read the same input: one stacked matrix, one GEMM (as serving engines fuse them)
             w["qkv_a"] = torch.cat([q_a, kv_a], 0)
             del q_a, kv_a
             w["q_a"], w["kv_a"] = w["qkv_a"][: c.q_lora_rank], w["qkv_a"][c.q_lora_rank:]
+            if q_norm_foldable(w):
+                attach_folded_q_b(w)  # q_b's input is then the un-normed q_a
             w["kv_a_norm"] = pf.ones([c.kv_lora_rank])
             w["w_uk"] = pf.rand(f"{tag}.w_uk", [heads_full, c.qk_nope_head_dim, c.kv_lora_rank], shard_dim=0,
                                 fan_in=c.qk_nope_head_dim)

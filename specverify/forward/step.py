@@ -21,9 +21,8 @@ import dataclasses
 import torch
 
 from specverify.configs import ModelConfig, RankShapes
-from specverify.forward.model import VerifyModel, attach_folded_q_b
+from specverify.forward.model import VerifyModel, attach_folded_q_b, q_norm_foldable
 from specverify.forward.ops import Ops
-from specverify.gemv import gemv_is_faster
 from specverify.reference.attention import gather_positions
 from specverify.tree import pack_mask
 
@@ -182,13 +181,10 @@ class LoadedVerifyModel(VerifyModel):
         """A layer dict with ``q_b_folded`` (q_b times q_a's norm weight,
         :func:`~specverify.forward.model.attach_folded_q_b`) added: a copy of ours, made once here, so the forward can
         fold q_a's RMSNorm away (one launch fewer per layer; :data:`~specverify.forward.model.FOLD_Q_NORM`). The
-        engine's tensors and the given dict are not modified. Made only where the fold can run: a bf16 q_b and a
-        qkv_a shape our GEMV serves (:func:`specverify.gemv.gemv_is_faster` at one token); else the forward keeps the
-        RMSNorm. The copy is a snapshot: after an in-place weight update call :meth:`refold` (the forward raises on
-        a stale one)."""
-        q_b, g, qkv_a = lw.get("q_b"), lw.get("q_a_norm"), lw.get("qkv_a")
-        if ("q_b_folded" in lw or q_b is None or g is None or qkv_a is None or q_b.dtype != torch.bfloat16
-                or not gemv_is_faster(1, qkv_a.shape[0], qkv_a.shape[1])):
+        engine's tensors and the given dict are not modified. Made only where the fold can run
+        (:func:`~specverify.forward.model.q_norm_foldable`); else the forward keeps the RMSNorm. The copy is a
+        snapshot: after an in-place weight update call :meth:`refold` (the forward raises on a stale one)."""
+        if "q_b_folded" in lw or not q_norm_foldable(lw):
             return lw
         return attach_folded_q_b(dict(lw))
 

@@ -94,7 +94,7 @@ def test_moe_block_matches_reference(case, m, device, fresh_workspace):
 
 @pytest.mark.parametrize("programs", [12, 24])
 @pytest.mark.parametrize("tiles", ["default", "32x128"])
-def test_moe_block_split_k_and_row_ranges(programs, tiles, monkeypatch, fresh_workspace):
+def test_moe_block_split_k_and_row_ranges(programs, tiles, device, monkeypatch, fresh_workspace):
     """More programs than the tiny shapes' tiles: K split into whole-chunk parts (tickets, partial sums) in phases 1
     and 2, some of unequal length (H = 640: 5 chunks of 128, or at one token by default 3 of 256 with a partial
     last one, over 3 or 2 parts), and down rows in ranges that are not a power of two (54 / 27 rows)."""
@@ -108,12 +108,12 @@ def test_moe_block_split_k_and_row_ranges(programs, tiles, monkeypatch, fresh_wo
     if plan["SPLIT1"] != chunks:  # and splits of unequal length (3 chunks over 3 parts: one each)
         assert chunks % plan["SPLIT1"] or chunks % plan["SPLIT2"]
     for m in (1, 2):
-        x, router, w13, w2, kw = _weights("wide", m, seed=programs + m, device="cpu")
+        x, router, w13, w2, kw = _weights("wide", m, seed=programs + m, device=device)
         check_block(moe_block(x, router, w13, w2, **kw), x, router, w13, w2, kw)
 
 
 @pytest.mark.parametrize("bn,bk", [(16, 256), (8, 512)])
-def test_moe_block_other_tiles(bn, bk, monkeypatch, fresh_workspace):
+def test_moe_block_other_tiles(bn, bk, device, monkeypatch, fresh_workspace):
     """The tiles ``bench/bench_moe_block.py --configs`` sweeps at every token count (one token's default is 16 x
     256): 32 / 16 weight rows a tile over 256 / 512-column chunks (H = 640 leaves a partial last chunk)."""
     monkeypatch.setitem(CASES, "wide", (640, 64, 48, 6, "sigmoid", True, 1, 1, True, 2.827))
@@ -121,7 +121,7 @@ def test_moe_block_other_tiles(bn, bk, monkeypatch, fresh_workspace):
     monkeypatch.setattr(block_mod, "_BN", bn)
     monkeypatch.setattr(block_mod, "_BK", bk)
     for m in (1, 2):
-        x, router, w13, w2, kw = _weights("wide", m, seed=bn + bk + m, device="cpu")
+        x, router, w13, w2, kw = _weights("wide", m, seed=bn + bk + m, device=device)
         check_block(moe_block(x, router, w13, w2, **kw), x, router, w13, w2, kw)
 
 

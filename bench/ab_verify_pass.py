@@ -11,9 +11,10 @@ default table), ``no-<slot>`` (one slot of ``FUSIONS`` emptied); gate/up of the 
 ``MOE_BLOCK_MAX_M``); ``w<1|4>-<router|qkv|qb>`` (that GEMV's grid at 1 or 4 programs an SM instead of 2);
 ``rr-<qkv|qb|o>-k..-s..`` (that projection on the row-range GEMV, see ``_RR_RULES``);
 ``mb-n<BN>-k<BK>-c<SK>.<SD>.<W>`` (the MoE block's tiles at every token count and its launch candidate, as
-``bench_moe_block.py --configs``); ``cublas-o`` (o_proj on cuBLAS again); ``no-q-fold`` (q_a's RMSNorm a launch of
-its own again, ``forward.model.FOLD_Q_NORM``); ``fold-m8`` (the fold up to 8 tokens, ``FOLD_Q_NORM_MAX_M``);
-``no-early-kv`` (the MLA attention's first prefix KV tile read after the PDL wait, not before).
+``bench_moe_block.py --configs``); ``cublas-o`` (o_proj on cuBLAS again); ``router-gemv-m8`` (the router on our GEMV
+up to 8 tokens); ``no-q-fold`` (q_a's RMSNorm a launch of its own again, ``forward.model.FOLD_Q_NORM``); ``fold-m8``
+(the fold up to 8 tokens, ``FOLD_Q_NORM_MAX_M``); ``no-early-kv`` (the MLA attention's first prefix KV tile read
+after the PDL wait, not before).
 Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded into the projections and
 q_a's norm in the qkv_a GEMV's last tile (slower in the pass), the split merge fused with W_UV (slower alone; again
 as latent parts a program summed by a ticket, `no-attention_mla_up_v` against it: 0.06 / 0.12 / 0.32 / 0.48 ms
@@ -54,6 +55,8 @@ VARIANTS.update({f"block-m{m}": dict(off=(), set={"moe_block_max_m": m}) for m i
 #: o_proj's rule (``specverify.gemv.LINEAR_RULES``, N 7168, K 1024 / 2048): the ``cublas-o`` and ``rr-o-*`` variants
 _O_PROJ = (8, (7168, 7168), (1024, 2048))
 VARIANTS["cublas-o"] = dict(off=(), linear_drop=(_O_PROJ,))
+#: the router (7168 -> 384 / 256) on our split-K GEMV up to 8 tokens (cuBLAS's split-K and its reduce above one)
+VARIANTS["router-gemv-m8"] = dict(off=(), linear=((8, (1, 512), (7168, 7168)),))
 VARIANTS["no-q-fold"] = dict(off=(), attrs=(("specverify.forward.model", "FOLD_Q_NORM", False),))
 VARIANTS["fold-m8"] = dict(off=(), attrs=(("specverify.forward.model", "FOLD_Q_NORM_MAX_M", 8),))
 VARIANTS["no-early-kv"] = dict(off=(), attrs=(("specverify.kernels.tree_attention_wgmma", "EARLY_KV", False),))

@@ -57,6 +57,8 @@ _O_PROJ = (8, (7168, 7168), (1024, 2048))
 VARIANTS["cublas-o"] = dict(off=(), linear_drop=(_O_PROJ,))
 #: the router (7168 -> 384 / 256) on our split-K GEMV up to 8 tokens (cuBLAS's split-K and its reduce above one)
 VARIANTS["router-gemv-m8"] = dict(off=(), linear=((8, (1, 512), (7168, 7168)),))
+VARIANTS["router-gemv-m8-w1"] = dict(off=(), linear=((8, (1, 512), (7168, 7168)),), gemv=(
+    ((8, (1, 512), (7168, 7168)), {**gemv_config(8, 384, 7168), "WAVES": 1}),))
 VARIANTS["no-q-fold"] = dict(off=(), attrs=(("specverify.forward.model", "FOLD_Q_NORM", False),))
 VARIANTS["fold-m8"] = dict(off=(), attrs=(("specverify.forward.model", "FOLD_Q_NORM_MAX_M", 8),))
 VARIANTS["no-early-kv"] = dict(off=(), attrs=(("specverify.kernels.tree_attention_wgmma", "EARLY_KV", False),))

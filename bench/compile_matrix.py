@@ -370,14 +370,6 @@ def scen_block(quick: bool, target: str):
                          routed_scaling_factor=2.5)
         yield f"moe_block {model} M{m}", run
 
-    for model, e, n_group, topk_group, m in ([("kimi-k2", 384, 1, 1, 4)] if quick else [
-            ("kimi-k2", 384, 1, 1, 3), ("kimi-k2", 384, 1, 1, 8), ("deepseek-v3", 256, 8, 4, 4),
-            ("deepseek-v3", 256, 8, 4, 16)]):
-        def run_route(e=e, n_group=n_group, topk_group=topk_group, m=m):  # the router phase and routing alone
-            mb.router_route(_cuda(m, 7168), _cuda(e, 7168), top_k=8, correction_bias=_cuda(e, dtype=torch.float32),
-                            n_group=n_group, topk_group=topk_group, routed_scaling_factor=2.5)
-        yield f"router_route {model} M{m}", run_route
-
     def run_timeline():  # the phase stamps of bench_moe_block.py --timeline (a kernel compiled apart)
         mb._TIMELINE = _cuda(16 * 2 * 188, dtype=torch.int64)
         try:

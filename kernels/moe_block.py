@@ -37,10 +37,6 @@ shared memory). Each phase hands its work items out round-robin (item ``i`` to p
              rounded up, one range a program): for every slot (routed and shared) one [BH, BI] tile of w2[e] times
              act[s], scaled by w[s], summed into the token's column; out written once, no atomics.
 
-``ROUTE_ONLY`` (``specverify.moe_layer.router_route``, the verify forward's router above the block's token counts):
-phase 1 holds the router tiles only, and after barrier 1 (then ``gdc_launch_dependents``) program p routes token
-rows p, p + NPROG, ... (one row each, all in parallel) and the launch ends; no expert operand is read or written.
-
 A grid barrier: every thread's stores, a CTA barrier, one release add on ``BAR[0]``, spin (acquire) until it
 reaches ``NPROG`` times the barrier's number; the last program past barrier 2 (``BAR[1]``, a ticket) resets both
 counters, so the launch is CUDA-graph replayable. ``PHASE`` 1 / 2 / 3 runs one phase alone (no barriers): the CPU
@@ -181,14 +177,13 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
                       BI: tl.constexpr, SPP: tl.constexpr, STAGES_K: tl.constexpr, STAGES_D: tl.constexpr,
                       PF_SLOTS: tl.constexpr, PF_BI: tl.constexpr, PREFETCH: tl.constexpr, NPROG: tl.constexpr,
                       PHASE: tl.constexpr,
-                      DOT_FP32: tl.constexpr, PDL: tl.constexpr, TIMING: tl.constexpr,
-                      ROUTE_ONLY: tl.constexpr = False):
+                      DOT_FP32: tl.constexpr, PDL: tl.constexpr, TIMING: tl.constexpr):
     pid = tl.program_id(0)
     _stamp(ts_ptr, pid, 0, TIMING)
     OUT_K: tl.constexpr = TOP_K + 1
     NR: tl.constexpr = (E + 2 * BN - 1) // (2 * BN)  # router tiles (2 * BN rows)
     NT: tl.constexpr = (I + BN - 1) // BN  # I-tiles of one expert (BN gate + BN up rows)
-    T1: tl.constexpr = NR if ROUTE_ONLY else NR + NT  # phase-1 tiles: router, then the shared expert's
+    T1: tl.constexpr = NR + NT  # phase-1 tiles: router, then the shared expert's
     T2: tl.constexpr = MT * TOP_K * NT  # phase-2 tiles: routed slot x I-tile
     W: tl.constexpr = 2 * BN
     # fp32 partials: phase 1 [T1, SPLIT1, MT, W], then phase 2 [T2, SPLIT2, W]
@@ -238,17 +233,8 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
         _grid_barrier(bar_ptr, NPROG)
     _stamp(ts_ptr, pid, 3, TIMING)
 
-    # ---- ROUTE_ONLY: program p routes token rows p, p + NPROG, ..., and the launch ends --------------------------
-    if ROUTE_ONLY:
-        if PHASE == 0:
-            if PDL:  # every program is resident (all passed the barrier): the next kernel may launch now
-                gdc_launch_dependents()
-        if (PHASE == 0) | (PHASE == 2):
-            for row in range(pid, MT, NPROG):
-                _route_rows(logits_ptr, bias_ptr, ids_ptr, tw_ptr, ids_ptr, ids_ptr, row, MT, E, scale, E, E, EP, 1,
-                            TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS, RENORM, False, OUT_K)
     # ---- phase 2: routing (every program), the routed experts' gate/up ------------------------------------------
-    if ((PHASE == 0) | (PHASE == 2)) & (not ROUTE_ONLY):
+    if (PHASE == 0) | (PHASE == 2):
         ids = _route_rows(logits_ptr, bias_ptr, ids_ptr, tw_ptr, ids_ptr, ids_ptr, 0, MT, E, scale, E, E, EP, ROWS,
                           TOP_K, TOPK_P, N_GROUP, NG_P, GSIZE, TOPK_GROUP, SOFTMAX, HAS_BIAS, RENORM, False, OUT_K)
         _stamp(ts_ptr, pid, 4, TIMING)
@@ -282,8 +268,8 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
                     tl.store(a_row, (g / (1.0 + tl.exp(-g)) * u).to(act_ptr.dtype.element_ty), mask=ri < I)
                     tl.atomic_xchg(ticket_ptr + T1 + tile, 0)
         _stamp(ts_ptr, pid, 5, TIMING)
-    if PREFETCH & ((PHASE == 0) | (PHASE == 2)) & (not ROUTE_ONLY):  # the first PF_SLOTS slots of this program's
-        if pid * RH < H:  # first down tile to L2 before the barrier (the routing is known; w2 is constant)
+    if PREFETCH & ((PHASE == 0) | (PHASE == 2)):  # the first PF_SLOTS slots of this program's first down tile to L2
+        if pid * RH < H:  # before the barrier (the routing is known; the w2 rows are constant)
             oh0 = pid * RH + tl.arange(0, BH)
             hm0 = (tl.arange(0, BH) < RH) & (oh0 < H)
             for s in tl.static_range(PF_SLOTS):
@@ -294,14 +280,14 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
                     e3 = e3 * 0 + E
                 _prefetch_rows(w2_ptr + e3.to(tl.int64) * stride_w2e, oh0, hm0, stride_w2n, 0, I, I, PF_BI)
     _stamp(ts_ptr, pid, 6, TIMING)
-    if (PHASE == 0) & (not ROUTE_ONLY):
+    if PHASE == 0:
         _grid_barrier(bar_ptr, 2 * NPROG)
         if PDL:  # every program is resident (all passed the barrier): the next kernel may launch now
             gdc_launch_dependents()
     _stamp(ts_ptr, pid, 7, TIMING)
 
     # ---- phase 3: down projection, weighted top-k (+ shared) sum -----------------------------------------------
-    if ((PHASE == 0) | (PHASE == 3)) & (not ROUTE_ONLY):
+    if (PHASE == 0) | (PHASE == 3):
         SP: tl.constexpr = MT * OUT_K
         NI: tl.constexpr = (I + BI - 1) // BI
         s_ar = tl.arange(0, SPP)

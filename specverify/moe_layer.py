@@ -15,16 +15,12 @@ from specverify.fit import pdl_kwargs, pdl_launch, persistent_grid, sm_count
 from specverify.moe import _cdiv, _check_route_args, _next_pow2
 from specverify.workspace import grown_workspace
 
-__all__ = ["MoEBlockResult", "RouterRouteResult", "moe_block", "router_route", "MOE_BLOCK_MAX_M",
-           "ROUTER_ROUTE_MAX_M"]
+__all__ = ["MoEBlockResult", "moe_block", "MOE_BLOCK_MAX_M"]
 
 #: Token counts the verify forward runs through :func:`moe_block` (the kernel takes up to 16); above, the four
 #: launches (router GEMV, routing, gate/up, down). Chosen from ``bench/ab_verify_pass.py`` on the H200.
 MOE_BLOCK_MAX_M = 2
 _KERNEL_MAX_M = 16
-#: Token counts the verify forward runs through :func:`router_route` (above :data:`MOE_BLOCK_MAX_M`); above, the
-#: router GEMV and the routing as two launches.
-ROUTER_ROUTE_MAX_M = 16
 #: (gate / up rows of a tile, K chunk): the default, and by token count where another measured faster in the pass
 #: (H100, ``ab_verify_pass.py``, both orders, 2026-12-06: 16 x 256 at one token 5.325 against 5.351 ms, at two
 #: 7.507 against 7.301; alone, ``bench_moe_block.py --configs``, no tile within 1 us of another at one token)
@@ -55,15 +51,6 @@ class MoEBlockResult(NamedTuple):
     router_logits: torch.Tensor
 
 
-class RouterRouteResult(NamedTuple):
-    """topk_ids int32 [M, top_k + 1] and topk_weights fp32 [M, top_k + 1] (last column: the shared expert, id E,
-    weight 1); router_logits fp32 [M, E]."""
-
-    topk_ids: torch.Tensor
-    topk_weights: torch.Tensor
-    router_logits: torch.Tensor
-
-
 def _plan(m: int, h: int, inter: int, e: int, top_k: int, nprog: int) -> dict:
     """Tiles and splits for ``nprog`` programs: K split into parts of equal whole chunks so each K phase has at most
     one item a program, the down rows cut into ``nprog`` ranges (one each). H200, Kimi-K2 b 1 / 4k pass
@@ -73,12 +60,12 @@ def _plan(m: int, h: int, inter: int, e: int, top_k: int, nprog: int) -> dict:
     bn, bk = _TILES.get(m, (_BN, _BK))
     chunks = _cdiv(h, bk)
     t1 = _cdiv(e, 2 * bn) + _cdiv(inter, bn)
-    t2 = m * top_k * _cdiv(inter, bn)  # 0 for the router alone (inter 0)
+    t2 = m * top_k * _cdiv(inter, bn)
     s1 = _cdiv(chunks, _cdiv(chunks, max(1, nprog // t1)))
-    s2 = _cdiv(chunks, _cdiv(chunks, max(1, nprog // max(1, t2))))
+    s2 = _cdiv(chunks, _cdiv(chunks, max(1, nprog // t2)))
     rh = max(16, _cdiv(h, nprog))
     return dict(BN=bn, BK=bk, SPLIT1=s1, SPLIT1_PAD=max(2, _next_pow2(s1)), SPLIT2=s2,
-                SPLIT2_PAD=max(2, _next_pow2(s2)), RH=rh, BH=_next_pow2(rh), BI=max(16, min(256, _next_pow2(inter))),
+                SPLIT2_PAD=max(2, _next_pow2(s2)), RH=rh, BH=_next_pow2(rh), BI=min(256, _next_pow2(inter)),
                 PF_BI=max(64, min(256, _next_pow2(inter))),
                 SPP=max(2, _next_pow2(m * (top_k + 1))), PF_SLOTS=max(1, min(_PF_SLOTS, m * (top_k + 1))), T1=t1,
                 T2=t2, M=m)
@@ -158,68 +145,15 @@ def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor,
     than the device has (the barrier would wait forever). CUDA (sm_80+; PDL wait on sm_90+) or the Triton
     interpreter (which runs the three phases as three launches).
     """
-    return _launch("moe_block", hidden, router, w13_all, w2_all, top_k, scoring, correction_bias, n_group, topk_group,
-                   renormalize, routed_scaling_factor)
-
-
-def router_route(hidden: torch.Tensor, router: torch.Tensor, *, top_k: int, scoring: str = "sigmoid",
-                 correction_bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
-                 renormalize: bool = True, routed_scaling_factor: float = 1.0) -> RouterRouteResult:
-    """The router GEMV and the routing of a verify layer's MoE block in one persistent launch, the shared expert's
-    slot written by the router: the first phase of :func:`moe_block` alone (router rows only), then one program a
-    token row routes it (issue 22).
-
-    Math: ``logits = hidden @ router^T`` (fp32, split-K partials summed by each row tile's last program); ids /
-    weights of each row by the routing of :func:`specverify.moe.moe_route` on those logits (same semantics and tie
-    rules), slot ``top_k`` the shared expert (id E, weight 1), as :func:`moe_block` returns them. Source: DeepSeek-V3's
-    router (auxiliary-loss-free routing); one grid with a grid barrier instead of the GEMV's and the routing's
-    launches. The ids and weights feed :func:`specverify.moe.fused_moe` over the stacked ``[E + 1, ...]`` weights.
-
-    Parameters
-    ----------
-    hidden : torch.Tensor
-        (M, H), bfloat16 or float16, unit column stride; 1 <= M <= 16.
-    router : torch.Tensor
-        (E, H), hidden's dtype, contiguous.
-    top_k, scoring, correction_bias, n_group, topk_group, renormalize, routed_scaling_factor
-        As :func:`specverify.moe.moe_route`.
-
-    Returns
-    -------
-    RouterRouteResult
-        ``topk_ids`` int32 (M, top_k + 1), ``topk_weights`` fp32 (M, top_k + 1) (last column: the shared expert, id
-        E, weight 1), ``router_logits`` fp32 (M, E). New tensors each call.
-
-    Raises
-    ------
-    TypeError, ValueError, RuntimeError
-        As :func:`moe_block` for ``hidden``, ``router`` and the routing arguments.
-
-    Notes
-    -----
-    Graph-safe after one eager call (the workspace is then sized for every token count up to 16), with the
-    residency rules of :func:`moe_block`: every program resident at once, one call at a time per device.
-    """
-    res = _launch("router_route", hidden, router, None, None, top_k, scoring, correction_bias, n_group, topk_group,
-                  renormalize, routed_scaling_factor)
-    return RouterRouteResult(res.topk_ids, res.topk_weights, res.router_logits)
-
-
-def _launch(op, hidden, router, w13_all, w2_all, top_k, scoring, correction_bias, n_group, topk_group, renormalize,
-            routed_scaling_factor) -> MoEBlockResult:
-    """Validate and launch the block; without ``w13_all`` / ``w2_all`` (``router_route``) its router phase and the
-    routing only (``ROUTE_ONLY``; ``out`` is None)."""
     from specverify.kernels.moe_block import _moe_block_kernel
 
-    route_only = w13_all is None
-    named = (("hidden", hidden), ("router", router)) + (() if route_only else (("w13_all", w13_all),
-                                                                               ("w2_all", w2_all)))
-    for name, t in named:
+    op = "moe_block"
+    for name, t in (("hidden", hidden), ("router", router), ("w13_all", w13_all), ("w2_all", w2_all)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if hidden.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"{op}: hidden must be bfloat16 or float16, got {hidden.dtype}; cast it with .bfloat16()")
-    for name, t in named[1:]:
+    for name, t in (("router", router), ("w13_all", w13_all), ("w2_all", w2_all)):
         if t.dtype != hidden.dtype:
             raise TypeError(f"{op}: {name} must have hidden's dtype {hidden.dtype}, got {t.dtype}; cast it with "
                             f".to({hidden.dtype})")
@@ -229,36 +163,24 @@ def _launch(op, hidden, router, w13_all, w2_all, top_k, scoring, correction_bias
     if dev.type != "cuda" and not envvars.triton_interpret():
         raise ValueError(f"{op}: needs CUDA tensors, got {dev}; on a CPU set TRITON_INTERPRET=1 before importing "
                          "specverify to run the kernel in Triton's interpreter")
-    if route_only:
-        if hidden.dim() != 2 or router.dim() != 2:
-            raise ValueError(f"{op}: expected hidden (M, H), router (E, H); got {list(hidden.shape)}, "
-                             f"{list(router.shape)}")
-        m, h = hidden.shape
-        e = router.shape[0]
-        inter = 0  # no expert weights: the plan has router tiles only
-        if router.shape[1] != h:
-            raise ValueError(f"{op}: shapes disagree: hidden {list(hidden.shape)}, router {list(router.shape)}; "
-                             f"expected router (E, {h})")
-    else:
-        if hidden.dim() != 2 or router.dim() != 2 or w13_all.dim() != 3 or w2_all.dim() != 3:
-            raise ValueError(f"{op}: expected hidden (M, H), router (E, H), w13_all (E + 1, 2I, H), w2_all "
-                             f"(E + 1, H, I); got {list(hidden.shape)}, {list(router.shape)}, "
-                             f"{list(w13_all.shape)}, {list(w2_all.shape)}")
-        m, h = hidden.shape
-        e = router.shape[0]
-        inter = w2_all.shape[2]
-        if (router.shape[1] != h or tuple(w13_all.shape) != (e + 1, 2 * inter, h)
-                or tuple(w2_all.shape) != (e + 1, h, inter)):
-            raise ValueError(f"{op}: shapes disagree: hidden {list(hidden.shape)}, router {list(router.shape)}, "
-                             f"w13_all {list(w13_all.shape)}, w2_all {list(w2_all.shape)}; expected router (E, {h}), "
-                             f"w13_all (E + 1, 2I, {h}), w2_all (E + 1, {h}, I) with the shared expert as expert E")
+    if hidden.dim() != 2 or router.dim() != 2 or w13_all.dim() != 3 or w2_all.dim() != 3:
+        raise ValueError(f"{op}: expected hidden (M, H), router (E, H), w13_all (E + 1, 2I, H), w2_all (E + 1, H, I); "
+                         f"got {list(hidden.shape)}, {list(router.shape)}, {list(w13_all.shape)}, "
+                         f"{list(w2_all.shape)}")
+    m, h = hidden.shape
+    e = router.shape[0]
+    inter = w2_all.shape[2]
+    if (router.shape[1] != h or tuple(w13_all.shape) != (e + 1, 2 * inter, h)
+            or tuple(w2_all.shape) != (e + 1, h, inter)):
+        raise ValueError(f"{op}: shapes disagree: hidden {list(hidden.shape)}, router {list(router.shape)}, w13_all "
+                         f"{list(w13_all.shape)}, w2_all {list(w2_all.shape)}; expected router (E, {h}), w13_all "
+                         f"(E + 1, 2I, {h}), w2_all (E + 1, {h}, I) with the shared expert as expert E")
     if not 1 <= m <= _KERNEL_MAX_M:
         raise ValueError(f"{op}: M must be in 1..{_KERNEL_MAX_M}, got {m}; above, use moe_route + fused_moe")
-    if h < 16 or (inter < 16 and not route_only):
+    if h < 16 or inter < 16:
         raise ValueError(f"{op}: the hidden size and the expert intermediate size must be >= 16, got H = {h}, "
                          f"I = {inter}")
-    strided = (("hidden", hidden, 1),) + (() if route_only else (("w13_all", w13_all, 2), ("w2_all", w2_all, 2)))
-    for name, t, dim in strided:
+    for name, t, dim in (("hidden", hidden, 1), ("w13_all", w13_all, 2), ("w2_all", w2_all, 2)):
         if t.stride(dim) != 1:
             raise ValueError(f"{op}: {name} needs a unit stride in its last dimension, got strides "
                              f"{tuple(t.stride())}; pass {name}.contiguous()")
@@ -275,31 +197,24 @@ def _launch(op, hidden, router, w13_all, w2_all, top_k, scoring, correction_bias
             else torch.zeros(1, dtype=torch.float32, device=dev))
     ids = torch.empty((m, top_k + 1), dtype=torch.int32, device=dev)
     tw = torch.empty((m, top_k + 1), dtype=torch.float32, device=dev)
-    if route_only:  # no expert pass: the weight, activation and output operands are never read or written
-        w13_all = w2_all = router.view(1, 1, -1)
-        act = out = hidden
-    else:
-        act = torch.empty((m * (top_k + 1), inter), dtype=hidden.dtype, device=dev)
-        out = torch.empty((m, h), dtype=hidden.dtype, device=dev)
+    act = torch.empty((m * (top_k + 1), inter), dtype=hidden.dtype, device=dev)
+    out = torch.empty((m, h), dtype=hidden.dtype, device=dev)
     interp = dev.type != "cuda" or envvars.triton_interpret()
     pdl = pdl_launch(dev)
     # the launch choice depends on the compiled kernel: key it on everything that selects one (the tiles and
     # candidates too: ``bench/bench_moe_block.py --configs`` and ``bench/ab_verify_pass.py`` set them)
-    timing = _TIMELINE is not None and not interp and not route_only
+    timing = _TIMELINE is not None and not interp
     key = (m, h, inter, e, top_k, hidden.dtype, scoring, n_group, topk_group, correction_bias is not None,
-           bool(renormalize), pdl, timing, _TILES.get(m, (_BN, _BK)), _CANDIDATES, route_only)
+           bool(renormalize), pdl, timing, _TILES.get(m, (_BN, _BK)), _CANDIDATES)
     ep = max(_next_pow2(e), 16)
     consts = dict(MT=m, H=h, I=inter, E=e, EP=ep, TOP_K=top_k, TOPK_P=max(2, _next_pow2(top_k)),
                   ROWS=_next_pow2(m), N_GROUP=n_group, NG_P=max(2, _next_pow2(n_group)), GSIZE=e // n_group,
                   TOPK_GROUP=topk_group, SOFTMAX=scoring == "softmax", HAS_BIAS=correction_bias is not None,
-                  RENORM=renormalize, DOT_FP32=interp, PREFETCH=not interp, TIMING=timing, ROUTE_ONLY=route_only,
-                  **pdl_kwargs(dev))
+                  RENORM=renormalize, DOT_FP32=interp, PREFETCH=not interp, TIMING=timing, **pdl_kwargs(dev))
     # the workspace covers either grid size's plan (sized before the kernel is compiled) at every token count up to
-    # the forward's (the block's, or every count for the router alone), so a graph captured later at another count
-    # needs no allocation
+    # the forward's, so a graph captured later at another count needs no allocation
     sms = sm_count(dev.type, dev.index)
-    top_m = _KERNEL_MAX_M if route_only else max(m, MOE_BLOCK_MAX_M)
-    plans = [_plan(mm, h, inter, e, top_k, sms * p) for p in (1, 2) for mm in range(1, top_m + 1)]
+    plans = [_plan(mm, h, inter, e, top_k, sms * p) for p in (1, 2) for mm in range(1, max(m, MOE_BLOCK_MAX_M) + 1)]
     need_p = max((p["T1"] * p["SPLIT1"] * p["M"] + p["T2"] * p["SPLIT2"]) * 2 * p["BN"] for p in plans)
     need_t = max(p["T1"] + p["T2"] for p in plans)
     part, ticket, bar = _workspace(dev, need_p, need_t)
@@ -319,4 +234,4 @@ def _launch(op, hidden, router, w13_all, w2_all, top_k, scoring, correction_bias
             _moe_block_kernel[(nprog,)](*args, PHASE=phase, **cfg)
     else:
         _moe_block_kernel[(nprog,)](*args, PHASE=0, **cfg)
-    return MoEBlockResult(None if route_only else out, ids, tw, logits)
+    return MoEBlockResult(out, ids, tw, logits)

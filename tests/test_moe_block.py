@@ -1,5 +1,4 @@
-"""moe_block: router GEMV, routing and the routed + shared experts in one persistent launch; router_route: its router
-phase and the routing alone (issue 22).
+"""moe_block: router GEMV, routing and the routed + shared experts in one persistent launch (issue 22).
 
 Against the definition: logits = x @ router^T (fp32; tolerance from the dot's length), the routing of
 route_reference on the kernel's own logits (ids exact, weights to fp32 rounding: the same formula), the shared
@@ -18,7 +17,7 @@ import torch
 from test_moe import _poison_torch_empty
 
 import specverify.moe_layer as block_mod
-from specverify.moe_layer import moe_block, router_route
+from specverify.moe_layer import moe_block
 from specverify.reference.moe import fused_moe_reference, route_reference
 
 # (H, I, E, top_k, scoring, bias, n_group, topk_group, renormalize, scale); each row says why it is there
@@ -199,56 +198,6 @@ def test_moe_block_one_expert(device, monkeypatch, fresh_workspace):
     check_block(moe_block(x, router, w13, w2, **kw), x, router, w13, w2, kw)
 
 
-def check_route(res, x, router, kw):
-    """router_route's logits, ids and weights against the definition, as check_block checks the block's."""
-    m, h = x.shape
-    e, top_k = router.shape[0], kw["top_k"]
-    assert res.topk_ids.shape == (m, top_k + 1) and res.topk_ids.dtype == torch.int32
-    assert res.topk_weights.shape == (m, top_k + 1) and res.topk_weights.dtype == torch.float32
-    want = x.double() @ router.double().T
-    tol = 4 * h * 2.0 ** -24 * (x.double().abs() @ router.double().abs().T) + 1e-30
-    assert ((res.router_logits.double() - want).abs() <= tol).all(), "router logits"
-    ids, w = route_reference(res.router_logits, top_k, scoring=kw["scoring"], correction_bias=kw["correction_bias"],
-                             n_group=kw["n_group"], topk_group=kw["topk_group"], renormalize=kw["renormalize"],
-                             routed_scaling_factor=kw["routed_scaling_factor"])
-    assert torch.equal(res.topk_ids[:, :top_k], ids), "routed ids"
-    torch.testing.assert_close(res.topk_weights[:, :top_k], w, rtol=4 * 2.0 ** -23, atol=1e-12)
-    assert torch.equal(res.topk_ids[:, top_k].cpu(), torch.full((m,), e, dtype=torch.int32)), "shared slot id"
-    assert torch.equal(res.topk_weights[:, top_k].cpu(), torch.ones(m)), "shared slot weight: exactly 1"
-
-
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("m", [1, 3, 5])
-def test_router_route_matches_reference(case, m, device, fresh_workspace):
-    x, router, _, _, kw = _weights(case, m, seed=7 * m + len(case), device=device)
-    check_route(router_route(x, router, **kw), x, router, kw)
-
-
-@pytest.mark.parametrize("programs", [2, 3])
-def test_router_route_more_rows_than_programs(programs, device, monkeypatch, fresh_workspace):
-    """Fewer programs than token rows: program p routes rows p, p + NPROG, ... (every row written: NaN / -7
-    poison), and the router tiles' K split over the few programs."""
-    monkeypatch.setattr(block_mod, "sm_count", lambda *a: programs)
-    x, router, _, _, kw = _weights("grouped", 7, seed=programs, device=device)
-    check_route(router_route(x, router, **kw), x, router, kw)
-
-
-@pytest.mark.parametrize("bad, err, match", [
-    (dict(x=torch.zeros(17, 256, dtype=torch.bfloat16)), ValueError, "M must be in 1..16"),
-    (dict(x=torch.zeros(2, 128, dtype=torch.bfloat16)), ValueError, "shapes disagree"),
-    (dict(router=torch.zeros(48, 256)), TypeError, "router must have hidden's dtype"),
-    (dict(router=torch.zeros(256, 48, dtype=torch.bfloat16).t()), ValueError, "router must be contiguous"),
-    (dict(top_k=0), ValueError, "top_k"),
-])
-def test_router_route_rejects_bad_input(bad, err, match, device):
-    x, router, _, _, kw = _weights("kimi", 1, seed=0, device=device)
-    x = bad.pop("x", x).to(device)
-    router = bad.pop("router", router).to(device)
-    kw.update(bad)
-    with pytest.raises(err, match=match):
-        router_route(x, router, **kw)
-
-
 # ---- GPU: the persistent grid with its barriers, at the verify pass's rank shapes -------------------------------
 _RANK = {"kimi-k2": (7168, 256, 384, 8, "sigmoid", True, 1, 1, True, 2.827),
          "deepseek-v3": (7168, 256, 256, 8, "sigmoid", True, 8, 4, True, 2.5)}
@@ -269,24 +218,5 @@ def test_moe_block_rank_shapes_gpu(model, m, monkeypatch):
 
     def step():
         return moe_block(x, router, w13, w2, **kw).out
-
-    check_graph_replay(step, [x])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("model, m", [("kimi-k2", 3), ("kimi-k2", 8), ("deepseek-v3", 4), ("deepseek-v3", 16)])
-def test_router_route_rank_shapes_gpu(model, m, monkeypatch):
-    from conftest import check_graph_replay, warm_up_for_capture
-
-    monkeypatch.setitem(CASES, model, _RANK[model])
-    x, router, _, _, kw = _weights(model, m, seed=m, device="cuda")
-    res = warm_up_for_capture(lambda: router_route(x, router, **kw))
-    check_route(res, x, router, kw)
-    again = router_route(x, router, **kw)
-    assert torch.equal(again.topk_ids, res.topk_ids) and torch.equal(again.router_logits, res.router_logits)
-
-    def step():
-        r = router_route(x, router, **kw)
-        return r.topk_ids, r.topk_weights, r.router_logits
 
     check_graph_replay(step, [x])

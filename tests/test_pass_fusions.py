@@ -1,6 +1,5 @@
 """The verify forward's fusion slots (MLA preparation with the query absorption in one launch; the router writing the
-shared expert's slot; the whole MoE block in one launch at a few tokens; the router GEMV and the routing in one
-launch above them) compute what the unfused op chain computes.
+shared expert's slot; the whole MoE block in one launch at a few tokens) compute what the unfused op chain computes.
 
 Runs the tiny MLA stand-ins in bf16 through specverify's op table (the Triton interpreter on the CPU), with the
 projection rules widened so our GEMV serves the tiny shapes, against the same table with the fusion slots emptied;
@@ -14,7 +13,7 @@ from specverify.forward.model import VerifyModel
 from specverify.forward.ops import Ops, specverify_ops
 
 _ALL = ((16, (1, 1 << 30), (1, 1 << 30)),)
-FUSIONS = ("mla_prep_absorb", "route_shared", "moe_block", "router_route")  # the Ops slots that fuse
+FUSIONS = ("mla_prep_absorb", "route_shared", "moe_block")  # the Ops slots that fuse
 
 
 def _inputs(model, b, k, page_size, seed):
@@ -58,7 +57,7 @@ def _stacked_layers(model):
 
 
 @pytest.mark.parametrize("name", ["tiny-mla-moe", "tiny-mla-grouped"])
-@pytest.mark.parametrize("b, k", [(1, 1), (1, 2), (2, 3)])  # M = 1, 2 (the MoE block serves), 6 (router_route)
+@pytest.mark.parametrize("b, k", [(1, 1), (1, 2), (2, 3)])  # M = 1, 2 (the MoE block serves), 6 (route_shared)
 def test_fused_forward_matches_the_op_chain(device, monkeypatch, name, b, k):
     monkeypatch.setattr(gemv_mod, "LINEAR_RULES", _ALL)
     page_size = 4
@@ -79,8 +78,8 @@ def test_fused_forward_matches_the_op_chain(device, monkeypatch, name, b, k):
         if tag == "fused":  # every layer ran the fused prep; every MoE layer with the stacked shared expert the
             moe = _stacked_layers(model)  # MoE block up to its token count, else the router with the shared slot
             block = b * k <= fused.moe_block_max_m
-            assert calls == {"mla_prep_absorb": model.num_layers, "route_shared": 0, "moe_block": moe if block else 0,
-                             "router_route": 0 if block else moe}, calls
+            assert calls == {"mla_prep_absorb": model.num_layers, "route_shared": 0 if block else moe,
+                             "moe_block": moe if block else 0}, calls
     ref = _fp64_twin(model, name)  # fp64 truth over the same bf16 weights
     caches64 = [[c.double() for c in layer] for layer in _caches(model, pool, page_size, seed=5)]
     truth, _, aux64 = ref.forward_captured(ids, pos, caches64, pt, prefix, capture_layers=(1,))
@@ -116,10 +115,10 @@ def test_route_shared_forward_equals_route_then_append(device, monkeypatch, name
     model = VerifyModel(name, dtype=torch.bfloat16, seed=11, device=device)
     assert _stacked_layers(model) > 0
     fused, _ = specverify_ops(model)
-    fused.moe_block = fused.router_route = None  # the composed MoE path is what this test is about
+    fused.moe_block = None  # the composed MoE path is what this test is about
     calls = _count_calls(fused, ("route_shared", "route", "experts_with_shared", "experts"))
     chain, _ = specverify_ops(model)
-    chain.route_shared = chain.moe_block = chain.router_route = None
+    chain.route_shared = chain.moe_block = None
     ids, pos, pt, prefix, pool = _inputs(model, b, k, page_size, seed=b * 10 + k)
     out = {}
     for tag, ops in (("fused", fused), ("chain", chain)):

@@ -416,8 +416,7 @@ class VerifyModel:
         With ``w13_all`` and ``experts_with_shared``, the shared expert is expert ``E`` of the stacked weights: with
         ``route_shared`` too the router writes its slot (ids [M, top_k + 1]) and ``experts`` runs over the stacks;
         otherwise ``route`` then ``experts_with_shared`` (which appends the slot). With ``w13_all`` and
-        ``moe_block`` all of it is one op up to ``ops.moe_block_max_m`` tokens; above, with ``route_shared`` and
-        ``router_route``, the router GEMV and the routing are one op up to ``ops.router_route_max_m`` tokens.
+        ``moe_block`` all of it is one op up to ``ops.moe_block_max_m`` tokens.
         """
         ops = self.ops
         flat = h.reshape(-1, h.shape[-1])
@@ -430,18 +429,11 @@ class VerifyModel:
         stacked = "w13_all" in w and ops.experts_with_shared is not None
         shared_slot = stacked and ops.route_shared is not None  # the shared slot written by the router
         with self.section("moe_route"):
-            routed = None
-            if shared_slot and ops.router_route is not None and flat.shape[0] <= ops.router_route_max_m:
-                # the router GEMV and the routing with the shared slot in one launch (None: not served here)
-                routed = ops.router_route(flat, w["router"], w["route"], w["w13_all"].shape[0] - 1)
-            if routed is not None:
-                ids, weights = routed
+            logits = ops.linear(flat, w["router"])
+            if shared_slot:
+                ids, weights = ops.route_shared(logits, w["route"], w["w13_all"].shape[0] - 1)
             else:
-                logits = ops.linear(flat, w["router"])
-                if shared_slot:
-                    ids, weights = ops.route_shared(logits, w["route"], w["w13_all"].shape[0] - 1)
-                else:
-                    ids, weights = ops.route(logits, w["route"])
+                ids, weights = ops.route(logits, w["route"])
         if stacked:
             with self.section("experts"):  # routed experts and the shared expert in one expert pass
                 if shared_slot:

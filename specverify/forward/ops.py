@@ -49,11 +49,6 @@ moe_block            hidden [M, H], router [E, H], :class:`RouteParams`, w13_all
                      [E + 1, H, I] -> [M, H]: the router GEMV, routing and the routed + shared experts in one launch,
                      run up to ``moe_block_max_m`` tokens (a fusion; None: the forward composes linear,
                      route_shared and experts)
-router_route         hidden [M, H], router [E, H], :class:`RouteParams`, shared_id -> (ids [M, top_k + 1], weights
-                     [M, top_k + 1]) or None where it does not serve the operands (the shared expert not expert
-                     E, a dtype or layout it does not take): the router GEMV and ``route_shared`` in one launch, run
-                     above ``moe_block_max_m`` up to ``router_route_max_m`` tokens where ``route_shared`` serves (a
-                     fusion; None: ``linear`` then ``route_shared``)
 write_kv             :func:`specverify.reference.kv.write_draft_kv` (not called by the forward: the prep ops write)
 ===================  ===========================================================================================
 """
@@ -65,7 +60,6 @@ from typing import Callable
 
 import torch
 
-from specverify import envvars
 from specverify.peers import sglang as sglang_peer
 from specverify.reference.accept import greedy_accept_reference
 from specverify.reference.attention import tree_attention_mla_reference, tree_attention_reference
@@ -134,9 +128,6 @@ class Ops:
     # a fusion; None (or above moe_block_max_m tokens): the forward composes linear, route_shared and experts
     moe_block: Callable = None  # (hidden, router, RouteParams, w13_all, w2_all) -> [M, H]
     moe_block_max_m: int = 0
-    # a fusion; None (or above router_route_max_m tokens): the forward runs linear then route_shared
-    router_route: Callable = None  # (hidden, router, RouteParams, shared_id) -> (ids, weights) [M, top_k + 1] | None
-    router_route_max_m: int = 0
     pieces: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -239,9 +230,9 @@ def specverify_ops(model):
         ops.pieces["experts"] = "triton"
     else:
         missing.append(why)
-    fns, why = _try("specverify.moe_layer", "moe_block", "MOE_BLOCK_MAX_M", "router_route", "ROUTER_ROUTE_MAX_M")
+    fns, why = _try("specverify.moe_layer", "moe_block", "MOE_BLOCK_MAX_M")
     if fns:
-        moe_block, max_m, router_route, route_max_m = fns
+        moe_block, max_m = fns
 
         def moe_block_op(hidden, router, p, w13_all, w2_all):
             return moe_block(hidden, router, w13_all, w2_all, top_k=p.num_experts_per_tok, scoring=p.scoring_func,
@@ -250,19 +241,6 @@ def specverify_ops(model):
 
         ops.moe_block, ops.moe_block_max_m = moe_block_op, max_m
         ops.pieces["moe_block"] = "triton (one persistent launch at a few tokens)"
-
-        def router_route_op(hidden, router, p, shared_id):
-            # None where the launch does not serve these operands (the forward then runs linear + route_shared)
-            if (shared_id != router.shape[0] or hidden.dtype not in (torch.bfloat16, torch.float16)
-                    or router.dtype != hidden.dtype or not router.is_contiguous() or hidden.stride(-1) != 1
-                    or not (hidden.is_cuda or envvars.triton_interpret())):
-                return None
-            res = router_route(hidden, router, top_k=p.num_experts_per_tok, scoring=p.scoring_func,
-                               correction_bias=p.correction_bias, n_group=p.n_group, topk_group=p.topk_group,
-                               renormalize=p.norm_topk_prob, routed_scaling_factor=p.routed_scaling_factor)
-            return res.topk_ids, res.topk_weights
-
-        ops.router_route, ops.router_route_max_m = router_route_op, route_max_m
     else:
         missing.append(why)
     fns, why = _try("specverify.accept", "verify_greedy")

@@ -27,7 +27,9 @@ launch before its wait (no faster), the shared expert's rows sent to L2 before t
 tokens), one-shot q_b / o_proj GEMVs (whole slices before the wait, no split reduce: slower), the MoE block's
 down tiles of every slot sent to L2 before its second barrier and its K split into as many parts as fill the grid
 (slower), the whole MLA attention in one persistent launch (`no-mla_block` against it: 0.62 / 0.83 ms slower at k =
-1 / 2), the router GEMV and the routing in one launch (`no-router_route` against it: 0.86 / 1.11 / 2.63 ms slower at
+1 / 2), the router GEMV and the routing in one launch (one program routing every row: 0.86 / 1.11 / 2.63 ms slower at
+k = 3 / 4 / 8; the MoE block's router phase with a program a row, 2026-12-06: 0.43 / 0.47 / 1.09 / 0.36 ms slower at
+k = 3 / 4 / 6 / 8), the router on our split-K GEMV at 3-8 tokens (`router-gemv-m8`: 0.36 / 0.53 / 0.38 ms slower at
 k = 3 / 4 / 8), the MoE block's shared-expert down computed while its programs route (`shared-early`: 0.06 / 0.08
 ms slower at k = 1 / 2), the MoE block's routing waiting on the router tiles' count with the routing stored once
 (`router-wait+store-last` 0.28 / 0.19 ms slower, `store-last` alone 0.04 / 0.13) and the shared expert's down rows

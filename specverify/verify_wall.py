@@ -10,6 +10,12 @@ provider, and reports:
   ``floor_ms = bytes / bandwidth``, the bandwidth measured in the same run by a device-to-device copy
   (``2 * copy_bytes / time``: read plus write);
 * ``efficiency = floor_ms / verify_ms`` and ``overhead_ms = verify_ms - floor_ms``;
+* the floor counts the routed experts a MoE layer reads as the expectation under uniform routing
+  (``distinct_experts_modelled``); one eager pass after the timing records the experts this pass's routing chose
+  (``distinct_experts_routed``, the mean over MoE layers of the distinct routed ids) and gives the floor and
+  efficiency with that count (``floor_ms_routed``, ``efficiency_routed``, the table's ``eff rt``): the dummy
+  weights' routing need not be uniform (a correction bias favours some experts), and where it reads fewer experts
+  the uniform floor overstates the bytes;
 * with ``tp > 1`` on one GPU, the allreduces one rank would make (``2 * layers + 1`` of ``batch * k * hidden``
   elements) are modelled from :mod:`specverify.comm.cost_model` and added: ``total_ms = verify_ms + allreduce_ms``;
 * ``break_even = total_ms(k) / total_ms(1)``: the tokens a cycle must emit for speculation at this k to match
@@ -555,6 +561,50 @@ def cpu_notes(s: WallSettings) -> list[str]:
 WALL_PROVIDERS = PROVIDERS + ("sglang-step",)
 
 
+def routed_distinct_experts(model, run) -> float | None:
+    """The mean over MoE layers of the distinct routed experts one pass of ``run()`` chose (its shared slot left
+    out), from one eager call with the model's routing slots recorded: the ids ``route`` / ``route_shared`` return,
+    and for ``moe_block`` (which returns no ids) the reference routing of the block's own inputs (fp32 logits, as
+    the block routes). None when the pass routed nothing. Runs outside CUDA-graph capture (the slots are wrapped
+    for the call and restored)."""
+    from specverify.reference.moe import route_reference
+
+    ops = model.ops
+    counts: list[int] = []
+
+    def distinct(ids, top_k):
+        routed = ids[:, :top_k]
+        return int(routed[routed >= 0].unique().numel())
+
+    def wrap_route(real):
+        def recorded(logits, p, *rest):
+            ids, weights = real(logits, p, *rest)
+            counts.append(distinct(ids, p.num_experts_per_tok))
+            return ids, weights
+        return recorded
+
+    def wrap_block(real):
+        def recorded(hidden, router, p, *rest):
+            ids, _ = route_reference(hidden.float() @ router.float().t(), p.num_experts_per_tok,
+                                     scoring=p.scoring_func, correction_bias=p.correction_bias, n_group=p.n_group,
+                                     topk_group=p.topk_group, renormalize=p.norm_topk_prob,
+                                     routed_scaling_factor=p.routed_scaling_factor)
+            counts.append(distinct(ids, p.num_experts_per_tok))
+            return real(hidden, router, p, *rest)
+        return recorded
+
+    saved = {name: getattr(ops, name) for name in ("route", "route_shared", "moe_block")}
+    try:
+        for name, wrap in (("route", wrap_route), ("route_shared", wrap_route), ("moe_block", wrap_block)):
+            if saved[name] is not None:
+                setattr(ops, name, wrap(saved[name]))
+        run()
+    finally:
+        for name, fn in saved.items():
+            setattr(ops, name, fn)
+    return sum(counts) / len(counts) if counts else None
+
+
 def _wall_ops(provider: str, model, max_position: int):
     """(Ops, note) of a verify-wall provider. ``sglang-step``: specverify's op table as SGLang's whole-step plugin
     sets it up (:func:`specverify.forward.step.model_ops`: RoPE read from a rotary table, here the theta RoPE as
@@ -658,6 +708,7 @@ def run_verify_wall(s: WallSettings, progress=None) -> dict:
                 continue
             model.ops = ops
             results = {}
+            routed: dict = {}
             cases: dict = {}
 
             def make_inputs(bucket, k):
@@ -700,6 +751,10 @@ def run_verify_wall(s: WallSettings, progress=None) -> dict:
                         tr = pool.time_replay(s.batch, k, iters=20)
                         host_us, gpu_us = tr["host_us"], tr["gpu_us"]
                     times = _time_calls(lambda: pool.replay(s.batch, k), s.warmup, s.iters, device)
+                    try:  # after the timing, one eager pass; a probe that fails leaves the uniform floor only
+                        routed[k] = routed_distinct_experts(model, case.run)
+                    except Exception as exc:
+                        notes.append(f"{provider} k={k}: routed experts not recorded ({type(exc).__name__}: {exc})")
                 except Exception as exc:
                     notes.append(f"{provider} k={k} failed: {type(exc).__name__}: {exc}")
                     log.exception("verify-wall %s k=%d failed", provider, k)
@@ -752,6 +807,10 @@ def run_verify_wall(s: WallSettings, progress=None) -> dict:
                 vb = verify_bytes(cfg, tp, k, context, s.batch, num_layers=layers)
                 floor_ms = vb.total / bandwidth * 1e3 if bandwidth == bandwidth else float("nan")
                 med = statistics.median(times) if times else float("nan")
+                d_routed = routed.get(k)
+                vb_routed = (verify_bytes(cfg, tp, k, context, s.batch, distinct_experts=d_routed, num_layers=layers)
+                             if d_routed is not None else vb)
+                floor_routed = vb_routed.total / bandwidth * 1e3 if bandwidth == bandwidth else float("nan")
                 ar_ms, ar_src = modelled_allreduce_ms(s, cfg, layers, k)
                 total = med + ar_ms
                 rows.append({
@@ -763,7 +822,10 @@ def run_verify_wall(s: WallSettings, progress=None) -> dict:
                     "switch_ms_median": switch_ms,
                     "bytes": vb.total, "bytes_by_component": vb.as_dict(), "floor_ms": floor_ms,
                     "efficiency": floor_ms / med if med == med and med > 0 else float("nan"),
-                    "overhead_ms": med - floor_ms, "allreduce_ms_modelled": ar_ms, "allreduce_source": ar_src,
+                    "overhead_ms": med - floor_ms, "distinct_experts_modelled": vb.distinct_experts_per_layer,
+                    "distinct_experts_routed": d_routed, "floor_ms_routed": floor_routed,
+                    "efficiency_routed": floor_routed / med if med == med and med > 0 else float("nan"),
+                    "allreduce_ms_modelled": ar_ms, "allreduce_source": ar_src,
                     "total_ms": total, "break_even": total / (decode + decode_ar) if decode == decode else float("nan"),
                     "break_even_accepted_drafts": (total / (decode + decode_ar) - 1.0) if decode == decode
                     else float("nan"),
@@ -800,14 +862,15 @@ def format_table(result: dict) -> str:
             f"layers={meta['layers']} (weight sets {meta['distinct_layers']}) tree={meta['tree']} "
             f"graph={'on' if meta['graph'] else 'off'} on {meta['gpu']}; copy bandwidth "
             f"{meta['copy_bandwidth_gbps']:.0f} GB/s")
-    cols = ["provider", "k", "verify ms", "p20", "p80", "floor ms", "eff", "overhead", "AR ms", "total",
+    cols = ["provider", "k", "verify ms", "p20", "p80", "floor ms", "eff", "eff rt", "overhead", "AR ms", "total",
             "break-even", "host us", "nodes", "rel err"]
     lines = [head, "  ".join(f"{c:>10}" for c in cols)]
     for r in rows:
         bound = "*" if r.get("launch_bound") else ""
         vals = [r["provider"], r["k"], f"{r['verify_ms_median']:.3f}", f"{r['verify_ms_p20']:.3f}",
                 f"{r['verify_ms_p80']:.3f}", f"{r['floor_ms']:.3f}", f"{r['efficiency']:.2f}",
-                f"{r['overhead_ms']:.3f}", f"{r['allreduce_ms_modelled']:.3f}", f"{r['total_ms']:.3f}",
+                f"{r.get('efficiency_routed', float('nan')):.2f}", f"{r['overhead_ms']:.3f}",
+                f"{r['allreduce_ms_modelled']:.3f}", f"{r['total_ms']:.3f}",
                 f"{r['break_even']:.2f}", f"{r['host_launch_us']:.0f}{bound}",
                 "-" if r.get("graph_nodes") is None else r["graph_nodes"], f"{r['logits_rel_err_vs_first']:.1e}"]
         lines.append("  ".join(f"{str(v):>10}" for v in vals))

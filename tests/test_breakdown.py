@@ -1,4 +1,5 @@
-"""The verify-wall breakdown's event-cost correction (specverify.verify_wall), with stand-in events on the CPU.
+"""The verify-wall breakdown's event-cost correction (specverify.verify_wall), with stand-in events on the CPU; the
+routed experts a pass reads, recorded from its routing (tiny MoE model, CPU).
 
 On the GPU the events are CUDA event-record nodes inside the pass's graph; here a fake event returns the elapsed
 times a graph replay would, so the arithmetic of the correction is checked without a GPU.
@@ -124,3 +125,32 @@ def test_kernel_table_gives_overlap_to_the_predecessor_and_counts_bubbles():
     assert rows["gemv"]["launches"] == 2 and rows["gemv"]["exclusive_us"] == 15.0  # 10 + 5 in the median pass
     assert rows["norm"]["exclusive_us"] == 2.0 and rows["norm"]["mean_us"] == 2.0
     assert [r["name"] for r in t["kernels"]] == ["gemv", "norm"]  # by exclusive time
+
+
+# ---- the routed experts a pass reads (``routed_distinct_experts``) ----------------------------------------------
+def _probe_case(ops_name, b, k):
+    import torch
+
+    from specverify.forward.model import VerifyModel
+    from specverify.forward.ops import provider_ops
+
+    model = VerifyModel("tiny-mla-moe", dtype=torch.bfloat16, seed=5)
+    model.ops, _ = provider_ops(ops_name, model)
+    caches = model.allocate_kv(b * 4 + 2, 4)
+    case = vw.VerifyCase(model, caches, torch.arange(b * 4, dtype=torch.int32).view(b, 4), b, k, 5, "chain", seed=3)
+    return model, case
+
+
+@pytest.mark.parametrize("ops_name", ["reference", "specverify"])  # route; the MoE block / route_shared
+@pytest.mark.parametrize("b, k", [(1, 1), (2, 3)])
+def test_routed_distinct_experts_counts_what_the_routing_chose(ops_name, b, k):
+    model, case = _probe_case(ops_name, b, k)
+    c = model.config
+    before = {n: getattr(model.ops, n) for n in ("route", "route_shared", "moe_block")}
+    got = vw.routed_distinct_experts(model, case.run)
+    assert {n: getattr(model.ops, n) for n in before} == before  # the slots are restored
+    m = b * k
+    if m == 1:  # one token: exactly its top-k, whatever the path
+        assert got == c.num_experts_per_tok
+    else:  # between one token's top-k and every slot distinct
+        assert c.num_experts_per_tok <= got <= min(c.n_routed_experts, m * c.num_experts_per_tok)

@@ -36,6 +36,14 @@ def test_verify_wall_runs_on_this_machine(tmp_path):
         # accept length both ways: tokens a cycle as SGLang logs it, and accepted drafts
         assert row["break_even_accepted_drafts"] == pytest.approx(row["break_even"] - 1.0)
     assert "accept length as SGLang logs it" in r.stdout
+    from specverify.configs import get_config
+
+    cfg = get_config(rows[0]["model"])
+    for row in rows:  # the routed experts this pass chose, beside the uniform model the floor assumes
+        m = row["batch"] * row["k"]
+        d = row["distinct_experts_routed"]
+        assert cfg.num_experts_per_tok <= d <= min(cfg.n_routed_experts, m * cfg.num_experts_per_tok), row
+        assert row["distinct_experts_modelled"] > 0
     import torch
 
     if not torch.cuda.is_available():

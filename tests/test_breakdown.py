@@ -154,3 +154,26 @@ def test_routed_distinct_experts_counts_what_the_routing_chose(ops_name, b, k):
         assert got == c.num_experts_per_tok
     else:  # between one token's top-k and every slot distinct
         assert c.num_experts_per_tok <= got <= min(c.n_routed_experts, m * c.num_experts_per_tok)
+
+
+def test_routing_probe_script(tmp_path):
+    """bench/routing_probe.py at a tiny grouped MoE on the CPU: one token reads exactly its top-k; the JSON holds
+    the routed and the uniform counts."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from specverify.configs import get_config
+
+    out = tmp_path / "probe.json"
+    script = os.path.join(os.path.dirname(__file__), "..", "bench", "routing_probe.py")
+    r = subprocess.run([sys.executable, script, "--model", "tiny-mla-grouped", "--tp", "1", "--layers", "3",
+                        "--context", "32", "--draft-tokens", "1,3", "--page-size", "16", "--device", "cpu",
+                        "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    top_k = get_config("tiny-mla-grouped").num_experts_per_tok
+    assert [row["k"] for row in rows] == [1, 3]
+    assert rows[0]["distinct_experts_routed"] == top_k and rows[0]["distinct_experts_uniform"] == pytest.approx(top_k)
+    assert top_k <= rows[1]["distinct_experts_routed"] <= 3 * top_k

@@ -174,8 +174,10 @@ def test_moe_block_fp16(device, fresh_workspace):
     (dict(correction_bias=torch.zeros(48, dtype=torch.int32)), TypeError, "floating-point"),
     (dict(router="w"), TypeError, "router must be a torch.Tensor"),
 ])
-def test_moe_block_rejects_bad_input(bad, err, match):
-    x, router, w13, w2, kw = _weights("kimi", 1, seed=0, device="cpu")
+def test_moe_block_rejects_bad_input(bad, err, match, device):
+    # every tensor on the test's device, so a GPU machine reaches the check each case is for
+    bad = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in bad.items()}
+    x, router, w13, w2, kw = _weights("kimi", 1, seed=0, device=device)
     x = bad.pop("x", x)
     router = bad.pop("router", router)
     w13 = bad.pop("w13", w13)

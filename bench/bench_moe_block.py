@@ -126,7 +126,8 @@ def _parse_config(text: str) -> tuple[int, int, tuple[int, int, int]]:
 
 def _sweep(configs, block, once, res, n_sets: int, timeline: bool, replays: int) -> list[dict]:
     """Each config's block time (and timeline), checked against today's result ``res``: the same routing, and
-    outputs within 4 bf16 rounding steps of today's largest (summation order and the rounded act differ)."""
+    outputs within 4 bf16 rounding steps of today's largest (summation order and the rounded act differ); a config
+    that fails the check, or whose launch is not resident, is recorded with its reason and not timed."""
     from specverify import moe_layer
 
     saved = (moe_layer._BN, moe_layer._BK, moe_layer._TILES, moe_layer._CANDIDATES)
@@ -141,12 +142,15 @@ def _sweep(configs, block, once, res, n_sets: int, timeline: bool, replays: int)
                 print(f"    {name}: {exc}", flush=True)
                 out.append({"config": name, "error": str(exc)})
                 continue
-            if not torch.equal(got.topk_ids, res.topk_ids):
-                raise AssertionError(f"config {bn}x{bk}:{cand}: routing differs from today's")
             diff = float((got.out.float() - res.out.float()).abs().max())
             tol = 4 * 2.0 ** -8 * float(res.out.float().abs().max())
-            if not diff <= tol:
-                raise AssertionError(f"config {bn}x{bk}:{cand}: max |diff| {diff} above {tol}")
+            # another K split may flip a near-tie of the routing (then the outputs differ by design): not timed
+            why = ("routing differs from today's" if not torch.equal(got.topk_ids, res.topk_ids)
+                   else f"max |diff| {diff} above {tol}" if not diff <= tol else None)
+            if why:
+                print(f"    {name}: {why}; not timed", flush=True)
+                out.append({"config": name, "error": why})
+                continue
             c = {"config": name, "max_abs_diff": diff, "tol": tol,
                  "block_us": graph_us(block, calls=2, replays=10, repeats=5, stat="median") / n_sets}
             if timeline:

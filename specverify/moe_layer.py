@@ -202,10 +202,12 @@ def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor,
     interp = dev.type != "cuda" or envvars.triton_interpret()
     pdl = pdl_launch(dev)
     # the launch choice depends on the compiled kernel: key it on everything that selects one (the tiles and
-    # candidates too: ``bench/bench_moe_block.py --configs`` and ``bench/ab_verify_pass.py`` set them)
+    # candidates too: ``bench/bench_moe_block.py --configs`` and ``bench/ab_verify_pass.py`` set them; the SM count,
+    # which sizes the grid and the workspace below: tests stand in a smaller one)
     timing = _TIMELINE is not None and not interp
+    sms = sm_count(dev.type, dev.index)
     key = (m, h, inter, e, top_k, hidden.dtype, scoring, n_group, topk_group, correction_bias is not None,
-           bool(renormalize), pdl, timing, _TILES.get(m, (_BN, _BK)), _CANDIDATES)
+           bool(renormalize), pdl, timing, _TILES.get(m, (_BN, _BK)), _CANDIDATES, sms)
     ep = max(_next_pow2(e), 16)
     consts = dict(MT=m, H=h, I=inter, E=e, EP=ep, TOP_K=top_k, TOPK_P=max(2, _next_pow2(top_k)),
                   ROWS=_next_pow2(m), N_GROUP=n_group, NG_P=max(2, _next_pow2(n_group)), GSIZE=e // n_group,
@@ -213,7 +215,6 @@ def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor,
                   RENORM=renormalize, DOT_FP32=interp, PREFETCH=not interp, TIMING=timing, **pdl_kwargs(dev))
     # the workspace covers either grid size's plan (sized before the kernel is compiled) at every token count up to
     # the forward's, so a graph captured later at another count needs no allocation
-    sms = sm_count(dev.type, dev.index)
     plans = [_plan(mm, h, inter, e, top_k, sms * p) for p in (1, 2) for mm in range(1, max(m, MOE_BLOCK_MAX_M) + 1)]
     need_p = max((p["T1"] * p["SPLIT1"] * p["M"] + p["T2"] * p["SPLIT2"]) * 2 * p["BN"] for p in plans)
     need_t = max(p["T1"] + p["T2"] for p in plans)

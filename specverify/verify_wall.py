@@ -808,9 +808,14 @@ def run_verify_wall(s: WallSettings, progress=None) -> dict:
                 floor_ms = vb.total / bandwidth * 1e3 if bandwidth == bandwidth else float("nan")
                 med = statistics.median(times) if times else float("nan")
                 d_routed = routed.get(k)
-                vb_routed = (verify_bytes(cfg, tp, k, context, s.batch, distinct_experts=d_routed, num_layers=layers)
-                             if d_routed is not None else vb)
-                floor_routed = vb_routed.total / bandwidth * 1e3 if bandwidth == bandwidth else float("nan")
+                if d_routed is not None:
+                    vb_routed = verify_bytes(cfg, tp, k, context, s.batch, distinct_experts=d_routed,
+                                             num_layers=layers)
+                    floor_routed = vb_routed.total / bandwidth * 1e3 if bandwidth == bandwidth else float("nan")
+                elif vb.distinct_experts_per_layer == 0:  # no MoE layer: nothing routed, the one floor
+                    floor_routed = floor_ms
+                else:  # the probe failed or saw no routing (a note says why): no routed floor
+                    floor_routed = float("nan")
                 ar_ms, ar_src = modelled_allreduce_ms(s, cfg, layers, k)
                 total = med + ar_ms
                 rows.append({

@@ -128,32 +128,63 @@ def test_kernel_table_gives_overlap_to_the_predecessor_and_counts_bubbles():
 
 
 # ---- the routed experts a pass reads (``routed_distinct_experts``) ----------------------------------------------
-def _probe_case(ops_name, b, k):
+def _probe_case(ops_name, b, k, device):
     import torch
 
     from specverify.forward.model import VerifyModel
     from specverify.forward.ops import provider_ops
 
-    model = VerifyModel("tiny-mla-moe", dtype=torch.bfloat16, seed=5)
+    model = VerifyModel("tiny-mla-moe", dtype=torch.bfloat16, seed=5, device=device)
     model.ops, _ = provider_ops(ops_name, model)
     caches = model.allocate_kv(b * 4 + 2, 4)
-    case = vw.VerifyCase(model, caches, torch.arange(b * 4, dtype=torch.int32).view(b, 4), b, k, 5, "chain", seed=3)
-    return model, case
+    table = torch.arange(b * 4, dtype=torch.int32, device=device).view(b, 4)
+    return model, vw.VerifyCase(model, caches, table, b, k, 5, "chain", seed=3)
 
 
 @pytest.mark.parametrize("ops_name", ["reference", "specverify"])  # route; the MoE block / route_shared
-@pytest.mark.parametrize("b, k", [(1, 1), (2, 3)])
-def test_routed_distinct_experts_counts_what_the_routing_chose(ops_name, b, k):
-    model, case = _probe_case(ops_name, b, k)
-    c = model.config
-    before = {n: getattr(model.ops, n) for n in ("route", "route_shared", "moe_block")}
+@pytest.mark.parametrize("b, k", [(1, 1), (1, 2), (2, 3)])
+def test_routed_distinct_experts_counts_what_the_routing_chose(ops_name, b, k, device):
+    """The probe's count against the routing each path really ran: the ids route / route_shared returned, or, for
+    the MoE block (whose op returns no ids; the probe routes its inputs by the reference), the block's own ids from
+    a second call on the same inputs."""
+    from specverify.moe_layer import moe_block
+
+    model, case = _probe_case(ops_name, b, k, device)
+    ops = model.ops
+    seen = []  # (kind, record) of every routing call, recorded beneath the probe's wrappers
+    real = {n: getattr(ops, n) for n in ("route", "route_shared", "moe_block")}
+
+    def under_route(name):
+        def rec(logits, p, *rest):
+            ids, w = real[name](logits, p, *rest)
+            seen.append(("ids", ids[:, :p.num_experts_per_tok].clone()))
+            return ids, w
+        return rec
+
+    def under_block(hidden, router, p, w13_all, w2_all):
+        seen.append(("block", (hidden.clone(), router, p, w13_all, w2_all)))
+        return real["moe_block"](hidden, router, p, w13_all, w2_all)
+
+    for name in ("route", "route_shared"):
+        if real[name] is not None:
+            setattr(ops, name, under_route(name))
+    if real["moe_block"] is not None:
+        ops.moe_block = under_block
+    before = {n: getattr(ops, n) for n in real}
     got = vw.routed_distinct_experts(model, case.run)
-    assert {n: getattr(model.ops, n) for n in before} == before  # the slots are restored
-    m = b * k
-    if m == 1:  # one token: exactly its top-k, whatever the path
-        assert got == c.num_experts_per_tok
-    else:  # between one token's top-k and every slot distinct
-        assert c.num_experts_per_tok <= got <= min(c.n_routed_experts, m * c.num_experts_per_tok)
+    assert {n: getattr(ops, n) for n in before} == before  # the slots are restored
+    counts = []
+    for kind, rec in seen:
+        if kind == "block":
+            hidden, router, p, w13_all, w2_all = rec
+            rec = moe_block(hidden, router, w13_all, w2_all, top_k=p.num_experts_per_tok, scoring=p.scoring_func,
+                            correction_bias=p.correction_bias, n_group=p.n_group, topk_group=p.topk_group,
+                            renormalize=p.norm_topk_prob,
+                            routed_scaling_factor=p.routed_scaling_factor).topk_ids[:, :p.num_experts_per_tok]
+        counts.append(int(rec.unique().numel()))
+    assert counts and got == sum(counts) / len(counts)
+    if b * k == 1:  # one token: exactly its top-k, whatever the path
+        assert got == model.config.num_experts_per_tok
 
 
 def test_routing_probe_script(tmp_path):

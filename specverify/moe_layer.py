@@ -23,7 +23,8 @@ MOE_BLOCK_MAX_M = 2
 _KERNEL_MAX_M = 16
 #: (gate / up rows of a tile, K chunk): the default, and by token count where another measured faster in the pass
 #: (H100, ``ab_verify_pass.py``, both orders, 2026-12-06: 16 x 256 at one token 5.325 against 5.351 ms, at two
-#: 7.507 against 7.301; alone, ``bench_moe_block.py --configs``, no tile within 1 us of another at one token)
+#: 7.507 against 7.301; alone, ``bench_moe_block.py --configs``, the best four tiles at one token within 1.2 us of
+#: one another, 46.6-47.8 us)
 _BN, _BK = 32, 128
 _TILES = {1: (16, 256)}
 #: (K loops, down loop) pipeline depths and warps, best first (H200 at Kimi-K2 M = 1, 2, 4 warps: 6 / 3 at one

@@ -567,7 +567,7 @@ def routed_distinct_experts(model, run) -> float | None:
     and for ``moe_block`` (which returns no ids) the reference routing of the block's own inputs (fp32 logits, as
     the block routes). None when the pass routed nothing. Runs outside CUDA-graph capture (the slots are wrapped
     for the call and restored)."""
-    from specverify.reference.moe import route_reference
+    from specverify.forward.ops import _route_with_config  # the reference routing of a layer's RouteParams
 
     ops = model.ops
     counts: list[int] = []
@@ -585,10 +585,7 @@ def routed_distinct_experts(model, run) -> float | None:
 
     def wrap_block(real):
         def recorded(hidden, router, p, *rest):
-            ids, _ = route_reference(hidden.float() @ router.float().t(), p.num_experts_per_tok,
-                                     scoring=p.scoring_func, correction_bias=p.correction_bias, n_group=p.n_group,
-                                     topk_group=p.topk_group, renormalize=p.norm_topk_prob,
-                                     routed_scaling_factor=p.routed_scaling_factor)
+            ids, _ = _route_with_config(hidden.float() @ router.float().t(), p)
             counts.append(distinct(ids, p.num_experts_per_tok))
             return real(hidden, router, p, *rest)
         return recorded

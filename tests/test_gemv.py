@@ -209,6 +209,106 @@ def test_gemv_sumsq_bad_input(cols, err, match):
         gemv_mod.gemv_sumsq(torch.zeros(17, 8, dtype=torch.bfloat16), w, 2)
 
 
+def _norm_in_inputs(m, n, k, seed, device):
+    g = torch.Generator().manual_seed(seed)
+    bf = torch.bfloat16
+    x = torch.randn(m, k, generator=g).to(bf).to(device)  # a sublayer's output
+    r = (3 * torch.randn(m, k, generator=g)).to(bf).to(device)  # the residual stream
+    nw = (1 + 0.5 * torch.rand(k, generator=g)).to(bf).to(device)
+    w = torch.randn(n, k, generator=g).to(bf).to(device)
+    return x, r, nw, w
+
+
+def _assert_same_add(got, want):
+    """The new residual: the unfused add's bits on a GPU; within one bf16 step under the CPU interpreter, whose
+    fp32 -> bf16 conversion truncates instead of rounding to nearest."""
+    if got.is_cuda:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=torch.finfo(got.dtype).eps, atol=0)
+
+
+def _assert_norm_in_close(got, s, nw, w, eps):
+    """got [M, N] against the fp64 math ``rsqrt(mean(s^2) + eps) * (s * nw) @ w.T``, per element: one rounding of
+    the output (u |want|), the kernel's rounding of each ``s * nw`` (six standard deviations of K independent
+    roundings, u |s_k nw_k w_nk| each, times the scale) and fp32 summation noise."""
+    u = torch.finfo(torch.bfloat16).eps / 2
+    sd, a = s.double(), (s.double() * nw.double())
+    inv = torch.rsqrt(sd.pow(2).mean(-1, keepdim=True) + eps)
+    want = inv * (a @ w.double().t())
+    spread = inv * torch.sqrt(a.pow(2) @ w.double().pow(2).t())
+    tol = u * want.abs() + 6 * u * spread + 1e-6 * spread
+    err = (got.double() - want).abs()
+    assert bool((err <= tol).all()), f"max excess {float((err - tol).max())}"
+
+
+# the store paths of gemv_sumsq's test: split K with the split-by-split reduce (3 tokens) and the wide one (one
+# token; 3 tokens with the wide rule lowered), one split (a single wave of 4 programs on 2 SMs), row ranges
+@pytest.mark.parametrize("m, over, wide_min", [(3, {}, 16), (1, {}, 16), (3, {}, 2), (3, {"WAVES": 1}, 16),
+                                               (2, {"ROW_RANGE": True, "WAVES": 1}, 16)])
+@pytest.mark.parametrize("cols", [0, 100])
+def test_gemv_add_rmsnorm_matches_the_unfused_chain(device, monkeypatch, m, over, wide_min, cols):
+    """The residual add and RMSNorm folded into the projection: the new residual bit for bit, the output within
+    the rounding of h, the sums of squares of the stored output when asked."""
+    sms = 2 if over.get("WAVES") == 1 and not over.get("ROW_RANGE") else 4
+    monkeypatch.setattr(gemv_mod, "_CONFIG", {**gemv_mod._CONFIG, **over})
+    monkeypatch.setattr(gemv_mod, "sm_count", lambda device_type, index: sms)
+    monkeypatch.setattr(gemv_mod, "WIDE_REDUCE_MIN_SPLITS", wide_min)
+    n, k, eps = 150, 1000, 1e-6
+    cfg = gemv_mod.gemv_config(m, n, k)
+    assert (gemv_split(n, k, sms, cfg)[0] > 1) == (not over), over  # the path this case is for
+    rows = gemv_mod.gemv_rows(n, sms, cfg)[0]
+    for rep in range(2):  # fresh inputs; the second launch finds the tickets reset
+        x, r, nw, w = _norm_in_inputs(m, n, k, 7 * m + cols + len(over) + 100 * rep, device)
+        x0, r0 = x.clone(), r.clone()
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
+        y, res, part = gemv_mod.gemv_add_rmsnorm(x, r, nw, eps, w, sumsq_cols=cols, out=out, impl="triton")
+        assert y.data_ptr() == out.data_ptr() and torch.equal(x, x0) and torch.equal(r, r0)  # inputs only read
+        _assert_same_add(res, x0 + r0)
+        _assert_norm_in_close(y, res, nw, w, eps)
+        if cols:
+            torch.testing.assert_close(part.double(), _tile_sumsq(y, cols, rows), rtol=rows * 2.0 ** -24, atol=1e-30)
+        else:
+            assert part is None
+    y_ref, res_ref, part_ref = gemv_mod.gemv_add_rmsnorm(x, r, nw, eps, w, sumsq_cols=cols, impl="reference")
+    _assert_same_add(res, res_ref)
+    _assert_norm_in_close(y_ref, res_ref, nw, w, eps)  # the unfused chain meets the same bound
+
+
+def test_linear_add_rmsnorm_serves_where_linear_runs_the_gemv(device, monkeypatch):
+    """The forward's qkv_a after the previous layer: (y, residual, partials) where linear would take our GEMV, None
+    (nothing launched) where it takes cuBLAS."""
+    monkeypatch.setattr(gemv_mod, "LINEAR_RULES", ((8, (96, 1 << 30), (64, 1 << 30)),))
+    x, r, nw, w = _norm_in_inputs(6, 104, 256, 21, device)
+    y, res, part = gemv_mod.linear_add_rmsnorm(x.view(2, 3, 256), r.view(2, 3, 256), nw, 1e-6, w, 64)
+    assert y.shape == (2, 3, 104) and res.shape == (2, 3, 256) and part.shape[1] == 6
+    _assert_same_add(res.view(6, 256), x + r)
+    _assert_norm_in_close(y.view(6, 104), res.view(6, 256), nw, w, 1e-6)
+    wide = torch.zeros(9, 256, dtype=torch.bfloat16, device=device)  # M = 9: cuBLAS's
+    assert gemv_mod.linear_add_rmsnorm(wide, wide, nw, 1e-6, w) is None
+    assert gemv_mod.linear_add_rmsnorm(x.double(), r.double(), nw.double(), 1e-6, w.double()) is None
+
+
+@pytest.mark.parametrize("change, err, match", [
+    ({"residual": torch.zeros(2, 9, dtype=torch.bfloat16)}, ValueError, "residual must match x"),
+    ({"residual": torch.zeros(2, 8)}, ValueError, "residual must match x"),
+    ({"residual": None}, TypeError, "residual and norm_weight must be tensors"),
+    ({"norm_weight": torch.ones(4, dtype=torch.bfloat16)}, ValueError, r"norm_weight must be torch.bfloat16 \[8\]"),
+    ({"norm_weight": torch.ones(8)}, ValueError, "norm_weight must be"),
+    ({"eps": 0.0}, ValueError, "eps must be a positive float"),
+    ({"eps": "1e-6"}, ValueError, "eps must be a positive float"),
+    ({"sumsq_cols": 5}, ValueError, r"sumsq_cols must lie in \[0, N = 4\]"),
+    ({"sumsq_cols": 1.0}, TypeError, "sumsq_cols must be an int")])
+def test_gemv_add_rmsnorm_bad_input(change, err, match):
+    args = {"x": torch.zeros(2, 8, dtype=torch.bfloat16), "residual": torch.zeros(2, 8, dtype=torch.bfloat16),
+            "norm_weight": torch.ones(8, dtype=torch.bfloat16), "eps": 1e-6,
+            "w": torch.zeros(4, 8, dtype=torch.bfloat16), "sumsq_cols": 0}
+    args.update(change)
+    with pytest.raises(err, match=match):
+        gemv_mod.gemv_add_rmsnorm(args.pop("x"), args.pop("residual"), args.pop("norm_weight"), args.pop("eps"),
+                                  args.pop("w"), **args)
+
+
 def test_split_workspace_grown_keeps_the_old_set(device, monkeypatch):
     """A projection whose split count grows at the same N (another K, or another M's config) gets a larger workspace;
     the old set stays allocated for graphs captured on it, and both launches are right."""
@@ -254,3 +354,30 @@ def test_gpu_graph_replays_after_the_workspace_grew(monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(captured, gemv_reference(x1, w1), rtol=1e-2, atol=1e-2 * 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4, 8])
+def test_gpu_add_rmsnorm_at_qkv_a_in_a_graph(m):
+    """Kimi-K2's qkv_a (7168 -> 2112, q_a's 1536 columns summed) with the previous layer's add + RMSNorm folded in,
+    captured and replayed on fresh inputs: the new residual bit for bit, the output within the rounding bound."""
+    from conftest import warm_up_for_capture
+
+    x, r, nw, w = _norm_in_inputs(m, 2112, 7168, 31 + m, "cuda")
+    run = lambda: gemv_mod.gemv_add_rmsnorm(x, r, nw, 1e-6, w, sumsq_cols=1536, impl="triton")  # noqa: E731
+    warm_up_for_capture(run)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y, res, part = run()
+    rows = gemv_mod.gemv_rows(2112, torch.cuda.get_device_properties(0).multi_processor_count,
+                              gemv_mod.gemv_config(m, 2112, 7168))[0]
+    for rep in range(2):
+        fresh = _norm_in_inputs(m, 2112, 7168, 100 + rep, "cuda")
+        for dst, src in zip((x, r, nw), fresh[:3]):
+            dst.copy_(src)
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_same_add(res, x + r)
+        _assert_norm_in_close(y, res, nw, w, 1e-6)
+        torch.testing.assert_close(part.double(), _tile_sumsq(y, 1536, rows), rtol=rows * 2.0 ** -24, atol=1e-30)

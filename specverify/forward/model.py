@@ -52,12 +52,6 @@ FOLD_Q_NORM_MAX_M = 4
 #: --variants fused,add-fold``; an earlier form beside a q_b prologue fold lost 0.135 ms at k = 1 on 2026-12-03, the
 #: q_b part alone 2.3 us a layer). Read at each forward.
 FOLD_ADD_NORM = False
-#: Fold the residual add + RMSNorm after the attention into the one-launch MoE block where it runs (``Ops.moe_block``
-#: with ``norm=``; :func:`specverify.moe_layer.moe_block` with ``residual=``: every program computes the rows'
-#: statistic after its PDL wait and forms the normed rows chunk by chunk in its K loops). Off until the pass measures
-#: it (``bench/ab_verify_pass.py --variants fused,block-norm``); two earlier forms, a normed copy of the rows a
-#: program or one shared copy, lost 0.11 / 0.38 and 0.22 / 0.51 ms at k = 1 / 2 on the H100 (2026-12-06).
-FOLD_MOE_NORM = False
 
 
 def q_norm_foldable(w: dict) -> bool:
@@ -426,11 +420,6 @@ class VerifyModel:
         o = ops.attention_gqa(q, cache[0], cache[1], page_table, prefix_lens, tree_mask, 1.0 / math.sqrt(d))
         return o.reshape(b, k, s.num_heads * d) @ w["wo"].t()
 
-    def _block_serves(self, w, x) -> bool:
-        """Whether :meth:`_mlp` runs layer ``w`` on ``x`` [b, k, H] as the one-launch MoE block."""
-        return (not w["dense"] and "w13_all" in w and self.ops.moe_block is not None
-                and x.shape[0] * x.shape[1] <= self.ops.moe_block_max_m)
-
     def _mlp(self, w, h):
         """MLP or MoE block on the already-normalised input ``h`` [b, k, H].
 
@@ -451,7 +440,7 @@ class VerifyModel:
         if w["dense"]:
             with self.section("dense_mlp"):
                 return (ops.silu_mul(flat @ w["gate_up"].t()) @ w["down"].t()).view_as(h)
-        if self._block_serves(w, h):
+        if "w13_all" in w and ops.moe_block is not None and flat.shape[0] <= ops.moe_block_max_m:
             with self.section("moe_block"):  # router, routing and every expert in one launch
                 return ops.moe_block(flat, w["router"], w["route"], w["w13_all"], w["w2_all"]).view_as(h)
         stacked = "w13_all" in w and ops.experts_with_shared is not None
@@ -516,17 +505,9 @@ class VerifyModel:
                     pending = None
                 else:
                     a = attn(w, h, positions, kv_caches[layer], page_table, prefix_lens, tree_mask)
-            a = self.allreduce(a)
-            if FOLD_MOE_NORM and self._block_serves(w, a):  # the add + RMSNorm inside the MoE block's launch
-                with self.section("moe_block"):
-                    m, residual = ops.moe_block(a.reshape(-1, a.shape[-1]), w["router"], w["route"], w["w13_all"],
-                                                w["w2_all"], norm=(residual.reshape(a.shape[0] * a.shape[1], -1),
-                                                                   w["mlp_norm"], eps))
-                m, residual = m.view_as(a), residual.view_as(a)
-            else:
-                with self.section("allreduce"):  # allreduce, residual add and the next RMSNorm
-                    h, residual = ops.add_rmsnorm(a, residual, w["mlp_norm"], eps)
-                m = self._mlp(w, h)
+            with self.section("allreduce"):  # allreduce, residual add and the next RMSNorm
+                h, residual = ops.add_rmsnorm(self.allreduce(a), residual, w["mlp_norm"], eps)
+            m = self._mlp(w, h)
             last = layer + 1 == self.num_layers
             with self.section("allreduce"):
                 if fold_norm and not last:

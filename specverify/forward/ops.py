@@ -134,9 +134,7 @@ class Ops:
     # prefix, eps, theta, nope, q_sumsq=None, q_dim=None) -> q_latent; the keywords only with linear_sumsq set
     mla_prep_absorb: Callable = None
     # a fusion; None (or above moe_block_max_m tokens): the forward composes linear, route_shared and experts
-    # (hidden, router, RouteParams, w13_all, w2_all, norm=None) -> [M, H]; with norm = (residual, norm_w, eps)
-    # hidden is un-normed and it returns (out, hidden + residual): the add + RMSNorm in the block's launch
-    moe_block: Callable = None
+    moe_block: Callable = None  # (hidden, router, RouteParams, w13_all, w2_all) -> [M, H]
     moe_block_max_m: int = 0
     pieces: dict = field(default_factory=dict)
 
@@ -244,13 +242,10 @@ def specverify_ops(model):
     if fns:
         moe_block, max_m = fns
 
-        def moe_block_op(hidden, router, p, w13_all, w2_all, norm=None):
-            res, nw, eps = norm if norm is not None else (None, None, None)
-            r = moe_block(hidden, router, w13_all, w2_all, top_k=p.num_experts_per_tok, scoring=p.scoring_func,
-                          correction_bias=p.correction_bias, n_group=p.n_group, topk_group=p.topk_group,
-                          renormalize=p.norm_topk_prob, routed_scaling_factor=p.routed_scaling_factor,
-                          residual=res, norm_weight=nw, eps=eps)
-            return r.out if norm is None else (r.out, r.residual)
+        def moe_block_op(hidden, router, p, w13_all, w2_all):
+            return moe_block(hidden, router, w13_all, w2_all, top_k=p.num_experts_per_tok, scoring=p.scoring_func,
+                             correction_bias=p.correction_bias, n_group=p.n_group, topk_group=p.topk_group,
+                             renormalize=p.norm_topk_prob, routed_scaling_factor=p.routed_scaling_factor).out
 
         ops.moe_block, ops.moe_block_max_m = moe_block_op, max_m
         ops.pieces["moe_block"] = "triton (one persistent launch at a few tokens)"

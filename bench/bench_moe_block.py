@@ -9,20 +9,14 @@ K-loop and down-loop pipeline depths, warps; ``specverify.moe_layer._BN`` / ``_B
 token count: ``_TILES`` emptied) after
 today's, each checked against today's output (same routing; outputs within a few bf16 rounding steps).
 
-``--fused-norm`` also times the block with the residual add + RMSNorm before it folded in (``moe_block(x, ...,
-residual=r, norm_weight=g, eps=eps)``) against the two launches it replaces (``specverify.fused_ops.rmsnorm`` with
-the residual, then the block on its output), in the same run; checked first: the new residual bit for bit, the
-same routing, outputs within 4 bf16 rounding steps of the unfused pair's largest.
-
 ``--timeline`` also replays the block's graph with the kernel's phase stamps on (a build of its own: ``TIMING``)
 and gives, for the last launch of each replay, when the programs reached each point (µs from the first program's
 start; median and last program over the grid, each the median over ``--replays``): after the PDL wait, phase 1
 (router + shared gate/up), barrier 1, the routing, phase 2 (routed gate/up), the down prefetch, barrier 2, phase 3
-(down); with ``--fused-norm`` the fused block's too, with one more point: ``norm``, after the statistic of the
-folded norm (between the PDL wait and phase 1).
+(down).
 
 Usage: ``python bench/bench_moe_block.py [--models kimi-k2,deepseek-v3] [--tokens 1,2,4,8] [--sets 4]
-[--configs 16x256:6.3.4,...] [--fused-norm] [--timeline] [--replays 50] [--json PATH]``.
+[--configs 16x256:6.3.4,...] [--timeline] [--replays 50] [--json PATH]``.
 """
 from __future__ import annotations
 
@@ -45,8 +39,6 @@ def main(argv=None) -> int:
     ap.add_argument("--timeline", action="store_true", help="also the phase timeline of the block")
     ap.add_argument("--replays", type=int, default=50, help="graph replays the timeline is the median of")
     ap.add_argument("--configs", default="", help="launch configs BNxBK:SK.SD.W to time after today's")
-    ap.add_argument("--fused-norm", action="store_true",
-                    help="also the block with the residual add + RMSNorm folded in against the norm kernel + block")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
     try:
@@ -56,7 +48,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_moe_block: needs a CUDA device", file=sys.stderr)
         return 2
-    from specverify.fused_ops import rmsnorm
     from specverify.gemv import linear
     from specverify.moe import fused_moe, moe_route
     from specverify.moe_layer import moe_block
@@ -73,8 +64,7 @@ def main(argv=None) -> int:
             sets.append(dict(router=torch.randn(e, h, device=dev, generator=g).mul_(h ** -0.5).bfloat16(),
                              w13=torch.randn(e + 1, 2 * inter, h, device=dev, generator=g).mul_(h ** -0.5).bfloat16(),
                              w2=torch.randn(e + 1, h, inter, device=dev, generator=g).mul_(inter ** -0.5).bfloat16(),
-                             bias=torch.randn(e, device=dev, generator=g) * 0.05,
-                             norm=(1 + 0.1 * torch.randn(h, device=dev, generator=g)).bfloat16()))
+                             bias=torch.randn(e, device=dev, generator=g) * 0.05))
         rk = dict(top_k=top_k, scoring="sigmoid", n_group=c["n_group"], topk_group=c["topk_group"],
                   renormalize=True, routed_scaling_factor=c["scale"])
         for m in (int(t) for t in args.tokens.split(",")):
@@ -95,27 +85,7 @@ def main(argv=None) -> int:
             nbytes = 2 * (e * h + experts * 3 * inter * h)
             floor = nbytes / (bw * 1e3)
             row = {"model": model, "m": m, "distinct_experts": experts, "bytes": nbytes, "floor_us": floor}
-            timed = [("block", block), ("composed", composed)]
-            if args.fused_norm:  # x is the sublayer output, r the residual stream, eps DeepSeek-V3's / Kimi-K2's
-                r = (4 * torch.randn(m, h, device=dev)).bfloat16()
-
-                def fused():
-                    for s in sets:
-                        moe_block(x, s["router"], s["w13"], s["w2"], correction_bias=s["bias"], residual=r,
-                                  norm_weight=s["norm"], eps=1e-6, **rk)
-
-                def norm_then_block():
-                    for s in sets:
-                        hn, _ = rmsnorm(x, s["norm"], 1e-6, residual=r, impl="triton")
-                        moe_block(hn, s["router"], s["w13"], s["w2"], correction_bias=s["bias"], **rk)
-
-                why = _check_fused(x, r, sets[0], rk, moe_block, rmsnorm)
-                if why:
-                    print(f"{model:>12} M={m}: the fused norm {why}; not timed", flush=True)
-                    row["fused_norm_error"] = why
-                else:
-                    timed += [("fused_norm", fused), ("norm_then_block", norm_then_block)]
-            for name, fn in timed:
+            for name, fn in (("block", block), ("composed", composed)):
                 row[f"{name}_us"] = graph_us(fn, calls=2, replays=10, repeats=5, stat="median") / len(sets)
             if configs:
                 row["configs"] = _sweep(configs, block, lambda: moe_block(
@@ -123,20 +93,13 @@ def main(argv=None) -> int:
                     res, len(sets), args.timeline, args.replays)
             if args.timeline:
                 row["timeline"] = _timeline(block, args.replays)
-                if "fused_norm_us" in row:
-                    row["timeline_fused_norm"] = _timeline(fused, args.replays)
             rows.append(row)
             print(f"{model:>12} M={m}: block {row['block_us']:6.1f} us, four launches {row['composed_us']:6.1f} us, "
                   f"floor {floor:5.1f} us ({experts} experts): {floor / row['block_us']:4.0%} / "
                   f"{floor / row['composed_us']:4.0%} of it", flush=True)
-            if "fused_norm_us" in row:
-                print(f"{'':>12}       norm folded in {row['fused_norm_us']:6.1f} us, norm kernel + block "
-                      f"{row['norm_then_block_us']:6.1f} us: {row['norm_then_block_us'] - row['fused_norm_us']:+5.1f} "
-                      "us saved", flush=True)
-            for key in ("timeline", "timeline_fused_norm"):
-                if key in row:
-                    print("    " + ", ".join(f"{k} {v[0]:.2f} / {v[1]:.2f}" for k, v in row[key].items()),
-                          flush=True)
+            if args.timeline:
+                print("    " + ", ".join(f"{k} {v[0]:.2f} / {v[1]:.2f}" for k, v in row["timeline"].items()),
+                      flush=True)
             for c in row.get("configs", ()):
                 if "error" in c:
                     continue
@@ -159,23 +122,6 @@ def _parse_config(text: str) -> tuple[int, int, tuple[int, int, int]]:
     except ValueError:
         raise ValueError(f"--configs: expected BNxBK:SK.SD.W (e.g. 16x256:6.3.4), got {text!r}") from None
     return bn, bk, (sk, sd, w)
-
-
-def _check_fused(x, r, s, rk, moe_block, rmsnorm) -> str | None:
-    """Why the fused norm's result is wrong against the norm kernel then the block (None when right): the new
-    residual bit for bit, the same routing, outputs within 4 bf16 rounding steps of the pair's largest (the
-    statistic's summation order may flip a rounding of the normed input)."""
-    hn, res_ref = rmsnorm(x, s["norm"], 1e-6, residual=r, impl="triton")
-    want = moe_block(hn, s["router"], s["w13"], s["w2"], correction_bias=s["bias"], **rk)
-    got = moe_block(x, s["router"], s["w13"], s["w2"], correction_bias=s["bias"], residual=r, norm_weight=s["norm"],
-                    eps=1e-6, **rk)
-    if not torch.equal(got.residual, res_ref):
-        return "new residual differs from the norm kernel's"
-    if not torch.equal(got.topk_ids, want.topk_ids):
-        return "routing differs from the unfused pair's"
-    diff = float((got.out.float() - want.out.float()).abs().max())
-    tol = 4 * 2.0 ** -8 * float(want.out.float().abs().max())
-    return None if diff <= tol else f"max |diff| {diff} above {tol}"
 
 
 def _sweep(configs, block, once, res, n_sets: int, timeline: bool, replays: int) -> list[dict]:
@@ -215,7 +161,7 @@ def _sweep(configs, block, once, res, n_sets: int, timeline: bool, replays: int)
     return out
 
 
-_POINTS = ("wait", "phase1", "barrier1", "routing", "phase2", "prefetch", "barrier2", "phase3", "norm")
+_POINTS = ("wait", "phase1", "barrier1", "routing", "phase2", "prefetch", "barrier2", "phase3")
 
 
 def _timeline(block, replays: int) -> dict:
@@ -237,15 +183,14 @@ def _timeline(block, replays: int) -> dict:
             buf.zero_()
             graph.replay()
             torch.cuda.synchronize()
-            ts = buf.view(-1, 16)[:, :10].double()
+            ts = buf.view(-1, 16)[:, :9].double()
             ts = ts[ts[:, 0] > 0]  # the launch's programs
             rel = (ts - ts[:, 0].min()) / 1e3
             per.append(torch.stack([rel[:, 1:].median(dim=0).values, rel[:, 1:].max(dim=0).values]))
     finally:
         moe_layer._TIMELINE = None
     med = torch.stack(per[3:]).median(dim=0).values
-    # point 9 ("norm") is stamped only with the norm folded in: 0 from the zeroed buffer otherwise, left out
-    return {name: (float(med[0, i]), float(med[1, i])) for i, name in enumerate(_POINTS) if med[1, i] >= 0}
+    return {name: (float(med[0, i]), float(med[1, i])) for i, name in enumerate(_POINTS)}
 
 
 if __name__ == "__main__":

@@ -369,25 +369,12 @@ def scen_block(quick: bool, target: str):
                          correction_bias=_cuda(e, dtype=torch.float32), n_group=n_group, topk_group=topk_group,
                          routed_scaling_factor=2.5)
         yield f"moe_block {model} M{m}", run
-    norm_shapes = [("kimi-k2", 384, 1, 1, 1)] if quick else [
-        ("kimi-k2", 384, 1, 1, 1), ("kimi-k2", 384, 1, 1, 2), ("deepseek-v3", 256, 8, 4, 2)]
-    for model, e, n_group, topk_group, m in norm_shapes:  # the residual add + RMSNorm folded into the block
-        def run_norm(e=e, n_group=n_group, topk_group=topk_group, m=m):
-            h = 7168
-            mb.moe_block(_cuda(m, h), _cuda(e, h), _cuda(e + 1, 512, h), _cuda(e + 1, h, 256), top_k=8,
-                         correction_bias=_cuda(e, dtype=torch.float32), n_group=n_group, topk_group=topk_group,
-                         routed_scaling_factor=2.5, residual=_cuda(m, h), norm_weight=_cuda(h), eps=1e-6)
-        yield f"moe_block {model} M{m} norm", run_norm
 
     def run_timeline():  # the phase stamps of bench_moe_block.py --timeline (a kernel compiled apart)
         mb._TIMELINE = _cuda(16 * 2 * 188, dtype=torch.int64)
         try:
             mb.moe_block(_cuda(1, 7168), _cuda(384, 7168), _cuda(385, 512, 7168), _cuda(385, 7168, 256), top_k=8,
                          correction_bias=_cuda(384, dtype=torch.float32), routed_scaling_factor=2.5)
-            if not quick:  # and with the norm folded in (bench_moe_block.py --fused-norm --timeline)
-                mb.moe_block(_cuda(1, 7168), _cuda(384, 7168), _cuda(385, 512, 7168), _cuda(385, 7168, 256), top_k=8,
-                             correction_bias=_cuda(384, dtype=torch.float32), routed_scaling_factor=2.5,
-                             residual=_cuda(1, 7168), norm_weight=_cuda(7168), eps=1e-6)
         finally:
             mb._TIMELINE = None
     yield "moe_block kimi-k2 M1 timeline", run_timeline

@@ -13,19 +13,6 @@ Math, for token rows ``m < MT`` of the normalised hidden state ``x`` [MT, H] (fp
 with ``w13`` [E + 1, 2I, H] (gate rows then up rows; expert E the shared one) and ``w2`` [E + 1, H, I]: the
 stacked layout of the verify forward (``w13_all`` / ``w2_all``).
 
-``NORM`` (the residual add and RMSNorm before the block folded in; ``x`` is then the sublayer's un-normed output,
-``r`` the residual, ``g`` the norm weight, rnd the rounding to x's dtype; the roundings of ``_rmsnorm_kernel``)::
-
-    s[m]   = rnd(x[m] + r[m])                                                (the new residual, written to RES_OUT)
-    inv[m] = rsqrt(sum_k float(s[m, k])^2 / H + eps)                         (fp32)
-    h[m]   = rnd(float(s[m]) * inv[m] * g)                                   (the block's input above, never stored)
-
-Every program, after its PDL wait, reads the full rows of x and r and computes inv itself (``_norm_rows``: no
-barrier, 2 * MT * H elements a program, L2 hits); wherever the kernel reads its input (``_tile_dot``, phases 1 and
-2) it loads the chunk's x, r and g and forms h on the fly. RES_OUT's chunk c of the statistic's loop is written by
-program NPROG - 1 - c % NPROG alone (the last programs, which have the fewest phase-1 items): each element once,
-nothing reads it back. Without NORM the kernel is the same code as before the option existed.
-
 Why one launch: at one or two tokens each of the four kernels this replaces (router GEMV, routing, gate/up, down)
 costs its bytes plus a fixed few microseconds of ramp, tail and dependent round trips, and the edges between them
 cost ~0.8 µs each (``bench/bench_chain_latency.py``); inside one persistent grid a step costs its bytes plus a
@@ -53,22 +40,18 @@ shared memory). Each phase hands its work items out round-robin (item ``i`` to p
 A grid barrier: every thread's stores, a CTA barrier, one release add on ``BAR[0]``, spin (acquire) until it
 reaches ``NPROG`` times the barrier's number; the last program past barrier 2 (``BAR[1]``, a ticket) resets both
 counters, so the launch is CUDA-graph replayable. ``PHASE`` 1 / 2 / 3 runs one phase alone (no barriers): the CPU
-interpreter, which runs programs one after another and would spin forever, launches the three in turn. With
-``NORM`` the phase-1 and phase-2 launches each compute the statistic; the phase-1 one writes RES_OUT.
+interpreter, which runs programs one after another and would spin forever, launches the three in turn.
 
 The kernel lets its dependents launch only after barrier 2: a dependent grid resident before all of this grid is
 would hold SM slots this grid's barrier waits for; past barrier 2 every program is resident. With ``PDL`` it waits
-(``gdc_wait``) for its predecessor before it reads x (or r) or writes anything; the constant weights it sends to
-L2 before (the first phase-1 slice, with NORM the norm weight too).
+(``gdc_wait``) for its predecessor before it reads x or writes anything.
 
 Tensors: x [MT, H] bf16/fp16 (unit column stride); router [E, H]; bias [E] fp32; w13 [E + 1, 2I, H]; w2
 [E + 1, H, I] (unit column strides); logits [MT, E] fp32 (out); ids [MT, TOP_K + 1] int32 (out); tw [MT, TOP_K + 1]
 fp32 (out); act [MT * (TOP_K + 1), I] (x's dtype, scratch); part fp32 scratch; ticket int32 (zero between
 launches); bar int32 [2] (zero between launches); out [MT, H]; ts int64 [NPROG, 16] (``TIMING`` only: each
 program's global-timer stamps at the start, after the PDL wait, after its phase-1 items, barrier 1, the routing,
-its phase-2 items, the down prefetch, barrier 2 and its phase-3 items: points 0-8; with NORM point 9, after the
-statistic). ``NORM`` only: res (r) [MT, H] x's dtype (unit column stride); g [H] x's dtype; res_out [MT, H] x's
-dtype, contiguous (out; must not alias x or r).
+its phase-2 items, the down prefetch, barrier 2 and its phase-3 items: points 0-8).
 """
 from __future__ import annotations
 
@@ -81,24 +64,10 @@ from specverify.kernels.moe_route import _route_rows
 
 
 @triton.jit
-def _rnd(v, dtype: tl.constexpr, INTERP: tl.constexpr):
-    """fp32 ``v`` rounded to nearest-even in ``dtype`` (bf16 / fp16). The CPU interpreter's fp32 -> bf16 cast
-    truncates, so there bf16 is rounded on the bits (as torch rounds: + 0x7FFF + the kept part's last bit)."""
-    if INTERP and dtype == tl.bfloat16:
-        u = v.to(tl.uint32, bitcast=True)
-        b = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).to(tl.uint16)
-        return b.to(tl.bfloat16, bitcast=True)
-    else:
-        return v.to(dtype)
-
-
-@triton.jit
-def _tile_dot(w_base, rows, rmask, stride_wn, x_ptr, stride_xm, r_ptr, stride_rm, g_ptr, inv, k_lo, k_hi,
-              H: tl.constexpr, MT: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, DOT_FP32: tl.constexpr,
-              NORM: tl.constexpr):
-    """acc [len(rows), 16]: column m = sum over k in [k_lo, k_hi) of W[rows, k] * h[m, k] (columns >= MT zero);
-    the loop's loads pipelined STAGES deep. h = x, or with NORM the normed x + r formed chunk by chunk:
-    h = rnd(float(rnd(x + r)) * inv[m] * g) (``inv`` [16] from ``_norm_rows``, rnd: to x's dtype)."""
+def _tile_dot(w_base, rows, rmask, stride_wn, x_ptr, stride_xm, k_lo, k_hi, H: tl.constexpr, MT: tl.constexpr,
+              BK: tl.constexpr, STAGES: tl.constexpr, DOT_FP32: tl.constexpr):
+    """acc [len(rows), 16]: column m = sum over k in [k_lo, k_hi) of W[rows, k] * x[m, k] (columns >= MT zero);
+    the loop's loads pipelined STAGES deep."""
     cols = tl.arange(0, 16)
     acc = tl.zeros((rows.shape[0], 16), dtype=tl.float32)
     for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
@@ -106,50 +75,13 @@ def _tile_dot(w_base, rows, rmask, stride_wn, x_ptr, stride_xm, r_ptr, stride_rm
         kmask = kc < H
         w = tl.load(w_base + rows.to(tl.int64)[:, None] * stride_wn + kc[None, :],
                     mask=rmask[:, None] & kmask[None, :], other=0.0)
-        if NORM:  # _rmsnorm_kernel's roundings: s in x's dtype, (s * inv) * g in fp32, h in x's dtype; formed a
-            # row at a time on [BK] vectors (few values a thread), then placed in the dot's [BK, 16] operand
-            g = tl.load(g_ptr + kc, mask=kmask, other=0.0).to(tl.float32)
-            xt = tl.zeros((BK, 16), dtype=x_ptr.dtype.element_ty)
-            for m in tl.static_range(MT):
-                xm = tl.load(x_ptr + m * stride_xm + kc, mask=kmask, other=0.0)
-                rm = tl.load(r_ptr + m * stride_rm + kc, mask=kmask, other=0.0)
-                sm = _rnd(xm.to(tl.float32) + rm.to(tl.float32), xm.dtype, DOT_FP32)
-                inv_m = tl.sum(tl.where(cols == m, inv, 0.0), axis=0)
-                hm = _rnd(sm.to(tl.float32) * inv_m * g, xm.dtype, DOT_FP32)
-                xt = tl.where(cols[None, :] == m, hm[:, None], xt)
-        else:
-            xt = tl.load(x_ptr + cols[None, :] * stride_xm + kc[:, None], mask=(cols < MT)[None, :] & kmask[:, None],
-                         other=0.0)
+        xt = tl.load(x_ptr + cols[None, :] * stride_xm + kc[:, None], mask=(cols < MT)[None, :] & kmask[:, None],
+                     other=0.0)
         if DOT_FP32:  # the CPU interpreter (its bf16 dot is not exact)
             acc += tl.dot(w.to(tl.float32), xt.to(tl.float32))
         else:
             acc += tl.dot(w, xt)
     return acc
-
-
-@triton.jit
-def _norm_rows(x_ptr, stride_xm, r_ptr, stride_rm, res_ptr, eps, pid, H: tl.constexpr, MT: tl.constexpr,
-               ROWS: tl.constexpr, NB: tl.constexpr, NPROG: tl.constexpr, WRITE: tl.constexpr, INTERP: tl.constexpr):
-    """inv [16]: column m < MT = rsqrt(sum_k float(s[m, k])^2 / H + eps), s = rnd(x + r) in x's dtype (the
-    statistic of ``_rmsnorm_kernel``), over the full rows in [ROWS, NB] chunks (unrolled: their loads in flight at
-    once). With WRITE, s is stored to res [MT, H] (contiguous): chunk c by program NPROG - 1 - c % NPROG (the last
-    programs, which have the fewest phase-1 items), so each element is written once."""
-    rows = tl.arange(0, ROWS)
-    rmask = rows < MT
-    acc = tl.zeros((ROWS, NB), dtype=tl.float32)
-    for c in tl.static_range((H + NB - 1) // NB):
-        kc = c * NB + tl.arange(0, NB)
-        msk = rmask[:, None] & (kc < H)[None, :]
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + kc[None, :], mask=msk, other=0.0)
-        r = tl.load(r_ptr + rows[:, None] * stride_rm + kc[None, :], mask=msk, other=0.0)
-        s = _rnd(x.to(tl.float32) + r.to(tl.float32), x.dtype, INTERP)
-        if WRITE:
-            if pid == NPROG - 1 - c % NPROG:
-                tl.store(res_ptr + rows[:, None] * H + kc[None, :], s, mask=msk)
-        sf = s.to(tl.float32)
-        acc += sf * sf
-    inv = tl.rsqrt(tl.sum(acc, axis=1) / H + eps)  # [ROWS]
-    return tl.sum(tl.where(rows[:, None] == tl.arange(0, 16)[None, :], inv[:, None], 0.0), axis=0)
 
 
 @triton.jit
@@ -235,7 +167,7 @@ def _stamp(ts_ptr, pid, i: tl.constexpr, TIMING: tl.constexpr):
 @triton.jit
 def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, ids_ptr, tw_ptr, act_ptr, part_ptr,
                       ticket_ptr, bar_ptr, out_ptr, ts_ptr, stride_xm, stride_om, stride_w13e, stride_w13n, stride_w2e,
-                      stride_w2n, scale, res_ptr, g_ptr, res_out_ptr, stride_rm, eps,
+                      stride_w2n, scale,
                       MT: tl.constexpr, H: tl.constexpr, I: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
                       TOP_K: tl.constexpr, TOPK_P: tl.constexpr, ROWS: tl.constexpr, N_GROUP: tl.constexpr,
                       NG_P: tl.constexpr, GSIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, SOFTMAX: tl.constexpr,
@@ -244,7 +176,7 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
                       SPLIT2: tl.constexpr, SPLIT2_PAD: tl.constexpr, RH: tl.constexpr, BH: tl.constexpr,
                       BI: tl.constexpr, SPP: tl.constexpr, STAGES_K: tl.constexpr, STAGES_D: tl.constexpr,
                       PF_SLOTS: tl.constexpr, PF_BI: tl.constexpr, PREFETCH: tl.constexpr, NPROG: tl.constexpr,
-                      PHASE: tl.constexpr, NORM: tl.constexpr, NORM_NB: tl.constexpr,
+                      PHASE: tl.constexpr,
                       DOT_FP32: tl.constexpr, PDL: tl.constexpr, TIMING: tl.constexpr):
     pid = tl.program_id(0)
     _stamp(ts_ptr, pid, 0, TIMING)
@@ -264,17 +196,9 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
             w_base, rows, rmask, stride_wn, k_lo, k_hi = _phase1_item(pid, router_ptr, w13_ptr, stride_w13e,
                                                                       stride_w13n, H, I, E, BN, BK, NR, SPLIT1)
             _prefetch_rows(w_base, rows, rmask, stride_wn, k_lo, k_hi, H, BK)
-        if NORM:  # and the norm weight, one 128-byte line a program
-            for l0 in range(pid * 64, H, NPROG * 64):
-                _prefetch_l2(g_ptr + l0 + tl.arange(0, 1))
     if PDL:  # x comes from the previous kernel; nothing is read or written before this
         gdc_wait()
     _stamp(ts_ptr, pid, 1, TIMING)
-    inv = tl.zeros((16,), dtype=tl.float32)
-    if NORM & (PHASE != 3):  # every program: each row's inverse RMS of x + r (no barrier); s stored once
-        inv = _norm_rows(x_ptr, stride_xm, res_ptr, stride_rm, res_out_ptr, eps, pid, H, MT, ROWS, NORM_NB, NPROG,
-                         (PHASE == 0) | (PHASE == 1), DOT_FP32)
-        _stamp(ts_ptr, pid, 9, TIMING)
 
     # ---- phase 1: router logits and the shared expert's gate/up ------------------------------------------------
     if (PHASE == 0) | (PHASE == 1):
@@ -284,8 +208,8 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
             # one K loop for both kinds of tile (each loop's pipeline buffers take shared memory of their own)
             w_base, rows, rmask, stride_wn, k_lo, k_hi = _phase1_item(item, router_ptr, w13_ptr, stride_w13e,
                                                                       stride_w13n, H, I, E, BN, BK, NR, SPLIT1)
-            acc = _tile_dot(w_base, rows, rmask, stride_wn, x_ptr, stride_xm, res_ptr, stride_rm, g_ptr, inv, k_lo,
-                            k_hi, H, MT, BK, STAGES_K, DOT_FP32, NORM)
+            acc = _tile_dot(w_base, rows, rmask, stride_wn, x_ptr, stride_xm, k_lo, k_hi, H, MT, BK, STAGES_K,
+                            DOT_FP32)
             tl.store(part_ptr + ((tile * SPLIT1 + sp) * MT + cols[None, :]) * W + j2[:, None], acc,
                      mask=(cols < MT)[None, :])
             tl.debug_barrier()  # this item's partial precedes its ticket
@@ -325,8 +249,8 @@ def _moe_block_kernel(x_ptr, router_ptr, bias_ptr, w13_ptr, w2_ptr, logits_ptr, 
             rows, rmask = _gate_up_rows(t, I, BN)
             k_lo = sp * NCH // SPLIT2 * BK
             k_hi = (sp + 1) * NCH // SPLIT2 * BK
-            acc = _tile_dot(w13_ptr + e.to(tl.int64) * stride_w13e, rows, rmask, stride_w13n, x_ptr, stride_xm,
-                            res_ptr, stride_rm, g_ptr, inv, k_lo, k_hi, H, MT, BK, STAGES_K, DOT_FP32, NORM)
+            acc = _tile_dot(w13_ptr + e.to(tl.int64) * stride_w13e, rows, rmask, stride_w13n, x_ptr, stride_xm, k_lo,
+                            k_hi, H, MT, BK, STAGES_K, DOT_FP32)
             col = tl.sum(tl.where(cols[None, :] == m, acc, 0.0), axis=1)  # [W]: this slot's token
             ri = t * BN + tl.arange(0, BN)
             a_row = act_ptr + (m * OUT_K + kk) * I + ri

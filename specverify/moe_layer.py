@@ -6,8 +6,6 @@ one more slot of weight 1, :func:`specverify.reference.moe.fused_moe_reference` 
 from __future__ import annotations
 
 import functools
-import math
-import numbers
 from typing import NamedTuple
 
 import torch
@@ -36,9 +34,6 @@ _TILES = {1: (16, 256)}
 _CANDIDATES = ((6, 3, 4), (4, 3, 4), (3, 3, 4), (3, 2, 4), (4, 3, 8), (3, 2, 8), (2, 2, 8))
 #: slots whose first down tile goes to L2 before barrier 2 (every slot's: 0.07 / 0.33 ms slower at k = 1 / 2, H200)
 _PF_SLOTS = 3
-#: with the input norm folded in: elements of x (and of the residual) a chunk of each program's statistic loop loads
-#: (``_norm_rows``: [rows, _NORM_ELEMS // rows] a chunk, the chunks unrolled; 32 of each a thread at 4 warps)
-_NORM_ELEMS = 4096
 _WS: dict = {}
 _CHOSEN: dict = {}
 #: ``bench/bench_moe_block.py --timeline`` sets this to an int64 CUDA tensor of at least 16 * (2 * SMs) elements;
@@ -49,14 +44,12 @@ _TIMELINE: torch.Tensor | None = None
 
 class MoEBlockResult(NamedTuple):
     """out [M, H] (hidden's dtype); topk_ids int32 [M, top_k + 1] and topk_weights fp32 [M, top_k + 1] (last column:
-    the shared expert, id E, weight 1); router_logits fp32 [M, E]; residual [M, H] (hidden's dtype): the new
-    residual ``hidden + residual`` when the input norm is folded in, else None."""
+    the shared expert, id E, weight 1); router_logits fp32 [M, E]."""
 
     out: torch.Tensor
     topk_ids: torch.Tensor
     topk_weights: torch.Tensor
     router_logits: torch.Tensor
-    residual: torch.Tensor | None = None
 
 
 def _plan(m: int, h: int, inter: int, e: int, top_k: int, nprog: int) -> dict:
@@ -97,29 +90,20 @@ def _plan_consts(key, nprog: int, cand: tuple[int, int, int]) -> dict:
 
 def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor, w2_all: torch.Tensor, *, top_k: int,
               scoring: str = "sigmoid", correction_bias: torch.Tensor | None = None, n_group: int = 1,
-              topk_group: int = 1, renormalize: bool = True, routed_scaling_factor: float = 1.0,
-              residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-              eps: float | None = None) -> MoEBlockResult:
-    """The MoE block of a verify layer (router, routing, routed + shared SwiGLU experts) in one persistent launch,
-    optionally with the residual add and RMSNorm before it folded in.
+              topk_group: int = 1, renormalize: bool = True, routed_scaling_factor: float = 1.0) -> MoEBlockResult:
+    """The MoE block of a verify layer (router, routing, routed + shared SwiGLU experts) in one persistent launch.
 
-    Math: the block's input ``h`` is ``hidden``, or, with ``residual`` / ``norm_weight`` / ``eps``, the add +
-    RMSNorm of :func:`specverify.fused_ops.rmsnorm` with a residual (the same roundings):
-    ``s = hidden + residual`` rounded to hidden's dtype, ``h = s * rsqrt(mean(s^2) + eps) * norm_weight`` in fp32
-    from the rounded ``s``, rounded to hidden's dtype (never stored; ``s`` is returned as the new residual).
-    ``logits = h @ router^T`` (fp32); ids / weights by the routing of :func:`specverify.moe.moe_route`
+    Math: ``logits = hidden @ router^T`` (fp32); ids / weights by the routing of :func:`specverify.moe.moe_route`
     (same semantics and tie rules; here on fp32 logits) with the shared expert as slot ``top_k`` (id E, weight 1);
     ``out[m] = sum_j w[m, j] * w2[e] @ (silu(gate[e] @ h) * (up[e] @ h))`` with the SwiGLU output rounded to
     hidden's dtype, summed in a fixed order (deterministic). Source: DeepSeek-V3's MoE layer (routed + shared
-    experts, auxiliary-loss-free routing); one persistent grid with grid barriers instead of four launches (five
-    with the norm).
+    experts, auxiliary-loss-free routing); one persistent grid with grid barriers instead of four launches.
 
     Parameters
     ----------
     hidden : torch.Tensor
         (M, H), bfloat16 or float16, unit column stride; 1 <= M <= 16 (the verify forward uses it up to
-        :data:`MOE_BLOCK_MAX_M`). The block's input, or with ``residual`` the sublayer output before the add +
-        RMSNorm.
+        :data:`MOE_BLOCK_MAX_M`).
     router : torch.Tensor
         (E, H), hidden's dtype, contiguous.
     w13_all, w2_all : torch.Tensor
@@ -127,37 +111,26 @@ def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor,
         expert E the shared one (the verify forward's ``w13_all`` / ``w2_all``).
     top_k, scoring, correction_bias, n_group, topk_group, renormalize, routed_scaling_factor
         As :func:`specverify.moe.moe_route` (``correction_bias`` fp32-convertible, shape (E,)).
-    residual : torch.Tensor, optional
-        (M, H), hidden's dtype and device, unit column stride: the residual stream before this sublayer. Read only.
-    norm_weight : torch.Tensor, optional
-        (H,), hidden's dtype and device, unit stride: the RMSNorm weight (the layer's post-attention norm).
-    eps : float, optional
-        RMSNorm's epsilon, a positive finite Python number. ``residual``, ``norm_weight`` and ``eps`` come together
-        or not at all.
 
     Returns
     -------
     MoEBlockResult
         ``out`` (M, H) in hidden's dtype, ``topk_ids`` int32 (M, top_k + 1), ``topk_weights`` fp32 (M, top_k + 1),
-        ``router_logits`` fp32 (M, E), ``residual``: with the norm folded in the new residual ``hidden + residual``
-        (M, H) in hidden's dtype (bit for bit torch's sum), else None. New tensors each call; ``hidden`` and
-        ``residual`` are not written.
+        ``router_logits`` fp32 (M, E). New tensors each call.
 
     Raises
     ------
     TypeError
-        Non-tensor operands; hidden not bf16 / fp16, or weights (or residual / norm_weight) of another dtype; eps
-        not a Python number; the routing arguments' types as :func:`specverify.moe.moe_route` raises them (``top_k``
-        not an int, a non-float bias, ``renormalize`` not a bool, ``routed_scaling_factor`` not a Python number).
+        Non-tensor operands; hidden not bf16 / fp16, or weights of another dtype; the routing arguments' types as
+        :func:`specverify.moe.moe_route` raises them (``top_k`` not an int, a non-float bias, ``renormalize`` not a
+        bool, ``routed_scaling_factor`` not a Python number).
     ValueError
         Shapes that disagree (the shared expert must be expert E of the stacked weights), M outside 1..16, H or I
         below 16, a non-unit last stride of hidden / w13_all / w2_all or a non-contiguous router, tensors on
         different devices, CPU tensors without ``TRITON_INTERPRET=1``, top_k above 64, and the routing values
         :func:`specverify.moe.moe_route` rejects (top_k outside 1..E, n_group not dividing E or above 64,
         topk_group outside 1..n_group, top_k above the kept groups' experts, unknown scoring, a bias of the wrong
-        shape or device); residual / norm_weight / eps not all given or all None, a residual not of hidden's shape,
-        a norm_weight not of shape (H,), either on another device or without a unit last stride, eps not positive
-        and finite.
+        shape or device).
     RuntimeError
         A call that must grow the per-device workspace (the first one, or a larger shape) during CUDA-graph
         capture; no launch config lets the grid be resident (never on the H200 or sm_120 at the pass's shapes).
@@ -172,24 +145,6 @@ def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor,
     work that holds SMs for its whole duration, nor under MPS or green contexts that give this process fewer SMs
     than the device has (the barrier would wait forever). CUDA (sm_80+; PDL wait on sm_90+) or the Triton
     interpreter (which runs the three phases as three launches).
-
-    With the norm folded in, every program reads the full rows of hidden and residual after its PDL wait and
-    computes each row's statistic itself (no extra barrier), then forms ``h`` chunk by chunk wherever the kernel
-    reads it; the new residual is written once per element, by the grid's last programs. Graph safety is the same.
-
-    Examples
-    --------
-    On a GPU, or on a CPU with ``TRITON_INTERPRET=1`` set before specverify is imported:
-
-    >>> import torch
-    >>> from specverify.moe_layer import moe_block
-    >>> g = torch.Generator().manual_seed(0)
-    >>> x, r = (torch.randn(1, 64, generator=g).bfloat16() for _ in range(2))
-    >>> w13, w2 = torch.randn(5, 32, 64, generator=g).bfloat16(), torch.randn(5, 64, 16, generator=g).bfloat16()
-    >>> res = moe_block(x, torch.randn(4, 64, generator=g).bfloat16(), w13, w2, top_k=2, residual=r,
-    ...                 norm_weight=torch.ones(64, dtype=torch.bfloat16), eps=1e-6)  # doctest: +SKIP
-    >>> torch.equal(res.residual, x + r), res.topk_ids.shape  # doctest: +SKIP
-    (True, torch.Size([1, 3]))
     """
     from specverify.kernels.moe_block import _moe_block_kernel
 
@@ -235,7 +190,6 @@ def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor,
                          "router.contiguous() once (the weight is constant)")
     if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k > 64:
         raise ValueError(f"{op}: top_k must be at most 64, got {top_k}")
-    norm = _check_norm_args(op, hidden, residual, norm_weight, eps)
     logits = torch.empty((m, e), dtype=torch.float32, device=dev)
     # the routing arguments as moe_route takes them (same checks and messages), against the logits buffer
     _check_route_args(logits, top_k, scoring, correction_bias, n_group, topk_group, renormalize,
@@ -246,7 +200,6 @@ def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor,
     tw = torch.empty((m, top_k + 1), dtype=torch.float32, device=dev)
     act = torch.empty((m * (top_k + 1), inter), dtype=hidden.dtype, device=dev)
     out = torch.empty((m, h), dtype=hidden.dtype, device=dev)
-    res_out = torch.empty((m, h), dtype=hidden.dtype, device=dev) if norm else None
     interp = dev.type != "cuda" or envvars.triton_interpret()
     pdl = pdl_launch(dev)
     # the launch choice depends on the compiled kernel: key it on everything that selects one (the tiles and
@@ -255,14 +208,12 @@ def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor,
     timing = _TIMELINE is not None and not interp
     sms = sm_count(dev.type, dev.index)
     key = (m, h, inter, e, top_k, hidden.dtype, scoring, n_group, topk_group, correction_bias is not None,
-           bool(renormalize), pdl, timing, _TILES.get(m, (_BN, _BK)), _CANDIDATES, sms, norm and _NORM_ELEMS)
+           bool(renormalize), pdl, timing, _TILES.get(m, (_BN, _BK)), _CANDIDATES, sms)
     ep = max(_next_pow2(e), 16)
     consts = dict(MT=m, H=h, I=inter, E=e, EP=ep, TOP_K=top_k, TOPK_P=max(2, _next_pow2(top_k)),
                   ROWS=_next_pow2(m), N_GROUP=n_group, NG_P=max(2, _next_pow2(n_group)), GSIZE=e // n_group,
                   TOPK_GROUP=topk_group, SOFTMAX=scoring == "softmax", HAS_BIAS=correction_bias is not None,
-                  RENORM=renormalize, DOT_FP32=interp, PREFETCH=not interp, TIMING=timing, NORM=norm,
-                  NORM_NB=max(16, min(_next_pow2(h), _NORM_ELEMS // _next_pow2(m))) if norm else 0,
-                  **pdl_kwargs(dev))
+                  RENORM=renormalize, DOT_FP32=interp, PREFETCH=not interp, TIMING=timing, **pdl_kwargs(dev))
     # the workspace covers either grid size's plan (sized before the kernel is compiled) at every token count up to
     # the forward's, so a graph captured later at another count needs no allocation
     plans = [_plan(mm, h, inter, e, top_k, sms * p) for p in (1, 2) for mm in range(1, max(m, MOE_BLOCK_MAX_M) + 1)]
@@ -273,8 +224,7 @@ def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor,
     args = (hidden, router, bias, w13_all, w2_all, logits, ids, tw, act, part, ticket, bar, out,
             _TIMELINE if timing else bar, hidden.stride(0),
             out.stride(0), w13_all.stride(0), w13_all.stride(1), w2_all.stride(0), w2_all.stride(1),
-            float(routed_scaling_factor), residual if norm else hidden, norm_weight if norm else hidden,
-            res_out if norm else hidden, residual.stride(0) if norm else hidden.stride(0), float(eps) if norm else 0.0)
+            float(routed_scaling_factor))
     cfg = dict(consts, **persistent_grid(_moe_block_kernel, args, dict(consts, PHASE=0), dev, sms, key, _CANDIDATES,
                                          functools.partial(_plan_consts, key), _CHOSEN, op))
     nprog = cfg["NPROG"]
@@ -286,38 +236,4 @@ def moe_block(hidden: torch.Tensor, router: torch.Tensor, w13_all: torch.Tensor,
             _moe_block_kernel[(nprog,)](*args, PHASE=phase, **cfg)
     else:
         _moe_block_kernel[(nprog,)](*args, PHASE=0, **cfg)
-    return MoEBlockResult(out, ids, tw, logits, res_out)
-
-
-def _check_norm_args(op: str, hidden: torch.Tensor, residual, norm_weight, eps) -> bool:
-    """Whether the input add + RMSNorm is folded in (all three given); raises on a partial or bad set."""
-    given = {"residual": residual is not None, "norm_weight": norm_weight is not None, "eps": eps is not None}
-    if not any(given.values()):
-        return False
-    if not all(given.values()):
-        have = [n for n, g in given.items() if g]
-        miss = [n for n, g in given.items() if not g]
-        raise ValueError(f"{op}: residual, norm_weight and eps fold the input add + RMSNorm in together; got "
-                         f"{', '.join(have)} without {', '.join(miss)}; pass all three, or none for a normed hidden")
-    m, h = hidden.shape
-    for name, t in (("residual", residual), ("norm_weight", norm_weight)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype != hidden.dtype:
-            raise TypeError(f"{op}: {name} must have hidden's dtype {hidden.dtype}, got {t.dtype}; cast it with "
-                            f".to({hidden.dtype})")
-        if t.device != hidden.device:
-            raise ValueError(f"{op}: {name} is on {t.device}, hidden on {hidden.device}; move them to one device")
-    if tuple(residual.shape) != (m, h):
-        raise ValueError(f"{op}: residual must have hidden's shape [{m}, {h}], got {list(residual.shape)}")
-    if tuple(norm_weight.shape) != (h,):
-        raise ValueError(f"{op}: norm_weight must have shape [H] = [{h}], got {list(norm_weight.shape)}")
-    for name, t in (("residual", residual), ("norm_weight", norm_weight)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{op}: {name} needs a unit stride in its last dimension, got strides "
-                             f"{tuple(t.stride())}; pass {name}.contiguous()")
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
-        raise TypeError(f"{op}: eps must be a positive Python float, got {type(eps).__name__}; pass float(eps)")
-    if not (math.isfinite(eps) and eps > 0):
-        raise ValueError(f"{op}: eps must be a positive finite float, got {eps}; RMSNorm's epsilon is e.g. 1e-6")
-    return True
+    return MoEBlockResult(out, ids, tw, logits)

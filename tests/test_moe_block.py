@@ -8,10 +8,6 @@ The output's tolerance is derived: the kernel rounds each slot's SwiGLU output t
 torch.empty of the launcher is NaN / -7 poisoned and its workspace is rebuilt, so an unwritten output or partial
 cannot pass. CPU runs use the Triton interpreter (the three phases as three launches); the GPU tests run the
 persistent grid with its barriers at Kimi-K2 and DeepSeek-V3 rank shapes, twice in a row and in a CUDA graph.
-
-With the residual add + RMSNorm folded in, the definition is add_rmsnorm_reference, then the block on its normed
-output: the new residual bit for bit, the rest as above on the normed input, with the one place the kernel may
-differ from torch's norm added to the tolerance (``_h_slack``).
 """
 from __future__ import annotations
 
@@ -22,7 +18,6 @@ from test_moe import _poison_torch_empty
 
 import specverify.moe_layer as block_mod
 from specverify.moe_layer import moe_block
-from specverify.reference.fused_ops import add_rmsnorm_reference
 from specverify.reference.moe import fused_moe_reference, route_reference
 
 # (H, I, E, top_k, scoring, bias, n_group, topk_group, renormalize, scale); each row says why it is there
@@ -50,32 +45,7 @@ def _weights(case, m, seed, device, dtype=torch.bfloat16):
     return x, router, w13, w2, kw
 
 
-def _norm_inputs(m, h, seed, device, dtype=torch.bfloat16):
-    """(residual, norm_weight, eps) of the folded add + RMSNorm: a residual stream larger than the sublayer output
-    (as in a deep model), a weight near 1."""
-    g = torch.Generator().manual_seed(seed)
-    residual = (torch.randn(m, h, generator=g) * 4).to(dtype).to(device)
-    weight = (1 + 0.1 * torch.randn(h, generator=g)).to(dtype).to(device)
-    return residual, weight, 1e-6
-
-
-def _h_slack(x, residual, weight, eps):
-    """Per element, how far the kernel's normed input may be from add_rmsnorm_reference's: both round s = x + r the
-    same way (checked bit for bit), but each sums the fp32 statistic in its own order, with its own rsqrt, so the
-    pre-rounding value h = s * rsqrt(mean(s^2) + eps) * w may differ by a relative (H + 16) * 2^-24 (an fp32 sum of
-    H positive terms errs at most (H - 1) u in any order, halved by the rsqrt, for each side; rsqrt and the two
-    products a few u more). Where that interval holds a rounding boundary of the dtype the two may round apart: one
-    unit in the last place there, zero elsewhere."""
-    s = (x + residual).double()
-    exact = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
-    delta = (x.shape[-1] + 16) * 2.0 ** -24
-    lo, hi = (exact * (1 - delta)).to(x.dtype).double(), (exact * (1 + delta)).to(x.dtype).double()
-    return (hi - lo).abs()
-
-
-def check_block(res, x, router, w13, w2, kw, h_slack=None):
-    """``res`` against the definition on the block's input ``x``; ``h_slack`` (per element of x, optional): how far
-    the kernel's own input may be from ``x`` (the folded norm), added to the tolerances to first order."""
+def check_block(res, x, router, w13, w2, kw):
     m, h = x.shape
     e = router.shape[0]
     top_k = kw["top_k"]
@@ -86,8 +56,6 @@ def check_block(res, x, router, w13, w2, kw, h_slack=None):
     want = x.double() @ router.double().T
     mag = x.double().abs() @ router.double().abs().T
     tol = 4 * h * 2.0 ** -24 * mag + 1e-30
-    slack = torch.zeros(m, h, dtype=torch.float64, device=x.device) if h_slack is None else h_slack.double()
-    tol = tol + slack @ router.double().abs().T
     assert ((res.router_logits.double() - want).abs() <= tol).all(), "router logits"
     # routing of the kernel's logits by the definition: ids exact, weights to fp32 rounding
     ids, w = route_reference(res.router_logits, top_k, scoring=kw["scoring"], correction_bias=kw["correction_bias"],
@@ -106,14 +74,6 @@ def check_block(res, x, router, w13, w2, kw, h_slack=None):
     act = act * torch.einsum("mh,mkih->mki", x.double(), w13[ids_l].double()[..., w2.shape[2]:, :])
     spread = torch.einsum("mk,mki,mkhi->mh", res.topk_weights.double().abs(), act.abs(), w2[ids_l].double().abs())
     tol = 2 * (2.0 ** -8 * ref.abs() + 2.0 ** -8 * spread) + 1e-6
-    if h_slack is not None:  # the input's slack through gate / up (|silu'| <= 1.1) and down, doubled as above
-        inter = w2.shape[2]
-        gu = torch.einsum("mh,mkih->mki", x.double(), w13[ids_l].double())
-        dgu = torch.einsum("mh,mkih->mki", slack, w13[ids_l].double().abs())
-        g, u, dg, du = gu[..., :inter], gu[..., inter:], dgu[..., :inter], dgu[..., inter:]
-        dact = 1.1 * dg * (u.abs() + du) + torch.nn.functional.silu(g).abs() * du
-        tol = tol + 2 * torch.einsum("mk,mki,mkhi->mh", res.topk_weights.double().abs(), dact,
-                                     w2[ids_l].double().abs())
     bad = (got - ref).abs() > tol
     assert not bad.any(), f"{int(bad.sum())} outputs off; max error {(got - ref).abs().max():.3g}"
 
@@ -185,7 +145,6 @@ def test_moe_block_workspace_left_at_zero(device, fresh_workspace):
         x, router, w13, w2, kw = _weights("kimi", 2, seed=seed, device=device)
         res = moe_block(x, router, w13, w2, **kw)
         check_block(res, x, router, w13, w2, kw)
-        assert res.residual is None  # the norm not folded in
         (_, ticket, bar), = block_mod._WS.values()
         assert int(ticket.abs().sum()) == 0 and int(bar.abs().sum()) == 0
 
@@ -227,95 +186,6 @@ def test_moe_block_rejects_bad_input(bad, err, match, device):
         moe_block(x, router, w13, w2, **kw)
 
 
-def _check_fused(x, router, w13, w2, kw, residual, weight, eps):
-    """moe_block with the add + RMSNorm folded in against add_rmsnorm_reference then the definition; the inputs
-    left as they were, the new residual a tensor of its own, bit for bit x + residual."""
-    x0, r0 = x.clone(), residual.clone()
-    res = moe_block(x, router, w13, w2, residual=residual, norm_weight=weight, eps=eps, **kw)
-    assert torch.equal(x, x0) and torch.equal(residual, r0), "an input was written"
-    h, s = add_rmsnorm_reference(x, residual, weight, eps)
-    assert res.residual is not None and res.residual.dtype == x.dtype and res.residual.shape == x.shape
-    assert res.residual.data_ptr() not in (x.data_ptr(), residual.data_ptr())
-    assert torch.equal(res.residual, s), "the new residual is not x + residual bit for bit (or left unwritten)"
-    check_block(res, h, router, w13, w2, kw, h_slack=_h_slack(x, residual, weight, eps))
-    return res
-
-
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("m", [1, 2, 3])  # 3: the statistic's rows padded to 4
-def test_moe_block_fused_norm_matches_reference(case, m, device, fresh_workspace):
-    x, router, w13, w2, kw = _weights(case, m, seed=200 * m + len(case), device=device)
-    residual, weight, eps = _norm_inputs(m, x.shape[1], seed=300 * m + len(case), device=device)
-    _check_fused(x, router, w13, w2, kw, residual, weight, eps)
-    (_, ticket, bar), = block_mod._WS.values()
-    assert int(ticket.abs().sum()) == 0 and int(bar.abs().sum()) == 0
-
-
-@pytest.mark.parametrize("programs, elems", [(12, 256), (3, 128)])
-def test_moe_block_fused_norm_chunks_and_writers(programs, elems, device, monkeypatch, fresh_workspace):
-    """The statistic over several chunks of the row (H = 640 in chunks of 256 / 128 columns at one token, half that
-    at two; the last one partial at 256), the new residual's chunks written by programs counted from the grid's
-    end, and with 3 programs more chunks than programs (the writers wrap around); split K as in the plain test. A
-    strided residual (a row stride that is not H) too."""
-    monkeypatch.setitem(CASES, "wide", (640, 64, 48, 6, "sigmoid", True, 1, 1, True, 2.827))
-    monkeypatch.setattr(block_mod, "sm_count", lambda *a: programs)
-    monkeypatch.setattr(block_mod, "_NORM_ELEMS", elems)
-    for m in (1, 2):
-        x, router, w13, w2, kw = _weights("wide", m, seed=programs + elems + m, device=device)
-        residual, weight, eps = _norm_inputs(m, 640, seed=m, device=device)
-        wide = torch.full((m, 704), float("nan"), dtype=x.dtype, device=device)
-        wide[:, :640] = residual
-        _check_fused(x, router, w13, w2, kw, wide[:, :640], weight, eps)
-
-
-def test_moe_block_fused_norm_fp16(device, fresh_workspace):
-    x, router, w13, w2, kw = _weights("kimi", 2, seed=11, device=device, dtype=torch.float16)
-    residual, weight, eps = _norm_inputs(2, x.shape[1], seed=12, device=device, dtype=torch.float16)
-    _check_fused(x, router, w13, w2, kw, residual, weight, eps)
-
-
-@pytest.mark.parametrize("bad, err, match", [
-    (dict(norm_weight=None, eps=None), ValueError, "residual, norm_weight and eps .* together; got residual without "
-                                                   "norm_weight, eps"),
-    (dict(residual=None), ValueError, "got norm_weight, eps without residual"),
-    (dict(eps=None), ValueError, "without eps"),
-    (dict(residual="r"), TypeError, "residual must be a torch.Tensor"),
-    (dict(residual=torch.zeros(1, 256, dtype=torch.float16)), TypeError, "residual must have hidden's dtype"),
-    (dict(residual=torch.zeros(2, 256, dtype=torch.bfloat16)), ValueError, r"residual must have hidden's shape \[1, "
-                                                                           r"256\], got \[2, 256\]"),
-    (dict(residual=torch.zeros(1, 512, dtype=torch.bfloat16)[:, ::2]), ValueError,
-     "residual needs a unit stride in its last dimension.*residual.contiguous"),
-    (dict(norm_weight=torch.zeros(255, dtype=torch.bfloat16)), ValueError, r"norm_weight must have shape \[H\] = "
-                                                                           r"\[256\], got \[255\]"),
-    (dict(norm_weight=torch.zeros(1, 256, dtype=torch.bfloat16)), ValueError, "norm_weight must have shape"),
-    (dict(norm_weight=torch.zeros(256)), TypeError, "norm_weight must have hidden's dtype"),
-    (dict(norm_weight=torch.zeros(512, dtype=torch.bfloat16)[::2]), ValueError, "norm_weight needs a unit stride"),
-    (dict(eps=0.0), ValueError, "eps must be a positive finite float, got 0.0"),
-    (dict(eps=-1e-6), ValueError, "eps must be a positive finite float"),
-    (dict(eps=float("nan")), ValueError, "eps must be a positive finite float"),
-    (dict(eps="1e-6"), TypeError, "eps must be a positive Python float, got str"),
-    (dict(eps=True), TypeError, "eps must be a positive Python float, got bool"),
-])
-def test_moe_block_fused_norm_rejects_bad_input(bad, err, match, device):
-    x, router, w13, w2, kw = _weights("kimi", 1, seed=0, device=device)
-    residual, weight, eps = _norm_inputs(1, x.shape[1], seed=0, device=device)
-    args = dict(residual=residual, norm_weight=weight, eps=eps)
-    args.update({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in bad.items()})
-    with pytest.raises(err, match=match):
-        moe_block(x, router, w13, w2, **kw, **args)
-
-
-def test_moe_block_fused_norm_rejects_another_device(device):
-    """Every norm operand on hidden's device (the meta device stands in for a second one on a CPU machine)."""
-    x, router, w13, w2, kw = _weights("kimi", 1, seed=0, device=device)
-    residual, weight, eps = _norm_inputs(1, x.shape[1], seed=0, device=device)
-    for name in ("residual", "norm_weight"):
-        args = dict(residual=residual, norm_weight=weight, eps=eps)
-        args[name] = torch.empty_like(args[name], device="meta")
-        with pytest.raises(ValueError, match=f"{name} is on meta.*move them to one device"):
-            moe_block(x, router, w13, w2, **kw, **args)
-
-
 def test_moe_block_needs_cuda_or_the_interpreter(monkeypatch):
     x, router, w13, w2, kw = _weights("kimi", 1, seed=0, device="cpu")
     monkeypatch.setattr(block_mod.envvars, "triton_interpret", lambda: False)
@@ -352,26 +222,3 @@ def test_moe_block_rank_shapes_gpu(model, m, monkeypatch):
         return moe_block(x, router, w13, w2, **kw).out
 
     check_graph_replay(step, [x])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("model", list(_RANK))
-@pytest.mark.parametrize("m", [1, 2])
-def test_moe_block_fused_norm_rank_shapes_gpu(model, m, monkeypatch):
-    """The folded add + RMSNorm at the pass's shapes (H = 7168: the statistic over 2 / 4 chunks of the row, every
-    program reading the full rows), twice in a row (deterministic), then in a CUDA graph whose inputs change."""
-    from conftest import check_graph_replay, warm_up_for_capture
-
-    monkeypatch.setitem(CASES, model, _RANK[model])
-    x, router, w13, w2, kw = _weights(model, m, seed=m, device="cuda")
-    residual, weight, eps = _norm_inputs(m, x.shape[1], seed=m, device="cuda")
-    warm_up_for_capture(lambda: moe_block(x, router, w13, w2, residual=residual, norm_weight=weight, eps=eps, **kw))
-    res = _check_fused(x, router, w13, w2, kw, residual, weight, eps)
-    again = moe_block(x, router, w13, w2, residual=residual, norm_weight=weight, eps=eps, **kw)
-    assert torch.equal(again.out, res.out) and torch.equal(again.topk_ids, res.topk_ids)
-
-    def step():
-        got = moe_block(x, router, w13, w2, residual=residual, norm_weight=weight, eps=eps, **kw)
-        return got.out, got.residual
-
-    check_graph_replay(step, [x, residual])

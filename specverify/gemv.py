@@ -329,31 +329,21 @@ def gemv_sumsq(x: torch.Tensor, w: torch.Tensor, cols: int, *, out: torch.Tensor
 
 def _check_norm_in(op, x, residual, norm_weight, eps):
     """Validate the input norm's operands of :func:`gemv_add_rmsnorm` against x [M, K]."""
-    import math
-
-    if x.dtype != torch.bfloat16:
-        raise TypeError(f"{op}: x must be bf16, got {x.dtype}: the kernel rounds x + residual times the norm weight "
-                        "before the 1/rms scale, which can overflow fp16; run add_rmsnorm then gemv for fp16")
     if not isinstance(residual, torch.Tensor) or not isinstance(norm_weight, torch.Tensor):
         raise TypeError(f"{op}: residual and norm_weight must be tensors, got {type(residual).__name__} and "
                         f"{type(norm_weight).__name__}")
-    if residual.dtype != x.dtype or norm_weight.dtype not in (x.dtype, torch.float32):
-        raise TypeError(f"{op}: residual must be {x.dtype} and norm_weight {x.dtype} or float32, got "
-                        f"{residual.dtype} and {norm_weight.dtype}")
-    if residual.shape != x.shape or residual.device != x.device:
-        raise ValueError(f"{op}: residual must be {list(x.shape)} on {x.device} like x, got "
-                         f"{list(residual.shape)} on {residual.device}")
+    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+        raise ValueError(f"{op}: residual must match x ({x.dtype} {list(x.shape)} on {x.device}), got "
+                         f"{residual.dtype} {list(residual.shape)} on {residual.device}")
     if residual.stride(1) != 1:
-        raise ValueError(f"{op}: residual needs a unit stride on K, got strides {residual.stride()}; pass "
-                         ".contiguous()")
-    if norm_weight.shape != (x.shape[1],) or norm_weight.device != x.device or not norm_weight.is_contiguous():
-        raise ValueError(f"{op}: norm_weight must be a contiguous [{x.shape[1]}] tensor on {x.device}, got "
-                         f"{list(norm_weight.shape)} (strides {norm_weight.stride()}) on {norm_weight.device}; pass "
-                         ".contiguous()")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        raise TypeError(f"{op}: eps must be a float (the RMSNorm epsilon, e.g. 1e-6), got {type(eps).__name__}")
-    if not (eps > 0 and math.isfinite(eps)):
-        raise ValueError(f"{op}: eps must be a positive finite float (e.g. 1e-6), got {eps!r}")
+        raise ValueError(f"{op}: residual needs a unit stride on K; pass .contiguous()")
+    if norm_weight.shape != (x.shape[1],) or norm_weight.dtype != x.dtype or norm_weight.device != x.device:
+        raise ValueError(f"{op}: norm_weight must be {x.dtype} [{x.shape[1]}] on {x.device}, got "
+                         f"{norm_weight.dtype} {list(norm_weight.shape)} on {norm_weight.device}")
+    if not norm_weight.is_contiguous():
+        raise ValueError(f"{op}: norm_weight must be contiguous")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"{op}: eps must be a positive float (the RMSNorm epsilon, e.g. 1e-6), got {eps!r}")
 
 
 def gemv_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -368,10 +358,9 @@ def gemv_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch
 
     Parameters
     ----------
-    x : Tensor [M, K], M in [1, 16], bf16 (fp16's range is short for ``s * norm_weight`` before the scale), unit
-        stride on K: the sublayer's output (after its allreduce).
+    x : Tensor [M, K], M in [1, 16], bf16 / fp16, unit stride on K: the sublayer's output (after its allreduce).
     residual : Tensor like x (unit stride on K): the residual stream.
-    norm_weight : Tensor [K], bf16 or fp32, contiguous: the RMSNorm weight.
+    norm_weight : Tensor [K], x's dtype, contiguous: the RMSNorm weight.
     eps : float > 0.
     w : Tensor [N, K], x's dtype, unit stride on K.
     sumsq_cols : int in [0, N]
@@ -388,11 +377,10 @@ def gemv_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch
     Raises
     ------
     TypeError
-        As :func:`gemv`; x not bf16; non-tensor residual / norm_weight, or of another dtype; eps not a number;
-        ``sumsq_cols`` not an int.
+        As :func:`gemv`; non-tensor residual / norm_weight; ``sumsq_cols`` not an int.
     ValueError
-        As :func:`gemv`; residual not of x's shape and device or strided on K, norm_weight not a contiguous [K],
-        eps not positive and finite, ``sumsq_cols`` outside [0, N].
+        As :func:`gemv`; residual not like x, norm_weight not [K] of x's dtype, eps not positive, ``sumsq_cols``
+        outside [0, N].
 
     Notes
     -----
@@ -426,15 +414,11 @@ def linear_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, norm_weight: tor
     dtypes only, so it is fixed under graph capture.
 
     x, residual [..., K] (flattening to [M, K] with unit stride on K); norm_weight [K]; w [N, K]; cols in [0, N]
-    (:func:`gemv_add_rmsnorm`'s ``sumsq_cols``). Returns ``(y [..., N], residual_out [..., K], partials or None)``;
-    None also for operands the kernel does not take (not bf16, a residual of another dtype, a norm weight neither
-    bf16 nor fp32 or strided).
+    (:func:`gemv_add_rmsnorm`'s ``sumsq_cols``). Returns ``(y [..., N], residual_out [..., K], partials or None)``.
     The verify forward's qkv_a projection after the previous layer's MoE (or MLP) allreduce.
     """
     flat = _served(x, w)
-    if (flat is None or x.dtype != torch.bfloat16 or residual.shape != x.shape or residual.dtype != x.dtype
-            or residual.stride(-1) != 1 or norm_weight.dtype not in (x.dtype, torch.float32)
-            or not norm_weight.is_contiguous()):
+    if flat is None or residual.shape != x.shape or residual.stride(-1) != 1:
         return None
     y, res, part = gemv_add_rmsnorm(flat, residual.reshape(flat.shape), norm_weight, eps, w, sumsq_cols=cols)
     return y.view(*x.shape[:-1], w.shape[0]), res.view(x.shape), part

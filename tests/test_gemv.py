@@ -229,9 +229,9 @@ def _assert_same_add(got, want):
 
 
 def _assert_norm_in_close(got, s, nw, w, eps):
-    """The unfused chain (h rounded to bf16, then the GEMV) against the fp64 math ``rsqrt(mean(s^2) + eps) * (s * nw)
-    @ w.T``, per element: one rounding of the output (u |want|), the rounding of each h (six standard deviations of
-    K independent roundings, u |s_k nw_k w_nk| each, times the scale) and fp32 summation noise."""
+    """got [M, N] against the fp64 math ``rsqrt(mean(s^2) + eps) * (s * nw) @ w.T``, per element: one rounding of
+    the output (u |want|), the kernel's rounding of each ``s * nw`` (six standard deviations of K independent
+    roundings, u |s_k nw_k w_nk| each, times the scale) and fp32 summation noise."""
     u = torch.finfo(torch.bfloat16).eps / 2
     sd, a = s.double(), (s.double() * nw.double())
     inv = torch.rsqrt(sd.pow(2).mean(-1, keepdim=True) + eps)
@@ -242,42 +242,19 @@ def _assert_norm_in_close(got, s, nw, w, eps):
     assert bool((err <= tol).all()), f"max excess {float((err - tol).max())}"
 
 
-def _to_bf16_as_kernel(t, cuda):
-    """fp32 -> bf16 as the kernel converts: round to nearest even on a GPU, truncation under the CPU interpreter."""
-    if cuda:
-        return t.float().to(torch.bfloat16)
-    bits = t.float().contiguous().view(torch.int32) & ~0xFFFF
-    return bits.view(torch.float32).to(torch.bfloat16)
-
-
-def _assert_kernel_norm_in(got, s, nw, w, eps):
-    """The fused kernel against its own operand rebuilt exactly: ``a = bf16(s * nw)`` (the kernel's rounding), ``want
-    = rsqrt(mean(s^2) + eps) * (a @ w.T)`` in fp64; the bound is the output's one rounding (a full step under the
-    interpreter, which truncates) plus fp32 accumulation over K terms. A consistent scale error (a wrong K or eps)
-    above about 0.4% (1% under the interpreter) exceeds it."""
-    u = torch.finfo(torch.bfloat16).eps / 2 * (1 if got.is_cuda else 2)
-    a = _to_bf16_as_kernel(s.float() * nw.float(), got.is_cuda).double()
-    sd = s.double()
-    inv = torch.rsqrt(sd.pow(2).mean(-1, keepdim=True) + eps)
-    want = inv * (a @ w.double().t())
-    tol = u * want.abs() + s.shape[1] * 2.0 ** -24 * inv * (a.abs() @ w.double().abs().t())
-    err = (got.double() - want).abs()
-    assert bool((err <= tol).all()), f"max excess {float((err - tol).max())}, max ratio {float((err / tol).max())}"
-
-
 # the store paths of gemv_sumsq's test: split K with the split-by-split reduce (3 tokens) and the wide one (one
 # token; 3 tokens with the wide rule lowered), one split (a single wave of 4 programs on 2 SMs), row ranges
 @pytest.mark.parametrize("m, over, wide_min", [(3, {}, 16), (1, {}, 16), (3, {}, 2), (3, {"WAVES": 1}, 16),
                                                (2, {"ROW_RANGE": True, "WAVES": 1}, 16)])
-@pytest.mark.parametrize("cols, eps", [(0, 1e-6), (100, 1e-6), (100, 5.0)])  # eps 5: comparable to mean(s^2)
-def test_gemv_add_rmsnorm_matches_the_unfused_chain(device, monkeypatch, m, over, wide_min, cols, eps):
+@pytest.mark.parametrize("cols", [0, 100])
+def test_gemv_add_rmsnorm_matches_the_unfused_chain(device, monkeypatch, m, over, wide_min, cols):
     """The residual add and RMSNorm folded into the projection: the new residual bit for bit, the output within
     the rounding of h, the sums of squares of the stored output when asked."""
     sms = 2 if over.get("WAVES") == 1 and not over.get("ROW_RANGE") else 4
     monkeypatch.setattr(gemv_mod, "_CONFIG", {**gemv_mod._CONFIG, **over})
     monkeypatch.setattr(gemv_mod, "sm_count", lambda device_type, index: sms)
     monkeypatch.setattr(gemv_mod, "WIDE_REDUCE_MIN_SPLITS", wide_min)
-    n, k = 150, 1000
+    n, k, eps = 150, 1000, 1e-6
     cfg = gemv_mod.gemv_config(m, n, k)
     assert (gemv_split(n, k, sms, cfg)[0] > 1) == (not over), over  # the path this case is for
     rows = gemv_mod.gemv_rows(n, sms, cfg)[0]
@@ -288,7 +265,7 @@ def test_gemv_add_rmsnorm_matches_the_unfused_chain(device, monkeypatch, m, over
         y, res, part = gemv_mod.gemv_add_rmsnorm(x, r, nw, eps, w, sumsq_cols=cols, out=out, impl="triton")
         assert y.data_ptr() == out.data_ptr() and torch.equal(x, x0) and torch.equal(r, r0)  # inputs only read
         _assert_same_add(res, x0 + r0)
-        _assert_kernel_norm_in(y, res, nw, w, eps)
+        _assert_norm_in_close(y, res, nw, w, eps)
         if cols:
             torch.testing.assert_close(part.double(), _tile_sumsq(y, cols, rows), rtol=rows * 2.0 ** -24, atol=1e-30)
         else:
@@ -306,27 +283,23 @@ def test_linear_add_rmsnorm_serves_where_linear_runs_the_gemv(device, monkeypatc
     y, res, part = gemv_mod.linear_add_rmsnorm(x.view(2, 3, 256), r.view(2, 3, 256), nw, 1e-6, w, 64)
     assert y.shape == (2, 3, 104) and res.shape == (2, 3, 256) and part.shape[1] == 6
     _assert_same_add(res.view(6, 256), x + r)
-    _assert_kernel_norm_in(y.view(6, 104), res.view(6, 256), nw, w, 1e-6)
+    _assert_norm_in_close(y.view(6, 104), res.view(6, 256), nw, w, 1e-6)
     wide = torch.zeros(9, 256, dtype=torch.bfloat16, device=device)  # M = 9: cuBLAS's
     assert gemv_mod.linear_add_rmsnorm(wide, wide, nw, 1e-6, w) is None
     assert gemv_mod.linear_add_rmsnorm(x.double(), r.double(), nw.double(), 1e-6, w.double()) is None
 
 
 @pytest.mark.parametrize("change, err, match", [
-    ({"residual": torch.zeros(2, 9, dtype=torch.bfloat16)}, ValueError, r"residual must be \[2, 8\]"),
-    ({"residual": torch.zeros(2, 8)}, TypeError, "residual must be torch.bfloat16"),
-    ({"residual": torch.zeros(8, 2, dtype=torch.bfloat16).t()}, ValueError, "residual needs a unit stride"),
+    ({"residual": torch.zeros(2, 9, dtype=torch.bfloat16)}, ValueError, "residual must match x"),
+    ({"residual": torch.zeros(2, 8)}, ValueError, "residual must match x"),
     ({"residual": None}, TypeError, "residual and norm_weight must be tensors"),
-    ({"norm_weight": torch.ones(4, dtype=torch.bfloat16)}, ValueError, r"norm_weight must be a contiguous \[8\]"),
-    ({"norm_weight": torch.ones(8, dtype=torch.float16)}, TypeError, "norm_weight torch.bfloat16 or float32"),
-    ({"norm_weight": torch.ones(16, dtype=torch.bfloat16)[::2]}, ValueError, "norm_weight must be a contiguous"),
-    ({"eps": 0.0}, ValueError, "eps must be a positive finite float"),
-    ({"eps": float("inf")}, ValueError, "eps must be a positive finite float"),
-    ({"eps": "1e-6"}, TypeError, "eps must be a float"),
+    ({"norm_weight": torch.ones(4, dtype=torch.bfloat16)}, ValueError, r"norm_weight must be torch.bfloat16 \[8\]"),
+    ({"norm_weight": torch.ones(8)}, ValueError, "norm_weight must be"),
+    ({"eps": 0.0}, ValueError, "eps must be a positive float"),
+    ({"eps": "1e-6"}, ValueError, "eps must be a positive float"),
     ({"sumsq_cols": 5}, ValueError, r"sumsq_cols must lie in \[0, N = 4\]"),
     ({"sumsq_cols": 1.0}, TypeError, "sumsq_cols must be an int")])
 def test_gemv_add_rmsnorm_bad_input(change, err, match):
-    """Bad operands raise before any launch, saying what was expected and what came."""
     args = {"x": torch.zeros(2, 8, dtype=torch.bfloat16), "residual": torch.zeros(2, 8, dtype=torch.bfloat16),
             "norm_weight": torch.ones(8, dtype=torch.bfloat16), "eps": 1e-6,
             "w": torch.zeros(4, 8, dtype=torch.bfloat16), "sumsq_cols": 0}
@@ -406,20 +379,5 @@ def test_gpu_add_rmsnorm_at_qkv_a_in_a_graph(m):
         graph.replay()
         torch.cuda.synchronize()
         _assert_same_add(res, x + r)
-        _assert_kernel_norm_in(y, res, nw, w, 1e-6)
+        _assert_norm_in_close(y, res, nw, w, 1e-6)
         torch.testing.assert_close(part.double(), _tile_sumsq(y, 1536, rows), rtol=rows * 2.0 ** -24, atol=1e-30)
-
-
-def test_gemv_add_rmsnorm_takes_bf16_only_and_fp32_norm_weights(device, monkeypatch):
-    """fp16 is refused (``s * norm_weight`` rounded before the 1/rms scale would overflow where the unfused chain does
-    not) and ``linear_add_rmsnorm`` leaves it to the unfused path; an fp32 norm weight (checkpoints keep them so)
-    gives the bf16 weight's result to the rounding of the weight."""
-    z16 = torch.zeros(2, 8, dtype=torch.float16)
-    with pytest.raises(TypeError, match="x must be bf16"):
-        gemv_mod.gemv_add_rmsnorm(z16, z16, torch.ones(8, dtype=torch.float16), 1e-6, torch.zeros(4, 8).half())
-    monkeypatch.setattr(gemv_mod, "LINEAR_RULES", ((8, (1, 1 << 30), (1, 1 << 30)),))
-    x, r, nw, w = _norm_in_inputs(3, 40, 96, 41, device)
-    assert gemv_mod.linear_add_rmsnorm(x.half(), r.half(), nw.half(), 1e-6, w.half()) is None
-    assert gemv_mod.linear_add_rmsnorm(x, r.float(), nw, 1e-6, w) is None  # a residual of another dtype
-    y, res, _ = gemv_mod.linear_add_rmsnorm(x, r, nw.float(), 1e-6, w)
-    _assert_kernel_norm_in(y, res, nw.float(), w, 1e-6)

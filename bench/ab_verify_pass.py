@@ -13,8 +13,7 @@ default table), ``no-<slot>`` (one slot of ``FUSIONS`` emptied); gate/up of the 
 ``mb-n<BN>-k<BK>-c<SK>.<SD>.<W>`` (the MoE block's tiles at every token count and its launch candidate, as
 ``bench_moe_block.py --configs``); ``cublas-o`` (o_proj on cuBLAS again); ``router-gemv-m8`` (the router on our GEMV
 up to 8 tokens); ``no-q-fold`` (q_a's RMSNorm a launch of its own again, ``forward.model.FOLD_Q_NORM``); ``fold-m8``
-(the fold up to 8 tokens, ``FOLD_Q_NORM_MAX_M``); ``add-fold`` (each layer's closing residual add + RMSNorm
-inside the next qkv_a GEMV, ``FOLD_ADD_NORM``); ``no-early-kv`` (the MLA attention's first prefix KV tile read
+(the fold up to 8 tokens, ``FOLD_Q_NORM_MAX_M``); ``no-early-kv`` (the MLA attention's first prefix KV tile read
 after the PDL wait, not before).
 Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded into the projections and
 q_a's norm in the qkv_a GEMV's last tile (slower in the pass), the split merge fused with W_UV (slower alone; again
@@ -62,7 +61,6 @@ VARIANTS["cublas-o"] = dict(off=(), linear_drop=(_O_PROJ,))
 VARIANTS["router-gemv-m8"] = dict(off=(), linear=((8, (1, 512), (7168, 7168)),))
 VARIANTS["router-gemv-m8-w1"] = dict(off=(), linear=((8, (1, 512), (7168, 7168)),), gemv=(
     ((8, (1, 512), (7168, 7168)), {**gemv_config(8, 384, 7168), "WAVES": 1}),))
-VARIANTS["add-fold"] = dict(off=(), attrs=(("specverify.forward.model", "FOLD_ADD_NORM", True),))
 VARIANTS["no-q-fold"] = dict(off=(), attrs=(("specverify.forward.model", "FOLD_Q_NORM", False),))
 VARIANTS["fold-m8"] = dict(off=(), attrs=(("specverify.forward.model", "FOLD_Q_NORM_MAX_M", 8),))
 VARIANTS["no-early-kv"] = dict(off=(), attrs=(("specverify.kernels.tree_attention_wgmma", "EARLY_KV", False),))

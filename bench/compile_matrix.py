@@ -490,12 +490,6 @@ def scen_gemv(quick: bool, target: str):
     for m in (1,) if quick else (1, 4, 8):  # qkv_a with q_a's sums of squares (q_lora 1536): both reduce forms
         yield f"gemv_sumsq m{m} 7168->2112 cols1536", \
             lambda m=m: gemv_sumsq(_cuda(m, 7168), _cuda(2112, 7168), 1536, impl="triton")
-    from specverify.gemv import gemv_add_rmsnorm
-
-    for m in (1,) if quick else (1, 4, 8):  # qkv_a with the previous layer's add + RMSNorm folded in
-        yield f"gemv_add_rmsnorm m{m} 7168->2112 cols1536", \
-            lambda m=m: gemv_add_rmsnorm(_cuda(m, 7168), _cuda(m, 7168), _cuda(7168), 1e-6, _cuda(2112, 7168),
-                                         sumsq_cols=1536, impl="triton")
     if quick:
         return
     import specverify.gemv as gm

@@ -34,21 +34,8 @@ returns). One slot per tile and token, summed within one program: no atomics, th
 consumer (``specverify.fused_ops.mla_prep_absorb``) sums the tiles' slots, so q_a's RMSNorm needs no kernel of its
 own: its weight is folded into q_b's, its per-token scale rsqrt(mean + eps) is applied after q_b.
 
-``NORM_IN`` (the residual add and RMSNorm before the projection, folded into it): X is a sublayer's output, R the
-residual, G the norm weight; the projection is of ``h = rmsnorm(X + R) * G`` without h ever stored::
-
-    s = X + R (rounded to X's dtype; the program of row tile 0 of each K slice writes it to RES: the new residual)
-    program (n, p):  P[p, m, n0:] = sum over k in slice p of  W[n0 + j, k] * (s[m, k] * G[k])  (rounded to X's dtype)
-                     QP[n, p, m]  = sum over k in slice p of  s[m, k]^2                                      fp32
-    reduce:          Y[m, n0:]    = sum_p P[p, m] * rsqrt(sum_p QP[n, p, m] / K + eps)
-
-The per-token scale is a factor of the whole dot product, so it is applied once, after the split-K sum; the
-statistic comes from the same K slices the programs already read (no extra pass over X). Against the unfused chain
-(h rounded to X's dtype, then the GEMV) only the rounding point of the scale moves. RES must not alias X or R.
-
 Tensors: X [M, K] (unit stride on K), W [N, K] (torch's Linear layout), Y [M, N]; bf16 / fp16; P fp32; TICKET
-int32 [row tiles], zero between launches; S fp32 [row tiles, stride_s >= M] (``SUMSQ`` only); R, RES [M, K] (unit
-stride on K), G [K] in X's dtype, QP fp32 [row tiles, SPLIT_PAD, BLOCK_M] (``NORM_IN`` only).
+int32 [row tiles], zero between launches; S fp32 [row tiles, stride_s >= M] (``SUMSQ`` only).
 """
 import triton
 import triton.language as tl
@@ -72,11 +59,11 @@ def _sumsq(y, keep):
 
 @triton.jit
 def _gemv_splitk_kernel(X, W, Y, P, TICKET, S, M, N, K, stride_xm, stride_wn, stride_ym, stride_s, k_per_split,
-                        k_prefetch, sumsq_cols, R, G, RES, QP, stride_rm, stride_resm, eps,
+                        k_prefetch, sumsq_cols,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLIT_K: tl.constexpr, SPLIT_PAD: tl.constexpr, WIDE_REDUCE: tl.constexpr,
                         DOT_FP32: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                        SUMSQ: tl.constexpr = False, NORM_IN: tl.constexpr = False):
+                        SUMSQ: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     rr = tl.arange(0, BLOCK_N)
@@ -95,23 +82,12 @@ def _gemv_splitk_kernel(X, W, Y, P, TICKET, S, M, N, K, stride_xm, stride_wn, st
         gdc_launch_dependents()
         gdc_wait()  # x (and the workspace) belong to earlier kernels: nothing is read or written before this
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    q = tl.zeros((BLOCK_M,), dtype=tl.float32)  # NORM_IN: this slice's sum of s^2 per token
     for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         kmask = rk < K
         w = tl.load(W + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :], mask=nmask[:, None] & kmask[None, :],
                     other=0.0)
-        xmask = mmask[None, :] & kmask[:, None]
-        xt = tl.load(X + rm[None, :] * stride_xm + rk[:, None], mask=xmask, other=0.0)
-        if NORM_IN:  # s = x + r in x's dtype (the new residual), the dot over s * g, s^2 summed for the scale
-            rt = tl.load(R + rm[None, :] * stride_rm + rk[:, None], mask=xmask, other=0.0)
-            s = (xt.to(tl.float32) + rt.to(tl.float32)).to(xt.dtype)
-            if pid_n == 0:  # one program of each K slice writes it
-                tl.store(RES + rm[None, :] * stride_resm + rk[:, None], s, mask=xmask)
-            sf = s.to(tl.float32)
-            q += tl.sum(sf * sf, axis=0)
-            g = tl.load(G + rk, mask=kmask, other=0.0).to(tl.float32)
-            xt = (sf * g[:, None]).to(xt.dtype)
+        xt = tl.load(X + rm[None, :] * stride_xm + rk[:, None], mask=mmask[None, :] & kmask[:, None], other=0.0)
         if DOT_FP32:  # the CPU interpreter (its bf16 dot is not exact)
             acc += tl.dot(w.to(tl.float32), xt.to(tl.float32))
         else:
@@ -119,10 +95,7 @@ def _gemv_splitk_kernel(X, W, Y, P, TICKET, S, M, N, K, stride_xm, stride_wn, st
     out_mask = nmask[:, None] & mmask[None, :]
     s_row = S + pid_n * stride_s  # this tile's slots (SUMSQ)
     s_here = pid_n * ROWS < sumsq_cols  # the tile holds columns < sumsq_cols
-    q_row = QP + (pid_n * SPLIT_PAD) * BLOCK_M  # NORM_IN: this tile's slots [SPLIT_PAD, BLOCK_M]
     if SPLIT_K == 1:
-        if NORM_IN:
-            acc = acc * tl.rsqrt(q / K + eps)[None, :]
         y = acc.to(Y.dtype.element_ty)
         tl.store(Y + rm[None, :] * stride_ym + rn[:, None], y, mask=out_mask)
         if SUMSQ:
@@ -131,8 +104,6 @@ def _gemv_splitk_kernel(X, W, Y, P, TICKET, S, M, N, K, stride_xm, stride_wn, st
     else:
         p_tile = P + (pid_s * BLOCK_M + rm[None, :]) * N + rn[:, None]
         tl.store(p_tile, acc, mask=out_mask)
-        if NORM_IN:
-            tl.store(q_row + pid_s * BLOCK_M + rm, q)
         tl.debug_barrier()  # this program's partial precedes its ticket
         ticket = tl.atomic_add(TICKET + pid_n, 1, sem="acq_rel")
         if ticket == SPLIT_K - 1:
@@ -144,24 +115,15 @@ def _gemv_splitk_kernel(X, W, Y, P, TICKET, S, M, N, K, stride_xm, stride_wn, st
                 for m in range(0, M):
                     part = tl.load(P + (rs[:, None] * BLOCK_M + m) * N + rn[None, :],
                                    mask=smask[:, None] & nmask[None, :], other=0.0)
-                    yf = tl.sum(part, axis=0)
-                    if NORM_IN:
-                        qm = tl.sum(tl.load(q_row + rs * BLOCK_M + m, mask=smask, other=0.0), axis=0)
-                        yf = yf * tl.rsqrt(qm / K + eps)
-                    y = yf.to(Y.dtype.element_ty)
+                    y = tl.sum(part, axis=0).to(Y.dtype.element_ty)
                     tl.store(Y + m * stride_ym + rn, y, mask=nmask)
                     if SUMSQ:
                         if s_here:
                             tl.store(s_row + m, _sumsq(y, nmask & (rn < sumsq_cols)))
             else:
                 total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-                qs = tl.zeros((BLOCK_M,), dtype=tl.float32)
-                for sp in range(0, SPLIT_K):
-                    total += tl.load(P + (sp * BLOCK_M + rm[None, :]) * N + rn[:, None], mask=out_mask, other=0.0)
-                    if NORM_IN:
-                        qs += tl.load(q_row + sp * BLOCK_M + rm)
-                if NORM_IN:
-                    total = total * tl.rsqrt(qs / K + eps)[None, :]
+                for s in range(0, SPLIT_K):
+                    total += tl.load(P + (s * BLOCK_M + rm[None, :]) * N + rn[:, None], mask=out_mask, other=0.0)
                 y = total.to(Y.dtype.element_ty)
                 tl.store(Y + rm[None, :] * stride_ym + rn[:, None], y, mask=out_mask)
                 if SUMSQ:

@@ -98,20 +98,17 @@ def gemv_split(n: int, k: int, sms: int, cfg: dict | None = None) -> tuple[int, 
 
 def _buffers(device, n, split, rows):
     """(partials fp32 [>= split * MAX_M * n], tickets int32 [row tiles], sums of squares fp32 [row tiles, MAX_M] of
-    :func:`gemv_sumsq`, the input norm's partial statistics fp32 [>= row tiles * pow2(split) * MAX_M] of
-    :func:`gemv_add_rmsnorm`) for one (device, N, rows a tile): :func:`specverify.workspace.grown_workspace` of
+    :func:`gemv_sumsq`) for one (device, N, rows a tile): :func:`specverify.workspace.grown_workspace` of
     ``_BUFFERS[(N, rows)]``, grown to ``split`` and kept (graph replays reuse the addresses; a set replaced by a
     larger one stays allocated for the graphs captured on it; growing during CUDA-graph capture raises
     RuntimeError)."""
     tiles = -(-n // rows)
-    part, ticket, sums, stats = grown_workspace(
-        _BUFFERS.setdefault((n, rows), {}), torch.device(device),
-        (split * MAX_M * n, tiles, tiles * MAX_M, tiles * triton_next_pow2(split) * MAX_M),
+    part, ticket, sums = grown_workspace(
+        _BUFFERS.setdefault((n, rows), {}), torch.device(device), (split * MAX_M * n, tiles, tiles * MAX_M),
         lambda size: (torch.empty(size[0], dtype=torch.float32, device=device),
                       torch.zeros(size[1], dtype=torch.int32, device=device),
-                      torch.empty(size[2], dtype=torch.float32, device=device),
-                      torch.empty(size[3], dtype=torch.float32, device=device)), "gemv")
-    return part, ticket, sums.view(-1, MAX_M), stats
+                      torch.empty(size[2], dtype=torch.float32, device=device)), "gemv")
+    return part, ticket, sums.view(-1, MAX_M)
 
 
 #: Where :func:`gemv` beat cuBLAS on the H200 (bench_gemv, 2026-12-02), as (max M, N range, K range), bounds
@@ -206,10 +203,9 @@ def _check(op, x, w, out):
     return m, n, k, out
 
 
-def _launch(x, w, out, sumsq_cols: int = 0, norm_in=None):
+def _launch(x, w, out, sumsq_cols: int = 0):
     """One launch of the split-K kernel; with ``sumsq_cols`` its sums of squares too: returns the partials view
-    [tiles over sumsq_cols, M] of the persistent buffer, else None. ``norm_in = (residual, norm_weight, eps,
-    residual_out)``: the input add + RMSNorm folded in (:func:`gemv_add_rmsnorm`)."""
+    [tiles over sumsq_cols, M] of the persistent buffer, else None."""
     from specverify.kernels.gemv import _gemv_splitk_kernel
 
     m, k = x.shape
@@ -218,19 +214,16 @@ def _launch(x, w, out, sumsq_cols: int = 0, norm_in=None):
     sms = sm_count(x.device.type, x.device.index)
     split, per = gemv_split(n, k, sms, cfg)
     rows, block_n = gemv_rows(n, sms, cfg)
-    part, ticket, sums, stats = _buffers(x.device, n, split, rows)
+    part, ticket, sums = _buffers(x.device, n, split, rows)
     grid = (-(-n // rows), split)
     pdl = pdl_launch(x.device)
     k_prefetch = prefetch_columns(grid[0] * grid[1], per, x.element_size(), cfg, rows) if pdl else 0
-    r, g, eps, res = norm_in if norm_in is not None else (x, x, 0.0, x)  # unread without NORM_IN
     _gemv_splitk_kernel[grid](x, w, out, part, ticket, sums, m, n, k, x.stride(0), w.stride(0), out.stride(0),
-                              MAX_M, per, k_prefetch, sumsq_cols, r, g, res, stats, r.stride(0), res.stride(0),
-                              float(eps),
+                              MAX_M, per, k_prefetch, sumsq_cols,
                               BLOCK_M=max(16, triton_next_pow2(m)), BLOCK_N=block_n, ROWS=rows, BLOCK_K=cfg["BLOCK_K"],
                               SPLIT_K=split, SPLIT_PAD=triton_next_pow2(split),
                               WIDE_REDUCE=m == 1 or split >= WIDE_REDUCE_MIN_SPLITS,
                               DOT_FP32=not x.is_cuda, PDL=pdl, PREFETCH=k_prefetch > 0, SUMSQ=sumsq_cols > 0,
-                              NORM_IN=norm_in is not None,
                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                               **({"launch_pdl": True} if pdl else {}))
     return sums[: -(-sumsq_cols // rows), :m] if sumsq_cols else None
@@ -325,100 +318,3 @@ def gemv_sumsq(x: torch.Tensor, w: torch.Tensor, cols: int, *, out: torch.Tensor
         out.copy_(gemv_reference(x, w))
         return out, out[:, :cols].float().pow(2).sum(-1).unsqueeze(0)
     return out, _launch(x, w, out, cols)
-
-
-def _check_norm_in(op, x, residual, norm_weight, eps):
-    """Validate the input norm's operands of :func:`gemv_add_rmsnorm` against x [M, K]."""
-    if not isinstance(residual, torch.Tensor) or not isinstance(norm_weight, torch.Tensor):
-        raise TypeError(f"{op}: residual and norm_weight must be tensors, got {type(residual).__name__} and "
-                        f"{type(norm_weight).__name__}")
-    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
-        raise ValueError(f"{op}: residual must match x ({x.dtype} {list(x.shape)} on {x.device}), got "
-                         f"{residual.dtype} {list(residual.shape)} on {residual.device}")
-    if residual.stride(1) != 1:
-        raise ValueError(f"{op}: residual needs a unit stride on K; pass .contiguous()")
-    if norm_weight.shape != (x.shape[1],) or norm_weight.dtype != x.dtype or norm_weight.device != x.device:
-        raise ValueError(f"{op}: norm_weight must be {x.dtype} [{x.shape[1]}] on {x.device}, got "
-                         f"{norm_weight.dtype} {list(norm_weight.shape)} on {norm_weight.device}")
-    if not norm_weight.is_contiguous():
-        raise ValueError(f"{op}: norm_weight must be contiguous")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ValueError(f"{op}: eps must be a positive float (the RMSNorm epsilon, e.g. 1e-6), got {eps!r}")
-
-
-def gemv_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                     w: torch.Tensor, *, sumsq_cols: int = 0, out: torch.Tensor | None = None, impl: str = "auto"):
-    """``rmsnorm(x + residual) * norm_weight @ w.T`` and the new residual ``x + residual`` in one launch: the residual
-    add and RMSNorm in front of a projection (after a tensor-parallel allreduce) without a norm kernel.
-
-    The kernel forms ``s = x + residual`` from the K slices it reads anyway, projects ``s * norm_weight`` and sums
-    ``s^2`` per token slice by slice; the per-token scale ``rsqrt(mean(s^2) + eps)`` multiplies the split-K sum once
-    (it is a factor of the whole dot product). Source: RMSNorm (Zhang & Sennrich, 2019); the fold is this
-    project's (:mod:`specverify.kernels.gemv`, ``NORM_IN``).
-
-    Parameters
-    ----------
-    x : Tensor [M, K], M in [1, 16], bf16 / fp16, unit stride on K: the sublayer's output (after its allreduce).
-    residual : Tensor like x (unit stride on K): the residual stream.
-    norm_weight : Tensor [K], x's dtype, contiguous: the RMSNorm weight.
-    eps : float > 0.
-    w : Tensor [N, K], x's dtype, unit stride on K.
-    sumsq_cols : int in [0, N]
-        With ``cols > 0`` the sums of squares of the first ``cols`` output columns too (as :func:`gemv_sumsq`).
-    out : Tensor [M, N] of x's dtype with unit stride on N, or None (allocated).
-
-    Returns
-    -------
-    ``(out [M, N], residual_out [M, K], partials fp32 [P, M] or None)``: ``residual_out = x + residual`` rounded to
-    x's dtype (a new tensor, bitwise the unfused add), ``partials`` as :func:`gemv_sumsq` returns them when
-    ``sumsq_cols`` > 0. ``out`` matches the unfused chain (``h`` rounded to x's dtype, then the GEMV) to the
-    rounding of h: the kernel rounds ``s * norm_weight`` and applies the scale after the sum.
-
-    Raises
-    ------
-    TypeError
-        As :func:`gemv`; non-tensor residual / norm_weight; ``sumsq_cols`` not an int.
-    ValueError
-        As :func:`gemv`; residual not like x, norm_weight not [K] of x's dtype, eps not positive, ``sumsq_cols``
-        outside [0, N].
-
-    Notes
-    -----
-    One launch, deterministic; CUDA-graph capturable after one eager call per (device, N) (the workspace); a
-    programmatic dependent on sm_90+. ``residual`` and ``x`` are only read.
-    """
-    from specverify.reference.fused_ops import add_rmsnorm_reference
-    from specverify.reference.gemv import gemv_reference
-
-    op = "gemv_add_rmsnorm"
-    m, n, k, out = _check(op, x, w, out)
-    _check_norm_in(op, x, residual, norm_weight, eps)
-    if isinstance(sumsq_cols, bool) or not isinstance(sumsq_cols, int):
-        raise TypeError(f"{op}: sumsq_cols must be an int in [0, N = {n}], got {type(sumsq_cols).__name__}")
-    if not 0 <= sumsq_cols <= n:
-        raise ValueError(f"{op}: sumsq_cols must lie in [0, N = {n}], got {sumsq_cols}")
-    if not _use_triton(impl, x, w):
-        h, res = add_rmsnorm_reference(x, residual, norm_weight, eps)
-        out.copy_(gemv_reference(h, w))
-        part = out[:, :sumsq_cols].float().pow(2).sum(-1).unsqueeze(0) if sumsq_cols else None
-        return out, res, part
-    res = torch.empty_like(x)
-    part = _launch(x, w, out, sumsq_cols, norm_in=(residual, norm_weight, eps, res))
-    return out, res, part
-
-
-def linear_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                       w: torch.Tensor, cols: int = 0):
-    """:func:`gemv_add_rmsnorm` where :func:`linear` would run :func:`gemv` (same shape rule on ``x``), else None
-    (nothing launched; the caller runs its unfused add + RMSNorm and projection). The choice depends on shapes and
-    dtypes only, so it is fixed under graph capture.
-
-    x, residual [..., K] (flattening to [M, K] with unit stride on K); norm_weight [K]; w [N, K]; cols in [0, N]
-    (:func:`gemv_add_rmsnorm`'s ``sumsq_cols``). Returns ``(y [..., N], residual_out [..., K], partials or None)``.
-    The verify forward's qkv_a projection after the previous layer's MoE (or MLP) allreduce.
-    """
-    flat = _served(x, w)
-    if flat is None or residual.shape != x.shape or residual.stride(-1) != 1:
-        return None
-    y, res, part = gemv_add_rmsnorm(flat, residual.reshape(flat.shape), norm_weight, eps, w, sumsq_cols=cols)
-    return y.view(*x.shape[:-1], w.shape[0]), res.view(x.shape), part

@@ -170,7 +170,6 @@ def test_folded_q_norm_forward_matches_the_norm_chain(device, monkeypatch, b, k,
 
     monkeypatch.setattr(gemv_mod, "LINEAR_RULES", ((max_m, (1, 1 << 30), (1, 1 << 30)),))
     monkeypatch.setattr(model_mod, "FOLD_Q_NORM_MAX_M", fold_max)
-    monkeypatch.setattr(model_mod, "FOLD_ADD_NORM", False)  # qkv_a through linear_sumsq in every layer
     monkeypatch.setitem(gemv_mod._CONFIG, "BLOCK_N", block_n)
     max_m = min(max_m, fold_max)
     name, page_size = "tiny-mla-moe", 4
@@ -225,70 +224,14 @@ def test_folded_q_norm_forward_matches_the_norm_chain(device, monkeypatch, b, k,
         assert e_f <= 2 * e_c + 1e-2 * float(lt[0].abs().max()), (e_f, e_c)
 
 
-# M = 2 and 6 tokens on our GEMV (the fold, with q_a's sums of squares at 2 tokens, without at 6: above
-# FOLD_Q_NORM_MAX_M); M = 6 with the GEMV's rule cut to 4 tokens (qkv_a on torch: the op's unfused fallback);
-# a captured layer (its entry residual read by the drafter) keeps its norm
-@pytest.mark.parametrize("b, k, max_m, capture", [(1, 2, 16, ()), (2, 3, 16, ()), (2, 3, 4, ()), (1, 2, 16, (1,))])
-def test_folded_add_norm_forward_matches_the_norm_chain(device, monkeypatch, b, k, max_m, capture):
-    """Each layer's closing residual add + RMSNorm folded into the next layer's qkv_a GEMV gives the logits, the
-    captured residuals and the KV of the chain with the norm kernel, within the bf16 error budget; the norm
-    kernel is really gone where the GEMV serves."""
-    import specverify.forward.model as model_mod
-
-    monkeypatch.setattr(gemv_mod, "LINEAR_RULES", ((max_m, (1, 1 << 30), (1, 1 << 30)),))
-    name, page_size = "tiny-mla-moe", 4
-    model = VerifyModel(name, dtype=torch.bfloat16, seed=11, device=device)
-    g = torch.Generator().manual_seed(23)
-    for w in model._sets.values():  # norm weights far from ones, so the fold's weight is not the identity
-        for n in ("attn_norm", "mlp_norm", "q_a_norm"):
-            w[n].copy_((1 + 0.5 * torch.randn(w[n].shape, generator=g)).to(w[n]))
-        model_mod.attach_folded_q_b(w)
-    ops, _ = specverify_ops(model)
-    calls = _count_calls(ops, ("linear_add_rmsnorm", "add_rmsnorm", "linear_sumsq"))
-    model.ops = ops
-    layers = model.num_layers
-    ids, pos, pt, prefix, pool = _inputs(model, b, k, page_size, seed=b * 10 + k + 1)
-    out = {}
-    for fold in (True, False):
-        monkeypatch.setattr(model_mod, "FOLD_ADD_NORM", fold)
-        for c in calls:
-            calls[c] = 0
-        caches = _caches(model, pool, page_size, seed=6)
-        logits, _, aux = model.forward_captured(ids, pos, caches, pt, prefix, capture_layers=capture)
-        out[fold] = (logits, aux, caches)
-        folded = layers - 1 - len(capture) if fold else 0  # layers whose qkv_a takes the previous layer's norm
-        served = b * k <= max_m
-        assert calls["linear_add_rmsnorm"] == folded, (fold, calls)
-        # one norm after each attention, one closing each layer not folded; the op's fallback runs the norm itself
-        assert calls["add_rmsnorm"] == 2 * layers - (folded if served else 0), (fold, calls)
-        assert calls["linear_sumsq"] == (layers - folded if b * k <= model_mod.FOLD_Q_NORM_MAX_M else 0), calls
-    ref = _fp64_twin(model, name)
-    caches64 = [[t.double() for t in layer] for layer in _caches(model, pool, page_size, seed=6)]
-    truth, _, aux64 = ref.forward_captured(ids, pos, caches64, pt, prefix, capture_layers=capture)
-    assert not torch.isnan(out[True][0]).any()
-    if b * k > max_m:  # the fallback: the very same launches
-        assert torch.equal(out[True][0], out[False][0])
-        return
-    err = {fold: float((o[0].double() - truth).abs().max()) for fold, o in out.items()}
-    # the fold moves where bf16 rounds (s * g once; the scale after the GEMV, in fp32), nothing else
-    assert err[True] <= 2 * err[False] + 1e-2 * float(truth.abs().max()), err
-    for a_f, a_c, a_t in zip(out[True][1], out[False][1], aux64):
-        assert float((a_f.double() - a_t).abs().max()) <= 2 * float((a_c.double() - a_t).abs().max()) + \
-            1e-2 * float(a_t.abs().max())
-    for lf, lc, lt in zip(out[True][2], out[False][2], caches64):  # the KV, over the whole pool
-        e_f = float((lf[0].double() - lt[0]).abs().max())
-        e_c = float((lc[0].double() - lt[0]).abs().max())
-        assert e_f <= 2 * e_c + 1e-2 * float(lt[0].abs().max()), (e_f, e_c)
-
-
 def test_fold_slot_only_in_specverify_tables(monkeypatch):
     # the reference and SGLang tables keep q_a's RMSNorm: no linear_sumsq; the synthetic model holds the folded q_b
     # where the fold can run (the rule LoadedVerifyModel shares: bf16, a qkv_a shape our GEMV serves)
     import specverify.forward.model as model_mod
 
-    assert Ops().linear_sumsq is None and Ops().linear_add_rmsnorm is None
+    assert Ops().linear_sumsq is None
     ops, _ = specverify_ops(None)
-    assert ops.linear_sumsq is not None and ops.linear_add_rmsnorm is not None
+    assert ops.linear_sumsq is not None
     monkeypatch.setattr(gemv_mod, "LINEAR_RULES", _ALL)
     model = VerifyModel("tiny-mla-moe", dtype=torch.bfloat16, seed=3)
     for w in model._sets.values():

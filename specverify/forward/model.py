@@ -45,13 +45,6 @@ FOLD_Q_NORM = True
 #: DeepSeek-V3 b 4 / 16k 12.521 against 12.541 ms at 4 tokens but 17.868 against 17.762 at 8: above 4 the
 #: unfolded chain.
 FOLD_Q_NORM_MAX_M = 4
-#: Fold each layer's closing residual add + RMSNorm (after the MoE / MLP allreduce) into the next MLA layer's qkv_a
-#: projection where the op table can (``linear_add_rmsnorm`` set; our GEMV then runs it where it serves the shape,
-#: :func:`specverify.gemv.gemv_add_rmsnorm`): one launch fewer per layer. Layers whose entry residual is captured
-#: (``capture_layers``) keep the norm. Off until the pass measures it on a GPU (``bench/ab_verify_pass.py
-#: --variants fused,add-fold``; an earlier form beside a q_b prologue fold lost 0.135 ms at k = 1 on 2026-12-03, the
-#: q_b part alone 2.3 us a layer). Read at each forward.
-FOLD_ADD_NORM = False
 
 
 def q_norm_foldable(w: dict) -> bool:
@@ -358,25 +351,17 @@ class VerifyModel:
         x = self.embed[(input_ids - start).clamp(0, self.embed.shape[0] - 1)] * ok.unsqueeze(-1).to(self.dtype)
         return self.allreduce(x)
 
-    def _mla(self, w, x, positions, cache, page_table, prefix_lens, tree_mask, residual=None):
-        """MLA attention of the normed hidden state ``x`` [b, k, H] -> [b, k, H]; with ``residual``, ``x`` is the
-        previous layer's (allreduced) MLP output and the residual add + this layer's RMSNorm run here, in front of
-        qkv_a (``Ops.linear_add_rmsnorm``): returns ``(out, x + residual)`` then."""
+    def _mla(self, w, x, positions, cache, page_table, prefix_lens, tree_mask):
         s, c, ops = self.shapes, self.config, self.ops
         eps = c.rms_norm_eps
         b, k, _ = x.shape
         heads = s.num_heads
         q_lora = c.q_lora_rank
-        q_fold = (FOLD_Q_NORM and b * k <= FOLD_Q_NORM_MAX_M and ops.linear_sumsq is not None
-                  and ops.mla_prep_absorb is not None and "q_b_folded" in w and x.dtype == torch.bfloat16)
-        if q_fold:
+        fold = None
+        if (FOLD_Q_NORM and b * k <= FOLD_Q_NORM_MAX_M and ops.linear_sumsq is not None
+                and ops.mla_prep_absorb is not None and "q_b_folded" in w and x.dtype == torch.bfloat16):
             check_folded_q_b(w)
-        fold = qkv = None
-        if residual is not None:  # q_sumsq None where the launch was not fused: then q_a's RMSNorm stays
-            qkv, residual, q_sumsq = ops.linear_add_rmsnorm(x, residual, w["attn_norm"], eps, w["qkv_a"],
-                                                            q_lora if q_fold else 0)
-            fold = (qkv, q_sumsq) if q_sumsq is not None else None
-        elif q_fold:  # None where our GEMV does not run qkv_a (above 8 tokens, other dtypes): the unfolded chain
+            # None where our GEMV does not run qkv_a (above 8 tokens, other dtypes): then the unfolded chain
             fold = ops.linear_sumsq(x, w["qkv_a"], q_lora)
         if fold is not None:
             # q_a's RMSNorm folded: q_b's weight carries the norm weight, the qkv_a GEMV the per-token sums of squares
@@ -385,8 +370,7 @@ class VerifyModel:
             q = qkv[..., :q_lora]
             q_b = w["q_b_folded"]
         else:
-            if qkv is None:
-                qkv = ops.linear(x, w["qkv_a"])  # [b, k, q_lora + kv_lora + rope]: q_a and kv_a in one GEMM
+            qkv = ops.linear(x, w["qkv_a"])  # [b, k, q_lora + kv_lora + rope]: q_a and kv_a in one GEMM
             q = ops.rmsnorm(qkv[..., :q_lora], w["q_a_norm"], eps)
             q_b = w["q_b"]  # [heads, nope + rope, q_lora]
         q = ops.linear(q, q_b.reshape(-1, q_b.shape[-1])).view(b, k, heads, q_b.shape[1])  # [b, k, heads, nope + rope]
@@ -403,8 +387,7 @@ class VerifyModel:
         q_pe = q[..., c.qk_nope_head_dim:]  # a view: the attention kernels take strided queries
         sm_scale = 1.0 / math.sqrt(c.qk_nope_head_dim + c.qk_rope_head_dim)
         o_latent = ops.attention_mla(q_latent, q_pe, cache[0], page_table, prefix_lens, tree_mask, sm_scale)
-        out = ops.linear(ops.mla_up_v(o_latent, w["w_uv"]), w["o"])
-        return out if residual is None else (out, residual)
+        return ops.linear(ops.mla_up_v(o_latent, w["w_uv"]), w["o"])
 
     def _gqa(self, w, x, positions, cache, page_table, prefix_lens, tree_mask):
         s, c, ops = self.shapes, self.config, self.ops
@@ -484,37 +467,20 @@ class VerifyModel:
         with self.section("embedding"):
             residual = self.embed_tokens(input_ids)
             h = ops.rmsnorm(residual, self.layers[0]["attn_norm"], eps)
-        mla = self.config.attention == "mla"
-        attn = self._mla if mla else self._gqa
-        # the closing add + RMSNorm of a layer goes into the next MLA layer's qkv_a (FOLD_ADD_NORM)
-        fold_norm = FOLD_ADD_NORM and mla and ops.linear_add_rmsnorm is not None
-        pending = None  # the previous layer's allreduced MLP output, its add + RMSNorm not run yet
+        attn = self._mla if self.config.attention == "mla" else self._gqa
         aux = []
         for layer in range(self.num_layers):
-            w = self.layers[layer]
-            if pending is not None and layer in capture_layers:  # the drafter reads the entry residual
-                with self.section("allreduce"):
-                    h, residual = ops.add_rmsnorm(pending, residual, w["attn_norm"], eps)
-                pending = None
             if layer in capture_layers:
                 aux.append(residual)
+            w = self.layers[layer]
             with self.section("attention"):
-                if pending is not None:
-                    a, residual = self._mla(w, pending, positions, kv_caches[layer], page_table, prefix_lens,
-                                            tree_mask, residual=residual)
-                    pending = None
-                else:
-                    a = attn(w, h, positions, kv_caches[layer], page_table, prefix_lens, tree_mask)
+                a = attn(w, h, positions, kv_caches[layer], page_table, prefix_lens, tree_mask)
             with self.section("allreduce"):  # allreduce, residual add and the next RMSNorm
                 h, residual = ops.add_rmsnorm(self.allreduce(a), residual, w["mlp_norm"], eps)
             m = self._mlp(w, h)
-            last = layer + 1 == self.num_layers
+            nxt = self.layers[layer + 1]["attn_norm"] if layer + 1 < self.num_layers else self.final_norm
             with self.section("allreduce"):
-                if fold_norm and not last:
-                    pending = self.allreduce(m)
-                else:
-                    h, residual = ops.add_rmsnorm(self.allreduce(m), residual,
-                                                  self.final_norm if last else self.layers[layer + 1]["attn_norm"], eps)
+                h, residual = ops.add_rmsnorm(self.allreduce(m), residual, nxt, eps)
         with self.section("lm_head"):
             logits = self.ops.linear(h, self.lm_head)
             logits = logits if logits.dtype == torch.float64 else logits.float()

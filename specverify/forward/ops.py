@@ -40,12 +40,6 @@ linear_sumsq         x [..., K], w [N, K], cols -> (x @ w.T, partials fp32 [P, M
                      token's sum of squares of its first ``cols`` outputs as stored, or None where the projection
                      has no such epilogue at this shape (nothing launched); with ``mla_prep_absorb`` set, the forward
                      folds q_a's RMSNorm away through it (:data:`specverify.forward.model.FOLD_Q_NORM`); None: never
-linear_add_rmsnorm   x [..., K], residual [..., K], norm_w [K], eps, w [N, K], cols -> (rmsnorm(x + residual) *
-                     norm_w @ w.T, x + residual, partials or None): the residual add and RMSNorm in front of a
-                     projection, one launch where our GEMV serves the shape, else the norm then ``linear``;
-                     ``partials`` as ``linear_sumsq`` gives them when ``cols`` > 0 and the launch was fused (None:
-                     the caller keeps q_a's RMSNorm). The forward folds each layer's closing add + RMSNorm into the
-                     next MLA layer's qkv_a through it (:data:`specverify.forward.model.FOLD_ADD_NORM`); None: never
 mla_prep_absorb      q, kv, positions, norm_w, w_uk, cache, page_table, prefix_lens, eps, theta, nope
                      [, q_sumsq=, q_dim=] -> q_latent: mla_prep then mla_absorb_q in one launch; with the keywords
                      (only when ``linear_sumsq`` is set) q is q_b's output over ``q_b_folded`` and q_a's RMSNorm
@@ -128,8 +122,6 @@ class Ops:
     linear: Callable = None  # (x [..., K], w [N, K]) -> x @ w.T: the projections that may leave cuBLAS
     # a fusion (q_a's RMSNorm folded away, with mla_prep_absorb's q_sumsq); None: the forward runs the norm
     linear_sumsq: Callable = None  # (x, w, cols) -> (x @ w.T, partials fp32 [P, M]) or None (not served here)
-    # a fusion (the add + RMSNorm before a projection); None: the forward runs add_rmsnorm then linear
-    linear_add_rmsnorm: Callable = None  # (x, residual, norm_w, eps, w, cols) -> (y, x + residual, partials | None)
     # a fusion; None: the forward composes mla_prep and mla_absorb_q. (q, kv, positions, norm_w, w_uk, cache, pt,
     # prefix, eps, theta, nope, q_sumsq=None, q_dim=None) -> q_latent; the keywords only with linear_sumsq set
     mla_prep_absorb: Callable = None
@@ -303,18 +295,9 @@ def specverify_ops(model):
         ops.pieces["small_ops"] = "triton"
     else:
         missing.append(why)
-    fns, why = _try("specverify.gemv", "linear", "linear_sumsq", "linear_add_rmsnorm")
+    fns, why = _try("specverify.gemv", "linear", "linear_sumsq")
     if fns:
-        ops.linear, ops.linear_sumsq, fused_add_rmsnorm = fns
-
-        def linear_add_rmsnorm(x, residual, norm_w, eps, w, cols):
-            got = fused_add_rmsnorm(x, residual, norm_w, eps, w, cols)
-            if got is not None:
-                return got
-            h, res = ops.add_rmsnorm(x, residual, norm_w, eps)  # cuBLAS's shape: the norm kernel, then the GEMM
-            return ops.linear(h, w), res, None
-
-        ops.linear_add_rmsnorm = linear_add_rmsnorm
+        ops.linear, ops.linear_sumsq = fns
         ops.pieces["projections"] = "triton gemv where faster, else cuBLAS"
     else:
         missing.append(why)

@@ -33,7 +33,9 @@ k = 3 / 4 / 6 / 8), the router on our split-K GEMV at 3-8 tokens (`router-gemv-m
 k = 3 / 4 / 8), the MoE block's shared-expert down computed while its programs route (`shared-early`: 0.06 / 0.08
 ms slower at k = 1 / 2), the MoE block's routing waiting on the router tiles' count with the routing stored once
 (`router-wait+store-last` 0.28 / 0.19 ms slower, `store-last` alone 0.04 / 0.13) and the shared expert's down rows
-sent to L2 before the PDL wait or after phase 1 (0.08 / 0.03 and 0.02 / 0.03 ms slower; bench/results/HISTORY.md).
+sent to L2 before the PDL wait or after phase 1 (0.08 / 0.03 and 0.02 / 0.03 ms slower), and on the fifth session of
+2026-12-06 the closing add + RMSNorm inside the next qkv_a GEMV (`add-fold`: 0.13 / 0.12 ms slower at k = 1 / 2) and
+the add + RMSNorm formed in the MoE block's K loops (`block-norm`: 0.60 / 1.14 ms slower; bench/results/HISTORY.md).
 
 Usage: ``python bench/ab_verify_pass.py [--model kimi-k2] [--batch 1] [--context 4096] [--tree chain]
 [--draft-tokens 1,2,4,8] [--iters 10] [--page-size 64] [--variants ...] [--kernels] [--json PATH]``.

@@ -79,6 +79,21 @@ def variants_wgmma(batch: int, ctx: int):
     return v + [("default s4", None, 4)]
 
 
+def variants_dsv3(k: int):
+    """DeepSeek-V3's verify-pass shape (16 heads a rank, batch 4, 16k, page size 1, ``topk:2`` tree): the default
+    against smaller row tiles (more M tiles reading the same KV, fewer and smaller partials), other split counts and
+    bf16 split partials (``bf16 ws``: the plan's fp32 workspace replaced by a bf16 one; the merge sums in fp32)."""
+    v = [("default", None, None), ("default bf16 ws", None, None)]
+    if 16 * k > 32:
+        v += [("M32", {"KERNEL": "mla_wgmma", "PDL": True, "BLOCK_M": 32}, None),
+              ("M32 bf16 ws", {"KERNEL": "mla_wgmma", "PDL": True, "BLOCK_M": 32}, None),
+              ("M32 s16", {"KERNEL": "mla_wgmma", "PDL": True, "BLOCK_M": 32}, 16),
+              ("default s16", None, 16), ("default s64", None, 64)]
+    if 16 * k > 16:
+        v += [("M16", {"KERNEL": "mla_wgmma", "PDL": True, "BLOCK_M": 16}, None)]
+    return v
+
+
 def write_json(path, bw):
     if not path:
         return
@@ -132,9 +147,10 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer variants per shape")
     ap.add_argument("--json", metavar="PATH", help="write the rows as JSON (rewritten after every row)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="start no new variant after this many seconds")
-    ap.add_argument("--only", choices=("latency", "bandwidth", "long", "wgmma"),
+    ap.add_argument("--only", choices=("latency", "bandwidth", "long", "wgmma", "dsv3"),
                     help="only the batch-1 4k shapes, only the batch 8 / 64 shapes, only batch 1 at 32k (split "
-                    "counts), or the Gluon wgmma kernel against the default at every shape")
+                    "counts), the Gluon wgmma kernel against the default at every shape, or DeepSeek-V3's pass shape "
+                    "(b 4, 16k, page size 1, top-2 tree, k 1 / 4 / 8) with row tiles, splits and bf16 partials")
     ap.add_argument("--resources", action="store_true", help="offline sm_90a registers/spills of the tl.dot kernel's "
                     "MLA configs (no GPU)")
     args = ap.parse_args(argv)
@@ -159,12 +175,16 @@ def main(argv=None) -> int:
     bw = copy_bandwidth_gbps()
     log(f"# copy bandwidth {bw:.0f} GB/s; {torch.cuda.get_device_name()}")
     shapes = [(1, 4096, 4, True), (1, 4096, 1, False), (8, 32768, 4, True), (64, 4096, 4, True)]
+    model = MODEL
     eps = torch.finfo(torch.bfloat16).eps
     if args.only == "long":
         shapes = [(1, 32768, 1, False), (1, 32768, 2, False), (1, 32768, 4, True)]
     elif args.only == "wgmma":
         shapes = [(64, 4096, 4, True), (8, 32768, 4, True), (1, 4096, 4, True), (1, 4096, 1, False),
                   (1, 32768, 4, True), (8, 4096, 8, True)]
+    elif args.only == "dsv3":
+        model, bta.PAGE_SIZE = "deepseek-v3", 1
+        shapes = [(4, 16384, 4, True), (4, 16384, 8, True), (4, 16384, 1, False)]
     elif args.only:
         shapes = [sh for sh in shapes if (sh[0] == 1) == (args.only == "latency")]
     for batch, ctx, k, tree in shapes:
@@ -172,7 +192,7 @@ def main(argv=None) -> int:
         if time.time() - t0 > args.budget_s:
             log(f"# budget of {args.budget_s:.0f} s spent, skipping {name}")
             continue
-        cfg, tensors, meta, _ = bta.make_inputs(MODEL, batch, ctx, k, tree)
+        cfg, tensors, meta, _ = bta.make_inputs(model, batch, ctx, k, tree)
         kv_bytes = batch * ctx * (cfg["r"] + cfg["dr"]) * 2
         args_ref = (tensors["q_latent"], tensors["q_rope"], tensors["kv_cache"], meta["page_table"],
                     meta["prefix_lens"], meta["tree_mask"], meta["sm_scale"])
@@ -181,7 +201,7 @@ def main(argv=None) -> int:
         tol = 2.0 * (low.float() - ref32).abs().max().item() + eps * max(1.0, ref32.abs().max().item())
         del low
         torch.cuda.empty_cache()
-        variants = (variants_wgmma(batch, ctx) if args.only == "wgmma" else
+        variants = (variants_wgmma(batch, ctx) if args.only == "wgmma" else variants_dsv3(k) if args.only == "dsv3" else
                     variants_long() if ctx > 4096 and batch == 1 else variants_for(batch, k, args.quick))
         for label, config, splits in variants:
             if time.time() - t0 > args.budget_s:
@@ -191,6 +211,8 @@ def main(argv=None) -> int:
                        lse_err=float("nan"), tol=tol, splits=None, note="")
             try:
                 fn, plan = bta.triton_fn(cfg, tensors, meta, batch, k, ctx, config=config, num_splits=splits)
+                if "bf16 ws" in label and plan.workspace_out is not None:
+                    plan.workspace_out = plan.workspace_out.to(torch.bfloat16)
                 out, lse = tree_attention_mla(*bta._positional(cfg, tensors), **meta, plan=plan, validate=False,
                                               return_lse=True)
                 row["err"] = (out.float() - ref32).abs().max().item()

@@ -14,7 +14,8 @@ default table), ``no-<slot>`` (one slot of ``FUSIONS`` emptied); gate/up of the 
 ``bench_moe_block.py --configs``); ``cublas-o`` (o_proj on cuBLAS again); ``router-gemv-m8`` (the router on our GEMV
 up to 8 tokens); ``no-q-fold`` (q_a's RMSNorm a launch of its own again, ``forward.model.FOLD_Q_NORM``); ``fold-m8``
 (the fold up to 8 tokens, ``FOLD_Q_NORM_MAX_M``); ``no-early-kv`` (the MLA attention's first prefix KV tile read
-after the PDL wait, not before).
+after the PDL wait, not before); ``mla-m64`` (64 query rows a program in one 64-row tile, not two of 32);
+``merge-2k-w2`` (the split merge on 2048-element tiles and 2 warps).
 Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded into the projections and
 q_a's norm in the qkv_a GEMV's last tile (slower in the pass), the split merge fused with W_UV (slower alone; again
 as latent parts a program summed by a ticket, `no-attention_mla_up_v` against it: 0.06 / 0.12 / 0.32 / 0.48 ms
@@ -66,6 +67,11 @@ VARIANTS["router-gemv-m8-w1"] = dict(off=(), linear=((8, (1, 512), (7168, 7168))
 VARIANTS["no-q-fold"] = dict(off=(), attrs=(("specverify.forward.model", "FOLD_Q_NORM", False),))
 VARIANTS["fold-m8"] = dict(off=(), attrs=(("specverify.forward.model", "FOLD_Q_NORM_MAX_M", 8),))
 VARIANTS["no-early-kv"] = dict(off=(), attrs=(("specverify.kernels.tree_attention_wgmma", "EARLY_KV", False),))
+#: the Gluon MLA kernel's 64-row programs as one 64-row tile again (``MLA_WGMMA_64_ROW_TILE``, read at plan time)
+VARIANTS["mla-m64"] = dict(off=(), attrs=(("specverify.attention", "MLA_WGMMA_64_ROW_TILE", 64),))
+#: the split merge on tiles of 2048 elements and 2 warps (``MERGE_TILE_ELEMENTS`` / ``MERGE_WARPS``)
+VARIANTS["merge-2k-w2"] = dict(off=(), attrs=(("specverify.attention", "MERGE_TILE_ELEMENTS", 2048),
+                                              ("specverify.attention", "MERGE_WARPS", 2)))
 #: GEMV launch rules tried in the pass ahead of ``specverify.gemv.SHAPE_CONFIGS``: the shape's own config (read
 #: from ``gemv_config`` at the rule's largest M and smallest N, K) with the grid at ``WAVES`` programs an SM.
 _GEMV_RULES = {"router": (1, (384, 384), (7168, 7168)), "qkv": (4, (2048, 4096), (7168, 7168)),
@@ -142,6 +148,7 @@ def main(argv=None) -> int:
         return ops, note
 
     vw._wall_ops = ops_of_variant
+    import specverify.attention as attention
     import specverify.gemv as gemv
     import specverify.moe as moe
     saved_attrs = {(mod, attr): getattr(importlib.import_module(mod), attr) for name in names
@@ -162,6 +169,7 @@ def main(argv=None) -> int:
         want = {(mod, attr): v for mod, attr, v in var.get("attrs", ())}
         for (mod, attr), v in saved_attrs.items():
             setattr(importlib.import_module(mod), attr, want.get((mod, attr), v))
+        attention._cached_plan.cache_clear()  # plans read module attributes when made
         last = i == len(order) - 1
         s = vw.WallSettings(model=args.model, batch=args.batch, context=args.context, tree=args.tree,
                             draft_tokens=args.draft_tokens, distinct_layers=args.distinct_layers,

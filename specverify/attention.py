@@ -214,11 +214,23 @@ def _choose_config(*, mla: bool, rows: int, head_dim: int, head_dim_v: int, inte
     }
 
 
+#: Row tile of the Gluon MLA kernel where a program would hold exactly 64 query rows (DeepSeek-V3 k 4, Kimi-K2 k 8):
+#: two 32-row tiles. Each split then writes half the fp32 partials (the split count halves with the doubled M
+#: tiles), and the partial store, which every program makes at its end with no KV stream left to overlap, is the
+#: largest cost above the KV read at these rows. H100, attention + merge, µs (`sweep_attention.py --only dsv3`, a
+#: scratch probe of the kernel's parts; bench/results/HISTORY.md): DeepSeek-V3 b 4 / 16k / page 1 / top-2 tree k 4
+#: 42.6 against 46.5 (the split kernel alone 38.1 / 38.4, the merge 4.5 / 8.1); Kimi-K2 b 1 / 4k k 8 11.9 / 13.1,
+#: b 8 / 4k 24.5 / 28.5, b 1 / 32k 27.3 / 27.8. At 128 rows two 64-row tiles stay (DeepSeek-V3 k 8: 63.4 against
+#: 71.5 for four 32-row tiles). Read at plan time (an A/B sets it to 64 and clears the plan cache).
+MLA_WGMMA_64_ROW_TILE = 32
+
+
 def _choose_wgmma_config(base: dict, *, mla: bool, rows: int, head_dim: int, head_dim_v: int,
                          interpret: bool, device: torch.device | None = None) -> dict:
-    """Geometry of the Gluon wgmma MLA kernel: 64 KV tokens (wgmma M) x BLOCK_M query rows (wgmma N, 16..64),
-    ``num_stages`` KV buffers (2: 188 KiB of shared memory at 32 rows). Warps unless the config names them: 4 up
-    to 32 rows, 8 for 64; a 32-row tile takes 8 on a CUDA ``device`` where 4 spill (:func:`_wgmma_warps_32`)."""
+    """Geometry of the Gluon wgmma MLA kernel: 64 KV tokens (wgmma M) x BLOCK_M query rows (wgmma N, 16..64; exactly
+    64 rows take two tiles of ``MLA_WGMMA_64_ROW_TILE``), ``num_stages`` KV buffers (2: 188 KiB of shared memory at
+    32 rows). Warps unless the config names them: 4 up to 32 rows, 8 for 64; a 32-row tile takes 8 on a CUDA
+    ``device`` where 4 spill (:func:`_wgmma_warps_32`)."""
     if not mla or head_dim != head_dim_v or head_dim % 64:
         raise ValueError("config KERNEL='mla_wgmma' is for tree_attention_mla with a kv_lora_rank that is a multiple "
                          f"of 64 (value = latent), got head_dim {head_dim}, head_dim_v {head_dim_v}; drop KERNEL")
@@ -233,7 +245,8 @@ def _choose_wgmma_config(base: dict, *, mla: bool, rows: int, head_dim: int, hea
     if extra:
         raise ValueError(f"config KERNEL='mla_wgmma' does not take {sorted(extra)} (one value tile, its own "
                          "double-buffered copies); drop them")
-    block_m = int(base.get("BLOCK_M") or min(64, _next_pow2(max(16, rows))))
+    block_m = int(base.get("BLOCK_M") or (MLA_WGMMA_64_ROW_TILE if rows == 64 else
+                                          min(64, _next_pow2(max(16, rows)))))
     block_n = int(base.get("BLOCK_N", 64))
     stages = int(base.get("num_stages", 2))
     if block_m not in (16, 32, 64) or block_n != 64 or stages != 2:
@@ -702,16 +715,23 @@ def _launch(*, q, qr, kc, vc, k_strides, v_strides, page_table, prefix_lens, tre
         _launch_merge(kernels, ws_o, ws_lse, out, lse, batch=batch, k=k, hq=hq, dv=dv, splits=splits, pdl=pdl)
 
 
+#: The split merge's tile: ``MERGE_TILE_ELEMENTS`` / splits value columns a program, ``MERGE_WARPS`` warps (read at
+#: each launch, so an A/B can change them)
+MERGE_TILE_ELEMENTS = 4096
+MERGE_WARPS = 4
+
+
 def _launch_merge(kernels, ws_o, ws_lse, out, lse, *, batch, k, hq, dv, splits, pdl):
-    """The split-KV merge launch (one program per output row and value tile of up to 4096 / splits columns)."""
+    """The split-KV merge launch (one program per output row and value tile of up to ``MERGE_TILE_ELEMENTS`` /
+    splits columns)."""
     store_lse = lse is not None
     block_s = _next_pow2(max(2, splits))
-    block_dv = min(_next_pow2(max(16, dv)), max(16, 4096 // block_s))
+    block_dv = min(_next_pow2(max(16, dv)), max(16, MERGE_TILE_ELEMENTS // block_s))
     kernels._tree_attention_merge_kernel[(batch * k * hq, _cdiv(dv, block_dv))](
         ws_o, ws_lse, out, lse if store_lse else out,
         out.stride(0), out.stride(1), out.stride(2),
         NUM_DRAFT=k, NUM_Q_HEADS=hq, NUM_SPLITS=splits, DV=dv, BLOCK_S=block_s, BLOCK_DV=block_dv,
-        STORE_LSE=store_lse, PDL=bool(pdl), num_warps=4, num_stages=1, **pdl,
+        STORE_LSE=store_lse, PDL=bool(pdl), num_warps=MERGE_WARPS, num_stages=1, **pdl,
     )
 
 

@@ -376,6 +376,30 @@ def test_mla_wgmma_config_errors(kwargs, match):
         _choose_config(rows=32, head_dim=512, head_dim_v=512 if kwargs["mla"] else 128, **kwargs)
 
 
+@pytest.mark.parametrize("rows, tile, block_m, m_tiles", [
+    (64, 32, 32, 2),  # DeepSeek-V3 k 4 / Kimi-K2 k 8: two 32-row tiles
+    (64, 64, 64, 1),  # the A/B's setting: one 64-row tile
+    (128, 32, 64, 2),  # 128 rows keep 64-row tiles
+    (32, 32, 32, 1),
+    (16, 32, 16, 1),
+])
+def test_mla_wgmma_64_row_rule(monkeypatch, rows, tile, block_m, m_tiles):
+    """Exactly 64 query rows a program take two tiles of ``MLA_WGMMA_64_ROW_TILE`` rows; other row counts the next
+    power of two up to 64; a config's BLOCK_M wins."""
+    import specverify.attention as attention
+
+    if not attention._wgmma_kernels().AVAILABLE:
+        pytest.skip(attention._wgmma_kernels().UNAVAILABLE_REASON)
+    monkeypatch.setattr(attention, "MLA_WGMMA_64_ROW_TILE", tile)
+    cfg = attention._choose_config(mla=True, interpret=False, config={"KERNEL": "mla_wgmma"}, rows=rows,
+                                   head_dim=512, head_dim_v=512)
+    assert (cfg["BLOCK_M"], cfg["M_TILES"]) == (block_m, m_tiles)
+    assert cfg["num_warps"] == (8 if block_m == 64 else 4)
+    cfg = attention._choose_config(mla=True, interpret=False, config={"KERNEL": "mla_wgmma", "BLOCK_M": 64},
+                                   rows=rows, head_dim=512, head_dim_v=512)
+    assert cfg["BLOCK_M"] == 64
+
+
 def test_mla_wgmma_default_rule():
     """The wgmma kernel is the MLA default only on a CUDA device with a 64-dim rope and a latent of 64-col blocks."""
     from specverify.attention import _wgmma_default

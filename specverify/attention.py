@@ -715,23 +715,16 @@ def _launch(*, q, qr, kc, vc, k_strides, v_strides, page_table, prefix_lens, tre
         _launch_merge(kernels, ws_o, ws_lse, out, lse, batch=batch, k=k, hq=hq, dv=dv, splits=splits, pdl=pdl)
 
 
-#: The split merge's tile: ``MERGE_TILE_ELEMENTS`` / splits value columns a program, ``MERGE_WARPS`` warps (read at
-#: each launch, so an A/B can change them)
-MERGE_TILE_ELEMENTS = 4096
-MERGE_WARPS = 4
-
-
 def _launch_merge(kernels, ws_o, ws_lse, out, lse, *, batch, k, hq, dv, splits, pdl):
-    """The split-KV merge launch (one program per output row and value tile of up to ``MERGE_TILE_ELEMENTS`` /
-    splits columns)."""
+    """The split-KV merge launch (one program per output row and value tile of up to 4096 / splits columns)."""
     store_lse = lse is not None
     block_s = _next_pow2(max(2, splits))
-    block_dv = min(_next_pow2(max(16, dv)), max(16, MERGE_TILE_ELEMENTS // block_s))
+    block_dv = min(_next_pow2(max(16, dv)), max(16, 4096 // block_s))
     kernels._tree_attention_merge_kernel[(batch * k * hq, _cdiv(dv, block_dv))](
         ws_o, ws_lse, out, lse if store_lse else out,
         out.stride(0), out.stride(1), out.stride(2),
         NUM_DRAFT=k, NUM_Q_HEADS=hq, NUM_SPLITS=splits, DV=dv, BLOCK_S=block_s, BLOCK_DV=block_dv,
-        STORE_LSE=store_lse, PDL=bool(pdl), num_warps=MERGE_WARPS, num_stages=1, **pdl,
+        STORE_LSE=store_lse, PDL=bool(pdl), num_warps=4, num_stages=1, **pdl,
     )
 
 

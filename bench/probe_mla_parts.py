@@ -1,0 +1,147 @@
+"""Probe: where the Gluon MLA kernel's time goes at a shape, by timing copies of the kernel with one part removed.
+
+Each probe is the installed ``tree_attention_wgmma.py`` with one edit, written to a temporary file and imported in
+place of the package's module (the launcher in ``specverify.attention`` then launches it), so the package itself is
+never changed:
+
+- ``full``: the kernel as it is, split kernel and merge (``split-only``: the merge launch skipped);
+- ``compute-only``: no KV copies after the prologue's first tile (the MMAs read stale tiles);
+- ``copies-only``: no MMAs (the scores are zero; copies, softmax and stores stay);
+- ``no-store``: no store of the split partials (the output is dead, so the compiler may also drop the value MMA);
+- ``bf16 ws``: bf16 split partials (the plan's fp32 workspace replaced; the merge sums in fp32).
+
+Outputs of probes other than ``full`` are wrong by construction; only ``full`` rows are checked against the fp32
+reference (``err``). Time: µs per call by CUDA-graph replay (20 calls, best of 3, ``graph_us``); ``bw%`` = KV bytes /
+time / copy bandwidth of the same run.
+
+Shapes: DeepSeek-V3 b 4 / 16k / page size 1 / top-2 tree at k 4 and 8 (its verify pass), Kimi-K2 b 1 / 4k / page size
+64 / chain at k 8, each at the plan's default row tile and at ``--tiles`` (default 64: one 64-row tile).
+
+Usage: ``python bench/probe_mla_parts.py [--json PATH] [--tiles 64]``. Needs a CUDA sm_90 GPU and Gluon (Triton 3.6+).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+#: (marker text in the kernel source, replacement) for each probe; every marker must be found
+_EDITS = {
+    "compute-only": [("            if start + (i + NUM_BUF - 1) * BLOCK_N < end:",
+                      "            if (start + (i + NUM_BUF - 1) * BLOCK_N < end) and False:")],
+    "copies-only": [("            s = warpgroup_mma(k_lat, q_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)\n"
+                     "            s = warpgroup_mma(kv_rope.index(buf), qr_smem.permute((1, 0)), s, is_async=True)\n"
+                     "            s = warpgroup_mma_wait(0, deps=(s, ))\n",
+                     "            s = s_zero\n"),
+                    ("            acc = warpgroup_mma(k_lat.permute((1, 0)), p_smem, acc, is_async=True)\n"
+                     "            acc = warpgroup_mma_wait(0, deps=(acc, ))\n", "")],
+    "no-store": [("            gl.store(WS_O + ws_rows[None, :] * D + offs_d[:, None], out.to(WS_O.dtype.element_ty),\n"
+                  "                     mask=ro_valid[None, :])\n", "")],
+}
+
+
+def _probe_module(name: str, source: str, tmp: str):
+    """The kernel module with probe ``name``'s edits, imported from a file in ``tmp``."""
+    for old, new in _EDITS.get(name, ()):
+        if old not in source:
+            raise RuntimeError(f"probe {name!r}: the kernel source no longer has the text it edits; update _EDITS")
+        source = source.replace(old, new)
+    path = os.path.join(tmp, f"mla_probe_{name.replace('-', '_')}.py")
+    with open(path, "w") as fh:
+        fh.write(source)
+    spec = importlib.util.spec_from_file_location(f"mla_probe_{name.replace('-', '_')}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--tiles", type=int, default=64, help="the other row tile to probe beside the plan's default")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("probe_mla_parts: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import triton
+
+    import bench_tree_attention as bta
+    import specverify.attention as attention
+    from specverify.benchmarking import copy_bandwidth_gbps, git_commit, graph_us
+    from specverify.kernels import tree_attention_wgmma as wg
+    from specverify.reference.attention import tree_attention_mla_reference
+
+    if not wg.AVAILABLE:
+        print(f"probe_mla_parts: {wg.UNAVAILABLE_REASON}", file=sys.stderr)
+        return 2
+    source = open(wg.__file__).read()
+    bw = copy_bandwidth_gbps()
+    print(f"# copy bandwidth {bw:.0f} GB/s; {torch.cuda.get_device_name()}", flush=True)
+    merge = attention._launch_merge
+    rows = []
+    other = {"KERNEL": "mla_wgmma", "PDL": True, "BLOCK_M": args.tiles}
+    shapes = [("deepseek-v3", 4, 16384, 4, True, 1), ("deepseek-v3", 4, 16384, 8, True, 1),
+              ("kimi-k2", 1, 4096, 8, False, 64)]
+    probes = [("full", "full", True, False), ("split-only", "full", False, False),
+              ("compute-only", "compute-only", False, False), ("copies-only", "copies-only", False, False),
+              ("no-store", "no-store", False, False), ("full bf16 ws", "full", True, True),
+              ("split-only bf16 ws", "full", False, True)]
+    original = attention._wgmma_kernels
+    with tempfile.TemporaryDirectory() as tmp:
+        mods = {name: _probe_module(name, source, tmp) for name in ("full", *_EDITS)}
+        try:
+            for model, batch, ctx, k, tree, page in shapes:
+                bta.PAGE_SIZE = page
+                cfg, tensors, meta, _ = bta.make_inputs(model, batch, ctx, k, tree)
+                ref = tree_attention_mla_reference(tensors["q_latent"], tensors["q_rope"], tensors["kv_cache"],
+                                                   meta["page_table"], meta["prefix_lens"], meta["tree_mask"],
+                                                   meta["sm_scale"])
+                kv_bytes = batch * ctx * (cfg["r"] + cfg["dr"]) * 2
+                shape = f"{model} b{batch} c{ctx} p{page} k{k}{'t' if tree else ''}"
+                tiles = [("default", None)]
+                if bta.triton_fn(cfg, tensors, meta, batch, k, ctx)[1].config["BLOCK_M"] != args.tiles:
+                    tiles.append((f"M{args.tiles}", other))
+                for tile_label, config in tiles:
+                    for label, mod, with_merge, bf16 in probes:
+                        attention._wgmma_kernels = lambda m=mods[mod]: m
+                        attention._launch_merge = merge if with_merge else (lambda *a, **kw: None)
+                        fn, plan = bta.triton_fn(cfg, tensors, meta, batch, k, ctx, config=config)
+                        if bf16:
+                            if plan.workspace_out is None:
+                                continue
+                            plan.workspace_out = plan.workspace_out.to(torch.bfloat16)
+                        err = float("nan")
+                        if label.startswith("full"):
+                            out = attention.tree_attention_mla(*bta._positional(cfg, tensors), **meta, plan=plan,
+                                                               validate=False)
+                            err = (out.float() - ref).abs().max().item()
+                        us = graph_us(fn, calls=20, repeats=3)
+                        pc = plan.config
+                        rows.append(dict(shape=shape, tile=tile_label, probe=label, us=us, err=err,
+                                         bw_pct=100.0 * kv_bytes / (us * 1e-6) / (bw * 1e9), splits=plan.num_splits,
+                                         block_m=pc["BLOCK_M"], num_warps=pc["num_warps"]))
+                        print(f"  {shape:<34} {tile_label:<8} {label:<20} {us:8.2f} us  bw {rows[-1]['bw_pct']:5.1f}%"
+                              f"  err {err:.3g}  S{plan.num_splits} M{pc['BLOCK_M']} w{pc['num_warps']}", flush=True)
+                del tensors, meta, ref
+                torch.cuda.empty_cache()
+        finally:
+            attention._wgmma_kernels = original
+            attention._launch_merge = merge
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                           commit=git_commit(__file__), date=datetime.datetime.now().isoformat(timespec="seconds"),
+                           copy_gbps=bw, rows=rows), fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -201,7 +201,8 @@ def main(argv=None) -> int:
         tol = 2.0 * (low.float() - ref32).abs().max().item() + eps * max(1.0, ref32.abs().max().item())
         del low
         torch.cuda.empty_cache()
-        variants = (variants_wgmma(batch, ctx) if args.only == "wgmma" else variants_dsv3(k) if args.only == "dsv3" else
+        variants = (variants_wgmma(batch, ctx) if args.only == "wgmma" else
+                    variants_dsv3(k) if args.only == "dsv3" else
                     variants_long() if ctx > 4096 and batch == 1 else variants_for(batch, k, args.quick))
         for label, config, splits in variants:
             if time.time() - t0 > args.budget_s:

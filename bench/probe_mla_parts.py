@@ -33,18 +33,19 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+_I = " " * 12  # the kernel loop's indent
 #: (marker text in the kernel source, replacement) for each probe; every marker must be found
 _EDITS = {
-    "compute-only": [("            if start + (i + NUM_BUF - 1) * BLOCK_N < end:",
-                      "            if (start + (i + NUM_BUF - 1) * BLOCK_N < end) and False:")],
-    "copies-only": [("            s = warpgroup_mma(k_lat, q_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)\n"
-                     "            s = warpgroup_mma(kv_rope.index(buf), qr_smem.permute((1, 0)), s, is_async=True)\n"
-                     "            s = warpgroup_mma_wait(0, deps=(s, ))\n",
-                     "            s = s_zero\n"),
-                    ("            acc = warpgroup_mma(k_lat.permute((1, 0)), p_smem, acc, is_async=True)\n"
-                     "            acc = warpgroup_mma_wait(0, deps=(acc, ))\n", "")],
-    "no-store": [("            gl.store(WS_O + ws_rows[None, :] * D + offs_d[:, None], out.to(WS_O.dtype.element_ty),\n"
-                  "                     mask=ro_valid[None, :])\n", "")],
+    "compute-only": [(_I + "if start + (i + NUM_BUF - 1) * BLOCK_N < end:",
+                      _I + "if (start + (i + NUM_BUF - 1) * BLOCK_N < end) and False:")],
+    "copies-only": [(_I + "s = warpgroup_mma(k_lat, q_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)\n"
+                     + _I + "s = warpgroup_mma(kv_rope.index(buf), qr_smem.permute((1, 0)), s, is_async=True)\n"
+                     + _I + "s = warpgroup_mma_wait(0, deps=(s, ))\n",
+                     _I + "s = s_zero\n"),
+                    (_I + "acc = warpgroup_mma(k_lat.permute((1, 0)), p_smem, acc, is_async=True)\n"
+                     + _I + "acc = warpgroup_mma_wait(0, deps=(acc, ))\n", "")],
+    "no-store": [(_I + "gl.store(WS_O + ws_rows[None, :] * D + offs_d[:, None], out.to(WS_O.dtype.element_ty),\n"
+                  + _I + "         mask=ro_valid[None, :])\n", "")],
 }
 
 

@@ -94,6 +94,11 @@ def variants_dsv3(k: int):
     return v
 
 
+def variants_rows64():
+    """64 query rows a program (two 32-row tiles): the split count, which sets the partials' bytes."""
+    return [("default", None, None)] + [(f"s{n}", None, n) for n in (8, 16, 24, 32, 48, 64)]
+
+
 def write_json(path, bw):
     if not path:
         return
@@ -147,10 +152,11 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer variants per shape")
     ap.add_argument("--json", metavar="PATH", help="write the rows as JSON (rewritten after every row)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="start no new variant after this many seconds")
-    ap.add_argument("--only", choices=("latency", "bandwidth", "long", "wgmma", "dsv3"),
+    ap.add_argument("--only", choices=("latency", "bandwidth", "long", "wgmma", "dsv3", "rows64"),
                     help="only the batch-1 4k shapes, only the batch 8 / 64 shapes, only batch 1 at 32k (split "
                     "counts), the Gluon wgmma kernel against the default at every shape, or DeepSeek-V3's pass shape "
-                    "(b 4, 16k, page size 1, top-2 tree, k 1 / 4 / 8) with row tiles, splits and bf16 partials")
+                    "(b 4, 16k, page size 1, top-2 tree, k 1 / 4 / 8) with row tiles, splits and bf16 partials, or "
+                    "split counts at 64 query rows (Kimi-K2 b 1 / 4k k 8, DeepSeek-V3 b 4 / 16k k 4)")
     ap.add_argument("--resources", action="store_true", help="offline sm_90a registers/spills of the tl.dot kernel's "
                     "MLA configs (no GPU)")
     args = ap.parse_args(argv)
@@ -185,10 +191,16 @@ def main(argv=None) -> int:
     elif args.only == "dsv3":
         model, bta.PAGE_SIZE = "deepseek-v3", 1
         shapes = [(4, 16384, 4, True), (4, 16384, 8, True), (4, 16384, 1, False)]
+    elif args.only == "rows64":
+        shapes = [("kimi-k2", 64, 1, 4096, 8, False), ("deepseek-v3", 1, 4, 16384, 4, True)]
     elif args.only:
         shapes = [sh for sh in shapes if (sh[0] == 1) == (args.only == "latency")]
-    for batch, ctx, k, tree in shapes:
-        name = f"b{batch} c{ctx} k{k}{'t' if tree else ''}"
+    for shape in shapes:
+        if len(shape) == 6:  # (model, page size, batch, context, k, tree)
+            model, bta.PAGE_SIZE = shape[:2]
+            shape = shape[2:]
+        batch, ctx, k, tree = shape
+        name = f"{model[:4]} b{batch} c{ctx} k{k}{'t' if tree else ''}"
         if time.time() - t0 > args.budget_s:
             log(f"# budget of {args.budget_s:.0f} s spent, skipping {name}")
             continue
@@ -202,7 +214,7 @@ def main(argv=None) -> int:
         del low
         torch.cuda.empty_cache()
         variants = (variants_wgmma(batch, ctx) if args.only == "wgmma" else
-                    variants_dsv3(k) if args.only == "dsv3" else
+                    variants_dsv3(k) if args.only == "dsv3" else variants_rows64() if args.only == "rows64" else
                     variants_long() if ctx > 4096 and batch == 1 else variants_for(batch, k, args.quick))
         for label, config, splits in variants:
             if time.time() - t0 > args.budget_s:

@@ -185,6 +185,7 @@ def main(argv=None) -> int:
     gemv.LINEAR_RULES = saved_linear
     for (mod, attr), v in saved_attrs.items():
         setattr(importlib.import_module(mod), attr, v)
+    attention._cached_plan.cache_clear()
     print("\nms (efficiency vs the bytes floor), mean of the two passes:")
     ks = args.draft_tokens
     print(f"{'variant':>10} " + " ".join(f"{'k=' + str(k):>16}" for k in ks))

@@ -7,12 +7,14 @@ never changed:
 - ``full``: the kernel as it is, split kernel and merge (``split-only``: the merge launch skipped);
 - ``compute-only``: no KV copies after the prologue's first tile (the MMAs read stale tiles);
 - ``copies-only``: no MMAs (the scores are zero; copies, softmax and stores stay);
-- ``no-store``: no store of the split partials (the output is dead, so the compiler may also drop the value MMA);
+- ``no-store``: no store of the split partial outputs (their lse still stored; the output is dead, so the compiler may
+  also drop the value MMA; a plan of one split, which stores no partials, is unchanged);
 - ``bf16 ws``: bf16 split partials (the plan's fp32 workspace replaced; the merge sums in fp32).
 
-Outputs of probes other than ``full`` are wrong by construction; only ``full`` rows are checked against the fp32
-reference (``err``). Time: µs per call by CUDA-graph replay (20 calls, best of 3, ``graph_us``); ``bw%`` = KV bytes /
-time / copy bandwidth of the same run.
+Outputs of probes other than ``full`` are wrong by construction; ``full`` rows record ``err`` = max |out - ref|
+against the fp32 reference (recorded, not judged: ``sweep_attention.py`` checks these plans against its tolerance).
+Time: µs per call by CUDA-graph replay (20 calls, best of 3, ``graph_us``); ``bw%`` = KV bytes / time / copy
+bandwidth of the same run.
 
 Shapes: DeepSeek-V3 b 4 / 16k / page size 1 / top-2 tree at k 4 and 8 (its verify pass), Kimi-K2 b 1 / 4k / page size
 64 / chain at k 8, each at the plan's default row tile and at ``--tiles`` (default 64: one 64-row tile).

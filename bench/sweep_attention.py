@@ -14,9 +14,15 @@ tol is marked WRONG. Time: µs per call by CUDA-graph replay (20 calls per graph
 ``specverify.benchmarking.graph_us``). ``bw% = KV bytes / time / copy_bw`` with KV bytes = batch x context x 576 x 2
 and ``copy_bw`` a 1 GiB device-to-device copy (``2 * bytes / time``) measured in the same run.
 
-Usage: ``python bench/sweep_attention.py [--quick] [--json PATH] [--budget-s S] [--only latency|bandwidth|long|wgmma]
-[--resources]``; prints a table last. ``--quick``: fewer variants per shape. ``--only``: the batch-1 shapes, the
-batch 8 / 64 shapes, batch 1 at 32k, or every shape with the wgmma split counts. ``--resources`` needs no GPU: it
+Two more sets: ``--only dsv3`` (DeepSeek-V3's verify-pass shape: 16 heads, batch 4, 16k, page size 1, top-2 tree at
+k 4 / 8 / 1, with other row tiles, split counts and bf16 split partials) and ``--only rows64`` (split counts at 64
+query rows: Kimi-K2 b 1 / 4k / page 64 / chain k 8 and DeepSeek-V3 b 4 / 16k / page 1 / tree k 4). A variant whose
+plan (kernel, row tile, splits, partials' dtype) equals one already timed at the shape is skipped.
+
+Usage: ``python bench/sweep_attention.py [--quick] [--json PATH] [--budget-s S] [--only
+latency|bandwidth|long|wgmma|dsv3|rows64] [--resources]``; prints a table last. ``--quick``: fewer variants per
+shape. ``--only``: the batch-1 shapes, the batch 8 / 64 shapes, batch 1 at 32k, every shape with the wgmma split
+counts, or the two sets above. ``--resources`` needs no GPU: it
 compiles the tl.dot kernel's MLA configs for sm_90a here and prints registers, spilled bytes, shared memory and
 whether wgmma is used. ``--budget-s``: start no new
 variant after S seconds (default 420), so one device call stays bounded; the JSON is rewritten after every row, so a
@@ -81,13 +87,14 @@ def variants_wgmma(batch: int, ctx: int):
 
 def variants_dsv3(k: int):
     """DeepSeek-V3's verify-pass shape (16 heads a rank, batch 4, 16k, page size 1, ``topk:2`` tree): the default
-    against smaller row tiles (more M tiles reading the same KV, fewer and smaller partials), other split counts and
-    bf16 split partials (``bf16 ws``: the plan's fp32 workspace replaced by a bf16 one; the merge sums in fp32)."""
+    against other row tiles (at 64 rows one 64-row tile instead of the plan's two 32-row tiles; at 128 rows four
+    32-row tiles instead of two 64-row ones; 16-row tiles), other split counts and bf16 split partials (``bf16 ws``:
+    the plan's fp32 workspace replaced by a bf16 one; the merge sums in fp32)."""
     v = [("default", None, None), ("default bf16 ws", None, None)]
-    if 16 * k > 32:
-        v += [("M32", {"KERNEL": "mla_wgmma", "PDL": True, "BLOCK_M": 32}, None),
-              ("M32 bf16 ws", {"KERNEL": "mla_wgmma", "PDL": True, "BLOCK_M": 32}, None),
-              ("M32 s16", {"KERNEL": "mla_wgmma", "PDL": True, "BLOCK_M": 32}, 16),
+    if 16 * k >= 64:
+        alt = 64 if 16 * k == 64 else 32
+        cfg = {"KERNEL": "mla_wgmma", "PDL": True, "BLOCK_M": alt}
+        v += [(f"M{alt}", cfg, None), (f"M{alt} bf16 ws", cfg, None), (f"M{alt} s16", cfg, 16),
               ("default s16", None, 16), ("default s64", None, 64)]
     if 16 * k > 16:
         v += [("M16", {"KERNEL": "mla_wgmma", "PDL": True, "BLOCK_M": 16}, None)]
@@ -200,7 +207,7 @@ def main(argv=None) -> int:
             model, bta.PAGE_SIZE = shape[:2]
             shape = shape[2:]
         batch, ctx, k, tree = shape
-        name = f"{model[:4]} b{batch} c{ctx} k{k}{'t' if tree else ''}"
+        name = f"{model[:4] + ' ' if args.only in ('dsv3', 'rows64') else ''}b{batch} c{ctx} k{k}{'t' if tree else ''}"
         if time.time() - t0 > args.budget_s:
             log(f"# budget of {args.budget_s:.0f} s spent, skipping {name}")
             continue
@@ -216,6 +223,7 @@ def main(argv=None) -> int:
         variants = (variants_wgmma(batch, ctx) if args.only == "wgmma" else
                     variants_dsv3(k) if args.only == "dsv3" else variants_rows64() if args.only == "rows64" else
                     variants_long() if ctx > 4096 and batch == 1 else variants_for(batch, k, args.quick))
+        timed = {}  # (kernel, row tile, splits, bf16 partials) -> the variant that timed it
         for label, config, splits in variants:
             if time.time() - t0 > args.budget_s:
                 log(f"# budget of {args.budget_s:.0f} s spent, skipping {name} {label} and the rest")
@@ -224,6 +232,11 @@ def main(argv=None) -> int:
                        lse_err=float("nan"), tol=tol, splits=None, note="")
             try:
                 fn, plan = bta.triton_fn(cfg, tensors, meta, batch, k, ctx, config=config, num_splits=splits)
+                same = (plan.config["KERNEL"], plan.config["BLOCK_M"], plan.num_splits, "bf16 ws" in label)
+                if same in timed:
+                    log(f"  {name:<14} {label:<32} skipped: the same plan as {timed[same]}")
+                    continue
+                timed[same] = label
                 if "bf16 ws" in label and plan.workspace_out is not None:
                     plan.workspace_out = plan.workspace_out.to(torch.bfloat16)
                 out, lse = tree_attention_mla(*bta._positional(cfg, tensors), **meta, plan=plan, validate=False,

@@ -215,9 +215,9 @@ def _choose_config(*, mla: bool, rows: int, head_dim: int, head_dim_v: int, inte
 
 
 #: Row tile of the Gluon MLA kernel where a program would hold exactly 64 query rows (DeepSeek-V3 k 4, Kimi-K2 k 8):
-#: two 32-row tiles. Each split then writes half the fp32 partials (the split count halves with the doubled M
-#: tiles), and the partial store, which every program makes at its end with no KV stream left to overlap, is the
-#: largest cost above the KV read at these rows. H100, attention + merge, µs (`bench/probe_mla_parts.py`,
+#: two 32-row tiles. The split count halves with the doubled M tiles, so the fp32 partials halve in all; their store,
+#: which every program makes at its end with no KV stream left to overlap, and the merge are the largest costs above
+#: the KV read at these rows. H100, attention + merge, µs (`bench/probe_mla_parts.py`,
 #: bench/results/HISTORY.md): DeepSeek-V3 b 4 / 16k / page 1 / top-2 tree k 4 42.9 against 47.0 (the split kernel
 #: alone 38.3 / 39.1, the merge 4.6 / 7.9); Kimi-K2 b 1 / 4k k 8 11.7 / 13.0. In the pass (`ab_verify_pass.py`,
 #: variant `mla-m64`): 26.470 against 26.520 ms at DeepSeek-V3 k 4, 16.891 against 17.016 at Kimi-K2 k 8. At 128

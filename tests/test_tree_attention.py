@@ -487,7 +487,8 @@ GPU_MLA_WGMMA = [
     ("kimi-k1-ps1-fp16", [3000, 17, 64], 1, 8, 1, "chain", torch.float16, 7),
     # k 2 chain, 16 rows; page 16; no split
     ("kimi-k2-ps16", [2500, 33], 2, 8, 16, "chain", torch.bfloat16, 1),
-    # k 8 top-k tree: 64 rows as two 32-row tiles (MLA_WGMMA_64_ROW_TILE), one warpgroup each; splits walk many tiles
+    # k 8 top-k tree: 64 rows as two 32-row tiles (MLA_WGMMA_64_ROW_TILE; one warpgroup each where 4 warps do not
+    # spill); splits walk many tiles
     ("kimi-k8-topk", [20000, 7000], 8, 8, 64, "topk", torch.bfloat16, None),
     # DeepSeek-V3 rank (16 heads), k 16: 256 rows in four 64-row tiles (two warpgroups); two mask bytes; page 5 is
     # not a power of 2

@@ -196,18 +196,18 @@ def main(argv=None) -> int:
         shapes = [(64, 4096, 4, True), (8, 32768, 4, True), (1, 4096, 4, True), (1, 4096, 1, False),
                   (1, 32768, 4, True), (8, 4096, 8, True)]
     elif args.only == "dsv3":
-        model, bta.PAGE_SIZE = "deepseek-v3", 1
-        shapes = [(4, 16384, 4, True), (4, 16384, 8, True), (4, 16384, 1, False)]
+        shapes = [("deepseek-v3", 1, 4, 16384, k, k > 1) for k in (4, 8, 1)]
     elif args.only == "rows64":
         shapes = [("kimi-k2", 64, 1, 4096, 8, False), ("deepseek-v3", 1, 4, 16384, 4, True)]
     elif args.only:
         shapes = [sh for sh in shapes if (sh[0] == 1) == (args.only == "latency")]
     for shape in shapes:
+        prefix = ""
         if len(shape) == 6:  # (model, page size, batch, context, k, tree)
             model, bta.PAGE_SIZE = shape[:2]
-            shape = shape[2:]
+            prefix, shape = f"{model[:4]} ", shape[2:]
         batch, ctx, k, tree = shape
-        name = f"{model[:4] + ' ' if args.only in ('dsv3', 'rows64') else ''}b{batch} c{ctx} k{k}{'t' if tree else ''}"
+        name = f"{prefix}b{batch} c{ctx} k{k}{'t' if tree else ''}"
         if time.time() - t0 > args.budget_s:
             log(f"# budget of {args.budget_s:.0f} s spent, skipping {name}")
             continue

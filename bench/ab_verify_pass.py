@@ -14,7 +14,9 @@ default table), ``no-<slot>`` (one slot of ``FUSIONS`` emptied); gate/up of the 
 ``bench_moe_block.py --configs``); ``cublas-o`` (o_proj on cuBLAS again); ``router-gemv-m8`` (the router on our GEMV
 up to 8 tokens); ``no-q-fold`` (q_a's RMSNorm a launch of its own again, ``forward.model.FOLD_Q_NORM``); ``fold-m8``
 (the fold up to 8 tokens, ``FOLD_Q_NORM_MAX_M``); ``no-early-kv`` (the MLA attention's first prefix KV tile read
-after the PDL wait, not before); ``mla-m64`` (64 query rows a program in one 64-row tile, not two of 32).
+after the PDL wait, not before); ``mla-m64`` (64 query rows a program in one 64-row tile, not two of 32);
+``no-split-cover`` (the MLA split count without the partials' bound); ``mla-48-m32[-no-cover]`` (33-64 rows as two
+32-row tiles).
 Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded into the projections and
 q_a's norm in the qkv_a GEMV's last tile (slower in the pass), the split merge fused with W_UV (slower alone; again
 as latent parts a program summed by a ticket, `no-attention_mla_up_v` against it: 0.06 / 0.12 / 0.32 / 0.48 ms
@@ -70,6 +72,12 @@ VARIANTS["fold-m8"] = dict(off=(), attrs=(("specverify.forward.model", "FOLD_Q_N
 VARIANTS["no-early-kv"] = dict(off=(), attrs=(("specverify.kernels.tree_attention_wgmma", "EARLY_KV", False),))
 #: the Gluon MLA kernel's 64-row programs as one 64-row tile again (``MLA_WGMMA_64_ROW_TILE``, read at plan time)
 VARIANTS["mla-m64"] = dict(off=(), attrs=(("specverify.attention", "MLA_WGMMA_64_ROW_TILE", 64),))
+#: the Gluon MLA plan's split count without the bound by the partials' bytes (``SPLIT_KV_COVERS_PARTIALS``)
+VARIANTS["no-split-cover"] = dict(off=(), attrs=(("specverify.attention", "SPLIT_KV_COVERS_PARTIALS", False),))
+#: 33-64 query rows (Kimi-K2 k 6: 48) as two 32-row tiles, not one 64-row tile (``MLA_WGMMA_TWO_TILE_MIN_ROWS``)
+VARIANTS["mla-48-m32"] = dict(off=(), attrs=(("specverify.attention", "MLA_WGMMA_TWO_TILE_MIN_ROWS", 33),))
+VARIANTS["mla-48-m32-no-cover"] = dict(off=(), attrs=(("specverify.attention", "MLA_WGMMA_TWO_TILE_MIN_ROWS", 33),
+                                                       ("specverify.attention", "SPLIT_KV_COVERS_PARTIALS", False)))
 #: GEMV launch rules tried in the pass ahead of ``specverify.gemv.SHAPE_CONFIGS``: the shape's own config (read
 #: from ``gemv_config`` at the rule's largest M and smallest N, K) with the grid at ``WAVES`` programs an SM.
 _GEMV_RULES = {"router": (1, (384, 384), (7168, 7168)), "qkv": (4, (2048, 4096), (7168, 7168)),

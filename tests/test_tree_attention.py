@@ -292,6 +292,15 @@ def test_split_heuristic():
     # short context: no split
     assert _choose_num_splits(batch=1, programs_per_split=1, max_prefix=100, bytes_per_token=mla_token_bytes,
                               block_n=32, num_sms=132) == 1
+    # a split reads at least the partials it writes: Kimi-K2 rank k 8 (64 rows x 512 x fp32 = 128 KiB a split, two
+    # row tiles): 128-token splits, 31 -> 32 (whole tiles) instead of 64; 32 rows (64 KiB) leave 64; DeepSeek-V3
+    # b 4 / 16k at 128 rows keeps its 16 (the SM count binds first)
+    for rows, row_tiles, want in ((64, 2, 32), (32, 1, 64)):
+        assert _choose_num_splits(batch=1, programs_per_split=row_tiles, max_prefix=4096 - rows // 8,
+                                  bytes_per_token=mla_token_bytes,
+                                  block_n=64, num_sms=132, partial_bytes_per_split=rows * 512 * 4) == want
+    assert _choose_num_splits(batch=4, programs_per_split=2, max_prefix=16376, bytes_per_token=mla_token_bytes,
+                              block_n=64, num_sms=132, partial_bytes_per_split=128 * 512 * 4) == 16
 
 
 def test_plan_workspace_shapes():

@@ -14,9 +14,8 @@ default table), ``no-<slot>`` (one slot of ``FUSIONS`` emptied); gate/up of the 
 ``bench_moe_block.py --configs``); ``cublas-o`` (o_proj on cuBLAS again); ``router-gemv-m8`` (the router on our GEMV
 up to 8 tokens); ``no-q-fold`` (q_a's RMSNorm a launch of its own again, ``forward.model.FOLD_Q_NORM``); ``fold-m8``
 (the fold up to 8 tokens, ``FOLD_Q_NORM_MAX_M``); ``no-early-kv`` (the MLA attention's first prefix KV tile read
-after the PDL wait, not before); ``mla-m64`` (64 query rows a program in one 64-row tile, not two of 32);
-``no-split-cover`` (the MLA split count without the partials' bound); ``mla-48-m32[-no-cover]`` (33-64 rows as two
-32-row tiles).
+after the PDL wait, not before); ``mla-m64`` (33-64 query rows a program in one 64-row tile, not two of 32);
+``mla-48-m64`` (the same for 33-63 rows only).
 Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded into the projections and
 q_a's norm in the qkv_a GEMV's last tile (slower in the pass), the split merge fused with W_UV (slower alone; again
 as latent parts a program summed by a ticket, `no-attention_mla_up_v` against it: 0.06 / 0.12 / 0.32 / 0.48 ms
@@ -39,7 +38,9 @@ sent to L2 before the PDL wait or after phase 1 (0.08 / 0.03 and 0.02 / 0.03 ms 
 2026-12-06 the closing add + RMSNorm inside the next qkv_a GEMV (`add-fold`: 0.13 / 0.12 ms slower at k = 1 / 2) and
 the add + RMSNorm formed in the MoE block's K loops (`block-norm`: 0.60 / 1.14 ms slower; bench/results/HISTORY.md),
 and on the sixth the split merge on 2048-element tiles and 2 warps (`merge-2k-w2`: 0.16 ms slower at Kimi-K2 k = 8,
-0.01 ms at DeepSeek-V3 b 4 / 16k k = 4).
+0.01 ms at DeepSeek-V3 b 4 / 16k k = 4); on the seventh the MLA split count bound so that a split reads at least the
+KV bytes of the fp32 partials it writes (Kimi-K2 k = 6 / 8 at 32 splits, not 64; `no-split-cover` against it:
+within 0.04 ms either way at k = 8, 0.04 ms slower at k = 6 on one 64-row tile).
 
 Usage: ``python bench/ab_verify_pass.py [--model kimi-k2] [--batch 1] [--context 4096] [--tree chain]
 [--draft-tokens 1,2,4,8] [--iters 10] [--page-size 64] [--variants ...] [--kernels] [--json PATH]``.
@@ -72,12 +73,8 @@ VARIANTS["fold-m8"] = dict(off=(), attrs=(("specverify.forward.model", "FOLD_Q_N
 VARIANTS["no-early-kv"] = dict(off=(), attrs=(("specverify.kernels.tree_attention_wgmma", "EARLY_KV", False),))
 #: the Gluon MLA kernel's 64-row programs as one 64-row tile again (``MLA_WGMMA_64_ROW_TILE``, read at plan time)
 VARIANTS["mla-m64"] = dict(off=(), attrs=(("specverify.attention", "MLA_WGMMA_64_ROW_TILE", 64),))
-#: the Gluon MLA plan's split count without the bound by the partials' bytes (``SPLIT_KV_COVERS_PARTIALS``)
-VARIANTS["no-split-cover"] = dict(off=(), attrs=(("specverify.attention", "SPLIT_KV_COVERS_PARTIALS", False),))
-#: 33-64 query rows (Kimi-K2 k 6: 48) as two 32-row tiles, not one 64-row tile (``MLA_WGMMA_TWO_TILE_MIN_ROWS``)
-VARIANTS["mla-48-m32"] = dict(off=(), attrs=(("specverify.attention", "MLA_WGMMA_TWO_TILE_MIN_ROWS", 33),))
-VARIANTS["mla-48-m32-no-cover"] = dict(off=(), attrs=(("specverify.attention", "MLA_WGMMA_TWO_TILE_MIN_ROWS", 33),
-                                                       ("specverify.attention", "SPLIT_KV_COVERS_PARTIALS", False)))
+#: 33-63 query rows (Kimi-K2 k 6: 48) in one 64-row tile again, not two of 32 (``MLA_WGMMA_TWO_TILE_MIN_ROWS``)
+VARIANTS["mla-48-m64"] = dict(off=(), attrs=(("specverify.attention", "MLA_WGMMA_TWO_TILE_MIN_ROWS", 64),))
 #: GEMV launch rules tried in the pass ahead of ``specverify.gemv.SHAPE_CONFIGS``: the shape's own config (read
 #: from ``gemv_config`` at the rule's largest M and smallest N, K) with the grid at ``WAVES`` programs an SM.
 _GEMV_RULES = {"router": (1, (384, 384), (7168, 7168)), "qkv": (4, (2048, 4096), (7168, 7168)),

@@ -44,12 +44,6 @@ _CONFIG_KEYS = ("BLOCK_N", "BLOCK_DV", "BLOCK_M", "num_warps", "num_stages", "KE
 _KERNELS = ("default", "mla_wgmma")
 #: A split should read at least this many KV bytes per program, or the merge costs more than the split saves.
 MIN_SPLIT_BYTES = 64 * 1024
-#: Gluon MLA plans: a split also reads at least as many KV bytes as it writes fp32 partials (rows x kv_lora_rank x
-#: 4 bytes over all row tiles), so the partials' store and merge never move more than the KV they summarise. Binds
-#: at 64 query rows over short prefixes: Kimi-K2 rank b 1 / 4k at k 8, 128 KiB of partials a split against 72 KiB
-#: of KV in 64-token splits: 32 splits, not 64 (H100, attention + merge, `sweep_attention.py --only rows64`: 10.77
-#: against 11.73 us). Read at plan time (the A/B clears the plan cache).
-SPLIT_KV_COVERS_PARTIALS = True
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -220,25 +214,27 @@ def _choose_config(*, mla: bool, rows: int, head_dim: int, head_dim_v: int, inte
     }
 
 
-#: Row tile of the Gluon MLA kernel where a program would hold exactly 64 query rows (DeepSeek-V3 k 4, Kimi-K2 k 8):
-#: two 32-row tiles. The split count halves with the doubled M tiles, so the fp32 partials halve in all; their store,
-#: which every program makes at its end with no KV stream left to overlap, and the merge are the largest costs above
-#: the KV read at these rows. H100, attention + merge, µs (`bench/probe_mla_parts.py`,
-#: bench/results/HISTORY.md): DeepSeek-V3 b 4 / 16k / page 1 / top-2 tree k 4 42.9 against 47.0 (the split kernel
-#: alone 38.3 / 39.1, the merge 4.6 / 7.9); Kimi-K2 b 1 / 4k k 8 11.7 / 13.0. In the pass (`ab_verify_pass.py`,
-#: variant `mla-m64`): 26.470 against 26.520 ms at DeepSeek-V3 k 4, 16.891 against 17.016 at Kimi-K2 k 8. At 128
-#: rows two 64-row tiles stay (`sweep_attention.py --only dsv3`, DeepSeek-V3 k 8: 63.4 against 71.5 µs for four
-#: 32-row tiles). Read at plan time (the A/B clears the plan cache).
+#: Row tile of the Gluon MLA kernel where a program would hold 33 to 64 query rows (DeepSeek-V3 k 3 / 4, Kimi-K2 k 5
+#: to 8): two 32-row tiles, not one 64-row tile. At 64 rows the split count halves with the doubled M tiles, so the
+#: fp32 partials halve in all; their store, which every program makes at its end with no KV stream left to overlap,
+#: and the merge are the largest costs above the KV read there. H100, attention + merge, µs
+#: (`bench/probe_mla_parts.py`, bench/results/HISTORY.md): DeepSeek-V3 b 4 / 16k / page 1 / top-2 tree k 4 42.9
+#: against 47.0 (the split kernel alone 38.3 / 39.1, the merge 4.6 / 7.9); Kimi-K2 b 1 / 4k k 8 11.7 / 13.0. In the
+#: pass (`ab_verify_pass.py`, variant `mla-m64`): 26.470 against 26.520 ms at DeepSeek-V3 k 4, 16.891 against
+#: 17.016 at Kimi-K2 k 8. At 48 rows (Kimi-K2 k 6; variant `mla-48-m64`, the 16 padded rows of a 64-row tile gone)
+#: 14.887 / 14.886 against 15.014 / 15.010 ms in two calls. At 128 rows two 64-row tiles stay (`sweep_attention.py
+#: --only dsv3`, DeepSeek-V3 k 8: 63.4 against 71.5 µs for four 32-row tiles). Read at plan time (the A/B clears the
+#: plan cache).
 MLA_WGMMA_64_ROW_TILE = 32
-#: Fewest rows (up to 64) that take two tiles of ``MLA_WGMMA_64_ROW_TILE``; fewer take one tile of the next power of
-#: two. Read at plan time.
-MLA_WGMMA_TWO_TILE_MIN_ROWS = 64
+#: Fewest rows that take two tiles of ``MLA_WGMMA_64_ROW_TILE`` (up to 64); fewer take one tile of the next power of
+#: two (16 or 32). Read at plan time.
+MLA_WGMMA_TWO_TILE_MIN_ROWS = 33
 
 
 def _choose_wgmma_config(base: dict, *, mla: bool, rows: int, head_dim: int, head_dim_v: int,
                          interpret: bool, device: torch.device | None = None) -> dict:
-    """Geometry of the Gluon wgmma MLA kernel: 64 KV tokens (wgmma M) x BLOCK_M query rows (wgmma N, 16..64; exactly
-    64 rows take two tiles of ``MLA_WGMMA_64_ROW_TILE``), ``num_stages`` KV buffers (2: 188 KiB of shared memory at
+    """Geometry of the Gluon wgmma MLA kernel: 64 KV tokens (wgmma M) x BLOCK_M query rows (wgmma N, 16..64; 33-64
+    rows take two tiles of ``MLA_WGMMA_64_ROW_TILE``), ``num_stages`` KV buffers (2: 188 KiB of shared memory at
     32 rows). Warps unless the config names them: 4 up to 32 rows, 8 for 64; a 32-row tile takes 8 on a CUDA
     ``device`` where 4 spill (:func:`_wgmma_warps_32`)."""
     if not mla or head_dim != head_dim_v or head_dim % 64:
@@ -282,10 +278,8 @@ SMALL_PROGRAM_SPLIT_TOKENS = 2048
 
 
 def _choose_num_splits(*, batch: int, programs_per_split: int, max_prefix: int, bytes_per_token: int,
-                       block_n: int, num_sms: int, small_programs: bool = False,
-                       partial_bytes_per_split: int = 0) -> int:
-    """Splits so that batch x programs x splits is about one wave of SMs, each split reading >= 64 KiB of KV and
-    at least ``partial_bytes_per_split`` (the partials it writes; 0: no such bound).
+                       block_n: int, num_sms: int, small_programs: bool = False) -> int:
+    """Splits so that batch x programs x splits is about one wave of SMs, each split reading >= 64 KiB of KV.
 
     H200 sweep (bench/sweep_verify_kernels.py): at batch 1 more, shorter splits win (Kimi-K2 at 4k: 27 us at 31
     splits, 14 us at 63); where the batch already gives about a wave, two waves were slower for MLA (Kimi-K2
@@ -300,8 +294,7 @@ def _choose_num_splits(*, batch: int, programs_per_split: int, max_prefix: int, 
     base = batch * programs_per_split
     if base >= num_sms or max_prefix <= 0:
         return 1
-    min_bytes = max(MIN_SPLIT_BYTES, partial_bytes_per_split)
-    min_tokens = _cdiv(max(block_n, min_bytes // max(1, bytes_per_token)), block_n) * block_n
+    min_tokens = _cdiv(max(block_n, MIN_SPLIT_BYTES // max(1, bytes_per_token)), block_n) * block_n
     by_length = max(1, max_prefix // min_tokens)
     splits = max(1, min(num_sms // base, by_length, HEURISTIC_MAX_SPLITS))
     if small_programs:
@@ -350,10 +343,8 @@ def _make_plan(*, max_batch, k, hq, hkv, d, dr, dv, max_context, device, dtype_b
             c = dict(c, SPILL_WARPS=8)
         if num_splits is not None:
             return c, num_splits
-        covers = c["KERNEL"] == "mla_wgmma" and SPLIT_KV_COVERS_PARTIALS
         return c, _choose_num_splits(batch=max_batch, programs_per_split=_programs_per_split(c, hkv),
                                      small_programs=c["BLOCK_M"] <= 16 and c["KERNEL"] != "mla_wgmma",
-                                     partial_bytes_per_split=(hq * k * dv * 4) if covers else 0,
                                      max_prefix=max_prefix,
                                      bytes_per_token=(d + dr + (0 if v_is_k else dv)) * dtype_bytes,
                                      block_n=c["BLOCK_N"], num_sms=sm_count(device.type, device.index))

@@ -292,15 +292,6 @@ def test_split_heuristic():
     # short context: no split
     assert _choose_num_splits(batch=1, programs_per_split=1, max_prefix=100, bytes_per_token=mla_token_bytes,
                               block_n=32, num_sms=132) == 1
-    # a split reads at least the partials it writes: Kimi-K2 rank k 8 (64 rows x 512 x fp32 = 128 KiB a split, two
-    # row tiles): 128-token splits, 31 -> 32 (whole tiles) instead of 64; 32 rows (64 KiB) leave 64; DeepSeek-V3
-    # b 4 / 16k at 128 rows keeps its 16 (the SM count binds first)
-    for rows, row_tiles, want in ((64, 2, 32), (32, 1, 64)):
-        assert _choose_num_splits(batch=1, programs_per_split=row_tiles, max_prefix=4096 - rows // 8,
-                                  bytes_per_token=mla_token_bytes,
-                                  block_n=64, num_sms=132, partial_bytes_per_split=rows * 512 * 4) == want
-    assert _choose_num_splits(batch=4, programs_per_split=2, max_prefix=16376, bytes_per_token=mla_token_bytes,
-                              block_n=64, num_sms=132, partial_bytes_per_split=128 * 512 * 4) == 16
 
 
 def test_plan_workspace_shapes():
@@ -387,13 +378,15 @@ def test_mla_wgmma_config_errors(kwargs, match):
 
 @pytest.mark.parametrize("rows, tile, block_m, m_tiles", [
     (64, 32, 32, 2),  # DeepSeek-V3 k 4 / Kimi-K2 k 8: two 32-row tiles
+    (48, 32, 32, 2),  # Kimi-K2 k 6: two 32-row tiles, the second half empty
+    (33, 32, 32, 2),
     (64, 64, 64, 1),  # the A/B's setting: one 64-row tile
     (128, 32, 64, 2),  # 128 rows keep 64-row tiles
     (32, 32, 32, 1),
     (16, 32, 16, 1),
 ])
 def test_mla_wgmma_64_row_rule(monkeypatch, rows, tile, block_m, m_tiles):
-    """Exactly 64 query rows a program take two tiles of ``MLA_WGMMA_64_ROW_TILE`` rows; other row counts the next
+    """33 to 64 query rows a program take two tiles of ``MLA_WGMMA_64_ROW_TILE`` rows; other row counts the next
     power of two up to 64; a config's BLOCK_M wins."""
     import specverify.attention as attention
 
@@ -499,6 +492,8 @@ GPU_MLA_WGMMA = [
     # k 8 top-k tree: 64 rows as two 32-row tiles (MLA_WGMMA_64_ROW_TILE; one warpgroup each where 4 warps do not
     # spill); splits walk many tiles
     ("kimi-k8-topk", [20000, 7000], 8, 8, 64, "topk", torch.bfloat16, None),
+    # k 6 chain: 48 rows as two 32-row tiles, the second with 16 valid rows
+    ("kimi-k6-chain", [4090, 300], 6, 8, 64, "chain", torch.bfloat16, None),
     # DeepSeek-V3 rank (16 heads), k 16: 256 rows in four 64-row tiles (two warpgroups); two mask bytes; page 5 is
     # not a power of 2
     ("dsv3-k16-ps5", [1000, 64, 0], 16, 16, 5, "topk", torch.bfloat16, 3),

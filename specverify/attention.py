@@ -229,6 +229,8 @@ MLA_WGMMA_64_ROW_TILE = 32
 #: Fewest rows that take two tiles of ``MLA_WGMMA_64_ROW_TILE`` (up to 64); fewer take one tile of the next power of
 #: two (16 or 32). Read at plan time.
 MLA_WGMMA_TWO_TILE_MIN_ROWS = 33
+#: Row tile of the Gluon MLA kernel for 17-32 query rows (Kimi-K2 k 3 / 4, DeepSeek-V3 k 2). Read at plan time.
+MLA_WGMMA_32_ROW_TILE = 32
 
 
 def _choose_wgmma_config(base: dict, *, mla: bool, rows: int, head_dim: int, head_dim_v: int,
@@ -252,6 +254,7 @@ def _choose_wgmma_config(base: dict, *, mla: bool, rows: int, head_dim: int, hea
         raise ValueError(f"config KERNEL='mla_wgmma' does not take {sorted(extra)} (one value tile, its own "
                          "double-buffered copies); drop them")
     block_m = int(base.get("BLOCK_M") or (MLA_WGMMA_64_ROW_TILE if MLA_WGMMA_TWO_TILE_MIN_ROWS <= rows <= 64 else
+                                          MLA_WGMMA_32_ROW_TILE if 16 < rows <= 32 else
                                           min(64, _next_pow2(max(16, rows)))))
     block_n = int(base.get("BLOCK_N", 64))
     stages = int(base.get("num_stages", 2))

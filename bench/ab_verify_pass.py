@@ -14,8 +14,8 @@ default table), ``no-<slot>`` (one slot of ``FUSIONS`` emptied); gate/up of the 
 ``bench_moe_block.py --configs``); ``cublas-o`` (o_proj on cuBLAS again); ``router-gemv-m8`` (the router on our GEMV
 up to 8 tokens); ``no-q-fold`` (q_a's RMSNorm a launch of its own again, ``forward.model.FOLD_Q_NORM``); ``fold-m8``
 (the fold up to 8 tokens, ``FOLD_Q_NORM_MAX_M``); ``no-early-kv`` (the MLA attention's first prefix KV tile read
-after the PDL wait, not before); ``mla-m64`` (33-64 query rows a program in one 64-row tile, not two of 32);
-``mla-48-m64`` (the same for 33-63 rows only); ``mla-m16`` (17-32 rows as two 16-row tiles).
+after the PDL wait, not before); ``mla-m64`` (64 query rows a program in one 64-row tile, not two of 32);
+``mla-48-m32`` (33-63 rows as two 32-row tiles too).
 Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded into the projections and
 q_a's norm in the qkv_a GEMV's last tile (slower in the pass), the split merge fused with W_UV (slower alone; again
 as latent parts a program summed by a ticket, `no-attention_mla_up_v` against it: 0.06 / 0.12 / 0.32 / 0.48 ms
@@ -73,10 +73,8 @@ VARIANTS["fold-m8"] = dict(off=(), attrs=(("specverify.forward.model", "FOLD_Q_N
 VARIANTS["no-early-kv"] = dict(off=(), attrs=(("specverify.kernels.tree_attention_wgmma", "EARLY_KV", False),))
 #: the Gluon MLA kernel's 64-row programs as one 64-row tile again (``MLA_WGMMA_64_ROW_TILE``, read at plan time)
 VARIANTS["mla-m64"] = dict(off=(), attrs=(("specverify.attention", "MLA_WGMMA_64_ROW_TILE", 64),))
-#: 33-63 query rows (Kimi-K2 k 6: 48) in one 64-row tile again, not two of 32 (``MLA_WGMMA_TWO_TILE_MIN_ROWS``)
-VARIANTS["mla-48-m64"] = dict(off=(), attrs=(("specverify.attention", "MLA_WGMMA_TWO_TILE_MIN_ROWS", 64),))
-#: 17-32 query rows (Kimi-K2 k 3 / 4) as two 16-row tiles, not one 32-row tile (``MLA_WGMMA_32_ROW_TILE``)
-VARIANTS["mla-m16"] = dict(off=(), attrs=(("specverify.attention", "MLA_WGMMA_32_ROW_TILE", 16),))
+#: 33-63 query rows (Kimi-K2 k 6: 48) as two 32-row tiles, not one 64-row tile (``MLA_WGMMA_TWO_TILE_MIN_ROWS``)
+VARIANTS["mla-48-m32"] = dict(off=(), attrs=(("specverify.attention", "MLA_WGMMA_TWO_TILE_MIN_ROWS", 33),))
 #: GEMV launch rules tried in the pass ahead of ``specverify.gemv.SHAPE_CONFIGS``: the shape's own config (read
 #: from ``gemv_config`` at the rule's largest M and smallest N, K) with the grid at ``WAVES`` programs an SM.
 _GEMV_RULES = {"router": (1, (384, 384), (7168, 7168)), "qkv": (4, (2048, 4096), (7168, 7168)),

@@ -376,23 +376,25 @@ def test_mla_wgmma_config_errors(kwargs, match):
         _choose_config(rows=32, head_dim=512, head_dim_v=512 if kwargs["mla"] else 128, **kwargs)
 
 
-@pytest.mark.parametrize("rows, tile, block_m, m_tiles", [
-    (64, 32, 32, 2),  # DeepSeek-V3 k 4 / Kimi-K2 k 8: two 32-row tiles
-    (48, 32, 32, 2),  # Kimi-K2 k 6: two 32-row tiles, the second half empty
-    (33, 32, 32, 2),
-    (64, 64, 64, 1),  # the A/B's setting: one 64-row tile
-    (128, 32, 64, 2),  # 128 rows keep 64-row tiles
-    (32, 32, 32, 1),
-    (16, 32, 16, 1),
+@pytest.mark.parametrize("rows, tile, two_min, block_m, m_tiles", [
+    (64, 32, 64, 32, 2),  # DeepSeek-V3 k 4 / Kimi-K2 k 8: two 32-row tiles
+    (48, 32, 64, 64, 1),  # Kimi-K2 k 6: one 64-row tile (the default) ...
+    (48, 32, 33, 32, 2),  # ... or two 32-row tiles, the second half empty (the A/B's `mla-48-m32`)
+    (33, 32, 33, 32, 2),
+    (64, 64, 64, 64, 1),  # the A/B's `mla-m64`: one 64-row tile
+    (128, 32, 33, 64, 2),  # 128 rows keep 64-row tiles
+    (32, 32, 33, 32, 1),
+    (16, 32, 64, 16, 1),
 ])
-def test_mla_wgmma_64_row_rule(monkeypatch, rows, tile, block_m, m_tiles):
-    """33 to 64 query rows a program take two tiles of ``MLA_WGMMA_64_ROW_TILE`` rows; other row counts the next
-    power of two up to 64; a config's BLOCK_M wins."""
+def test_mla_wgmma_64_row_rule(monkeypatch, rows, tile, two_min, block_m, m_tiles):
+    """From ``MLA_WGMMA_TWO_TILE_MIN_ROWS`` to 64 query rows a program take two tiles of ``MLA_WGMMA_64_ROW_TILE``
+    rows; other row counts the next power of two up to 64; a config's BLOCK_M wins."""
     import specverify.attention as attention
 
     if not attention._wgmma_kernels().AVAILABLE:
         pytest.skip(attention._wgmma_kernels().UNAVAILABLE_REASON)
     monkeypatch.setattr(attention, "MLA_WGMMA_64_ROW_TILE", tile)
+    monkeypatch.setattr(attention, "MLA_WGMMA_TWO_TILE_MIN_ROWS", two_min)
     cfg = attention._choose_config(mla=True, interpret=False, config={"KERNEL": "mla_wgmma"}, rows=rows,
                                    head_dim=512, head_dim_v=512)
     assert (cfg["BLOCK_M"], cfg["M_TILES"]) == (block_m, m_tiles)
@@ -492,7 +494,7 @@ GPU_MLA_WGMMA = [
     # k 8 top-k tree: 64 rows as two 32-row tiles (MLA_WGMMA_64_ROW_TILE; one warpgroup each where 4 warps do not
     # spill); splits walk many tiles
     ("kimi-k8-topk", [20000, 7000], 8, 8, 64, "topk", torch.bfloat16, None),
-    # k 6 chain: 48 rows as two 32-row tiles, the second with 16 valid rows
+    # k 6 chain: 48 rows in one 64-row tile
     ("kimi-k6-chain", [4090, 300], 6, 8, 64, "chain", torch.bfloat16, None),
     # DeepSeek-V3 rank (16 heads), k 16: 256 rows in four 64-row tiles (two warpgroups); two mask bytes; page 5 is
     # not a power of 2
@@ -508,6 +510,25 @@ def test_gpu_mla_wgmma(case, poison):
     _, prefix_lens, k, h, ps, mask, dtype, splits = case
     run_mla("cuda", poison, prefix_lens=prefix_lens, k=k, h=h, r=512, dr=64, page_size=ps, mask_kind=mask,
             dtype=dtype, num_splits=splits, seed=16, config={"KERNEL": "mla_wgmma"})
+
+
+@pytest.mark.gpu
+def test_gpu_mla_wgmma_two_tiles_of_48_rows(monkeypatch, poison):
+    """48 query rows (Kimi-K2 k 6, chain and tree) as two 32-row tiles, the second with 16 valid rows
+    (``MLA_WGMMA_TWO_TILE_MIN_ROWS`` = 33, the A/B's ``mla-48-m32``) against the reference, with the plan's splits
+    and with 3."""
+    import specverify.attention as attention
+
+    monkeypatch.setattr(attention, "MLA_WGMMA_TWO_TILE_MIN_ROWS", 33)
+    attention._cached_plan.cache_clear()
+    try:
+        for mask, splits in (("chain", None), ("topk", 3)):
+            plan = run_mla("cuda", poison, prefix_lens=[4090, 300], k=6, h=8, r=512, dr=64, page_size=64,
+                           mask_kind=mask, dtype=torch.bfloat16, num_splits=splits, seed=18,
+                           config={"KERNEL": "mla_wgmma"})
+            assert (plan.config["BLOCK_M"], plan.config["M_TILES"]) == (32, 2)
+    finally:
+        attention._cached_plan.cache_clear()
 
 
 @pytest.mark.gpu

@@ -11,7 +11,10 @@ never changed:
   also drop the value MMA; a plan of one split, which stores no partials, is unchanged);
 - ``sum-store``: each partial row's sum over the latent stored instead of the row (one fp32 a row: the value MMA
   stays live, the store's bytes and instructions go), so ``split-only`` less this is what the partial store costs;
-- ``bf16 ws``: bf16 split partials (the plan's fp32 workspace replaced; the merge sums in fp32).
+- ``bf16 ws``: bf16 split partials (the plan's fp32 workspace replaced; the merge sums in fp32);
+- ``bf16 coalesced``: bf16 partials stored from a layout where each thread holds 8 latent columns of one row (16
+  bytes) and four lanes a row's 64 contiguous bytes (a ``gl.convert_layout`` through shared memory), so every store
+  fills whole 32-byte sectors (from the wgmma accumulator's layout a bf16 store writes 16-byte halves).
 
 Outputs of probes other than ``full`` are wrong by construction; ``full`` rows record ``err`` = max |out - ref|
 against the fp32 reference (recorded, not judged: ``sweep_attention.py`` checks these plans against its tolerance).
@@ -50,6 +53,17 @@ _EDITS = {
                      + _I + "acc = warpgroup_mma_wait(0, deps=(acc, ))\n", "")],
     "no-store": [(_I + "gl.store(WS_O + ws_rows[None, :] * D + offs_d[:, None], out.to(WS_O.dtype.element_ty),\n"
                   + _I + "         mask=ro_valid[None, :])\n", "")],
+    "bf16-coalesced": [(_I + "gl.store(WS_O + ws_rows[None, :] * D + offs_d[:, None], out.to(WS_O.dtype.element_ty),\n"
+                        + _I + "         mask=ro_valid[None, :])\n",
+                        _I + "st: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[4, 8],\n"
+                        + _I + "                                    warps_per_cta=[1, num_warps], order=[0, 1])\n"
+                        + _I + "o_st = gl.convert_layout(out.to(WS_O.dtype.element_ty), st)\n"
+                        + _I + "offs_rs = m_tile * BLOCK_R + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, st))\n"
+                        + _I + "rows_st = ((b64 * NUM_SPLITS + split) * NUM_DRAFT + (offs_rs // NUM_Q_HEADS).to(gl.int64))"
+                        " * NUM_Q_HEADS + (offs_rs % NUM_Q_HEADS).to(gl.int64)\n"
+                        + _I + "offs_d_st = gl.arange(0, D, layout=gl.SliceLayout(1, st))\n"
+                        + _I + "gl.store(WS_O + rows_st[None, :] * D + offs_d_st[:, None], o_st,\n"
+                        + _I + "         mask=(offs_rs < NUM_DRAFT * NUM_Q_HEADS)[None, :])\n")],
     "sum-store": [(_I + "gl.store(WS_O + ws_rows[None, :] * D + offs_d[:, None], out.to(WS_O.dtype.element_ty),\n"
                    + _I + "         mask=ro_valid[None, :])\n",
                    _I + "gl.store(WS_O + ws_rows * D, gl.sum(out, axis=0), mask=ro_valid)\n")],
@@ -102,7 +116,8 @@ def main(argv=None) -> int:
               ("compute-only", "compute-only", False, False), ("copies-only", "copies-only", False, False),
               ("no-store", "no-store", False, False), ("sum-store", "sum-store", False, False),
               ("full bf16 ws", "full", True, True),
-              ("split-only bf16 ws", "full", False, True)]
+              ("split-only bf16 ws", "full", False, True), ("full bf16 coalesced", "bf16-coalesced", True, True),
+              ("split-only bf16 coalesced", "bf16-coalesced", False, True)]
     original = attention._wgmma_kernels
     with tempfile.TemporaryDirectory() as tmp:
         mods = {name: _probe_module(name, source, tmp) for name in ("full", *_EDITS)}

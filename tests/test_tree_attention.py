@@ -515,20 +515,16 @@ def test_gpu_mla_wgmma(case, poison):
 @pytest.mark.gpu
 def test_gpu_mla_wgmma_two_tiles_of_48_rows(monkeypatch, poison):
     """48 query rows (Kimi-K2 k 6, chain and tree) as two 32-row tiles, the second with 16 valid rows
-    (``MLA_WGMMA_TWO_TILE_MIN_ROWS`` = 33, the A/B's ``mla-48-m32``) against the reference, with the plan's splits
-    and with 3."""
+    (``MLA_WGMMA_TWO_TILE_MIN_ROWS`` = 33, the A/B's ``mla-48-m32``) against the reference, in the default config
+    (PDL, the first KV tile before the wait), with the plan's splits, 3, and one (the direct store to out / lse)."""
     import specverify.attention as attention
 
     monkeypatch.setattr(attention, "MLA_WGMMA_TWO_TILE_MIN_ROWS", 33)
-    attention._cached_plan.cache_clear()
-    try:
-        for mask, splits in (("chain", None), ("topk", 3)):
-            plan = run_mla("cuda", poison, prefix_lens=[4090, 300], k=6, h=8, r=512, dr=64, page_size=64,
-                           mask_kind=mask, dtype=torch.bfloat16, num_splits=splits, seed=18,
-                           config={"KERNEL": "mla_wgmma"})
-            assert (plan.config["BLOCK_M"], plan.config["M_TILES"]) == (32, 2)
-    finally:
-        attention._cached_plan.cache_clear()
+    for mask, splits in (("chain", None), ("topk", 3), ("chain", 1)):
+        plan = run_mla("cuda", poison, prefix_lens=[4090, 300], k=6, h=8, r=512, dr=64, page_size=64,
+                       mask_kind=mask, dtype=torch.bfloat16, num_splits=splits, seed=18,
+                       config=dict(attention._wgmma_kernels().MLA_WGMMA_DEFAULT))
+        assert (plan.config["BLOCK_M"], plan.config["M_TILES"]) == (32, 2)
 
 
 @pytest.mark.gpu

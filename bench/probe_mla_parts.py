@@ -60,14 +60,15 @@ _EDITS = {
                         + _I + "                                    order=[0, 1])\n"
                         + _I + "o_st = gl.convert_layout(out.to(WS_O.dtype.element_ty), st)\n"
                         + _I + "offs_rs = m_tile * BLOCK_R + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, st))\n"
-                        + _I + "rows_st = ((b64 * NUM_SPLITS + split) * NUM_DRAFT + (offs_rs // NUM_Q_HEADS).to(gl.int64))"
-                        " * NUM_Q_HEADS + (offs_rs % NUM_Q_HEADS).to(gl.int64)\n"
+                        + _I + "rows_st = ((b64 * NUM_SPLITS + split) * NUM_DRAFT"
+                        " + (offs_rs // NUM_Q_HEADS).to(gl.int64)) * NUM_Q_HEADS"
+                        " + (offs_rs % NUM_Q_HEADS).to(gl.int64)\n"
                         + _I + "offs_d_st = gl.arange(0, D, layout=gl.SliceLayout(1, st))\n"
                         + _I + "gl.store(WS_O + rows_st[None, :] * D + offs_d_st[:, None], o_st,\n"
                         + _I + "         mask=(offs_rs < NUM_DRAFT * NUM_Q_HEADS)[None, :])\n"),
                        ("    @gluon.jit\n    def _gdc_wait():",
                         "    @gluon.constexpr_function\n    def _store_warps(num_warps, block_r):\n"
-                        "        rows = min(num_warps, block_r // 8)  # a warp spans 8 rows; the rest split the latent\n"
+                        "        rows = min(num_warps, block_r // 8)  # a warp spans 8 rows, the rest the latent\n"
                         "        return [num_warps // rows, rows]\n\n"
                         "    @gluon.jit\n    def _gdc_wait():")],
     "sum-store": [(_I + "gl.store(WS_O + ws_rows[None, :] * D + offs_d[:, None], out.to(WS_O.dtype.element_ty),\n"

@@ -41,6 +41,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 _I = " " * 12  # the kernel loop's indent
+#: the kernel's store of a split's partial rows, which three probes replace
+_WS_STORE = (_I + "gl.store(WS_O + ws_rows[None, :] * D + offs_d[:, None], out.to(WS_O.dtype.element_ty),\n"
+             + _I + "         mask=ro_valid[None, :])\n")
 #: (marker text in the kernel source, replacement) for each probe; every marker must be found
 _EDITS = {
     "compute-only": [(_I + "if start + (i + NUM_BUF - 1) * BLOCK_N < end:",
@@ -51,28 +54,23 @@ _EDITS = {
                      _I + "s = s_zero\n"),
                     (_I + "acc = warpgroup_mma(k_lat.permute((1, 0)), p_smem, acc, is_async=True)\n"
                      + _I + "acc = warpgroup_mma_wait(0, deps=(acc, ))\n", "")],
-    "no-store": [(_I + "gl.store(WS_O + ws_rows[None, :] * D + offs_d[:, None], out.to(WS_O.dtype.element_ty),\n"
-                  + _I + "         mask=ro_valid[None, :])\n", "")],
-    "bf16-coalesced": [(_I + "gl.store(WS_O + ws_rows[None, :] * D + offs_d[:, None], out.to(WS_O.dtype.element_ty),\n"
-                        + _I + "         mask=ro_valid[None, :])\n",
+    "no-store": [(_WS_STORE, "")],
+    "bf16-coalesced": [(_WS_STORE,
                         _I + "st: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[4, 8],\n"
                         + _I + "                                    warps_per_cta=_store_warps(num_warps, BLOCK_R),\n"
                         + _I + "                                    order=[0, 1])\n"
                         + _I + "o_st = gl.convert_layout(out.to(WS_O.dtype.element_ty), st)\n"
-                        + _I + "offs_rs = m_tile * BLOCK_R + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, st))\n"
-                        + _I + "rows_st = ((b64 * NUM_SPLITS + split) * NUM_DRAFT"
-                        " + (offs_rs // NUM_Q_HEADS).to(gl.int64)) * NUM_Q_HEADS"
-                        " + (offs_rs % NUM_Q_HEADS).to(gl.int64)\n"
+                        + _I + "rows_st = gl.convert_layout(ws_rows, gl.SliceLayout(0, st))\n"
+                        + _I + "valid_st = gl.convert_layout(ro_valid, gl.SliceLayout(0, st))\n"
                         + _I + "offs_d_st = gl.arange(0, D, layout=gl.SliceLayout(1, st))\n"
-                        + _I + "gl.store(WS_O + rows_st[None, :] * D + offs_d_st[:, None], o_st,\n"
-                        + _I + "         mask=(offs_rs < NUM_DRAFT * NUM_Q_HEADS)[None, :])\n"),
+                        + _I + "gl.store(WS_O + rows_st[None, :] * D + offs_d_st[:, None], o_st,"
+                        " mask=valid_st[None, :])\n"),
                        ("    @gluon.jit\n    def _gdc_wait():",
                         "    @gluon.constexpr_function\n    def _store_warps(num_warps, block_r):\n"
                         "        rows = min(num_warps, block_r // 8)  # a warp spans 8 rows, the rest the latent\n"
                         "        return [num_warps // rows, rows]\n\n"
                         "    @gluon.jit\n    def _gdc_wait():")],
-    "sum-store": [(_I + "gl.store(WS_O + ws_rows[None, :] * D + offs_d[:, None], out.to(WS_O.dtype.element_ty),\n"
-                   + _I + "         mask=ro_valid[None, :])\n",
+    "sum-store": [(_WS_STORE,
                    _I + "gl.store(WS_O + ws_rows * D, gl.sum(out, axis=0), mask=ro_valid)\n")],
 }
 

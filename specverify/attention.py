@@ -222,21 +222,18 @@ def _choose_config(*, mla: bool, rows: int, head_dim: int, head_dim_v: int, inte
 #: alone 38.3 / 39.1, the merge 4.6 / 7.9); Kimi-K2 b 1 / 4k k 8 11.7 / 13.0. In the pass (`ab_verify_pass.py`,
 #: variant `mla-m64`): 26.470 against 26.520 ms at DeepSeek-V3 k 4, 16.891 against 17.016 at Kimi-K2 k 8. At 128
 #: rows two 64-row tiles stay (`sweep_attention.py --only dsv3`, DeepSeek-V3 k 8: 63.4 against 71.5 µs for four
-#: 32-row tiles). Read at plan time (the A/B clears the plan cache).
+#: 32-row tiles). 33-63 rows (Kimi-K2 k 6: 48) as two 32-row tiles too measured faster in the pass on the H100
+#: (14.887 / 14.886 against 15.014 / 15.010 ms, bench/results/HISTORY.md) and become the rule once their GPU test
+#: (`test_gpu_mla_wgmma_two_tiles_of_48_rows`) has run. Read at plan time (the A/B clears the plan cache).
 MLA_WGMMA_64_ROW_TILE = 32
-#: Fewest rows (up to 64) that take two tiles of ``MLA_WGMMA_64_ROW_TILE``; fewer take one tile of the next power of
-#: two. 33 (Kimi-K2 k 6: 48 rows as two 32-row tiles, variant `mla-48-m32`) measured faster in the pass on the H100
-#: (14.887 / 14.886 against 15.014 / 15.010 ms, bench/results/HISTORY.md) but is not the default until its GPU test
-#: (`test_gpu_mla_wgmma_two_tiles_of_48_rows`) has run. Read at plan time.
-MLA_WGMMA_TWO_TILE_MIN_ROWS = 64
 
 
 def _choose_wgmma_config(base: dict, *, mla: bool, rows: int, head_dim: int, head_dim_v: int,
                          interpret: bool, device: torch.device | None = None) -> dict:
-    """Geometry of the Gluon wgmma MLA kernel: 64 KV tokens (wgmma M) x BLOCK_M query rows (wgmma N, 16..64; from
-    ``MLA_WGMMA_TWO_TILE_MIN_ROWS`` to 64 rows two tiles of ``MLA_WGMMA_64_ROW_TILE``), ``num_stages`` KV buffers
-    (2: 188 KiB of shared memory at 32 rows). Warps unless the config names them: 4 up to 32 rows, 8 for 64; a
-    32-row tile takes 8 on a CUDA ``device`` where 4 spill (:func:`_wgmma_warps_32`)."""
+    """Geometry of the Gluon wgmma MLA kernel: 64 KV tokens (wgmma M) x BLOCK_M query rows (wgmma N, 16..64; exactly
+    64 rows take two tiles of ``MLA_WGMMA_64_ROW_TILE``), ``num_stages`` KV buffers (2: 188 KiB of shared memory at
+    32 rows). Warps unless the config names them: 4 up to 32 rows, 8 for 64; a 32-row tile takes 8 on a CUDA
+    ``device`` where 4 spill (:func:`_wgmma_warps_32`)."""
     if not mla or head_dim != head_dim_v or head_dim % 64:
         raise ValueError("config KERNEL='mla_wgmma' is for tree_attention_mla with a kv_lora_rank that is a multiple "
                          f"of 64 (value = latent), got head_dim {head_dim}, head_dim_v {head_dim_v}; drop KERNEL")
@@ -251,7 +248,7 @@ def _choose_wgmma_config(base: dict, *, mla: bool, rows: int, head_dim: int, hea
     if extra:
         raise ValueError(f"config KERNEL='mla_wgmma' does not take {sorted(extra)} (one value tile, its own "
                          "double-buffered copies); drop them")
-    block_m = int(base.get("BLOCK_M") or (MLA_WGMMA_64_ROW_TILE if MLA_WGMMA_TWO_TILE_MIN_ROWS <= rows <= 64 else
+    block_m = int(base.get("BLOCK_M") or (MLA_WGMMA_64_ROW_TILE if rows == 64 else
                                           min(64, _next_pow2(max(16, rows)))))
     block_n = int(base.get("BLOCK_N", 64))
     stages = int(base.get("num_stages", 2))

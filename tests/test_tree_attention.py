@@ -376,25 +376,22 @@ def test_mla_wgmma_config_errors(kwargs, match):
         _choose_config(rows=32, head_dim=512, head_dim_v=512 if kwargs["mla"] else 128, **kwargs)
 
 
-@pytest.mark.parametrize("rows, tile, two_min, block_m, m_tiles", [
-    (64, 32, 64, 32, 2),  # DeepSeek-V3 k 4 / Kimi-K2 k 8: two 32-row tiles
-    (48, 32, 64, 64, 1),  # Kimi-K2 k 6: one 64-row tile (the default) ...
-    (48, 32, 33, 32, 2),  # ... or two 32-row tiles, the second half empty (the A/B's `mla-48-m32`)
-    (33, 32, 33, 32, 2),
-    (64, 64, 64, 64, 1),  # the A/B's `mla-m64`: one 64-row tile
-    (128, 32, 33, 64, 2),  # 128 rows keep 64-row tiles
-    (32, 32, 33, 32, 1),
-    (16, 32, 64, 16, 1),
+@pytest.mark.parametrize("rows, tile, block_m, m_tiles", [
+    (64, 32, 32, 2),  # DeepSeek-V3 k 4 / Kimi-K2 k 8: two 32-row tiles
+    (48, 32, 64, 1),  # Kimi-K2 k 6: one 64-row tile
+    (64, 64, 64, 1),  # the A/B's `mla-m64`: one 64-row tile
+    (128, 32, 64, 2),  # 128 rows keep 64-row tiles
+    (32, 32, 32, 1),
+    (16, 32, 16, 1),
 ])
-def test_mla_wgmma_64_row_rule(monkeypatch, rows, tile, two_min, block_m, m_tiles):
-    """From ``MLA_WGMMA_TWO_TILE_MIN_ROWS`` to 64 query rows a program take two tiles of ``MLA_WGMMA_64_ROW_TILE``
-    rows; other row counts the next power of two up to 64; a config's BLOCK_M wins."""
+def test_mla_wgmma_64_row_rule(monkeypatch, rows, tile, block_m, m_tiles):
+    """Exactly 64 query rows a program take two tiles of ``MLA_WGMMA_64_ROW_TILE`` rows; other row counts the next
+    power of two up to 64; a config's BLOCK_M wins."""
     import specverify.attention as attention
 
     if not attention._wgmma_kernels().AVAILABLE:
         pytest.skip(attention._wgmma_kernels().UNAVAILABLE_REASON)
     monkeypatch.setattr(attention, "MLA_WGMMA_64_ROW_TILE", tile)
-    monkeypatch.setattr(attention, "MLA_WGMMA_TWO_TILE_MIN_ROWS", two_min)
     cfg = attention._choose_config(mla=True, interpret=False, config={"KERNEL": "mla_wgmma"}, rows=rows,
                                    head_dim=512, head_dim_v=512)
     assert (cfg["BLOCK_M"], cfg["M_TILES"]) == (block_m, m_tiles)
@@ -513,17 +510,16 @@ def test_gpu_mla_wgmma(case, poison):
 
 
 @pytest.mark.gpu
-def test_gpu_mla_wgmma_two_tiles_of_48_rows(monkeypatch, poison):
-    """48 query rows (Kimi-K2 k 6, chain and tree) as two 32-row tiles, the second with 16 valid rows
-    (``MLA_WGMMA_TWO_TILE_MIN_ROWS`` = 33, the A/B's ``mla-48-m32``) against the reference, in the default config
-    (PDL, the first KV tile before the wait), with the plan's splits, 3, and one (the direct store to out / lse)."""
-    import specverify.attention as attention
+def test_gpu_mla_wgmma_two_tiles_of_48_rows(poison):
+    """48 query rows (Kimi-K2 k 6, chain and tree) as two 32-row tiles, the second with 16 valid rows (the rule
+    these would take, see ``MLA_WGMMA_64_ROW_TILE``) against the reference, in the default config (PDL, the first KV
+    tile before the wait) with BLOCK_M 32, with the plan's splits, 3, and one (the direct store to out / lse)."""
+    from specverify.attention import _wgmma_kernels
 
-    monkeypatch.setattr(attention, "MLA_WGMMA_TWO_TILE_MIN_ROWS", 33)
+    config = {**_wgmma_kernels().MLA_WGMMA_DEFAULT, "BLOCK_M": 32}
     for mask, splits in (("chain", None), ("topk", 3), ("chain", 1)):
         plan = run_mla("cuda", poison, prefix_lens=[4090, 300], k=6, h=8, r=512, dr=64, page_size=64,
-                       mask_kind=mask, dtype=torch.bfloat16, num_splits=splits, seed=18,
-                       config=dict(attention._wgmma_kernels().MLA_WGMMA_DEFAULT))
+                       mask_kind=mask, dtype=torch.bfloat16, num_splits=splits, seed=18, config=config)
         assert (plan.config["BLOCK_M"], plan.config["M_TILES"]) == (32, 2)
 
 

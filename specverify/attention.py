@@ -214,24 +214,23 @@ def _choose_config(*, mla: bool, rows: int, head_dim: int, head_dim_v: int, inte
     }
 
 
-#: Row tile of the Gluon MLA kernel where a program would hold exactly 64 query rows (DeepSeek-V3 k 4, Kimi-K2 k 8):
-#: two 32-row tiles. The split count halves with the doubled M tiles, so the fp32 partials halve in all; their store,
-#: which every program makes at its end with no KV stream left to overlap, and the merge are the largest costs above
-#: the KV read at these rows. H100, attention + merge, µs (`bench/probe_mla_parts.py`,
+#: Row tile of the Gluon MLA kernel where a program holds 33-64 query rows (DeepSeek-V3 k 3 / 4, Kimi-K2 k 5-8): two
+#: tiles of this many rows, not one 64-row tile. The split count halves with the doubled M tiles, so the fp32 partials
+#: halve in all; their store, which every program makes at its end with no KV stream left to overlap, and the merge are
+#: the largest costs above the KV read at these rows. H100, attention + merge, µs (`bench/probe_mla_parts.py`,
 #: bench/results/HISTORY.md): DeepSeek-V3 b 4 / 16k / page 1 / top-2 tree k 4 42.9 against 47.0 (the split kernel
 #: alone 38.3 / 39.1, the merge 4.6 / 7.9); Kimi-K2 b 1 / 4k k 8 11.7 / 13.0. In the pass (`ab_verify_pass.py`,
-#: variant `mla-m64`): 26.470 against 26.520 ms at DeepSeek-V3 k 4, 16.891 against 17.016 at Kimi-K2 k 8. At 128
+#: variant `mla-m64`): 26.470 against 26.520 ms at DeepSeek-V3 k 4, 16.891 against 17.016 at Kimi-K2 k 8, and at
+#: Kimi-K2 k 6 (48 rows) 14.887 / 14.886 against 15.014 / 15.010 ms (two calls, bench/results/HISTORY.md). At 128
 #: rows two 64-row tiles stay (`sweep_attention.py --only dsv3`, DeepSeek-V3 k 8: 63.4 against 71.5 µs for four
-#: 32-row tiles). 33-63 rows (Kimi-K2 k 6: 48) as two 32-row tiles too measured faster in the pass on the H100
-#: (14.887 / 14.886 against 15.014 / 15.010 ms, bench/results/HISTORY.md) and become the rule once their GPU test
-#: (`test_gpu_mla_wgmma_two_tiles_of_48_rows`) has run. Read at plan time (the A/B clears the plan cache).
+#: 32-row tiles). Read at plan time (the A/B clears the plan cache).
 MLA_WGMMA_64_ROW_TILE = 32
 
 
 def _choose_wgmma_config(base: dict, *, mla: bool, rows: int, head_dim: int, head_dim_v: int,
                          interpret: bool, device: torch.device | None = None) -> dict:
-    """Geometry of the Gluon wgmma MLA kernel: 64 KV tokens (wgmma M) x BLOCK_M query rows (wgmma N, 16..64; exactly
-    64 rows take two tiles of ``MLA_WGMMA_64_ROW_TILE``), ``num_stages`` KV buffers (2: 188 KiB of shared memory at
+    """Geometry of the Gluon wgmma MLA kernel: 64 KV tokens (wgmma M) x BLOCK_M query rows (wgmma N, 16..64; 33-64
+    rows take two tiles of ``MLA_WGMMA_64_ROW_TILE``), ``num_stages`` KV buffers (2: 188 KiB of shared memory at
     32 rows). Warps unless the config names them: 4 up to 32 rows, 8 for 64; a 32-row tile takes 8 on a CUDA
     ``device`` where 4 spill (:func:`_wgmma_warps_32`)."""
     if not mla or head_dim != head_dim_v or head_dim % 64:
@@ -248,7 +247,7 @@ def _choose_wgmma_config(base: dict, *, mla: bool, rows: int, head_dim: int, hea
     if extra:
         raise ValueError(f"config KERNEL='mla_wgmma' does not take {sorted(extra)} (one value tile, its own "
                          "double-buffered copies); drop them")
-    block_m = int(base.get("BLOCK_M") or (MLA_WGMMA_64_ROW_TILE if rows == 64 else
+    block_m = int(base.get("BLOCK_M") or (MLA_WGMMA_64_ROW_TILE if 32 < rows <= 64 else
                                           min(64, _next_pow2(max(16, rows)))))
     block_n = int(base.get("BLOCK_N", 64))
     stages = int(base.get("num_stages", 2))

@@ -378,15 +378,17 @@ def test_mla_wgmma_config_errors(kwargs, match):
 
 @pytest.mark.parametrize("rows, tile, block_m, m_tiles", [
     (64, 32, 32, 2),  # DeepSeek-V3 k 4 / Kimi-K2 k 8: two 32-row tiles
-    (48, 32, 64, 1),  # Kimi-K2 k 6: one 64-row tile
+    (48, 32, 32, 2),  # Kimi-K2 k 6 / DeepSeek-V3 k 3: two 32-row tiles, the second half empty
+    (33, 32, 32, 2),
+    (48, 64, 64, 1),  # the A/B's `mla-m64` at 48 rows
     (64, 64, 64, 1),  # the A/B's `mla-m64`: one 64-row tile
     (128, 32, 64, 2),  # 128 rows keep 64-row tiles
     (32, 32, 32, 1),
     (16, 32, 16, 1),
 ])
 def test_mla_wgmma_64_row_rule(monkeypatch, rows, tile, block_m, m_tiles):
-    """Exactly 64 query rows a program take two tiles of ``MLA_WGMMA_64_ROW_TILE`` rows; other row counts the next
-    power of two up to 64; a config's BLOCK_M wins."""
+    """33-64 query rows a program take two tiles of ``MLA_WGMMA_64_ROW_TILE`` rows; other row counts the next power
+    of two up to 64 (128 rows: two 64-row tiles); a config's BLOCK_M wins."""
     import specverify.attention as attention
 
     if not attention._wgmma_kernels().AVAILABLE:
@@ -511,8 +513,8 @@ def test_gpu_mla_wgmma(case, poison):
 
 @pytest.mark.gpu
 def test_gpu_mla_wgmma_two_tiles_of_48_rows(poison):
-    """48 query rows (Kimi-K2 k 6, chain and tree) as two 32-row tiles, the second with 16 valid rows (the rule
-    these would take, see ``MLA_WGMMA_64_ROW_TILE``) against the reference, in the default config (PDL, the first KV
+    """48 query rows (Kimi-K2 k 6, chain and tree) as two 32-row tiles, the second with 16 valid rows (the rule's
+    tiles, see ``MLA_WGMMA_64_ROW_TILE``) against the reference, in the default config (PDL, the first KV
     tile before the wait) with BLOCK_M 32, with the plan's splits, 3, and one (the direct store to out / lse)."""
     from specverify.attention import _wgmma_kernels
 

@@ -7,8 +7,12 @@ draft length through the reference op table, recording the distinct routed exper
 (``specverify.verify_wall.routed_distinct_experts``, the probe the wall runs after its timing). Runs on the CPU
 (the real shapes fit in ~10 GB for a few layers) or a GPU.
 
+``--compare-logits``: each MoE layer's routing also redone from the router's logits in fp32 and in bf16 (the fp32
+product rounded, as a bf16 GEMM stores it) and the distinct experts of each printed beside the pass's own: whether
+the logits' precision (a bf16 router GEMM against an fp32 one) changes the experts a pass reads.
+
 Usage: ``python bench/routing_probe.py --model deepseek-v3 --batch 4 --context 16384 --tree topk:2
---draft-tokens 4,8 --layers 6 [--device cpu] [--json PATH]``.
+--draft-tokens 4,8 --layers 6 [--device cpu] [--compare-logits] [--json PATH]``.
 """
 from __future__ import annotations
 
@@ -22,7 +26,38 @@ from specverify import verify_wall as vw
 from specverify.benchmarking import write_rows_json
 from specverify.configs import expected_distinct_experts, get_config, per_rank_shapes
 from specverify.forward.model import VerifyModel
-from specverify.forward.ops import provider_ops
+from specverify.forward.ops import _route_with_config, provider_ops
+
+
+def _distinct(ids: torch.Tensor, top_k: int) -> int:
+    routed = ids[:, :top_k]
+    return int(routed[routed >= 0].unique().numel())
+
+
+def compare_logits(model, run, n_routed_experts: int) -> list[tuple[int, int, int]]:
+    """(pass, fp32, bf16) distinct routed experts of each MoE layer routed by ``route`` in one call of ``run()``:
+    the pass's own logits, the router's product in fp32, and that product rounded to bf16. The op table's
+    ``linear`` and ``route`` are wrapped for the call and restored."""
+    ops, rows, product = model.ops, [], {}
+    linear, route = ops.linear, ops.route
+
+    def recorded_linear(x, w, *rest, **kw):
+        if w.shape[0] == n_routed_experts:  # the router
+            product["fp32"] = x.float() @ w.float().t()
+        return linear(x, w, *rest, **kw)
+
+    def recorded_route(logits, p, *rest):
+        fp32 = product.pop("fp32")
+        rows.append(tuple(_distinct(_route_with_config(x, p)[0], p.num_experts_per_tok)
+                          for x in (logits.float(), fp32, fp32.bfloat16().float())))
+        return route(logits, p, *rest)
+
+    ops.linear, ops.route = recorded_linear, recorded_route
+    try:
+        run()
+    finally:
+        ops.linear, ops.route = linear, route
+    return rows
 
 
 def main(argv=None) -> int:
@@ -37,6 +72,8 @@ def main(argv=None) -> int:
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--compare-logits", action="store_true",
+                    help="also route each MoE layer from fp32 and bf16 router logits and print both counts")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
     cfg = get_config(args.model)
@@ -66,6 +103,10 @@ def main(argv=None) -> int:
                      "distinct_experts_routed": routed, "distinct_experts_uniform": uniform})
         print(f"{args.model} b {args.batch} k {k} {args.tree}: {routed:.2f} distinct routed experts a MoE layer, "
               f"uniform routing {uniform:.2f} ({routed / uniform:.0%})", flush=True)
+        if args.compare_logits:
+            per_layer = compare_logits(model, case.run, s.n_routed_experts)
+            rows[-1]["distinct_experts_pass_fp32_bf16"] = per_layer
+            print(f"  distinct experts a MoE layer (pass, fp32 logits, bf16 logits): {per_layer}", flush=True)
     if args.json:
         write_rows_json(args.json, __file__, rows, args=vars(args))
     return 0

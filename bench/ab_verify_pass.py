@@ -14,7 +14,7 @@ default table), ``no-<slot>`` (one slot of ``FUSIONS`` emptied); gate/up of the 
 ``bench_moe_block.py --configs``); ``cublas-o`` (o_proj on cuBLAS again); ``router-gemv-m8`` (the router on our GEMV
 up to 8 tokens); ``no-q-fold`` (q_a's RMSNorm a launch of its own again, ``forward.model.FOLD_Q_NORM``); ``fold-m8``
 (the fold up to 8 tokens, ``FOLD_Q_NORM_MAX_M``); ``no-early-kv`` (the MLA attention's first prefix KV tile read
-after the PDL wait, not before); ``mla-m64`` (64 query rows a program in one 64-row tile, not two of 32).
+after the PDL wait, not before); ``mla-m64`` (33-64 query rows a program in one 64-row tile, not two of 32).
 Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded into the projections and
 q_a's norm in the qkv_a GEMV's last tile (slower in the pass), the split merge fused with W_UV (slower alone; again
 as latent parts a program summed by a ticket, `no-attention_mla_up_v` against it: 0.06 / 0.12 / 0.32 / 0.48 ms
@@ -39,9 +39,8 @@ the add + RMSNorm formed in the MoE block's K loops (`block-norm`: 0.60 / 1.14 m
 and on the sixth the split merge on 2048-element tiles and 2 warps (`merge-2k-w2`: 0.16 ms slower at Kimi-K2 k = 8,
 0.01 ms at DeepSeek-V3 b 4 / 16k k = 4); on the seventh the MLA split count bound so that a split reads at least the
 KV bytes of the fp32 partials it writes (Kimi-K2 k = 6 / 8 at 32 splits, not 64; `no-split-cover` against it:
-within 0.04 ms either way at k = 8, 0.04 ms slower at k = 6 on one 64-row tile). Measured faster and not yet the
-rule (its GPU test has not run): 33-63 rows as two 32-row tiles (`mla-48-m32`, 0.09-0.13 ms faster at Kimi-K2 k =
-6; specverify/attention.py, ``MLA_WGMMA_64_ROW_TILE``).
+within 0.04 ms either way at k = 8, 0.04 ms slower at k = 6 on one 64-row tile). 33-63 rows as two 32-row tiles
+(first measured as `mla-48-m32`) became the rule on the eighth session; `mla-m64` measures against it.
 
 Usage: ``python bench/ab_verify_pass.py [--model kimi-k2] [--batch 1] [--context 4096] [--tree chain]
 [--draft-tokens 1,2,4,8] [--iters 10] [--page-size 64] [--variants ...] [--kernels] [--json PATH]``.
@@ -72,7 +71,7 @@ VARIANTS["router-gemv-m8-w1"] = dict(off=(), linear=((8, (1, 512), (7168, 7168))
 VARIANTS["no-q-fold"] = dict(off=(), attrs=(("specverify.forward.model", "FOLD_Q_NORM", False),))
 VARIANTS["fold-m8"] = dict(off=(), attrs=(("specverify.forward.model", "FOLD_Q_NORM_MAX_M", 8),))
 VARIANTS["no-early-kv"] = dict(off=(), attrs=(("specverify.kernels.tree_attention_wgmma", "EARLY_KV", False),))
-#: the Gluon MLA kernel's 64-row programs as one 64-row tile again (``MLA_WGMMA_64_ROW_TILE``, read at plan time)
+#: the Gluon MLA kernel's programs of 33-64 rows as one 64-row tile again (``MLA_WGMMA_64_ROW_TILE``, read at plan time)
 VARIANTS["mla-m64"] = dict(off=(), attrs=(("specverify.attention", "MLA_WGMMA_64_ROW_TILE", 64),))
 #: GEMV launch rules tried in the pass ahead of ``specverify.gemv.SHAPE_CONFIGS``: the shape's own config (read
 #: from ``gemv_config`` at the rule's largest M and smallest N, K) with the grid at ``WAVES`` programs an SM.

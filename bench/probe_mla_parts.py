@@ -12,9 +12,8 @@ never changed:
 - ``sum-store``: each partial row's sum over the latent stored instead of the row (one fp32 a row: the value MMA
   stays live, the store's bytes and instructions go), so ``split-only`` less this is what the partial store costs;
 - ``bf16 ws``: bf16 split partials (the plan's fp32 workspace replaced; the merge sums in fp32);
-- ``bf16 coalesced``: bf16 partials stored from a layout where each thread holds 8 latent columns of one row (16
-  bytes) and four lanes a row's 64 contiguous bytes (a ``gl.convert_layout`` through shared memory), so every store
-  fills whole 32-byte sectors (from the wgmma accumulator's layout a bf16 store writes 16-byte halves).
+- (removed after its run: bf16 partials stored from a row-contiguous layout in whole 32-byte sectors; the merge
+  read them as slowly as ``bf16 ws``'s, bench/results/HISTORY.md, eighth session of 2026-12-06).
 
 Outputs of probes other than ``full`` are wrong by construction; ``full`` rows record ``err`` = max |out - ref|
 against the fp32 reference (recorded, not judged: ``sweep_attention.py`` checks these plans against its tolerance).
@@ -41,7 +40,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 _I = " " * 12  # the kernel loop's indent
-#: the kernel's store of a split's partial rows, which three probes replace
+#: the kernel's store of a split's partial rows, which two probes replace
 _WS_STORE = (_I + "gl.store(WS_O + ws_rows[None, :] * D + offs_d[:, None], out.to(WS_O.dtype.element_ty),\n"
              + _I + "         mask=ro_valid[None, :])\n")
 #: (marker text in the kernel source, replacement) for each probe; every marker must be found
@@ -55,21 +54,6 @@ _EDITS = {
                     (_I + "acc = warpgroup_mma(k_lat.permute((1, 0)), p_smem, acc, is_async=True)\n"
                      + _I + "acc = warpgroup_mma_wait(0, deps=(acc, ))\n", "")],
     "no-store": [(_WS_STORE, "")],
-    "bf16-coalesced": [(_WS_STORE,
-                        _I + "st: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[4, 8],\n"
-                        + _I + "                                    warps_per_cta=_store_warps(num_warps, BLOCK_R),\n"
-                        + _I + "                                    order=[0, 1])\n"
-                        + _I + "o_st = gl.convert_layout(out.to(WS_O.dtype.element_ty), st)\n"
-                        + _I + "rows_st = gl.convert_layout(ws_rows, gl.SliceLayout(0, st))\n"
-                        + _I + "valid_st = gl.convert_layout(ro_valid, gl.SliceLayout(0, st))\n"
-                        + _I + "offs_d_st = gl.arange(0, D, layout=gl.SliceLayout(1, st))\n"
-                        + _I + "gl.store(WS_O + rows_st[None, :] * D + offs_d_st[:, None], o_st,"
-                        " mask=valid_st[None, :])\n"),
-                       ("    @gluon.jit\n    def _gdc_wait():",
-                        "    @gluon.constexpr_function\n    def _store_warps(num_warps, block_r):\n"
-                        "        rows = min(num_warps, block_r // 8)  # a warp spans 8 rows, the rest the latent\n"
-                        "        return [num_warps // rows, rows]\n\n"
-                        "    @gluon.jit\n    def _gdc_wait():")],
     "sum-store": [(_WS_STORE,
                    _I + "gl.store(WS_O + ws_rows * D, gl.sum(out, axis=0), mask=ro_valid)\n")],
 }
@@ -121,8 +105,7 @@ def main(argv=None) -> int:
               ("compute-only", "compute-only", False, False), ("copies-only", "copies-only", False, False),
               ("no-store", "no-store", False, False), ("sum-store", "sum-store", False, False),
               ("full bf16 ws", "full", True, True),
-              ("split-only bf16 ws", "full", False, True), ("full bf16 coalesced", "bf16-coalesced", True, True),
-              ("split-only bf16 coalesced", "bf16-coalesced", False, True)]
+              ("split-only bf16 ws", "full", False, True)]
     original = attention._wgmma_kernels
     with tempfile.TemporaryDirectory() as tmp:
         mods = {name: _probe_module(name, source, tmp) for name in ("full", *_EDITS)}

@@ -220,9 +220,9 @@ def _choose_config(*, mla: bool, rows: int, head_dim: int, head_dim_v: int, inte
 #: the largest costs above the KV read at these rows. H100, attention + merge, µs (`bench/probe_mla_parts.py`,
 #: bench/results/HISTORY.md): DeepSeek-V3 b 4 / 16k / page 1 / top-2 tree k 4 42.9 against 47.0 (the split kernel
 #: alone 38.3 / 39.1, the merge 4.6 / 7.9); Kimi-K2 b 1 / 4k k 8 11.7 / 13.0. In the pass (`ab_verify_pass.py`,
-#: variant `mla-m64`): 26.470 against 26.520 ms at DeepSeek-V3 k 4, 16.891 against 17.016 at Kimi-K2 k 8, and at
-#: Kimi-K2 k 6 (48 rows) 14.887 / 14.886 against 15.014 / 15.010 ms (two calls, bench/results/HISTORY.md). At 128
-#: rows two 64-row tiles stay (`sweep_attention.py --only dsv3`, DeepSeek-V3 k 8: 63.4 against 71.5 µs for four
+#: variant `mla-m64`): 26.470 against 26.520 ms at DeepSeek-V3 k 4, 16.891 against 17.016 at Kimi-K2 k 8; at 40-48
+#: rows (commit 70eaee3) 13.206 against 13.304 at Kimi-K2 k 5, 15.159 against 15.317 at k 6, 22.531 against 22.707
+#: at DeepSeek-V3 k 3 (bench/results/HISTORY.md). At 128 rows two 64-row tiles stay (`sweep_attention.py --only dsv3`, DeepSeek-V3 k 8: 63.4 against 71.5 µs for four
 #: 32-row tiles). Read at plan time (the A/B clears the plan cache).
 MLA_WGMMA_64_ROW_TILE = 32
 

@@ -222,8 +222,9 @@ def _choose_config(*, mla: bool, rows: int, head_dim: int, head_dim_v: int, inte
 #: alone 38.3 / 39.1, the merge 4.6 / 7.9); Kimi-K2 b 1 / 4k k 8 11.7 / 13.0. In the pass (`ab_verify_pass.py`,
 #: variant `mla-m64`): 26.470 against 26.520 ms at DeepSeek-V3 k 4, 16.891 against 17.016 at Kimi-K2 k 8; at 40-48
 #: rows (commit 70eaee3) 13.206 against 13.304 at Kimi-K2 k 5, 15.159 against 15.317 at k 6, 22.531 against 22.707
-#: at DeepSeek-V3 k 3 (bench/results/HISTORY.md). At 128 rows two 64-row tiles stay (`sweep_attention.py --only dsv3`, DeepSeek-V3 k 8: 63.4 against 71.5 µs for four
-#: 32-row tiles). Read at plan time (the A/B clears the plan cache).
+#: at DeepSeek-V3 k 3 (bench/results/HISTORY.md). At 128 rows two 64-row tiles stay (`sweep_attention.py --only
+#: dsv3`, DeepSeek-V3 k 8: 63.4 against 71.5 µs for four 32-row tiles). Read at plan time (the A/B clears the plan
+#: cache).
 MLA_WGMMA_64_ROW_TILE = 32
 
 

@@ -2,8 +2,8 @@
 # One device call: install the package (and the SGLang peer wheels if carried in .whl/), then run the named steps,
 # writing logs and JSON under $OUT. Usage: bash bench/device_run.sh STEP [STEP ...]
 # Steps: env, tests-<name>, gpu-<name> (GPU-marked tests of tests/test_<name>.py), par-<name> (the same in $SHARDS
-# parallel processes on the one GPU, round-robin over the test ids: compilation is what takes the time; par-all: every
-# GPU test file), bench-<name>, script-<name>
+# parallel processes on the one GPU, bench/par_pytest.sh: the shards' failures run again alone, which sets the status;
+# par-all: every GPU test file), bench-<name>, script-<name>
 # (bench/<name>.py with $ARGS_<name>), cmd-<name> (bash -c "$CMD_<name>", for arguments with spaces), sweep-<group>[+<group>...], wall-<name> ($WALL_ARGS_<name>, else $WALL_ARGS), sglwall-<name> (the same with SGLang's import-only stand-ins installed
 # first: torchvision, IPython; for --impl ...,sglang with .whl/ carried), peer, sglang-tests,
 # pack (tar everything under $OUT into results.tgz: the device tool brings back at most 8 files)
@@ -48,8 +48,8 @@ for step in "$@"; do
     sweep-*) n=${step#sweep-}; run "sweep_$n" python3 bench/sweep_verify_kernels.py --only "${n//+/,}" --json "$OUT/sweep_$n.json" ${SWEEP_ARGS:-} ;;
     script-*) n=${step#script-}; a="ARGS_$n"; run "$n" python3 bench/$n.py --json "$OUT/$n.json" ${!a:-} ;;
     gpu-*) n=${step#gpu-}; a="ARGS_$n"; run "gpu_$n" python3 -P -m pytest -q -p no:cacheprovider --rootdir=. -m gpu tests/test_$n.py ${!a:-} ;;
-    par-*) n=${step#par-}; f=tests/test_$n.py; [ "$n" = all ] && f='tests/test_*.py'
-      run "par_$n" bash -c "python3 -P -m pytest -q -p no:cacheprovider --rootdir=. -m gpu --co $f | grep :: > /tmp/ids_$n; rm -f /tmp/shard_$n.*; split -n r/${SHARDS:-6} /tmp/ids_$n /tmp/shard_$n.; for f in /tmp/shard_$n.??; do xargs -r -a \$f -d \"\\\\n\" python3 -P -m pytest -q -p no:cacheprovider --rootdir=. -m gpu -rf --durations=5 > \$f.log 2>&1 & done; wait; cat /tmp/shard_$n.*.log; ! grep -q -E '^(FAILED|ERROR)' /tmp/shard_$n.*.log" ;;
+    par-*) n=${step#par-}; f=tests/test_$n.py; [ "$n" = all ] && f=$(echo tests/test_*.py)
+      run "par_$n" env PAR_TMP=/tmp/par_$n bash bench/par_pytest.sh $f ;;
     cmd-*) n=${step#cmd-}; a="CMD_$n"; run "$n" bash -c "${!a}" ;;
     peer) run peer python3 -P -c "from specverify.peers import sglang as p; print(p.available())" ;;
     sglang-tests) run sglang_tests python3 -P -m pytest -q -p no:cacheprovider --rootdir=. tests/sglang -m sglang ${ARGS_sglang:-} ;;

@@ -16,11 +16,13 @@ and ``copy_bw`` a 1 GiB device-to-device copy (``2 * bytes / time``) measured in
 
 Two more sets: ``--only dsv3`` (DeepSeek-V3's verify-pass shape: 16 heads, batch 4, 16k, page size 1, top-2 tree at
 k 4 / 8 / 1, with other row tiles, split counts and bf16 split partials) and ``--only rows64`` (split counts at 64
-query rows: Kimi-K2 b 1 / 4k / page 64 / chain k 8 and DeepSeek-V3 b 4 / 16k / page 1 / tree k 4). A variant whose
+query rows: Kimi-K2 b 1 / 4k / page 64 / chain k 8 and DeepSeek-V3 b 4 / 16k / page 1 / tree k 4) and ``--only
+tiles`` (33-64 query rows a program where the batch fills the GPU: Kimi-K2 b 64 / 4k and b 8 / 32k at k 6 and 8,
+the rule's two 32-row tiles, each reading its split's KV, against one 64-row tile). A variant whose
 plan (kernel, row tile, splits, partials' dtype) equals one already timed at the shape is skipped.
 
 Usage: ``python bench/sweep_attention.py [--quick] [--json PATH] [--budget-s S] [--only
-latency|bandwidth|long|wgmma|dsv3|rows64] [--resources]``; prints a table last. ``--quick``: fewer variants per
+latency|bandwidth|long|wgmma|dsv3|rows64|tiles] [--resources]``; prints a table last. ``--quick``: fewer variants per
 shape. ``--only``: the batch-1 shapes, the batch 8 / 64 shapes, batch 1 at 32k, every shape with the wgmma split
 counts, or the two sets above. ``--resources`` needs no GPU: it
 compiles the tl.dot kernel's MLA configs for sm_90a here and prints registers, spilled bytes, shared memory and
@@ -106,6 +108,11 @@ def variants_rows64():
     return [("default", None, None)] + [(f"s{n}", None, n) for n in (8, 16, 24, 32, 48, 64)]
 
 
+def variants_tiles():
+    """33-64 query rows a program: the rule's two 32-row tiles (``MLA_WGMMA_64_ROW_TILE``) against one 64-row tile."""
+    return [("default", None, None), ("M64", {"KERNEL": "mla_wgmma", "PDL": True, "BLOCK_M": 64}, None)]
+
+
 def write_json(path, bw):
     if not path:
         return
@@ -159,11 +166,12 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer variants per shape")
     ap.add_argument("--json", metavar="PATH", help="write the rows as JSON (rewritten after every row)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="start no new variant after this many seconds")
-    ap.add_argument("--only", choices=("latency", "bandwidth", "long", "wgmma", "dsv3", "rows64"),
+    ap.add_argument("--only", choices=("latency", "bandwidth", "long", "wgmma", "dsv3", "rows64", "tiles"),
                     help="only the batch-1 4k shapes, only the batch 8 / 64 shapes, only batch 1 at 32k (split "
                     "counts), the Gluon wgmma kernel against the default at every shape, or DeepSeek-V3's pass shape "
                     "(b 4, 16k, page size 1, top-2 tree, k 1 / 4 / 8) with row tiles, splits and bf16 partials, or "
-                    "split counts at 64 query rows (Kimi-K2 b 1 / 4k k 8, DeepSeek-V3 b 4 / 16k k 4)")
+                    "split counts at 64 query rows (Kimi-K2 b 1 / 4k k 8, DeepSeek-V3 b 4 / 16k k 4), or the row tiles at "
+                    "33-64 rows where the batch fills the GPU (Kimi-K2 b 64 / 4k and b 8 / 32k, k 6 and 8)")
     ap.add_argument("--resources", action="store_true", help="offline sm_90a registers/spills of the tl.dot kernel's "
                     "MLA configs (no GPU)")
     args = ap.parse_args(argv)
@@ -199,6 +207,8 @@ def main(argv=None) -> int:
         shapes = [("deepseek-v3", 1, 4, 16384, k, k > 1) for k in (4, 8, 1)]
     elif args.only == "rows64":
         shapes = [("kimi-k2", 64, 1, 4096, 8, False), ("deepseek-v3", 1, 4, 16384, 4, True)]
+    elif args.only == "tiles":
+        shapes = [("kimi-k2", 64, batch, ctx, k, True) for batch, ctx in ((64, 4096), (8, 32768)) for k in (6, 8)]
     elif args.only:
         shapes = [sh for sh in shapes if (sh[0] == 1) == (args.only == "latency")]
     for shape in shapes:
@@ -222,6 +232,7 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
         variants = (variants_wgmma(batch, ctx) if args.only == "wgmma" else
                     variants_dsv3(k) if args.only == "dsv3" else variants_rows64() if args.only == "rows64" else
+                    variants_tiles() if args.only == "tiles" else
                     variants_long() if ctx > 4096 and batch == 1 else variants_for(batch, k, args.quick))
         timed = {}  # (kernel, row tile, splits, bf16 partials) -> the variant that timed it
         for label, config, splits in variants:

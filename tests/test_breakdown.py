@@ -189,7 +189,8 @@ def test_routed_distinct_experts_counts_what_the_routing_chose(ops_name, b, k, d
 
 def test_routing_probe_script(tmp_path):
     """bench/routing_probe.py at a tiny grouped MoE on the CPU: one token reads exactly its top-k; the JSON holds
-    the routed and the uniform counts."""
+    the routed and the uniform counts, and with --compare-logits each MoE layer's counts from the pass's, fp32 and
+    bf16 logits (the pass's the same routing as the routed count's)."""
     import json
     import os
     import subprocess
@@ -201,10 +202,14 @@ def test_routing_probe_script(tmp_path):
     script = os.path.join(os.path.dirname(__file__), "..", "bench", "routing_probe.py")
     r = subprocess.run([sys.executable, script, "--model", "tiny-mla-grouped", "--tp", "1", "--layers", "3",
                         "--context", "32", "--draft-tokens", "1,3", "--page-size", "16", "--device", "cpu",
-                        "--json", str(out)], capture_output=True, text=True, timeout=300)
+                        "--compare-logits", "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     top_k = get_config("tiny-mla-grouped").num_experts_per_tok
     assert [row["k"] for row in rows] == [1, 3]
     assert rows[0]["distinct_experts_routed"] == top_k and rows[0]["distinct_experts_uniform"] == pytest.approx(top_k)
     assert top_k <= rows[1]["distinct_experts_routed"] <= 3 * top_k
+    for row, tokens in zip(rows, (1, 3)):
+        layers = row["distinct_experts_pass_fp32_bf16"]
+        assert layers and all(len(c) == 3 and top_k <= min(c) <= max(c) <= tokens * top_k for c in layers)
+        assert sum(c[0] for c in layers) / len(layers) == pytest.approx(row["distinct_experts_routed"])

@@ -14,7 +14,7 @@ tol is marked WRONG. Time: µs per call by CUDA-graph replay (20 calls per graph
 ``specverify.benchmarking.graph_us``). ``bw% = KV bytes / time / copy_bw`` with KV bytes = batch x context x 576 x 2
 and ``copy_bw`` a 1 GiB device-to-device copy (``2 * bytes / time``) measured in the same run.
 
-Two more sets: ``--only dsv3`` (DeepSeek-V3's verify-pass shape: 16 heads, batch 4, 16k, page size 1, top-2 tree at
+More sets: ``--only dsv3`` (DeepSeek-V3's verify-pass shape: 16 heads, batch 4, 16k, page size 1, top-2 tree at
 k 4 / 8 / 1, with other row tiles, split counts and bf16 split partials) and ``--only rows64`` (split counts at 64
 query rows: Kimi-K2 b 1 / 4k / page 64 / chain k 8 and DeepSeek-V3 b 4 / 16k / page 1 / tree k 4) and ``--only
 tiles`` (33-64 query rows a program where the batch fills the GPU: Kimi-K2 b 64 / 4k and b 8 / 32k at k 6 and 8,
@@ -24,7 +24,7 @@ plan (kernel, row tile, splits, partials' dtype) equals one already timed at the
 Usage: ``python bench/sweep_attention.py [--quick] [--json PATH] [--budget-s S] [--only
 latency|bandwidth|long|wgmma|dsv3|rows64|tiles] [--resources]``; prints a table last. ``--quick``: fewer variants per
 shape. ``--only``: the batch-1 shapes, the batch 8 / 64 shapes, batch 1 at 32k, every shape with the wgmma split
-counts, or the two sets above. ``--resources`` needs no GPU: it
+counts, or the sets above. ``--resources`` needs no GPU: it
 compiles the tl.dot kernel's MLA configs for sm_90a here and prints registers, spilled bytes, shared memory and
 whether wgmma is used. ``--budget-s``: start no new
 variant after S seconds (default 420), so one device call stays bounded; the JSON is rewritten after every row, so a
@@ -170,8 +170,8 @@ def main(argv=None) -> int:
                     help="only the batch-1 4k shapes, only the batch 8 / 64 shapes, only batch 1 at 32k (split "
                     "counts), the Gluon wgmma kernel against the default at every shape, or DeepSeek-V3's pass shape "
                     "(b 4, 16k, page size 1, top-2 tree, k 1 / 4 / 8) with row tiles, splits and bf16 partials, or "
-                    "split counts at 64 query rows (Kimi-K2 b 1 / 4k k 8, DeepSeek-V3 b 4 / 16k k 4), or the row tiles at "
-                    "33-64 rows where the batch fills the GPU (Kimi-K2 b 64 / 4k and b 8 / 32k, k 6 and 8)")
+                    "split counts at 64 query rows (Kimi-K2 b 1 / 4k k 8, DeepSeek-V3 b 4 / 16k k 4), or the row "
+                    "tiles at 33-64 rows where the batch fills the GPU (Kimi-K2 b 64 / 4k and b 8 / 32k, k 6 and 8)")
     ap.add_argument("--resources", action="store_true", help="offline sm_90a registers/spills of the tl.dot kernel's "
                     "MLA configs (no GPU)")
     args = ap.parse_args(argv)

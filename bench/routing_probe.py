@@ -29,11 +29,6 @@ from specverify.forward.model import VerifyModel
 from specverify.forward.ops import _route_with_config, provider_ops
 
 
-def _distinct(ids: torch.Tensor, top_k: int) -> int:
-    routed = ids[:, :top_k]
-    return int(routed[routed >= 0].unique().numel())
-
-
 def compare_logits(model, run, n_routed_experts: int) -> list[tuple[int, int, int]]:
     """(pass, fp32, bf16) distinct routed experts of each MoE layer routed by ``route`` in one call of ``run()``:
     the pass's own logits, the router's product in fp32, and that product rounded to bf16. The op table's
@@ -48,7 +43,7 @@ def compare_logits(model, run, n_routed_experts: int) -> list[tuple[int, int, in
 
     def recorded_route(logits, p, *rest):
         fp32 = product.pop("fp32")
-        rows.append(tuple(_distinct(_route_with_config(x, p)[0], p.num_experts_per_tok)
+        rows.append(tuple(vw.distinct_routed(_route_with_config(x, p)[0], p.num_experts_per_tok)
                           for x in (logits.float(), fp32, fp32.bfloat16().float())))
         return route(logits, p, *rest)
 

@@ -561,6 +561,13 @@ def cpu_notes(s: WallSettings) -> list[str]:
 WALL_PROVIDERS = PROVIDERS + ("sglang-step",)
 
 
+def distinct_routed(ids: torch.Tensor, top_k: int) -> int:
+    """The distinct experts among the first ``top_k`` columns of routing ids ``[M, >= top_k]`` (a shared slot after
+    them left out; negative ids, rows routed nowhere, not counted)."""
+    routed = ids[:, :top_k]
+    return int(routed[routed >= 0].unique().numel())
+
+
 def routed_distinct_experts(model, run) -> float | None:
     """The mean over MoE layers of the distinct routed experts one pass of ``run()`` chose (its shared slot left
     out), from one eager call with the model's routing slots recorded: the ids ``route`` / ``route_shared`` return,
@@ -572,21 +579,17 @@ def routed_distinct_experts(model, run) -> float | None:
     ops = model.ops
     counts: list[int] = []
 
-    def distinct(ids, top_k):
-        routed = ids[:, :top_k]
-        return int(routed[routed >= 0].unique().numel())
-
     def wrap_route(real):
         def recorded(logits, p, *rest):
             ids, weights = real(logits, p, *rest)
-            counts.append(distinct(ids, p.num_experts_per_tok))
+            counts.append(distinct_routed(ids, p.num_experts_per_tok))
             return ids, weights
         return recorded
 
     def wrap_block(real):
         def recorded(hidden, router, p, *rest):
             ids, _ = _route_with_config(hidden.float() @ router.float().t(), p)
-            counts.append(distinct(ids, p.num_experts_per_tok))
+            counts.append(distinct_routed(ids, p.num_experts_per_tok))
             return real(hidden, router, p, *rest)
         return recorded
 

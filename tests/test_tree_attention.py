@@ -493,7 +493,7 @@ GPU_MLA_WGMMA = [
     # k 8 top-k tree: 64 rows as two 32-row tiles (MLA_WGMMA_64_ROW_TILE; one warpgroup each where 4 warps do not
     # spill); splits walk many tiles
     ("kimi-k8-topk", [20000, 7000], 8, 8, 64, "topk", torch.bfloat16, None),
-    # k 6 chain: 48 rows in one 64-row tile
+    # k 6 chain: 48 rows as two 32-row tiles (the rule at 33-64 rows), the second with 16 valid rows
     ("kimi-k6-chain", [4090, 300], 6, 8, 64, "chain", torch.bfloat16, None),
     # DeepSeek-V3 rank (16 heads), k 16: 256 rows in four 64-row tiles (two warpgroups); two mask bytes; page 5 is
     # not a power of 2

@@ -70,6 +70,11 @@ VARIANTS["router-gemv-m8-w1"] = dict(off=(), linear=((8, (1, 512), (7168, 7168))
     ((8, (1, 512), (7168, 7168)), {**gemv_config(8, 384, 7168), "WAVES": 1}),))
 VARIANTS["no-q-fold"] = dict(off=(), attrs=(("specverify.forward.model", "FOLD_Q_NORM", False),))
 VARIANTS["fold-m8"] = dict(off=(), attrs=(("specverify.forward.model", "FOLD_Q_NORM_MAX_M", 8),))
+#: every kernel entering through ``kernels/pdl.py`` lets its successor launch after its own wait, not before it
+#: (``specverify.fit.PDL_TRIGGER_AFTER_WAIT``): at most one successor resident beside a running grid
+_LATE = (("specverify.fit", "PDL_TRIGGER_AFTER_WAIT", True),)
+VARIANTS["pdl-late"] = dict(off=(), attrs=_LATE)
+VARIANTS["router-gemv-m8-late"] = dict(VARIANTS["router-gemv-m8"], attrs=_LATE)
 VARIANTS["no-early-kv"] = dict(off=(), attrs=(("specverify.kernels.tree_attention_wgmma", "EARLY_KV", False),))
 #: the Gluon MLA kernel's programs of 33-64 rows as one 64-row tile again (``MLA_WGMMA_64_ROW_TILE``, read at plan
 #: time)

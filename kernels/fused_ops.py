@@ -40,7 +40,8 @@ launches per layer is what matters.
    gone from the pass. The partials are one [BLOCK_P, tokens] load beside each program's first activation load.
 
 ``PDL`` (every kernel here; programmatic dependent launch, sm_90+): the grid may start while the previous kernel
-finishes; it loads only constant weights before ``gdc_wait`` and lets the next kernel launch at once.
+finishes; it loads only constant weights before ``gdc_wait`` and lets the next kernel launch at once (``PDL`` 2:
+after its wait; ``specverify.kernels.pdl``).
 
 Tensors (T = batch * k tokens):
 
@@ -59,7 +60,8 @@ Tensors (T = batch * k tokens):
 """
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from specverify.kernels.pdl import pdl_enter
 
 
 @triton.jit
@@ -69,9 +71,7 @@ def _rmsnorm_kernel(X, R, W, Y, RES_OUT, stride_x, stride_r, stride_y, stride_ro
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)  # a weight: before the wait
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_enter(PDL)
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
@@ -148,9 +148,7 @@ def _mla_kv_prep_token(t, KV, W, Q, POS, PAGE_TABLE, PREFIX, CACHE, COS_SIN,
     offs = tl.arange(0, BLOCK_R)
     rmask = offs < R
     w = tl.load(W + offs, mask=rmask, other=0.0).to(tl.float32)  # a weight: before the wait
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_enter(PDL)
     pos = tl.load(POS + t)
     if Q_SCALE:  # q_a's RMSNorm scale of this token, loaded beside its position
         rp = tl.arange(0, BLOCK_P)
@@ -213,9 +211,7 @@ def _gqa_prep_kernel(Q, K, V, QW, KW, POS, PAGE_TABLE, PREFIX, K_CACHE, V_CACHE,
                      D: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr = False):
     t = tl.program_id(0)
     head = tl.program_id(1)
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_enter(PDL)
     HALF: tl.constexpr = D // 2
     j = tl.arange(0, HALF)
     pos = tl.load(POS + t)
@@ -242,9 +238,7 @@ def _gqa_prep_kernel(Q, K, V, QW, KW, POS, PAGE_TABLE, PREFIX, K_CACHE, V_CACHE,
 
 @triton.jit
 def _silu_mul_kernel(GU, ACT, stride_gu, stride_act, inter, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_enter(PDL)
     t = tl.program_id(0)
     blk = tl.program_id(1)
     offs = blk * BLOCK + tl.arange(0, BLOCK)
@@ -301,9 +295,7 @@ def _head_matmul_tile(h, nb, A, W, OUT, T, stride_at, stride_ah, stride_wh, stri
     w = tl.load(W + h * stride_wh + offs_k[:, None] * stride_wk + offs_n[None, :])
     if UPCAST:
         w = w.to(tl.float32)
-    if PDL:  # the weight tile above is constant: loaded while the previous kernel finishes
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_enter(PDL)  # the weight tile above is constant: loaded while the previous kernel finishes
     for t0 in range(0, T, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
         tm = offs_t < T

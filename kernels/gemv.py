@@ -21,7 +21,8 @@ acquire-release) reduces them and resets the ticket, so the launch is graph-repl
 ``PDL`` (programmatic dependent launch, sm_90+): the grid may start while the previous kernel finishes; with
 ``PREFETCH`` each program first issues ``prefetch.global.L2`` for the first ``k_prefetch`` columns of its weight
 slice (constant data; the launcher bounds the grid's total, so a large weight does not thrash L2), then lets the
-next kernel launch (``gdc_launch_dependents``) and waits (``gdc_wait``) before it touches X, the workspace or Y.
+next kernel launch (``gdc_launch_dependents``) and waits (``gdc_wait``; ``PDL`` 2: the two the other way round,
+``specverify.kernels.pdl``) before it touches X, the workspace or Y.
 
 ``SUMSQ`` (the qkv_a projection of MLA, whose first ``sumsq_cols`` = q_lora columns feed q_a's RMSNorm): the
 program that stores row tile n (the plain store at ``SPLIT_K == 1``, else the tile's last program, in both reduce
@@ -39,7 +40,8 @@ int32 [row tiles], zero between launches; S fp32 [row tiles, stride_s >= M] (``S
 """
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from specverify.kernels.pdl import pdl_enter
 
 
 @triton.jit
@@ -79,8 +81,7 @@ def _gemv_splitk_kernel(X, W, Y, P, TICKET, S, M, N, K, stride_xm, stride_wn, st
                 lk = k0 + lines * 64
                 pmask = nmask[:, None] & (lk < K)[None, :]
                 _prefetch_l2(tl.where(pmask, W + rn.to(tl.int64)[:, None] * stride_wn + lk[None, :], W))
-        gdc_launch_dependents()
-        gdc_wait()  # x (and the workspace) belong to earlier kernels: nothing is read or written before this
+    pdl_enter(PDL)  # x (and the workspace) belong to earlier kernels: nothing is read or written before this
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)

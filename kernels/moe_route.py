@@ -54,7 +54,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from specverify.kernels.pdl import pdl_enter
 
 # order-preserving int32 image of -inf: bits 0xFF800000 with the magnitude bits flipped (see _order_key)
 _NEG_INF_ORDERED = tl.constexpr(-2139095041)
@@ -288,9 +289,7 @@ def _moe_route_align_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr, sort
     Without DO_ROUTE the grid must be (1,): the one program ranks every slot itself. OUT_K = TOP_K + 1 (routing
     alone): each output row ends with the shared expert's slot (``shared_id``, weight 1); else OUT_K = TOP_K.
     """
-    if PDL:  # logits (and the workspace) belong to earlier kernels
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_enter(PDL)  # logits (and the workspace) belong to earlier kernels
     pid = tl.program_id(0)
     if DO_ROUTE:
         _route_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, count_ptr, rank_ptr, pid * ROWS, M, stride_lm, scale,
@@ -506,9 +505,7 @@ def _moe_route_align_fast_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, rank_ptr,
     the routing programs set their row's bit in each chosen expert's int64 row mask (``count_ptr``, zero between
     calls); the last one loads masks and ids once and aligns from them (_align_masks: exact slot order). Otherwise:
     atomic ranks in the routing programs, and the last program scans the counters and scatters."""
-    if PDL:  # logits (and the workspace) belong to earlier kernels
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_enter(PDL)  # logits (and the workspace) belong to earlier kernels
     pid = tl.program_id(0)
     if ONE:
         if DO_ROUTE:
@@ -567,9 +564,7 @@ def _append_shared_kernel(ids_ptr, w_ptr, out_ids_ptr, out_w_ptr, M, shared_id, 
                           TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """out_ids[m] = [ids[m, :TOP_K], shared_id], out_w[m] = [w[m, :TOP_K], 1.0]: the shared expert as one more slot
     of every token, so one expert pass serves routed and shared experts."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_enter(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * (TOP_K + 1)
     row = offs // (TOP_K + 1)

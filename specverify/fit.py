@@ -63,10 +63,19 @@ def pdl_launch(device: torch.device) -> bool:
     return _capability_major(_index(device)) >= 9
 
 
+#: Where the kernels entering through ``specverify.kernels.pdl.pdl_enter`` (the GEMV, RMSNorm, MLA preparation,
+#: head matmuls, routing) let their successor launch: False, before their own wait (``PDL=1``); True, after it
+#: (``PDL=2``), so a chain of small grids never has more than one successor resident beside a running grid. Read at
+#: each launch by :func:`pdl_kwargs` (``bench/ab_verify_pass.py`` times both as ``pdl-late``).
+PDL_TRIGGER_AFTER_WAIT = False
+
+
 def pdl_kwargs(device: torch.device) -> dict:
-    """Launch keywords of a kernel that takes a ``PDL`` constexpr: ``PDL`` and ``launch_pdl`` when
-    :func:`pdl_launch` says so, else ``PDL=False``."""
-    return {"PDL": True, "launch_pdl": True} if pdl_launch(device) else {"PDL": False}
+    """Launch keywords of a kernel that takes a ``PDL`` constexpr: ``PDL`` (1, or 2 with
+    :data:`PDL_TRIGGER_AFTER_WAIT`) and ``launch_pdl`` when :func:`pdl_launch` says so, else ``PDL=False``."""
+    if not pdl_launch(device):
+        return {"PDL": False}
+    return {"PDL": 2 if PDL_TRIGGER_AFTER_WAIT else True, "launch_pdl": True}
 
 
 def _index(device: torch.device) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from specverify.fit import pdl_launch, sm_count
+from specverify.fit import pdl_kwargs, pdl_launch, sm_count
 from specverify.fused_ops import _use_triton, triton_next_pow2
 from specverify.workspace import grown_workspace
 
@@ -223,9 +223,8 @@ def _launch(x, w, out, sumsq_cols: int = 0):
                               BLOCK_M=max(16, triton_next_pow2(m)), BLOCK_N=block_n, ROWS=rows, BLOCK_K=cfg["BLOCK_K"],
                               SPLIT_K=split, SPLIT_PAD=triton_next_pow2(split),
                               WIDE_REDUCE=m == 1 or split >= WIDE_REDUCE_MIN_SPLITS,
-                              DOT_FP32=not x.is_cuda, PDL=pdl, PREFETCH=k_prefetch > 0, SUMSQ=sumsq_cols > 0,
-                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                              **({"launch_pdl": True} if pdl else {}))
+                              DOT_FP32=not x.is_cuda, PREFETCH=k_prefetch > 0, SUMSQ=sumsq_cols > 0,
+                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(x.device))
     return sums[: -(-sumsq_cols // rows), :m] if sumsq_cols else None
 
 

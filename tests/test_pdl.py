@@ -27,17 +27,31 @@ def test_kernels_launch_without_pdl_off_the_gpu():
     assert fit.pdl_kwargs(torch.device("cpu")) == {"PDL": False}
 
 
+def test_the_trigger_after_the_wait_is_pdl_2(monkeypatch):
+    monkeypatch.setattr(fit, "_capability_major", lambda index: 9)
+    monkeypatch.setattr(fit, "_index", lambda device: 0)
+    monkeypatch.delenv("SPECVERIFY_PDL", raising=False)
+    cuda = torch.device("cuda", 0)
+    assert fit.pdl_kwargs(cuda) == {"PDL": True, "launch_pdl": True}
+    monkeypatch.setattr(fit, "PDL_TRIGGER_AFTER_WAIT", True)
+    assert fit.pdl_kwargs(cuda) == {"PDL": 2, "launch_pdl": True}
+    assert fit.pdl_kwargs(torch.device("cpu")) == {"PDL": False}
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("late", [False, True], ids=["trigger-first", "trigger-after-wait"])
 @pytest.mark.parametrize("name", ["kimi-k2", "deepseek-v3"])  # 8 / 16 heads a rank; 4 layers: dense and MoE
-def test_the_chained_pass_equals_the_unchained_one(monkeypatch, name):
+def test_the_chained_pass_equals_the_unchained_one(monkeypatch, name, late):
     """Graph replays with PDL against eager calls without it, at k = 1 and 4, batch 1 and 4, then again after the
-    inputs changed in place: logits argmax tokens and accept lengths identical, and the forward's logits bitwise."""
+    inputs changed in place: logits argmax tokens and accept lengths identical, and the forward's logits bitwise;
+    with the successor launched before or after each kernel's wait (``fit.PDL_TRIGGER_AFTER_WAIT``)."""
     from specverify.configs import get_config
     from specverify.forward.model import build_verify_model
     from specverify.graph_pool import VerifyGraphPool
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs sm_90+")
+    monkeypatch.setattr(fit, "PDL_TRIGGER_AFTER_WAIT", late)
     ad = build_verify_model(get_config(name), tp=8, num_layers=4, device="cuda", dtype=torch.bfloat16)
     monkeypatch.setenv("SPECVERIFY_PDL", "1")
     pool = VerifyGraphPool(ad.verify, ad.make_inputs, batch_buckets=[1, 4], draft_lengths=[1, 4], capture="eager")

@@ -8,8 +8,8 @@ grid covers every SM about twice (N of 384-7168 gives only 6-112 row tiles)::
 
     program (n, s):  P[s, :, n0:n0+ROWS] = sum over k in slice s of  X[:, k] * W[n0 + j, k]   (n0 = n * ROWS) fp32
     last program of row tile n (a self-resetting ticket per tile):  Y[m, n0:n0+ROWS] = sum_s P[s, m]  (x's dtype):
-        one [SPLIT_PAD, BLOCK_N] load and tree sum per token row (WIDE_REDUCE: one token, or many splits),
-        else split by split
+        one [SPLIT_PAD, BLOCK_N, BLOCK_M] load for all token rows (REDUCE_3D), else one [SPLIT_PAD, BLOCK_N] load
+        and tree sum per token row (WIDE_REDUCE: one token, or many splits), else split by split
 
 Row ranges (``ROWS`` < ``BLOCK_N``): program n takes weight rows [n * ROWS, (n + 1) * ROWS) in a BLOCK_N tile (the
 rows past ROWS masked, never loaded), so a grid of at most ``WAVES`` programs an SM covers N with no split of K and
@@ -65,7 +65,7 @@ def _gemv_splitk_kernel(X, W, Y, P, TICKET, S, M, N, K, stride_xm, stride_wn, st
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLIT_K: tl.constexpr, SPLIT_PAD: tl.constexpr, WIDE_REDUCE: tl.constexpr,
                         DOT_FP32: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                        SUMSQ: tl.constexpr = False):
+                        SUMSQ: tl.constexpr = False, REDUCE_3D: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     rr = tl.arange(0, BLOCK_N)
@@ -108,7 +108,18 @@ def _gemv_splitk_kernel(X, W, Y, P, TICKET, S, M, N, K, stride_xm, stride_wn, st
         tl.debug_barrier()  # this program's partial precedes its ticket
         ticket = tl.atomic_add(TICKET + pid_n, 1, sem="acq_rel")
         if ticket == SPLIT_K - 1:
-            if WIDE_REDUCE:
+            if REDUCE_3D:
+                # every split's partial of every token row in one [SPLIT_PAD, BLOCK_N, BLOCK_M] load (one round
+                # trip at any M; the launcher keeps the tile within the registers)
+                rs = tl.arange(0, SPLIT_PAD)
+                part = tl.load(P + (rs[:, None, None] * BLOCK_M + rm[None, None, :]) * N + rn[None, :, None],
+                               mask=(rs < SPLIT_K)[:, None, None] & out_mask[None, :, :], other=0.0)
+                y = tl.sum(part, axis=0).to(Y.dtype.element_ty)
+                tl.store(Y + rm[None, :] * stride_ym + rn[:, None], y, mask=out_mask)
+                if SUMSQ:
+                    if s_here:
+                        tl.store(s_row + rm, _sumsq(y, out_mask & (rn < sumsq_cols)[:, None]), mask=mmask)
+            elif WIDE_REDUCE:
                 # one wide load of every split's partial per token row (the launcher's rule: one token, or
                 # many splits, where the split-by-split loop below would serialise)
                 rs = tl.arange(0, SPLIT_PAD)

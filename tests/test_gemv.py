@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from specverify import gemv as gemv_mod
+from specverify.fused_ops import triton_next_pow2
 from specverify.gemv import gemv, gemv_split
 from specverify.reference.gemv import gemv_reference
 
@@ -106,7 +107,8 @@ def test_shape_configs_pick_the_swept_launch():
 # row ranges (38 rows in a 64-row tile at 4 programs; 19 in 32 at 8)
 @pytest.mark.parametrize("over", [{"BLOCK_N": 128, "num_warps": 8}, {"BLOCK_K": 256, "num_stages": 4},
                                   {"BLOCK_N": 32, "WAVES": 4}, {"WAVES": 1}, {"ROW_RANGE": True, "WAVES": 1},
-                                  {"ROW_RANGE": True, "WAVES": 2, "BLOCK_K": 256}])
+                                  {"ROW_RANGE": True, "WAVES": 2, "BLOCK_K": 256},
+                                  {"REDUCE_3D": True, "BLOCK_N": 16, "WAVES": 8}])
 def test_gemv_configs_match_reference(device, monkeypatch, over):
     monkeypatch.setattr(gemv_mod, "_CONFIG", {**gemv_mod._CONFIG, **over})
     monkeypatch.setattr(gemv_mod, "sm_count", lambda device_type, index: 4)
@@ -137,11 +139,12 @@ def _tile_sumsq(y, cols, rows):
     return torch.stack([y[:, p:min(p + rows, cols)].double().pow(2).sum(-1) for p in range(0, cols, rows)])
 
 
-# every store path of the kernel: split K with the split-by-split reduce (3 tokens) and the wide one (one token; 3
-# tokens with the wide rule lowered), one split (a single wave of 4 programs on 2 SMs), row ranges (38 rows in a
-# 64-row tile); cols 100 ends inside a tile, 150 = N takes every column, 1 a single one
-@pytest.mark.parametrize("m, over, wide_min", [(3, {}, 16), (1, {}, 16), (3, {}, 2), (3, {"WAVES": 1}, 16),
-                                               (2, {"ROW_RANGE": True, "WAVES": 1}, 16)])
+# every store path of the kernel: split K with the split-by-split reduce (3 tokens), the wide one (one token; 3
+# tokens with the wide rule lowered) and the one-load one (REDUCE_3D, 3 tokens), one split (a single wave of 4
+# programs on 2 SMs), row ranges (38 rows in a 64-row tile); cols 100 ends inside a tile, 150 = N takes every
+# column, 1 a single one
+@pytest.mark.parametrize("m, over, wide_min", [(3, {}, 16), (1, {}, 16), (3, {}, 2), (3, {"REDUCE_3D": True}, 16),
+                                               (3, {"WAVES": 1}, 16), (2, {"ROW_RANGE": True, "WAVES": 1}, 16)])
 @pytest.mark.parametrize("cols", [100, 150, 1])
 def test_gemv_sumsq_partials_are_the_stored_tiles_squares(device, monkeypatch, m, over, wide_min, cols):
     sms = 2 if over.get("WAVES") == 1 and not over.get("ROW_RANGE") else 4
@@ -152,7 +155,9 @@ def test_gemv_sumsq_partials_are_the_stored_tiles_squares(device, monkeypatch, m
     cfg = gemv_mod.gemv_config(m, n, k)
     split = gemv_split(n, k, sms, cfg)[0]
     rows = gemv_mod.gemv_rows(n, sms, cfg)[0]
-    assert (split > 1) == (not over), (split, over)  # the path this case is for
+    assert (split > 1) == (not over or "REDUCE_3D" in over), (split, over)  # the path this case is for
+    if "REDUCE_3D" in over:  # the one-load reduce's tile fits its bound: the path is taken
+        assert triton_next_pow2(split) * rows * 16 <= gemv_mod.REDUCE_3D_MAX
     g = torch.Generator().manual_seed(m * 100 + cols + len(over))
     x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(device)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16).to(device)

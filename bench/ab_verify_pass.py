@@ -14,7 +14,10 @@ default table), ``no-<slot>`` (one slot of ``FUSIONS`` emptied); gate/up of the 
 ``bench_moe_block.py --configs``); ``cublas-o`` (o_proj on cuBLAS again); ``router-gemv-m8`` (the router on our GEMV
 up to 8 tokens); ``no-q-fold`` (q_a's RMSNorm a launch of its own again, ``forward.model.FOLD_Q_NORM``); ``fold-m8``
 (the fold up to 8 tokens, ``FOLD_Q_NORM_MAX_M``); ``no-early-kv`` (the MLA attention's first prefix KV tile read
-after the PDL wait, not before); ``mla-m64`` (33-64 query rows a program in one 64-row tile, not two of 32).
+after the PDL wait, not before); ``mla-m64`` (33-64 query rows a program in one 64-row tile, not two of 32);
+``pdl-late`` / ``pdl-late-<gemv|norm|prep|route>`` (every kernel, or one launch family, lets its successor launch
+after its own PDL wait, ``fit.PDL_TRIGGER_AFTER_WAIT``); ``router-gemv-m8-late[-3d]`` (the router on our GEMV with
+every kernel triggering late, and with 16-row tiles and the one-load split reduce).
 Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded into the projections and
 q_a's norm in the qkv_a GEMV's last tile (slower in the pass), the split merge fused with W_UV (slower alone; again
 as latent parts a program summed by a ticket, `no-attention_mla_up_v` against it: 0.06 / 0.12 / 0.32 / 0.48 ms
@@ -52,6 +55,7 @@ import importlib
 import json
 import sys
 
+from specverify import fit
 from specverify import verify_wall as vw
 from specverify.gemv import gemv_config
 
@@ -74,6 +78,8 @@ VARIANTS["fold-m8"] = dict(off=(), attrs=(("specverify.forward.model", "FOLD_Q_N
 #: (``specverify.fit.PDL_TRIGGER_AFTER_WAIT``): at most one successor resident beside a running grid
 _LATE = (("specverify.fit", "PDL_TRIGGER_AFTER_WAIT", True),)
 VARIANTS["pdl-late"] = dict(off=(), attrs=_LATE)
+VARIANTS.update({f"pdl-late-{fam}": dict(off=(), attrs=(("specverify.fit", "PDL_TRIGGER_AFTER_WAIT",
+                                                           frozenset((fam,))),)) for fam in fit.PDL_FAMILIES})
 VARIANTS["router-gemv-m8-late"] = dict(VARIANTS["router-gemv-m8"], attrs=_LATE)
 #: the same with 16-row tiles and the one-load split reduce (``REDUCE_3D``; its M-row loop at 4-8 tokens was the
 #: GEMV's loss against cuBLAS alone, bench_gemv)

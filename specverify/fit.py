@@ -63,19 +63,24 @@ def pdl_launch(device: torch.device) -> bool:
     return _capability_major(_index(device)) >= 9
 
 
-#: Where the kernels entering through ``specverify.kernels.pdl.pdl_enter`` (the GEMV, RMSNorm, MLA preparation,
-#: head matmuls, routing) let their successor launch: False, before their own wait (``PDL=1``); True, after it
-#: (``PDL=2``), so a chain of small grids never has more than one successor resident beside a running grid. Read at
-#: each launch by :func:`pdl_kwargs` (``bench/ab_verify_pass.py`` times both as ``pdl-late``).
-PDL_TRIGGER_AFTER_WAIT = False
+#: Where the kernels entering through ``specverify.kernels.pdl.pdl_enter`` let their successor launch: False, before
+#: their own wait (``PDL=1``); True, after it (``PDL=2``), so a chain of small grids never has more than one successor
+#: resident beside a running grid; or a set of the launch families of :func:`pdl_kwargs` that trigger after it
+#: (``"gemv"``, ``"norm"``: RMSNorm and SiLU-mul, ``"prep"``: MLA / GQA preparation and the head matmuls,
+#: ``"route"``). Read at each launch (``bench/ab_verify_pass.py`` times them as ``pdl-late`` and ``pdl-late-<family>``).
+PDL_TRIGGER_AFTER_WAIT: bool | frozenset = False
+PDL_FAMILIES = ("gemv", "norm", "prep", "route")
 
 
-def pdl_kwargs(device: torch.device) -> dict:
-    """Launch keywords of a kernel that takes a ``PDL`` constexpr: ``PDL`` (1, or 2 with
-    :data:`PDL_TRIGGER_AFTER_WAIT`) and ``launch_pdl`` when :func:`pdl_launch` says so, else ``PDL=False``."""
+def pdl_kwargs(device: torch.device, family: str | None = None) -> dict:
+    """Launch keywords of a kernel that takes a ``PDL`` constexpr: ``PDL`` (1, or 2 where
+    :data:`PDL_TRIGGER_AFTER_WAIT` holds ``family``) and ``launch_pdl`` when :func:`pdl_launch` says so, else
+    ``PDL=False``."""
     if not pdl_launch(device):
         return {"PDL": False}
-    return {"PDL": 2 if PDL_TRIGGER_AFTER_WAIT else True, "launch_pdl": True}
+    late = PDL_TRIGGER_AFTER_WAIT
+    late = late if isinstance(late, bool) else family in late
+    return {"PDL": 2 if late else True, "launch_pdl": True}
 
 
 def _index(device: torch.device) -> int:

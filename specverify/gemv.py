@@ -230,7 +230,8 @@ def _launch(x, w, out, sumsq_cols: int = 0):
                               REDUCE_3D=bool(cfg.get("REDUCE_3D")) and split > 1
                               and triton_next_pow2(split) * block_n * max(16, triton_next_pow2(m)) <= REDUCE_3D_MAX,
                               DOT_FP32=not x.is_cuda, PREFETCH=k_prefetch > 0, SUMSQ=sumsq_cols > 0,
-                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(x.device))
+                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                              **pdl_kwargs(x.device, "gemv"))
     return sums[: -(-sumsq_cols // rows), :m] if sumsq_cols else None
 
 

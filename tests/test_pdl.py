@@ -36,6 +36,9 @@ def test_the_trigger_after_the_wait_is_pdl_2(monkeypatch):
     monkeypatch.setattr(fit, "PDL_TRIGGER_AFTER_WAIT", True)
     assert fit.pdl_kwargs(cuda) == {"PDL": 2, "launch_pdl": True}
     assert fit.pdl_kwargs(torch.device("cpu")) == {"PDL": False}
+    monkeypatch.setattr(fit, "PDL_TRIGGER_AFTER_WAIT", frozenset({"gemv"}))  # one launch family
+    assert fit.pdl_kwargs(cuda, "gemv")["PDL"] == 2
+    assert fit.pdl_kwargs(cuda, "norm")["PDL"] is True and fit.pdl_kwargs(cuda)["PDL"] is True
 
 
 @pytest.mark.gpu

@@ -84,8 +84,9 @@ VARIANTS["router-gemv-m8-late"] = dict(VARIANTS["router-gemv-m8"], attrs=_LATE)
 #: the same with 16-row tiles and the one-load split reduce (``REDUCE_3D``; its M-row loop at 4-8 tokens was the
 #: GEMV's loss against cuBLAS alone, bench_gemv)
 _ROUTER = (8, (1, 512), (7168, 7168))
-VARIANTS["router-gemv-m8-late-3d"] = dict(VARIANTS["router-gemv-m8-late"], gemv=(
-    (_ROUTER, {**gemv_config(2, 384, 7168), "BLOCK_N": 16, "REDUCE_3D": True}),))
+VARIANTS["router-gemv-m8-late-3d"] = dict(VARIANTS["router-gemv-m8-late"], gemv=tuple(
+    ((mm, (1, 512), (7168, 7168)), {**gemv_config(mm, 384, 7168), "BLOCK_N": 16, "REDUCE_3D": True})
+    for mm in (1, 8)))  # one token (no pass here runs the router GEMV there) on Kimi-K2's one-token grid
 VARIANTS["no-early-kv"] = dict(off=(), attrs=(("specverify.kernels.tree_attention_wgmma", "EARLY_KV", False),))
 #: the Gluon MLA kernel's programs of 33-64 rows as one 64-row tile again (``MLA_WGMMA_64_ROW_TILE``, read at plan
 #: time)

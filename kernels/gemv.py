@@ -25,8 +25,8 @@ next kernel launch (``gdc_launch_dependents``) and waits (``gdc_wait``; ``PDL`` 
 ``specverify.kernels.pdl``) before it touches X, the workspace or Y.
 
 ``SUMSQ`` (the qkv_a projection of MLA, whose first ``sumsq_cols`` = q_lora columns feed q_a's RMSNorm): the
-program that stores row tile n (the plain store at ``SPLIT_K == 1``, else the tile's last program, in both reduce
-forms) also writes, per token row m, the sum of squares of the values it stored in columns ``< sumsq_cols``::
+program that stores row tile n (the plain store at ``SPLIT_K == 1``, else the tile's last program, in all three
+reduce forms) also writes, per token row m, the sum of squares of the values it stored in columns ``< sumsq_cols``::
 
     S[n, m] = sum over j < ROWS with n * ROWS + j < sumsq_cols of  float(Y[m, n * ROWS + j])^2     (Y as stored)
 

@@ -9,8 +9,9 @@ read while its predecessor still runs)::
     PDL 2:        gdc_wait, then gdc_launch_dependents   (it launches only once this grid's predecessor is done)
 
 With 1 a chain of small grids can have several successors resident at once, each waiting on the one before; with 2
-at most one successor is resident beside a running grid. ``specverify.fit.PDL_TRIGGER_AFTER_WAIT`` picks 2 for
-every launcher that takes :func:`specverify.fit.pdl_kwargs`.
+at most one successor is resident beside a running grid. ``specverify.fit.PDL_TRIGGER_AFTER_WAIT`` (all launch
+families, or the ones it names) gives 2 through :func:`specverify.fit.pdl_kwargs` to the launchers that name their
+family; kernels with their own trigger (the MoE block, attention, experts) pass none and keep theirs.
 """
 import triton
 import triton.language as tl

@@ -52,7 +52,8 @@ def _capability_major(index: int) -> int:
 
 def pdl_launch(device: torch.device) -> bool:
     """Whether the verify pass's kernels launch as programmatic dependents (PDL) on ``device``: CUDA sm_90+ and
-    ``SPECVERIFY_PDL`` on. Such a kernel is given ``PDL=True`` and ``launch_pdl=True``: it may start while the
+    ``SPECVERIFY_PDL`` on. Such a kernel is given ``PDL`` (True, or 2: :data:`PDL_TRIGGER_AFTER_WAIT`) and
+    ``launch_pdl=True``: it may start while the
     previous kernel of the stream finishes, prefetches only constant data (weights) and calls ``gdc_wait`` before
     it reads or writes anything else, so every kernel of the chain waits for all before it. A kernel whose
     successor reads earlier kernels' data before its own wait (the experts' down kernel reads the routing's ids)
@@ -73,13 +74,16 @@ PDL_FAMILIES = ("gemv", "norm", "prep", "route")
 
 
 def pdl_kwargs(device: torch.device, family: str | None = None) -> dict:
-    """Launch keywords of a kernel that takes a ``PDL`` constexpr: ``PDL`` (1, or 2 where
-    :data:`PDL_TRIGGER_AFTER_WAIT` holds ``family``) and ``launch_pdl`` when :func:`pdl_launch` says so, else
-    ``PDL=False``."""
+    """Launch keywords of a kernel that takes a ``PDL`` constexpr: ``PDL`` and ``launch_pdl`` when
+    :func:`pdl_launch` says so, else ``PDL=False``. ``PDL`` is 2 for a kernel entering through ``pdl_enter`` (``family``
+    one of :data:`PDL_FAMILIES`) that :data:`PDL_TRIGGER_AFTER_WAIT` makes trigger after its wait, else True (a
+    kernel with its own trigger passes no family). Raises ValueError for a family not in :data:`PDL_FAMILIES`."""
+    if family is not None and family not in PDL_FAMILIES:
+        raise ValueError(f"pdl_kwargs: family must be one of {PDL_FAMILIES} or None, got {family!r}")
     if not pdl_launch(device):
         return {"PDL": False}
     late = PDL_TRIGGER_AFTER_WAIT
-    late = late if isinstance(late, bool) else family in late
+    late = family is not None and (late if isinstance(late, bool) else family in late)
     return {"PDL": 2 if late else True, "launch_pdl": True}
 
 

@@ -3,7 +3,6 @@ import pytest
 import torch
 
 from specverify import gemv as gemv_mod
-from specverify.fused_ops import triton_next_pow2
 from specverify.gemv import gemv, gemv_split
 from specverify.reference.gemv import gemv_reference
 
@@ -108,18 +107,44 @@ def test_shape_configs_pick_the_swept_launch():
 @pytest.mark.parametrize("over", [{"BLOCK_N": 128, "num_warps": 8}, {"BLOCK_K": 256, "num_stages": 4},
                                   {"BLOCK_N": 32, "WAVES": 4}, {"WAVES": 1}, {"ROW_RANGE": True, "WAVES": 1},
                                   {"ROW_RANGE": True, "WAVES": 2, "BLOCK_K": 256},
-                                  {"REDUCE_3D": True, "BLOCK_N": 16, "WAVES": 8}])
+                                  {"REDUCE_3D": True, "BLOCK_N": 16, "WAVES": 8},
+                                  {"REDUCE_3D": True, "BLOCK_N": 32, "BLOCK_K": 64, "WAVES": 6}])
 def test_gemv_configs_match_reference(device, monkeypatch, over):
+    import specverify.kernels.gemv as kernels
+
     monkeypatch.setattr(gemv_mod, "_CONFIG", {**gemv_mod._CONFIG, **over})
     monkeypatch.setattr(gemv_mod, "sm_count", lambda device_type, index: 4)
+    launches = []
+    real = kernels._gemv_splitk_kernel
+
+    class Spy:  # records each launch's constexprs
+        def __getitem__(self, grid):
+            return lambda *a, **kw: (launches.append(kw), real[grid](*a, **kw))[1]
+    monkeypatch.setattr(kernels, "_gemv_splitk_kernel", Spy())
     g = torch.Generator().manual_seed(len(str(over)))
     x = torch.randn(3, 1000, generator=g).to(torch.bfloat16).to(device)  # K not a multiple of the chunk
     w = torch.randn(150, 1000, generator=g).to(torch.bfloat16).to(device)
     out = torch.full((3, 150), float("nan"), dtype=torch.bfloat16, device=device)
+    monkeypatch.setattr(gemv_mod, "_BUFFERS", {})
+    rows = gemv_mod.gemv_rows(150, 4, gemv_mod.gemv_config(3, 150, 1000))[0]
+    gemv_mod._buffers(x.device, 150, 16, rows)[0].fill_(float("nan"))  # partials past the launch's splits poisoned
     want = gemv_reference(x, w)
     eps = torch.finfo(torch.bfloat16).eps
     torch.testing.assert_close(gemv(x, w, out=out, impl="triton"), want, rtol=2 * eps,
                                atol=2 * eps * float(want.abs().max()) + 1e-5 * 1000 ** 0.5)
+    (kw,) = launches
+    # the one-load reduce ran where asked: 4 splits, and 6 padded to 8 (its split mask)
+    assert kw["REDUCE_3D"] == ("REDUCE_3D" in over)
+    if "REDUCE_3D" in over:
+        assert kw["SPLIT_K"] == (6 if over["WAVES"] == 6 else 4) and kw["SPLIT_PAD"] == (8 if kw["SPLIT_K"] == 6 else 4)
+
+
+def test_reduce_3d_rule():
+    """The one-load reduce only where asked, with more than one split, and its tile within REDUCE_3D_MAX."""
+    on = {"REDUCE_3D": True}
+    assert gemv_mod.reduce_3d(on, 12, 16, 8) and gemv_mod.reduce_3d(on, 19, 16, 4)  # the routers at 16-row tiles
+    assert not gemv_mod.reduce_3d({}, 12, 16, 8) and not gemv_mod.reduce_3d(on, 1, 16, 8)
+    assert gemv_mod.reduce_3d(on, 8, 64, 8) and not gemv_mod.reduce_3d(on, 9, 64, 8)  # 8192 values, then 16384
 
 
 @pytest.mark.parametrize("n,sms,waves", [(7168, 132, 1), (2112, 132, 1), (2112, 132, 2), (1536, 188, 1), (150, 4, 2)])
@@ -156,8 +181,7 @@ def test_gemv_sumsq_partials_are_the_stored_tiles_squares(device, monkeypatch, m
     split = gemv_split(n, k, sms, cfg)[0]
     rows = gemv_mod.gemv_rows(n, sms, cfg)[0]
     assert (split > 1) == (not over or "REDUCE_3D" in over), (split, over)  # the path this case is for
-    if "REDUCE_3D" in over:  # the one-load reduce's tile fits its bound: the path is taken
-        assert triton_next_pow2(split) * rows * 16 <= gemv_mod.REDUCE_3D_MAX
+    assert gemv_mod.reduce_3d(cfg, split, rows, m) == ("REDUCE_3D" in over)  # the path this case is for
     g = torch.Generator().manual_seed(m * 100 + cols + len(over))
     x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(device)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16).to(device)

@@ -34,11 +34,48 @@ def test_the_trigger_after_the_wait_is_pdl_2(monkeypatch):
     cuda = torch.device("cuda", 0)
     assert fit.pdl_kwargs(cuda) == {"PDL": True, "launch_pdl": True}
     monkeypatch.setattr(fit, "PDL_TRIGGER_AFTER_WAIT", True)
-    assert fit.pdl_kwargs(cuda) == {"PDL": 2, "launch_pdl": True}
+    assert fit.pdl_kwargs(cuda, "gemv") == {"PDL": 2, "launch_pdl": True}
     assert fit.pdl_kwargs(torch.device("cpu")) == {"PDL": False}
+    assert fit.pdl_kwargs(cuda)["PDL"] is True  # no family: a kernel with its own trigger keeps it
     monkeypatch.setattr(fit, "PDL_TRIGGER_AFTER_WAIT", frozenset({"gemv"}))  # one launch family
     assert fit.pdl_kwargs(cuda, "gemv")["PDL"] == 2
     assert fit.pdl_kwargs(cuda, "norm")["PDL"] is True and fit.pdl_kwargs(cuda)["PDL"] is True
+    with pytest.raises(ValueError, match="family must be one of"):
+        fit.pdl_kwargs(cuda, "gemm")
+
+
+_PTX_ORDER = """
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from specverify.kernels.pdl import pdl_enter
+
+@triton.jit
+def _k(X, PDL: tl.constexpr):
+    pdl_enter(PDL)
+    tl.store(X, 1.0)
+
+for pdl in (True, 2, False):
+    src = ASTSource(fn=_k, signature={"X": "*fp32", "PDL": "constexpr"}, constexprs={"PDL": pdl})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    print(pdl, [w for line in ptx.splitlines() for w in line.split() if w.startswith("griddepcontrol")])
+"""
+
+
+def test_pdl_enter_orders_the_trigger_and_the_wait(tmp_path):
+    """Compiled for sm_90 without a GPU (a process without the interpreter): PDL True triggers then waits, 2 waits
+    then triggers, False emits neither."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "ptx_order.py"  # a file: Triton reads a kernel's source
+    script.write_text(_PTX_ORDER)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    launch, wait = "griddepcontrol.launch_dependents", "griddepcontrol.wait"
+    assert run.stdout.split("\n")[:3] == [f"True {[launch, wait]}", f"2 {[wait, launch]}", "False []"], run.stdout
 
 
 @pytest.mark.gpu

@@ -83,7 +83,6 @@ VARIANTS.update({f"pdl-late-{fam}": dict(off=(), attrs=(("specverify.fit", "PDL_
 VARIANTS["router-gemv-m8-late"] = dict(VARIANTS["router-gemv-m8"], attrs=_LATE)
 #: the same with 16-row tiles and the one-load split reduce (``REDUCE_3D``; its M-row loop at 4-8 tokens was the
 #: GEMV's loss against cuBLAS alone, bench_gemv)
-_ROUTER = (8, (1, 512), (7168, 7168))
 VARIANTS["router-gemv-m8-late-3d"] = dict(VARIANTS["router-gemv-m8-late"], gemv=tuple(
     ((mm, (1, 512), (7168, 7168)), {**gemv_config(mm, 384, 7168), "BLOCK_N": 16, "REDUCE_3D": True})
     for mm in (1, 8)))  # one token (no pass here runs the router GEMV there) on Kimi-K2's one-token grid

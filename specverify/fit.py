@@ -53,12 +53,11 @@ def _capability_major(index: int) -> int:
 def pdl_launch(device: torch.device) -> bool:
     """Whether the verify pass's kernels launch as programmatic dependents (PDL) on ``device``: CUDA sm_90+ and
     ``SPECVERIFY_PDL`` on. Such a kernel is given ``PDL`` (True, or 2: :data:`PDL_TRIGGER_AFTER_WAIT`) and
-    ``launch_pdl=True``: it may start while the
-    previous kernel of the stream finishes, prefetches only constant data (weights) and calls ``gdc_wait`` before
-    it reads or writes anything else, so every kernel of the chain waits for all before it. A kernel whose
-    successor reads earlier kernels' data before its own wait (the experts' down kernel reads the routing's ids)
-    calls ``gdc_launch_dependents`` only after its ``gdc_wait``. Captured in a CUDA graph as programmatic edges.
-    Off the GPU (the interpreter) always False."""
+    ``launch_pdl=True``: it may start while the previous kernel of the stream finishes, prefetches only constant
+    data (weights) and calls ``gdc_wait`` before it reads or writes anything else, so every kernel of the chain
+    waits for all before it. A kernel whose successor reads earlier kernels' data before its own wait (the experts'
+    down kernel reads the routing's ids) calls ``gdc_launch_dependents`` only after its ``gdc_wait``. Captured in a
+    CUDA graph as programmatic edges. Off the GPU (the interpreter) always False."""
     if device.type != "cuda" or not envvars.get_flag("SPECVERIFY_PDL"):
         return False
     return _capability_major(_index(device)) >= 9

@@ -74,13 +74,18 @@ VARIANTS["router-gemv-m8-w1"] = dict(off=(), linear=((8, (1, 512), (7168, 7168))
     ((8, (1, 512), (7168, 7168)), {**gemv_config(8, 384, 7168), "WAVES": 1}),))
 VARIANTS["no-q-fold"] = dict(off=(), attrs=(("specverify.forward.model", "FOLD_Q_NORM", False),))
 VARIANTS["fold-m8"] = dict(off=(), attrs=(("specverify.forward.model", "FOLD_Q_NORM_MAX_M", 8),))
-#: every kernel entering through ``kernels/pdl.py`` lets its successor launch after its own wait, not before it
-#: (``specverify.fit.PDL_TRIGGER_AFTER_WAIT``): at most one successor resident beside a running grid
-_LATE = (("specverify.fit", "PDL_TRIGGER_AFTER_WAIT", True),)
-VARIANTS["pdl-late"] = dict(off=(), attrs=_LATE)
-VARIANTS.update({f"pdl-late-{fam}": dict(off=(), attrs=(("specverify.fit", "PDL_TRIGGER_AFTER_WAIT",
-                                                           frozenset((fam,))),)) for fam in fit.PDL_FAMILIES})
-VARIANTS["router-gemv-m8-late"] = dict(VARIANTS["router-gemv-m8"], attrs=_LATE)
+
+
+def _late(which) -> tuple:
+    """``attrs`` of a variant whose kernels entering through ``kernels/pdl.py`` (``which``: True, every one; or a
+    frozenset of launch families) let their successor launch after their own wait, not before it
+    (``specverify.fit.PDL_TRIGGER_AFTER_WAIT``): at most one successor resident beside a running grid."""
+    return (("specverify.fit", "PDL_TRIGGER_AFTER_WAIT", which),)
+
+
+VARIANTS["pdl-late"] = dict(off=(), attrs=_late(True))
+VARIANTS.update({f"pdl-late-{fam}": dict(off=(), attrs=_late(frozenset((fam,)))) for fam in fit.PDL_FAMILIES})
+VARIANTS["router-gemv-m8-late"] = dict(VARIANTS["router-gemv-m8"], attrs=_late(True))
 #: the same with 16-row tiles and the one-load split reduce (``REDUCE_3D``; its M-row loop at 4-8 tokens was the
 #: GEMV's loss against cuBLAS alone, bench_gemv)
 VARIANTS["router-gemv-m8-late-3d"] = dict(VARIANTS["router-gemv-m8-late"], gemv=tuple(

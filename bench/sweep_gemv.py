@@ -41,11 +41,12 @@ CONFIGS = [
     {"ROW_RANGE": True, "WAVES": 1, "BLOCK_K": 256, "num_stages": 3, "num_warps": 8},
     {"ROW_RANGE": True, "WAVES": 2, "BLOCK_K": 256, "num_stages": 3},
     {"ROW_RANGE": True, "WAVES": 2, "BLOCK_K": 128, "num_stages": 4},
-    # the split reduce in one load (``REDUCE_3D``; where its tile exceeds ``gemv.REDUCE_3D_MAX`` the launch keeps
-    # the reduce above, so such a row repeats its tile's default)
-    {"REDUCE_3D": True}, {"REDUCE_3D": True, "BLOCK_N": 32}, {"REDUCE_3D": True, "BLOCK_N": 16},
-    {"BLOCK_N": 16},
 ]
+#: the split reduce in one load (``REDUCE_3D``; where its tile exceeds ``gemv.REDUCE_3D_MAX`` the launch keeps the
+#: reduce above, so such a row repeats its tile's default), and 16-row tiles without it (``--reduce``: these only)
+REDUCE_CONFIGS = [{"REDUCE_3D": True}, {"REDUCE_3D": True, "BLOCK_N": 32}, {"REDUCE_3D": True, "BLOCK_N": 16},
+                  {"BLOCK_N": 16}]
+CONFIGS += REDUCE_CONFIGS
 
 
 def _name(over: dict) -> str:
@@ -64,7 +65,7 @@ def main(argv=None) -> int:
     configs = CONFIGS
     if args.row_range or args.reduce:
         configs = [c for c in CONFIGS if not c or (args.row_range and c.get("ROW_RANGE"))
-                   or (args.reduce and (c.get("REDUCE_3D") or c == {"BLOCK_N": 16}))]
+                   or (args.reduce and c in REDUCE_CONFIGS)]
     if not torch.cuda.is_available():
         print("sweep_gemv: needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -108,18 +108,7 @@ def _gemv_splitk_kernel(X, W, Y, P, TICKET, S, M, N, K, stride_xm, stride_wn, st
         tl.debug_barrier()  # this program's partial precedes its ticket
         ticket = tl.atomic_add(TICKET + pid_n, 1, sem="acq_rel")
         if ticket == SPLIT_K - 1:
-            if REDUCE_3D:
-                # every split's partial of every token row in one [SPLIT_PAD, BLOCK_N, BLOCK_M] load (one round
-                # trip at any M; the launcher keeps the tile within the registers)
-                rs = tl.arange(0, SPLIT_PAD)
-                part = tl.load(P + (rs[:, None, None] * BLOCK_M + rm[None, None, :]) * N + rn[None, :, None],
-                               mask=(rs < SPLIT_K)[:, None, None] & out_mask[None, :, :], other=0.0)
-                y = tl.sum(part, axis=0).to(Y.dtype.element_ty)
-                tl.store(Y + rm[None, :] * stride_ym + rn[:, None], y, mask=out_mask)
-                if SUMSQ:
-                    if s_here:
-                        tl.store(s_row + rm, _sumsq(y, out_mask & (rn < sumsq_cols)[:, None]), mask=mmask)
-            elif WIDE_REDUCE:
+            if WIDE_REDUCE and not REDUCE_3D:
                 # one wide load of every split's partial per token row (the launcher's rule: one token, or
                 # many splits, where the split-by-split loop below would serialise)
                 rs = tl.arange(0, SPLIT_PAD)
@@ -133,9 +122,19 @@ def _gemv_splitk_kernel(X, W, Y, P, TICKET, S, M, N, K, stride_xm, stride_wn, st
                         if s_here:
                             tl.store(s_row + m, _sumsq(y, nmask & (rn < sumsq_cols)))
             else:
-                total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-                for s in range(0, SPLIT_K):
-                    total += tl.load(P + (s * BLOCK_M + rm[None, :]) * N + rn[:, None], mask=out_mask, other=0.0)
+                if REDUCE_3D:
+                    # every split's partial of every token row in one [SPLIT_PAD, BLOCK_N, BLOCK_M] load (one
+                    # round trip at any M; the launcher keeps the tile within the registers)
+                    rs = tl.arange(0, SPLIT_PAD)
+                    total = tl.sum(tl.load(P + (rs[:, None, None] * BLOCK_M + rm[None, None, :]) * N
+                                           + rn[None, :, None],
+                                           mask=(rs < SPLIT_K)[:, None, None] & out_mask[None, :, :], other=0.0),
+                                   axis=0)
+                else:
+                    total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                    for s in range(0, SPLIT_K):
+                        total += tl.load(P + (s * BLOCK_M + rm[None, :]) * N + rn[:, None], mask=out_mask,
+                                         other=0.0)
                 y = total.to(Y.dtype.element_ty)
                 tl.store(Y + rm[None, :] * stride_ym + rn[:, None], y, mask=out_mask)
                 if SUMSQ:

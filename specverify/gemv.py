@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from specverify.fit import pdl_kwargs, pdl_launch, sm_count
+from specverify.fit import pdl_kwargs, sm_count
 from specverify.fused_ops import _use_triton, triton_next_pow2
 from specverify.workspace import grown_workspace
 
@@ -227,8 +227,8 @@ def _launch(x, w, out, sumsq_cols: int = 0):
     rows, block_n = gemv_rows(n, sms, cfg)
     part, ticket, sums = _buffers(x.device, n, split, rows)
     grid = (-(-n // rows), split)
-    pdl = pdl_launch(x.device)
-    k_prefetch = prefetch_columns(grid[0] * grid[1], per, x.element_size(), cfg, rows) if pdl else 0
+    pdl = pdl_kwargs(x.device, "gemv")
+    k_prefetch = prefetch_columns(grid[0] * grid[1], per, x.element_size(), cfg, rows) if pdl["PDL"] else 0
     _gemv_splitk_kernel[grid](x, w, out, part, ticket, sums, m, n, k, x.stride(0), w.stride(0), out.stride(0),
                               MAX_M, per, k_prefetch, sumsq_cols,
                               BLOCK_M=max(16, triton_next_pow2(m)), BLOCK_N=block_n, ROWS=rows, BLOCK_K=cfg["BLOCK_K"],
@@ -236,8 +236,7 @@ def _launch(x, w, out, sumsq_cols: int = 0):
                               WIDE_REDUCE=m == 1 or split >= WIDE_REDUCE_MIN_SPLITS,
                               REDUCE_3D=reduce_3d(cfg, split, block_n, m),
                               DOT_FP32=not x.is_cuda, PREFETCH=k_prefetch > 0, SUMSQ=sumsq_cols > 0,
-                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                              **pdl_kwargs(x.device, "gemv"))
+                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl)
     return sums[: -(-sumsq_cols // rows), :m] if sumsq_cols else None
 
 

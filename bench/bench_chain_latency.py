@@ -15,9 +15,12 @@ Rows (µs a step, CUDA-graph replay of ``--steps`` steps):
 * ``pdl``: one kernel a step, launched as programmatic dependents (``gdc_launch_dependents`` / ``gdc_wait``);
 * ``persistent``: one kernel of ``--steps`` steps; between steps every program arrives on a counter (release) and
   spins until all have (acquire).
+* ``flags-F`` (``--fan-in``): one kernel of ``--steps`` steps; each program publishes a flag a step (release) and
+  waits only on the ``F`` programs of the step before whose output it could read (acquire): the per-tile dependency
+  of a megakernel, where a split-K consumer needs only the producer tiles of its K chunk, not the whole grid.
 
 Usage: ``python bench/bench_chain_latency.py [--steps 64] [--programs 132] [--step-kib 0,1024,4096]
-[--load-bytes 2048] [--json PATH]``.
+[--load-bytes 2048] [--fan-in 1,4,16] [--json PATH]``.
 """
 from __future__ import annotations
 
@@ -68,6 +71,28 @@ def _persistent_kernel(X, COUNTER, W, w_elems, P, STEPS: tl.constexpr, BLOCK: tl
         tl.atomic_add(COUNTER, 1, sem="release")
 
 
+@triton.jit
+def _flags_kernel(X, FLAGS, W, w_elems, P, STEPS: tl.constexpr, FAN_IN: tl.constexpr, BLOCK: tl.constexpr,
+                  WEIGHT: tl.constexpr):
+    pid = tl.program_id(0)
+    for s in range(STEPS):
+        acc = 0.0
+        if WEIGHT:
+            offs = tl.arange(0, BLOCK)
+            base = (s * P + pid) * w_elems
+            for i in range(0, w_elems, BLOCK):
+                acc += tl.sum(tl.load(W + base + i + offs).to(tl.float32))
+        if s > 0:  # wait for the FAN_IN producers of step s - 1 this program could read, the first is the one it does
+            src = FLAGS + (s - 1) * P + (pid + 1 + tl.arange(0, FAN_IN)) % P
+            seen = tl.min(tl.atomic_add(src, 0, sem="acquire"), axis=0)
+            while seen == 0:
+                seen = tl.min(tl.atomic_add(src, 0, sem="acquire"), axis=0)
+        v = tl.load(X + s * P + (pid + 1) % P, volatile=True)
+        tl.store(X + (s + 1) * P + pid, v + 1.0 + acc * 0.0)
+        tl.debug_barrier()
+        tl.atomic_xchg(FLAGS + s * P + pid, 1, sem="release")
+
+
 def _graph_us(fn) -> float:
     return graph_us(fn, calls=1, replays=20, repeats=5, stat="median")
 
@@ -79,6 +104,7 @@ def main(argv=None) -> int:
     ap.add_argument("--step-kib", default="0,1024,4096", help="weight KiB read a step (all programs together)")
     ap.add_argument("--load-bytes", type=int, default=2048, help="weight bytes a program loads a round trip "
                     "(0: its whole slice at once)")
+    ap.add_argument("--fan-in", default="1,4,16", help="producers a program waits on in the flags rows (powers of 2)")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -86,6 +112,9 @@ def main(argv=None) -> int:
         return 2
     dev = torch.device("cuda")
     steps, p = args.steps, args.programs
+    fan_ins = [int(v) for v in args.fan_in.split(",") if v]
+    if any(f < 1 or f & (f - 1) or f > p for f in fan_ins):
+        ap.error(f"--fan-in: expected powers of 2 from 1 to --programs ({p}), got {args.fan_in}")
     bw = copy_bandwidth_gbps()
     rows = []
     for kib in (int(v) for v in args.step_kib.split(",")):
@@ -99,6 +128,7 @@ def main(argv=None) -> int:
             block, device=dev, dtype=torch.bfloat16)
         x = torch.zeros((steps + 1) * p, device=dev)
         counter = torch.zeros(1, device=dev, dtype=torch.int32)
+        flags = torch.zeros(steps * p, device=dev, dtype=torch.int32)
         wk = dict(BLOCK=block, WEIGHT=kib > 0, num_warps=8 if args.load_bytes == 0 else 4)
 
         def chain(pdl):
@@ -113,11 +143,18 @@ def main(argv=None) -> int:
             counter.zero_()
             _persistent_kernel[(p,)](x, counter, w, w_elems if kib else 0, p, STEPS=steps, **wk)
 
-        memset_us = _graph_us(lambda: counter.zero_())  # the persistent row's counter reset, taken off its time
-        for name, fn in (("graph", chain(False)), ("pdl", chain(True)), ("persistent", persistent)):
-            us = _graph_us(fn)
-            if name == "persistent":
-                us -= memset_us
+        def flagged(fan_in):
+            def fn():
+                flags.zero_()
+                _flags_kernel[(p,)](x, flags, w, w_elems if kib else 0, p, STEPS=steps, FAN_IN=fan_in, **wk)
+            return fn
+
+        # the resets of the persistent rows' counter and flags, taken off their time
+        memset_us = {"persistent": _graph_us(lambda: counter.zero_()), "flags": _graph_us(lambda: flags.zero_())}
+        variants = [("graph", chain(False)), ("pdl", chain(True)), ("persistent", persistent)]
+        variants += [(f"flags-{f}", flagged(f)) for f in fan_ins]
+        for name, fn in variants:
+            us = _graph_us(fn) - memset_us.get(name.split("-")[0], 0.0)
             x_host = x.view(steps + 1, p)[steps]
             rows.append({"row": name, "step_kib": kib, "slice_bytes": w_elems * 2 if kib else 0,
                          "load_bytes": block * 2, "us_per_step": us / steps, "total_us": us})

@@ -200,8 +200,9 @@ def main(argv=None) -> int:
                             kernels=args.kernels and last, breakdown=args.kernels and last)
         res = vw.run_verify_wall(s)
         results.append({"variant": name, "pass": 1 if i < len(names) else 2, **res})
-        cells = " ".join(f"k{r['k']}={r['verify_ms_median']:.3f}({r['efficiency']:.0%},{r['graph_nodes']})"
-                         for r in res["rows"] if r.get("iters"))
+        # the distinct routed experts a layer (d): a variant that rounds the logits differently may read others
+        cells = " ".join(f"k{r['k']}={r['verify_ms_median']:.3f}({r['efficiency']:.0%},{r['graph_nodes']},"
+                         f"d={r.get('distinct_experts_routed') or 0:.1f})" for r in res["rows"] if r.get("iters"))
         print(f"{name:>10} pass {results[-1]['pass']}: {cells}", flush=True)
     vw._wall_ops = orig_ops
     moe._STREAM_OVERRIDE.clear()

@@ -36,13 +36,20 @@ from specverify.benchmarking import copy_bandwidth_gbps, graph_us, write_rows_js
 
 
 @triton.jit
-def _step_kernel(X, Y, W, w_elems, P, PDL: tl.constexpr, BLOCK: tl.constexpr, WEIGHT: tl.constexpr):
-    pid = tl.program_id(0)
+def _slice_sum(W, base, w_elems, BLOCK: tl.constexpr, WEIGHT: tl.constexpr):
+    """The sum of this program's constant weight slice (0.0 without one): the bytes a step reads."""
     acc = 0.0
-    if WEIGHT:  # the constant slice, before the wait
+    if WEIGHT:
         offs = tl.arange(0, BLOCK)
         for i in range(0, w_elems, BLOCK):
-            acc += tl.sum(tl.load(W + pid * w_elems + i + offs).to(tl.float32))
+            acc += tl.sum(tl.load(W + base + i + offs).to(tl.float32))
+    return acc
+
+
+@triton.jit
+def _step_kernel(X, Y, W, w_elems, P, PDL: tl.constexpr, BLOCK: tl.constexpr, WEIGHT: tl.constexpr):
+    pid = tl.program_id(0)
+    acc = _slice_sum(W, pid * w_elems, w_elems, BLOCK, WEIGHT)  # the constant slice, before the wait
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -51,46 +58,31 @@ def _step_kernel(X, Y, W, w_elems, P, PDL: tl.constexpr, BLOCK: tl.constexpr, WE
 
 
 @triton.jit
-def _persistent_kernel(X, COUNTER, W, w_elems, P, STEPS: tl.constexpr, BLOCK: tl.constexpr,
+def _persistent_kernel(X, SYNC, W, w_elems, P, STEPS: tl.constexpr, FAN_IN: tl.constexpr, BLOCK: tl.constexpr,
                        WEIGHT: tl.constexpr):
+    """``FAN_IN`` 0: a grid barrier between steps (``SYNC`` one counter); else each program waits only on the
+    ``FAN_IN`` programs of the step before whose output it could read, the first being the one it does read
+    (``SYNC`` a flag per step and program)."""
     pid = tl.program_id(0)
     for s in range(STEPS):
-        acc = 0.0
-        if WEIGHT:
-            offs = tl.arange(0, BLOCK)
-            base = (s * P + pid) * w_elems
-            for i in range(0, w_elems, BLOCK):
-                acc += tl.sum(tl.load(W + base + i + offs).to(tl.float32))
-        if s > 0:  # wait until every program finished step s - 1
-            seen = tl.atomic_add(COUNTER, 0, sem="acquire")
-            while seen < s * P:
-                seen = tl.atomic_add(COUNTER, 0, sem="acquire")
-        v = tl.load(X + s * P + (pid + 1) % P, volatile=True)
-        tl.store(X + (s + 1) * P + pid, v + 1.0 + acc * 0.0)
-        tl.debug_barrier()
-        tl.atomic_add(COUNTER, 1, sem="release")
-
-
-@triton.jit
-def _flags_kernel(X, FLAGS, W, w_elems, P, STEPS: tl.constexpr, FAN_IN: tl.constexpr, BLOCK: tl.constexpr,
-                  WEIGHT: tl.constexpr):
-    pid = tl.program_id(0)
-    for s in range(STEPS):
-        acc = 0.0
-        if WEIGHT:
-            offs = tl.arange(0, BLOCK)
-            base = (s * P + pid) * w_elems
-            for i in range(0, w_elems, BLOCK):
-                acc += tl.sum(tl.load(W + base + i + offs).to(tl.float32))
-        if s > 0:  # wait for the FAN_IN producers of step s - 1 this program could read, the first is the one it does
-            src = FLAGS + (s - 1) * P + (pid + 1 + tl.arange(0, FAN_IN)) % P
-            seen = tl.min(tl.atomic_add(src, 0, sem="acquire"), axis=0)
-            while seen == 0:
+        acc = _slice_sum(W, (s * P + pid) * w_elems, w_elems, BLOCK, WEIGHT)
+        if s > 0:
+            if FAN_IN == 0:  # until every program finished step s - 1
+                seen = tl.atomic_add(SYNC, 0, sem="acquire")
+                while seen < s * P:
+                    seen = tl.atomic_add(SYNC, 0, sem="acquire")
+            else:  # until its FAN_IN producers of step s - 1 did
+                src = SYNC + (s - 1) * P + (pid + 1 + tl.arange(0, FAN_IN)) % P
                 seen = tl.min(tl.atomic_add(src, 0, sem="acquire"), axis=0)
+                while seen == 0:
+                    seen = tl.min(tl.atomic_add(src, 0, sem="acquire"), axis=0)
         v = tl.load(X + s * P + (pid + 1) % P, volatile=True)
         tl.store(X + (s + 1) * P + pid, v + 1.0 + acc * 0.0)
         tl.debug_barrier()
-        tl.atomic_xchg(FLAGS + s * P + pid, 1, sem="release")
+        if FAN_IN == 0:
+            tl.atomic_add(SYNC, 1, sem="release")
+        else:
+            tl.atomic_xchg(SYNC + s * P + pid, 1, sem="release")
 
 
 def _graph_us(fn) -> float:
@@ -141,12 +133,12 @@ def main(argv=None) -> int:
 
         def persistent():
             counter.zero_()
-            _persistent_kernel[(p,)](x, counter, w, w_elems if kib else 0, p, STEPS=steps, **wk)
+            _persistent_kernel[(p,)](x, counter, w, w_elems if kib else 0, p, STEPS=steps, FAN_IN=0, **wk)
 
         def flagged(fan_in):
             def fn():
                 flags.zero_()
-                _flags_kernel[(p,)](x, flags, w, w_elems if kib else 0, p, STEPS=steps, FAN_IN=fan_in, **wk)
+                _persistent_kernel[(p,)](x, flags, w, w_elems if kib else 0, p, STEPS=steps, FAN_IN=fan_in, **wk)
             return fn
 
         # the resets of the persistent rows' counter and flags, taken off their time

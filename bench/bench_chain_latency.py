@@ -99,14 +99,15 @@ def main(argv=None) -> int:
     ap.add_argument("--fan-in", default="1,4,16", help="producers a program waits on in the flags rows (powers of 2)")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
+    steps, p = args.steps, args.programs
+    fan_ins = [int(v) for v in args.fan_in.split(",") if v.strip().isdigit()]
+    if len(fan_ins) != len([v for v in args.fan_in.split(",") if v]) or any(
+            f < 1 or f & (f - 1) or f > p for f in fan_ins):
+        ap.error(f"--fan-in: expected powers of 2 from 1 to --programs ({p}), comma-separated; got {args.fan_in!r}")
     if not torch.cuda.is_available():
         print("bench_chain_latency: needs a CUDA device", file=sys.stderr)
         return 2
     dev = torch.device("cuda")
-    steps, p = args.steps, args.programs
-    fan_ins = [int(v) for v in args.fan_in.split(",") if v]
-    if any(f < 1 or f & (f - 1) or f > p for f in fan_ins):
-        ap.error(f"--fan-in: expected powers of 2 from 1 to --programs ({p}), got {args.fan_in}")
     bw = copy_bandwidth_gbps()
     rows = []
     for kib in (int(v) for v in args.step_kib.split(",")):

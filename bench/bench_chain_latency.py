@@ -147,6 +147,13 @@ def main(argv=None) -> int:
         variants = [("graph", chain(False)), ("pdl", chain(True)), ("persistent", persistent)]
         variants += [(f"flags-{f}", flagged(f)) for f in fan_ins]
         for name, fn in variants:
+            x[p:].zero_()  # every step's output unwritten: a program that read before its producer wrote shows
+            fn()
+            got = x.view(steps + 1, p)[steps]
+            if not bool((got == steps).all()):
+                print(f"bench_chain_latency: {name} read before its producers wrote: expected {steps} in every "
+                      f"program's last value, got {got.min().item():.0f}..{got.max().item():.0f}", file=sys.stderr)
+                return 1
             us = _graph_us(fn) - memset_us.get(name.split("-")[0], 0.0)
             x_host = x.view(steps + 1, p)[steps]
             rows.append({"row": name, "step_kib": kib, "slice_bytes": w_elems * 2 if kib else 0,

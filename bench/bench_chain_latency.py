@@ -58,6 +58,15 @@ def _step_kernel(X, Y, W, w_elems, P, PDL: tl.constexpr, BLOCK: tl.constexpr, WE
 
 
 @triton.jit
+def _load_acquire(ptrs):
+    """``ld.acquire.gpu`` of int32 flags: a plain acquire load, as Triton lowers the barrier row's scalar
+    ``atomic_add(ptr, 0, sem="acquire")``, so the two rows poll alike (no read-modify-write against the producer's
+    exchange)."""
+    return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptrs], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
 def _persistent_kernel(X, SYNC, W, w_elems, P, STEPS: tl.constexpr, FAN_IN: tl.constexpr, BLOCK: tl.constexpr,
                        WEIGHT: tl.constexpr):
     """``FAN_IN`` 0: a grid barrier between steps (``SYNC`` one counter); else each program waits only on the
@@ -65,7 +74,7 @@ def _persistent_kernel(X, SYNC, W, w_elems, P, STEPS: tl.constexpr, FAN_IN: tl.c
     (``SYNC`` a flag per step and program)."""
     pid = tl.program_id(0)
     for s in range(STEPS):
-        acc = _slice_sum(W, (s * P + pid) * w_elems, w_elems, BLOCK, WEIGHT)
+        acc = _slice_sum(W, (s * P + pid).to(tl.int64) * w_elems, w_elems, BLOCK, WEIGHT)
         if s > 0:
             if FAN_IN == 0:  # until every program finished step s - 1
                 seen = tl.atomic_add(SYNC, 0, sem="acquire")
@@ -73,9 +82,9 @@ def _persistent_kernel(X, SYNC, W, w_elems, P, STEPS: tl.constexpr, FAN_IN: tl.c
                     seen = tl.atomic_add(SYNC, 0, sem="acquire")
             else:  # until its FAN_IN producers of step s - 1 did
                 src = SYNC + (s - 1) * P + (pid + 1 + tl.arange(0, FAN_IN)) % P
-                seen = tl.min(tl.atomic_add(src, 0, sem="acquire"), axis=0)
+                seen = tl.min(_load_acquire(src), axis=0)
                 while seen == 0:
-                    seen = tl.min(tl.atomic_add(src, 0, sem="acquire"), axis=0)
+                    seen = tl.min(_load_acquire(src), axis=0)
         v = tl.load(X + s * P + (pid + 1) % P, volatile=True)
         tl.store(X + (s + 1) * P + pid, v + 1.0 + acc * 0.0)
         tl.debug_barrier()
@@ -100,17 +109,33 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
     steps, p = args.steps, args.programs
-    fan_ins = [int(v) for v in args.fan_in.split(",") if v.strip().isdigit()]
-    if len(fan_ins) != len([v for v in args.fan_in.split(",") if v]) or any(
-            f < 1 or f & (f - 1) or f > p for f in fan_ins):
-        ap.error(f"--fan-in: expected powers of 2 from 1 to --programs ({p}), comma-separated; got {args.fan_in!r}")
+
+    def ints(text, what):
+        vals = [v.strip() for v in text.split(",") if v.strip()]
+        if not vals or not all(v.isdecimal() for v in vals):
+            ap.error(f"{what}: expected comma-separated non-negative integers, got {text!r}")
+        return [int(v) for v in vals]
+
+    fan_ins = ints(args.fan_in, "--fan-in")
+    kibs = ints(args.step_kib, "--step-kib")
+    if steps < 1 or p < 1:
+        ap.error(f"--steps and --programs: expected at least 1, got {steps} and {p}")
+    if any(f < 1 or f & (f - 1) or f > p for f in fan_ins):
+        ap.error(f"--fan-in: expected powers of 2 from 1 to --programs ({p}), got {args.fan_in!r}")
+    if args.load_bytes and (args.load_bytes < 2 or (args.load_bytes // 2) & (args.load_bytes // 2 - 1)
+                            or args.load_bytes % 2):
+        ap.error(f"--load-bytes: expected 0 or twice a power of 2 (a bf16 block), got {args.load_bytes}")
     if not torch.cuda.is_available():
         print("bench_chain_latency: needs a CUDA device", file=sys.stderr)
         return 2
     dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    if p > sms:  # the persistent rows spin on programs that must all be resident: one an SM at most, to be sure
+        ap.error(f"--programs: the persistent rows need every program resident, expected at most {sms} (the SMs "
+                 f"of this GPU), got {p}")
     bw = copy_bandwidth_gbps()
     rows = []
-    for kib in (int(v) for v in args.step_kib.split(",")):
+    for kib in kibs:
         want = -(-kib * 512 // p)  # bf16 elements a program
         if args.load_bytes == 0:
             block = w_elems = triton.next_power_of_2(max(want, 1024))
@@ -147,13 +172,17 @@ def main(argv=None) -> int:
         variants = [("graph", chain(False)), ("pdl", chain(True)), ("persistent", persistent)]
         variants += [(f"flags-{f}", flagged(f)) for f in fan_ins]
         for name, fn in variants:
-            x[p:].zero_()  # every step's output unwritten: a program that read before its producer wrote shows
-            fn()
-            got = x.view(steps + 1, p)[steps]
-            if not bool((got == steps).all()):
-                print(f"bench_chain_latency: {name} read before its producers wrote: expected {steps} in every "
-                      f"program's last value, got {got.min().item():.0f}..{got.max().item():.0f}", file=sys.stderr)
-                return 1
+            for _ in range(3):  # every step's output unwritten (-1e9): a program that read early shows at once
+                x[p:].fill_(-1e9)
+                fn()
+                got = x.view(steps + 1, p)
+                want = torch.arange(steps + 1, device=dev, dtype=x.dtype)[:, None]
+                if not bool((got == want).all()):
+                    bad = int((got != want).any(dim=1).nonzero()[0])
+                    print(f"bench_chain_latency: {name}: a program read before its producer wrote (step {bad}: "
+                          f"expected {bad}, got {got[bad].min().item():.0f}..{got[bad].max().item():.0f})",
+                          file=sys.stderr)
+                    return 1
             us = _graph_us(fn) - memset_us.get(name.split("-")[0], 0.0)
             x_host = x.view(steps + 1, p)[steps]
             rows.append({"row": name, "step_kib": kib, "slice_bytes": w_elems * 2 if kib else 0,

@@ -86,6 +86,31 @@ def poison():
     return nan_like
 
 
+class LaunchSpy:
+    """Stands in for a ``@triton.jit`` kernel called as ``kernel[grid](...)``: records each launch's grid and keyword
+    arguments (its constexprs), then launches the real kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids, self.kwargs = kernel, [], []
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            self.grids.append(grid)
+            self.kwargs.append(kwargs)
+            return launch(*args, **kwargs)
+
+        return run
+
+
+def spy_launches(monkeypatch, module, name: str) -> LaunchSpy:
+    """Replace ``module.<name>`` (a Triton kernel) with a :class:`LaunchSpy` of it for the test."""
+    spy = LaunchSpy(getattr(module, name))
+    monkeypatch.setattr(module, name, spy)
+    return spy
+
+
 def warm_up_for_capture(step):
     """Run ``step()`` eagerly (compiles, allocates workspaces), then once on a side stream, as CUDA-graph capture
     wants before it records; returns the eager call's result."""

@@ -111,16 +111,11 @@ def test_shape_configs_pick_the_swept_launch():
                                   {"REDUCE_3D": True, "BLOCK_N": 32, "BLOCK_K": 64, "WAVES": 6}])
 def test_gemv_configs_match_reference(device, monkeypatch, over):
     import specverify.kernels.gemv as kernels
+    from conftest import spy_launches
 
     monkeypatch.setattr(gemv_mod, "_CONFIG", {**gemv_mod._CONFIG, **over})
     monkeypatch.setattr(gemv_mod, "sm_count", lambda device_type, index: 4)
-    launches = []
-    real = kernels._gemv_splitk_kernel
-
-    class Spy:  # records each launch's constexprs
-        def __getitem__(self, grid):
-            return lambda *a, **kw: (launches.append(kw), real[grid](*a, **kw))[1]
-    monkeypatch.setattr(kernels, "_gemv_splitk_kernel", Spy())
+    spy = spy_launches(monkeypatch, kernels, "_gemv_splitk_kernel")
     g = torch.Generator().manual_seed(len(str(over)))
     x = torch.randn(3, 1000, generator=g).to(torch.bfloat16).to(device)  # K not a multiple of the chunk
     w = torch.randn(150, 1000, generator=g).to(torch.bfloat16).to(device)
@@ -132,11 +127,12 @@ def test_gemv_configs_match_reference(device, monkeypatch, over):
     eps = torch.finfo(torch.bfloat16).eps
     torch.testing.assert_close(gemv(x, w, out=out, impl="triton"), want, rtol=2 * eps,
                                atol=2 * eps * float(want.abs().max()) + 1e-5 * 1000 ** 0.5)
-    (kw,) = launches
+    (kw,) = spy.kwargs
     # the one-load reduce ran where asked: 4 splits, and 6 padded to 8 (its split mask)
     assert kw["REDUCE_3D"] == ("REDUCE_3D" in over)
     if "REDUCE_3D" in over:
-        assert kw["SPLIT_K"] == (6 if over["WAVES"] == 6 else 4) and kw["SPLIT_PAD"] == (8 if kw["SPLIT_K"] == 6 else 4)
+        split = 6 if over["WAVES"] == 6 else 4
+        assert kw["SPLIT_K"] == split and kw["SPLIT_PAD"] == (8 if split == 6 else 4)
 
 
 def test_reduce_3d_rule():

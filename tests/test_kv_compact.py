@@ -219,23 +219,11 @@ def test_compact_run_split_at_the_grid_limit(monkeypatch, device):
     assert torch.equal(_bits(buf.cpu()), _bits(want))
 
 
-class _CountingKernel:
-    """Stands in for ``_kv_compact_kernel``: records each launch's grid, then launches the real kernel."""
-
-    def __init__(self, kernel):
-        self.kernel, self.grids = kernel, []
-
-    def __getitem__(self, grid):
-        self.grids.append(grid)
-        return self.kernel[grid]
-
-
 def _count_launches(monkeypatch):
+    from conftest import spy_launches
     from specverify.kernels import kv_compact
 
-    counter = _CountingKernel(kv_compact._kv_compact_kernel)
-    monkeypatch.setattr(kv_compact, "_kv_compact_kernel", counter)
-    return counter
+    return spy_launches(monkeypatch, kv_compact, "_kv_compact_kernel")
 
 
 def test_compaction_runs_of_a_four_layer_buffer():

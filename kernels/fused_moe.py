@@ -3,7 +3,7 @@
 Math, for a routed slot ``s = m * TOP_K + k`` with expert ``e = topk_ids[m, k]`` and weight ``r = topk_w[m, k]``:
 
     gate_up[s] = hidden[m] @ w13[e]^T                      (fp32 accumulate; w13[e] rows 0..I-1 gate, I..2I-1 up)
-    act[s]     = silu(gate_up[s, :I]) * gate_up[s, I:]     (stored in the weights' dtype)
+    act[s]     = silu(gate_up[s, :I]) * gate_up[s, I:]     (stored in hidden's dtype)
     part[s]    = r * (act[s] @ w2[e]^T)                    (fp32)
     out[m]     = sum_k part[m * TOP_K + k]                 (fixed k order: deterministic; slots with id -1 skipped)
 
@@ -20,8 +20,11 @@ end of this file, section "Stream experts"), are built to keep enough weight byt
 programs, FMA GEMVs, one program per routed slot (no alignment), and the down projection of every slot plus the
 top-k sum in one gather.
 
-Weight tiles come from ``_load_w_tile``; a quantised format (W4A16, group 32) is meant to add a branch there that
-loads packed nibbles and scales and dequantises into the same [BLOCK_N, BLOCK_K] tile, leaving the callers as is.
+Every weight tile comes from ``_load_w``, which also reads the two quantised formats (``QUANT``; definitions in
+``specverify.reference.quant``) and dequantises in registers: int4 (W4A16, ``QUANT`` 1: two codes a byte along the
+reduced dimension, one scale per ``QG`` columns) and fp8 (W8A16, ``QUANT`` 2: float8_e4m3fn, one fp32 scale per
+``QN`` x ``QG`` block). The FMA kernels multiply in fp32; the tl.dot kernels round the dequantised tile to hidden's
+dtype first. Activations are never quantised.
 
 Tensors (S = M * TOP_K; NB = number of blocks; B = BLOCK_M):
 
@@ -29,7 +32,10 @@ Tensors (S = M * TOP_K; NB = number of blocks; B = BLOCK_M):
 | ----------- | ------------ | ---------- | -------------------------------------------------------------- |
 | hidden      | [M, H]       | bf16/fp16  | token activations, unit column stride                          |
 | w13         | [E, 2I, H]   | as hidden  | gate rows then up rows of each expert, unit column stride      |
-| w2          | [E, H, I]    | as hidden  | down projection, unit column stride                            |
+|             |              |            | (int4: uint8 [E, 2I, H/2]; fp8: float8_e4m3fn)                 |
+| w2          | [E, H, I]    | as hidden  | down projection, unit column stride (int4: uint8 [E, H, I/2])  |
+| s13, s2     | [E, 2I, H/QG]| float      | scales (int4; fp8: [E, ceil(2I/QN), ceil(H/QG)], w2's alike);  |
+|             |              |            | unread when QUANT is 0                                         |
 | sorted_ids  | [NB * B]     | int32      | slots grouped by expert; S = padding                           |
 | expert_ids  | [NB]         | int32      | expert of each block; -1 = unused block                        |
 | num_post_pad| [1]          | int32      | used length of sorted_ids                                      |
@@ -47,10 +53,41 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
-def _load_w_tile(w_ptr, rows, cols, row_mask, col_mask, stride_row):
-    """A [len(rows), len(cols)] tile of an expert's weight matrix (unquantised)."""
-    return tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_row + cols[None, :],
-                   mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+def _load_w(w_ptr, s_ptr, e, rows, k0, e_mask, row_mask, stride_e, stride_row, stride_se, stride_srow,
+            K: tl.constexpr, BK: tl.constexpr, QUANT: tl.constexpr, QG: tl.constexpr, QN: tl.constexpr):
+    """W[e][rows, k0:k0 + BK] of every expert in ``e``: a [len(e), len(rows), BK] tile, zero past K and outside
+    the masks. QUANT 0: as stored. QUANT 1 (int4): byte ``k // 2`` of a row holds column k's code q (even k in the
+    low nibble), the value is ``(q - 8) * S[e][row, k // QG]`` (fp32). QUANT 2 (fp8): ``W * S[e][row // QN, k //
+    QG]`` (fp32). ``stride_row`` counts stored elements (bytes for int4); k0 is a multiple of BK, and BK and QG are
+    powers of two, so a tile holds whole groups or lies inside one."""
+    base = w_ptr + e[:, None, None].to(tl.int64) * stride_e + rows[None, :, None].to(tl.int64) * stride_row
+    m2 = e_mask[:, None, None] & row_mask[None, :, None]
+    if QUANT == 1:
+        pc = k0 // 2 + tl.arange(0, BK // 2)
+        p = tl.load(base + pc[None, None, :], mask=m2 & (pc < K // 2)[None, None, :], other=0x88)
+        w = tl.interleave((p & 0xF).to(tl.float32), (p >> 4).to(tl.float32)) - 8.0
+    else:
+        kc = k0 + tl.arange(0, BK)
+        w = tl.load(base + kc[None, None, :], mask=m2 & (kc < K)[None, None, :], other=0.0)
+    if QUANT != 0:
+        GW: tl.constexpr = QG if QG < BK else BK  # columns of one group inside the tile
+        NGT: tl.constexpr = BK // GW
+        gc = (k0 + tl.arange(0, NGT) * GW) // QG
+        sb = s_ptr + e[:, None, None].to(tl.int64) * stride_se + (rows // QN)[None, :, None].to(tl.int64) * stride_srow
+        s = tl.load(sb + gc[None, None, :], mask=m2 & (gc < (K + QG - 1) // QG)[None, None, :], other=0.0)
+        w = tl.reshape(w.to(tl.float32), (e.shape[0], rows.shape[0], NGT, GW)) * s.to(tl.float32)[:, :, :, None]
+        w = tl.reshape(w, (e.shape[0], rows.shape[0], BK))
+    return w
+
+
+@triton.jit
+def _load_w_tile(w_ptr, s_ptr, e, rows, k0, row_mask, stride_e, stride_row, stride_se, stride_srow, K: tl.constexpr,
+                 BK: tl.constexpr, QUANT: tl.constexpr, QG: tl.constexpr, QN: tl.constexpr):
+    """W[e][rows, k0:k0 + BK] of one expert ``e`` (a scalar) as a [len(rows), BK] tile (``_load_w``)."""
+    ev = e + tl.zeros([1], tl.int32)
+    w = _load_w(w_ptr, s_ptr, ev, rows, k0, ev >= 0, row_mask, stride_e, stride_row, stride_se, stride_srow, K, BK,
+                QUANT, QG, QN)
+    return tl.reshape(w, (rows.shape[0], BK))
 
 
 @triton.jit
@@ -62,9 +99,10 @@ def _mma(a, w, acc, UPCAST: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["S"])
-def _moe_gate_up_kernel(hidden_ptr, w13_ptr, act_ptr, sorted_ptr, eids_ptr, npad_ptr, S, stride_hm, stride_we,
-                        stride_wn, stride_am, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+def _moe_gate_up_kernel(hidden_ptr, w13_ptr, s13_ptr, act_ptr, sorted_ptr, eids_ptr, npad_ptr, S, stride_hm,
+                        stride_we, stride_wn, stride_se, stride_sn, stride_am, H: tl.constexpr, I: tl.constexpr,
+                        TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        UPCAST: tl.constexpr, QUANT: tl.constexpr, QG: tl.constexpr, QN: tl.constexpr):
     """act[s] = silu(gate) * up for the slots of one block and BLOCK_N columns of I."""
     pid = tl.program_id(0)
     n_tiles: tl.constexpr = (I + BLOCK_N - 1) // BLOCK_N
@@ -82,7 +120,6 @@ def _moe_gate_up_kernel(hidden_ptr, w13_ptr, act_ptr, sorted_ptr, eids_ptr, npad
     on = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = on < I
     ok = tl.arange(0, BLOCK_K)
-    w_base = w13_ptr + e.to(tl.int64) * stride_we
     a_base = hidden_ptr + tok[:, None].to(tl.int64) * stride_hm
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -90,8 +127,13 @@ def _moe_gate_up_kernel(hidden_ptr, w13_ptr, act_ptr, sorted_ptr, eids_ptr, npad
         kc = k0 + ok
         kmask = kc < H
         a = tl.load(a_base + kc[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
-        wg = _load_w_tile(w_base, on, kc, nmask, kmask, stride_wn)
-        wu = _load_w_tile(w_base, on + I, kc, nmask, kmask, stride_wn)
+        wg = _load_w_tile(w13_ptr, s13_ptr, e, on, k0, nmask, stride_we, stride_wn, stride_se, stride_sn, H, BLOCK_K,
+                          QUANT, QG, QN)
+        wu = _load_w_tile(w13_ptr, s13_ptr, e, on + I, k0, nmask, stride_we, stride_wn, stride_se, stride_sn, H,
+                          BLOCK_K, QUANT, QG, QN)
+        if not UPCAST:  # a dequantised tile into the MMA's dtype (the interpreter multiplies in fp32 instead)
+            wg = wg.to(a.dtype)
+            wu = wu.to(a.dtype)
         acc_g = _mma(a, wg, acc_g, UPCAST)
         acc_u = _mma(a, wu, acc_u, UPCAST)
     srow = tl.where(valid, slots, 0)[:, None].to(tl.int64)
@@ -101,9 +143,10 @@ def _moe_gate_up_kernel(hidden_ptr, w13_ptr, act_ptr, sorted_ptr, eids_ptr, npad
 
 
 @triton.jit(do_not_specialize=["S"])
-def _moe_down_kernel(act_ptr, w2_ptr, part_ptr, tw_ptr, sorted_ptr, eids_ptr, npad_ptr, S, stride_am, stride_we,
-                     stride_wn, stride_pm, H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+def _moe_down_kernel(act_ptr, w2_ptr, s2_ptr, part_ptr, tw_ptr, sorted_ptr, eids_ptr, npad_ptr, S, stride_am,
+                     stride_we, stride_wn, stride_se, stride_sn, stride_pm, H: tl.constexpr, I: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+                     QUANT: tl.constexpr, QG: tl.constexpr, QN: tl.constexpr):
     """part[s] = r * (act[s] @ w2[e]^T) for the slots of one block and BLOCK_N columns of H."""
     pid = tl.program_id(0)
     n_tiles: tl.constexpr = (H + BLOCK_N - 1) // BLOCK_N
@@ -121,14 +164,16 @@ def _moe_down_kernel(act_ptr, w2_ptr, part_ptr, tw_ptr, sorted_ptr, eids_ptr, np
     on = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = on < H
     ok = tl.arange(0, BLOCK_K)
-    w_base = w2_ptr + e.to(tl.int64) * stride_we
     a_base = act_ptr + srow[:, None].to(tl.int64) * stride_am
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, I, BLOCK_K):
         kc = k0 + ok
         kmask = kc < I
         a = tl.load(a_base + kc[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
-        w = _load_w_tile(w_base, on, kc, nmask, kmask, stride_wn)
+        w = _load_w_tile(w2_ptr, s2_ptr, e, on, k0, nmask, stride_we, stride_wn, stride_se, stride_sn, I, BLOCK_K,
+                         QUANT, QG, QN)
+        if not UPCAST:
+            w = w.to(a.dtype)
         acc = _mma(a, w, acc, UPCAST)
     r = tl.load(tw_ptr + srow, mask=valid, other=0.0).to(tl.float32)
     acc = acc * r[:, None]
@@ -176,21 +221,14 @@ def _moe_topk_sum_kernel(part_ptr, ids_ptr, out_ptr, stride_pm, stride_om, E: tl
 #       after the routing, which the gate/up kernel waits for before it lets the down kernel launch) is
 #       issued before ``gdc_wait``, so the down grid's weight reads overlap the gate/up kernel's tail.
 #
-# Weight loads go through ``_load_w_tile`` (gate/up) and ``_load_w_gather`` (down): a W4A16 group-32 format would add
-# a branch in those two helpers (packed nibbles + one scale per 32 elements along H or I), callers unchanged.
+# Weight loads go through ``_load_w`` (quantised weights: int4 codes or fp8 values and their scales, dequantised in
+# registers; the FMA and the sums stay fp32).
 # ------------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _load_w_gather(w_ptr, e, rows, cols, e_mask, row_mask, col_mask, stride_e, stride_row):
-    """A [len(e), len(rows), len(cols)] gather of rows ``rows`` of experts ``e`` (unquantised)."""
-    off = e[:, None, None].to(tl.int64) * stride_e + rows[None, :, None].to(tl.int64) * stride_row
-    mask = e_mask[:, None, None] & row_mask[None, :, None] & col_mask[None, None, :]
-    return tl.load(w_ptr + off + cols[None, None, :], mask=mask, other=0.0)
-
-
-@triton.jit
-def _moe_stream_gate_up_kernel(hidden_ptr, w13_ptr, act_ptr, ids_ptr, stride_hm, stride_we, stride_wn, stride_am,
-                               E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
-                               R: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+def _moe_stream_gate_up_kernel(hidden_ptr, w13_ptr, s13_ptr, act_ptr, ids_ptr, stride_hm, stride_we, stride_wn,
+                               stride_se, stride_sn, stride_am, E: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+                               TOP_K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
+                               QUANT: tl.constexpr, QG: tl.constexpr, QN: tl.constexpr):
     if PDL:  # wait for the routing (ids) and the norm (hidden) first: the down kernel reads ids and weights
         gdc_wait()  # before its own wait, so it may launch (and gather w2) only once the routing has finished
         gdc_launch_dependents()
@@ -204,8 +242,8 @@ def _moe_stream_gate_up_kernel(hidden_ptr, w13_ptr, act_ptr, ids_ptr, stride_hm,
     rows = t * R + tl.arange(0, R)
     rmask = rows < I
     ok = tl.arange(0, BK)
-    w_base = w13_ptr + e.to(tl.int64) * stride_we
     slots = slot + tl.arange(0, 1)  # [1]: this program's slot, as a leading axis of the [1, R, BK] accumulators
+    ev = e + tl.zeros([1], tl.int32)
     tok = slots // TOP_K
     a_base = hidden_ptr + tok.to(tl.int64) * stride_hm
     acc_g = tl.zeros([1, R, BK], tl.float32)
@@ -213,11 +251,13 @@ def _moe_stream_gate_up_kernel(hidden_ptr, w13_ptr, act_ptr, ids_ptr, stride_hm,
     for k0 in range(0, H, BK):
         kc = k0 + ok
         kmask = kc < H
-        wg = _load_w_tile(w_base, rows, kc, rmask, kmask, stride_wn)
-        wu = _load_w_tile(w_base, rows + I, kc, rmask, kmask, stride_wn)
+        wg = _load_w(w13_ptr, s13_ptr, ev, rows, k0, ev >= 0, rmask, stride_we, stride_wn, stride_se, stride_sn, H,
+                     BK, QUANT, QG, QN)
+        wu = _load_w(w13_ptr, s13_ptr, ev, rows + I, k0, ev >= 0, rmask, stride_we, stride_wn, stride_se, stride_sn,
+                     H, BK, QUANT, QG, QN)
         a = tl.load(a_base[:, None] + kc[None, :], mask=kmask[None, :], other=0.0).to(tl.float32)
-        acc_g += a[:, None, :] * wg.to(tl.float32)[None, :, :]
-        acc_u += a[:, None, :] * wu.to(tl.float32)[None, :, :]
+        acc_g += a[:, None, :] * wg.to(tl.float32)
+        acc_u += a[:, None, :] * wu.to(tl.float32)
     g = tl.sum(acc_g, axis=2)
     u = tl.sum(acc_u, axis=2)
     act = g / (1.0 + tl.exp(-g)) * u
@@ -226,10 +266,11 @@ def _moe_stream_gate_up_kernel(hidden_ptr, w13_ptr, act_ptr, ids_ptr, stride_hm,
 
 
 @triton.jit
-def _moe_stream_down_kernel(act_ptr, w2_ptr, ids_ptr, tw_ptr, out_ptr, stride_am, stride_we, stride_wn, stride_om,
-                            E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
-                            MT: tl.constexpr, SP: tl.constexpr, BH: tl.constexpr, BI: tl.constexpr,
-                            PDL: tl.constexpr):
+def _moe_stream_down_kernel(act_ptr, w2_ptr, s2_ptr, ids_ptr, tw_ptr, out_ptr, stride_am, stride_we, stride_wn,
+                            stride_se, stride_sn, stride_om, E: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+                            TOP_K: tl.constexpr, MT: tl.constexpr, SP: tl.constexpr, BH: tl.constexpr,
+                            BI: tl.constexpr, PDL: tl.constexpr, QUANT: tl.constexpr, QG: tl.constexpr,
+                            QN: tl.constexpr):
     pid = tl.program_id(0)
     oh = pid * BH + tl.arange(0, BH)
     hmask = oh < H
@@ -246,7 +287,8 @@ def _moe_stream_down_kernel(act_ptr, w2_ptr, ids_ptr, tw_ptr, out_ptr, stride_am
     for i0 in range(0, I, BI):  # one step when I <= BI (Kimi-K2: I = 256)
         ic = i0 + oi
         imask = ic < I
-        w = _load_w_gather(w2_ptr, e, oh, ic, use, hmask, imask, stride_we, stride_wn)  # [SP, BH, BI]
+        w = _load_w(w2_ptr, s2_ptr, e, oh, i0, use, hmask, stride_we, stride_wn, stride_se, stride_sn, I, BI, QUANT,
+                    QG, QN)  # [SP, BH, BI]
         if PDL:  # act is the gate/up kernel's output: wait for it (the w2 gather above is already in flight)
             gdc_wait()
         a = tl.load(act_ptr + sl[:, None].to(tl.int64) * stride_am + ic[None, :], mask=use[:, None] & imask[None, :],
@@ -275,11 +317,12 @@ def _moe_stream_down_kernel(act_ptr, w2_ptr, ids_ptr, tw_ptr, out_ptr, stride_am
 #   PDL: wait for the routing, then let the down kernel launch (it reads ids before its own wait).
 # ------------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _moe_splitk_gate_up_kernel(hidden_ptr, w13_ptr, act_ptr, part_ptr, ticket_ptr, ids_ptr, stride_hm, stride_we,
-                               stride_wn, stride_am, k_per_split, S,
+def _moe_splitk_gate_up_kernel(hidden_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, ticket_ptr, ids_ptr, stride_hm,
+                               stride_we, stride_wn, stride_se, stride_sn, stride_am, k_per_split, S,
                                E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
                                BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_PAD: tl.constexpr,
-                               DOT_FP32: tl.constexpr, PDL: tl.constexpr):
+                               DOT_FP32: tl.constexpr, PDL: tl.constexpr, QUANT: tl.constexpr, QG: tl.constexpr,
+                               QN: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -293,7 +336,6 @@ def _moe_splitk_gate_up_kernel(hidden_ptr, w13_ptr, act_ptr, part_ptr, ticket_pt
         return
     rows = t * BN + tl.arange(0, BN)
     rmask = rows < I
-    w_base = w13_ptr + e.to(tl.int64) * stride_we
     x_base = hidden_ptr + (slot // TOP_K).to(tl.int64) * stride_hm
     col0 = tl.arange(0, 16) == 0  # the token sits in column 0 of the MMA's N side, the other 15 are zero
     k_lo = pid_s * k_per_split
@@ -302,16 +344,18 @@ def _moe_splitk_gate_up_kernel(hidden_ptr, w13_ptr, act_ptr, part_ptr, ticket_pt
     for k0 in range(k_lo, k_lo + k_per_split, BK):
         kc = k0 + tl.arange(0, BK)
         kmask = kc < H
-        wg = _load_w_tile(w_base, rows, kc, rmask, kmask, stride_wn)
-        wu = _load_w_tile(w_base, rows + I, kc, rmask, kmask, stride_wn)
         xt = tl.load(x_base + kc[:, None] + tl.zeros((1, 16), tl.int32), mask=kmask[:, None] & col0[None, :],
                      other=0.0)
-        if DOT_FP32:  # the CPU interpreter (its bf16 dot is not exact)
+        wg = _load_w_tile(w13_ptr, s13_ptr, e, rows, k0, rmask, stride_we, stride_wn, stride_se, stride_sn, H, BK,
+                          QUANT, QG, QN)
+        wu = _load_w_tile(w13_ptr, s13_ptr, e, rows + I, k0, rmask, stride_we, stride_wn, stride_se, stride_sn, H, BK,
+                          QUANT, QG, QN)
+        if DOT_FP32:  # the CPU interpreter (its bf16 dot is not exact, its cast to bf16 truncates)
             acc_g += tl.dot(wg.to(tl.float32), xt.to(tl.float32))
             acc_u += tl.dot(wu.to(tl.float32), xt.to(tl.float32))
-        else:
-            acc_g += tl.dot(wg, xt)
-            acc_u += tl.dot(wu, xt)
+        else:  # a dequantised tile goes into the MMA in x's dtype
+            acc_g += tl.dot(wg.to(xt.dtype), xt)
+            acc_u += tl.dot(wu.to(xt.dtype), xt)
     g = tl.sum(acc_g, axis=1)  # column 0 (the others are exact zeros)
     u = tl.sum(acc_u, axis=1)
     a_ptrs = act_ptr + slot.to(tl.int64) * stride_am + rows

@@ -60,16 +60,39 @@ class MoEAlignment(NamedTuple):
 
 @dataclass(frozen=True)
 class MoEQuant:
-    """Reserved: quantised expert weights (W4A16, group 32 is the planned format). Not implemented yet.
+    """Quantised expert weights for :func:`fused_moe`: the weight arguments hold the stored values, this record their
+    format and scales. Activations stay in hidden's dtype and the kernels dequantise in registers (W4A16 / W8A16).
 
-    ``fused_moe(..., quant=MoEQuant(...))`` is where it will plug in; the weight arguments then hold the packed
-    values and these fields the scales, so callers of the unquantised path do not change.
+    Formats (definitions and converters: :mod:`specverify.reference.quant`):
+
+    * ``"int4"`` (Kimi-K2.5's routed experts; compressed-tensors ``pack-quantized``, symmetric, group 32): ``w13``
+      uint8 ``[E, 2I, H / 2]`` and ``w2`` uint8 ``[E, H, I / 2]``, two 4-bit codes a byte along the reduced
+      dimension (column ``2j`` in the low nibble); code ``q`` stands for ``(q - 8) * scale``. ``w13_scale [E, 2I, H
+      / group_size]``, ``w2_scale [E, H, I / group_size]`` (bf16, fp16 or fp32). The checkpoints' int32
+      ``weight_packed`` ``[N, K / 8]`` is this layout after ``.view(torch.uint8)``.
+    * ``"fp8"`` (DeepSeek-V3, Kimi-K2; block FP8): ``w13`` / ``w2`` float8_e4m3fn of the unquantised shapes,
+      ``w13_scale`` fp32 ``[E, ceil(2I / bn), ceil(H / bk)]`` and ``w2_scale`` ``[E, ceil(H / bn), ceil(I / bk)]``
+      (the checkpoints' ``weight_scale_inv``), ``(bn, bk) = block_shape``; the value is ``w * scale``. With gate and
+      up stacked in ``w13``, I must be a multiple of bn (each block row is all gate or all up).
+
+    ``group_size`` and both ``block_shape`` entries are powers of two (>= 2). Checked by :func:`fused_moe`.
     """
 
-    weight_bits: int = 4
+    format: str
+    w13_scale: torch.Tensor
+    w2_scale: torch.Tensor
     group_size: int = 32
-    w13_scale: torch.Tensor | None = None
-    w2_scale: torch.Tensor | None = None
+    block_shape: tuple[int, int] = (128, 128)
+
+    def dequantize(self, w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype = torch.float32):
+        """``(w13, w2)`` as plain ``dtype`` tensors ``[E, 2I, H]`` / ``[E, H, I]`` (the references use this)."""
+        from specverify.reference import quant as q
+
+        if self.format == "int4":
+            return (q.dequantize_int4(w13, self.w13_scale, self.group_size, dtype),
+                    q.dequantize_int4(w2, self.w2_scale, self.group_size, dtype))
+        return (q.dequantize_fp8_block(w13, self.w13_scale, self.block_shape, dtype),
+                q.dequantize_fp8_block(w2, self.w2_scale, self.block_shape, dtype))
 
 
 def max_num_tokens_padded(num_tokens: int, top_k: int, num_experts: int, block_size: int) -> int:
@@ -592,18 +615,24 @@ def _check_moe_args(hidden, w13, w2, topk_ids, topk_weights, alignment, activati
     if w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"w13 must be [E, 2I, H] and w2 [E, H, I], got w13 {list(w13.shape)} and w2 "
                          f"{list(w2.shape)}")
-    e, two_i, h13 = w13.shape
+    if quant is not None:
+        _check_quant_format(quant, w13, w2)
+    # int4 holds two codes a byte along the reduced dimension: the shapes below are the unpacked ones
+    pk = 2 if quant is not None and quant.format == "int4" else 1
+    packed_note = " (int4: the last dimension holds two codes a byte, so it is half of this)" if pk == 2 else ""
+    e, two_i, h13 = w13.shape[0], w13.shape[1], w13.shape[2] * pk
     if two_i % 2 or two_i == 0:
         raise ValueError(f"w13 must hold gate rows then up rows, [E, 2I, H] with an even second dimension, got "
                          f"{list(w13.shape)}")
     inter = two_i // 2
     if h13 != h:
-        raise ValueError(f"hidden [M={m}, H={h}] and w13 {list(w13.shape)} disagree on H: w13 must be [E, 2I, H={h}] "
-                         f"(or hidden [M, H={h13}]); pass the hidden states and gate/up weights of one layer")
-    if tuple(w2.shape) != (e, h, inter):
+        raise ValueError(f"hidden [M={m}, H={h}] and w13 {list(w13.shape)} disagree on H: w13 must be [E, 2I, H={h}]"
+                         f"{packed_note} (or hidden [M, H={h13}]); pass the hidden states and gate/up weights of one "
+                         "layer")
+    if (w2.shape[0], w2.shape[1], w2.shape[2] * pk) != (e, h, inter):
         raise ValueError(f"with hidden [M={m}, H={h}] and w13 {list(w13.shape)} (E={e}, I={inter}), w2 must be "
-                         f"[E={e}, H={h}, I={inter}], got w2 {list(w2.shape)}; pass the down weights of the same "
-                         "experts")
+                         f"[E={e}, H={h}, I={inter}]{packed_note}, got w2 {list(w2.shape)}; pass the down weights of "
+                         "the same experts")
     if hidden.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"hidden must be bfloat16, float16 or float32, got {hidden.dtype}; cast it with "
                         ".bfloat16()")
@@ -626,10 +655,7 @@ def _check_moe_args(hidden, w13, w2, topk_ids, topk_weights, alignment, activati
     if activation != "silu":
         raise ValueError(f"activation must be 'silu' (SwiGLU), got {activation!r}")
     if quant is not None:
-        if not isinstance(quant, MoEQuant):
-            raise TypeError(f"quant must be a specverify.moe.MoEQuant or None, got {type(quant).__name__}")
-        raise NotImplementedError("quantised experts (MoEQuant) are reserved but not implemented yet; pass "
-                                  "bf16/fp16 weights and quant=None")
+        _check_quant(quant, hidden, w13, w2, e, h, inter)
     if alignment is not None:
         if not isinstance(alignment, MoEAlignment):
             raise TypeError(f"alignment must be the MoEAlignment that moe_route(..., block_size=...) returns, got "
@@ -647,6 +673,63 @@ def _check_moe_args(hidden, w13, w2, topk_ids, topk_weights, alignment, activati
         if tuple(out.shape) != (m, h) or out.dtype != hidden.dtype or out.device != hidden.device:
             raise ValueError(f"out must be {hidden.dtype} [M={m}, H={h}] on {hidden.device}, got {out.dtype} "
                              f"{list(out.shape)} on {out.device}")
+
+
+def _is_pow2(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 2 and v & (v - 1) == 0
+
+
+_QUANT_DTYPES = {"int4": (torch.uint8, "pass compressed-tensors int32 weight_packed as .view(torch.uint8); pack "
+                                      "others with specverify.reference.quant.quantize_int4"),
+                 "fp8": (torch.float8_e4m3fn, "quantise with specverify.reference.quant.quantize_fp8_block")}
+
+
+def _check_quant_format(quant, w13, w2) -> None:
+    """The record's type and format and the weights' storage dtype (before any shape is read from them)."""
+    if not isinstance(quant, MoEQuant):
+        raise TypeError(f"quant must be a specverify.moe.MoEQuant or None, got {type(quant).__name__}")
+    if quant.format not in _QUANT_DTYPES:
+        raise ValueError(f"MoEQuant.format must be 'int4' or 'fp8', got {quant.format!r}")
+    want, fix = _QUANT_DTYPES[quant.format]
+    if w13.dtype != want or w2.dtype != want:
+        raise TypeError(f"{quant.format} experts must be {want}, got w13 {w13.dtype} and w2 {w2.dtype}; {fix}")
+
+
+def _check_quant(quant: MoEQuant, hidden, w13, w2, e: int, h: int, inter: int) -> None:
+    """The scales and the group or block sizes (format and storage dtype: :func:`_check_quant_format`; the weights'
+    shapes: the caller)."""
+    if hidden.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"quantised experts take bfloat16 or float16 hidden states, got {hidden.dtype}; cast it with "
+                        ".bfloat16()")
+    for name, t in (("w13_scale", quant.w13_scale), ("w2_scale", quant.w2_scale)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"MoEQuant.{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(f"MoEQuant.{name} must be float32, bfloat16 or float16, got {t.dtype}")
+        if t.device != hidden.device:
+            raise ValueError(f"MoEQuant.{name} is on {t.device} but hidden on {hidden.device}; move them to one "
+                             "device")
+    if quant.format == "int4":
+        g = quant.group_size
+        if not _is_pow2(g):
+            raise ValueError(f"MoEQuant.group_size must be a power of two >= 2, got {g!r}")
+        if h % g or inter % g:
+            raise ValueError(f"int4 experts need H={h} and I={inter} to be multiples of group_size={g}")
+        s13, s2 = (e, 2 * inter, h // g), (e, h, inter // g)
+    else:
+        bs = tuple(quant.block_shape) if isinstance(quant.block_shape, (tuple, list)) else ()
+        if len(bs) != 2 or not all(_is_pow2(b) for b in bs):
+            raise ValueError(f"MoEQuant.block_shape must be two powers of two (bn, bk) >= 2, got "
+                             f"{quant.block_shape!r}")
+        bn, bk = bs
+        if inter % bn:
+            raise ValueError(f"fp8 experts need I={inter} to be a multiple of block_shape[0]={bn}: w13 stacks gate "
+                             "and up rows, and each scale block row must be all gate or all up")
+        s13, s2 = (e, _cdiv(2 * inter, bn), _cdiv(h, bk)), (e, _cdiv(h, bn), _cdiv(inter, bk))
+    for name, t, want in (("w13_scale", quant.w13_scale, s13), ("w2_scale", quant.w2_scale, s2)):
+        if tuple(t.shape) != want:
+            raise ValueError(f"MoEQuant.{name} must have shape {list(want)} for {quant.format} experts with E={e}, "
+                             f"H={h}, I={inter}, got {list(t.shape)}")
 
 
 #: The routing kernel of the router alone (no alignment; one token row per program), of calls past 1024 slots and of
@@ -765,6 +848,21 @@ def _expert_operands(hidden, w13, w2, topk_ids, topk_weights):
     return hidden, w13, w2, topk_ids.to(torch.int32).contiguous(), topk_weights.float().contiguous()
 
 
+def _scale_operands(quant, w, which: str):
+    """One expert weight's scale operands for the kernels: ``(scale, stride_se, stride_sn)`` and the constexprs
+    ``QUANT`` / ``QG`` / ``QN`` (``which``: ``"w13"`` or ``"w2"``). Unquantised, the weight stands in for its scale
+    (never read) with strides 0."""
+    if quant is None:
+        return (w, 0, 0), dict(QUANT=0, QG=1, QN=1)
+    sc = getattr(quant, f"{which}_scale")
+    sc = sc if sc.stride(2) == 1 else sc.contiguous()
+    if quant.format == "int4":
+        consts = dict(QUANT=1, QG=quant.group_size, QN=1)
+    else:
+        consts = dict(QUANT=2, QG=quant.block_shape[1], QN=quant.block_shape[0])
+    return (sc, sc.stride(0), sc.stride(1)), consts
+
+
 def _expert_setup(hidden, w13, w2, topk_ids, topk_weights, out):
     """Operands (:func:`_expert_operands`), the sizes every expert launcher uses, and ``out`` (allocated if None):
     ``(hidden, w13, w2, ids32, weights32, M, H, E, I, top_k, slots, out)``."""
@@ -777,11 +875,13 @@ def _expert_setup(hidden, w13, w2, topk_ids, topk_weights, out):
     return hidden, w13, w2, ids32, tw, m, h, e, two_i // 2, top_k, m * top_k, out
 
 
-def _fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, alignment, out):
+def _fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, alignment, out, quant=None):
     from specverify.kernels.fused_moe import _moe_down_kernel, _moe_gate_up_kernel, _moe_topk_sum_kernel
 
     hidden, w13, w2, ids32, tw, m, h, e, inter, top_k, s, out = _expert_setup(hidden, w13, w2, topk_ids,
                                                                                topk_weights, out)
+    q13, qc = _scale_operands(quant, w13, "w13")
+    q2, _ = _scale_operands(quant, w2, "w2")
     dev = hidden.device
     if alignment is None:
         bs = 16
@@ -801,14 +901,14 @@ def _fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, alignment, out):
     act = torch.empty((s, inter), dtype=hidden.dtype, device=dev)
     n1 = -(-inter // g1["BLOCK_N"])
     launch_fitting(_moe_gate_up_kernel, (nblocks * n1,), (
-        hidden, w13, act, alignment.sorted_token_ids, alignment.expert_ids, alignment.num_tokens_post_padded, s,
-        hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0)),
-        dict(H=h, I=inter, TOP_K=top_k, BLOCK_M=bs, **g1), what="fused_moe")
+        hidden, w13, q13[0], act, alignment.sorted_token_ids, alignment.expert_ids, alignment.num_tokens_post_padded,
+        s, hidden.stride(0), w13.stride(0), w13.stride(1), q13[1], q13[2], act.stride(0)),
+        dict(H=h, I=inter, TOP_K=top_k, BLOCK_M=bs, **g1, **qc), what="fused_moe")
     n2 = -(-h // g2["BLOCK_N"])
     launch_fitting(_moe_down_kernel, (nblocks * n2,), (
-        act, w2, part, tw, alignment.sorted_token_ids, alignment.expert_ids, alignment.num_tokens_post_padded, s,
-        act.stride(0), w2.stride(0), w2.stride(1), part.stride(0)),
-        dict(H=h, I=inter, BLOCK_M=bs, **g2), what="fused_moe")
+        act, w2, q2[0], part, tw, alignment.sorted_token_ids, alignment.expert_ids, alignment.num_tokens_post_padded,
+        s, act.stride(0), w2.stride(0), w2.stride(1), q2[1], q2[2], part.stride(0)),
+        dict(H=h, I=inter, BLOCK_M=bs, **g2, **qc), what="fused_moe")
     bn = min(1024, max(16, _next_pow2(h)))
     _moe_topk_sum_kernel[(m, -(-h // bn))](part, ids32, out, part.stride(0), out.stride(0), E=e, H=h, TOP_K=top_k,
                                           BLOCK_N=bn)
@@ -853,7 +953,7 @@ def _splitk_workspace(device, part_elems: int, tickets: int):
         "fused_moe (split-K gate/up)")
 
 
-def _splitk_gate_up(hidden, w13, act, ids32, s, h, e, inter, top_k, cfg, pdl):
+def _splitk_gate_up(hidden, w13, act, ids32, s, h, e, inter, top_k, cfg, pdl, quant=None):
     """Launch ``_moe_splitk_gate_up_kernel`` into ``act`` [s, inter]. The workspace is sized for every token count
     up to ``max_m`` on the first call, so a graph captured later at another M needs no allocation."""
     from specverify.kernels.fused_moe import _moe_splitk_gate_up_kernel
@@ -874,17 +974,19 @@ def _splitk_gate_up(hidden, w13, act, ids32, s, h, e, inter, top_k, cfg, pdl):
     launch = {"num_warps": cfg["split_warps"], "num_stages": cfg["split_stages"]} if on_gpu else {}
     if pdl:
         launch["launch_pdl"] = True
+    q13, qc = _scale_operands(quant, w13, "w13")
     _moe_splitk_gate_up_kernel[(s * nt, split)](
-        hidden, w13, act, part, ticket, ids32, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), per, s,
-        E=e, H=h, I=inter, TOP_K=top_k, BN=bn, BK=bk, SPLIT_K=split, SPLIT_PAD=max(2, _next_pow2(split)),
-        DOT_FP32=not on_gpu, PDL=pdl, **launch)
+        hidden, w13, q13[0], act, part, ticket, ids32, hidden.stride(0), w13.stride(0), w13.stride(1), q13[1], q13[2],
+        act.stride(0), per, s, E=e, H=h, I=inter, TOP_K=top_k, BN=bn, BK=bk, SPLIT_K=split,
+        SPLIT_PAD=max(2, _next_pow2(split)), DOT_FP32=not on_gpu, PDL=pdl, **qc, **launch)
 
 
-def stream_gate_up(hidden, w13, ids32, cfg: dict, pdl: bool) -> torch.Tensor:
+def stream_gate_up(hidden, w13, ids32, cfg: dict, pdl: bool, quant: MoEQuant | None = None) -> torch.Tensor:
     """Launch 1 of the stream experts alone: ``act`` [M * top_k, I] = silu(gate) * up of every routed slot, by the
     kernel ``cfg["gate_up"]`` names (``"auto"``: split-K up to ``splitk_max_m`` tokens, else the FMA programs).
     Operands as :func:`_expert_setup` leaves them (int32 ids [M, top_k]); ``cfg`` from :func:`_stream_config`. Used
-    by the stream experts and by ``bench/sweep_experts.py --gate-up-only``."""
+    by the stream experts and by ``bench/sweep_experts.py --gate-up-only``. ``quant``: the weights' format and
+    scales (:class:`MoEQuant`, as checked by :func:`fused_moe`), or None."""
     from specverify.kernels.fused_moe import _moe_stream_gate_up_kernel
 
     m, h = hidden.shape
@@ -893,19 +995,20 @@ def stream_gate_up(hidden, w13, ids32, cfg: dict, pdl: bool) -> torch.Tensor:
     s = m * top_k
     act = torch.empty((s, inter), dtype=hidden.dtype, device=hidden.device)
     if cfg["gate_up"] == "splitk" or (cfg["gate_up"] == "auto" and m <= cfg["splitk_max_m"]):
-        _splitk_gate_up(hidden, w13, act, ids32, s, h, e, inter, top_k, cfg, pdl)
+        _splitk_gate_up(hidden, w13, act, ids32, s, h, e, inter, top_k, cfg, pdl, quant)
         return act
     launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]} if hidden.is_cuda else {}
     if pdl:
         launch["launch_pdl"] = True
     nt = _cdiv(inter, cfg["R"])
+    q13, qc = _scale_operands(quant, w13, "w13")
     _moe_stream_gate_up_kernel[(s * nt,)](
-        hidden, w13, act, ids32, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), E=e, H=h, I=inter,
-        TOP_K=top_k, R=cfg["R"], BK=cfg["BK"], PDL=pdl, **launch)
+        hidden, w13, q13[0], act, ids32, hidden.stride(0), w13.stride(0), w13.stride(1), q13[1], q13[2],
+        act.stride(0), E=e, H=h, I=inter, TOP_K=top_k, R=cfg["R"], BK=cfg["BK"], PDL=pdl, **qc, **launch)
     return act
 
 
-def _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, out):
+def _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, out, quant=None):
     """The weight-streaming experts (the default at M <= ``_STREAM_CONFIG["max_m"]``, or
     ``_VARIANT["experts"] == "stream"``): two launches (see "Stream experts" in ``specverify.kernels.fused_moe``).
 
@@ -926,13 +1029,14 @@ def _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, out):
         return out
     cfg = _stream_config(m, h, inter, top_k, dev.type == "cuda")
     pdl = _pdl(cfg["PDL"], dev)
-    act = stream_gate_up(hidden, w13, ids32, cfg, pdl)
+    act = stream_gate_up(hidden, w13, ids32, cfg, pdl, quant)
     launch2 = {"num_warps": cfg["down_warps"], "num_stages": 1} if dev.type == "cuda" else {}
     if pdl:  # gate/up waits for the routing, down for gate/up
         launch2["launch_pdl"] = True
+    q2, qc = _scale_operands(quant, w2, "w2")
     _moe_stream_down_kernel[(_cdiv(h, cfg["BH"]),)](
-        act, w2, ids32, tw, out, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), E=e, H=h, I=inter,
-        TOP_K=top_k, MT=m, SP=cfg["SP"], BH=cfg["BH"], BI=cfg["BI"], PDL=pdl, **launch2)
+        act, w2, q2[0], ids32, tw, out, act.stride(0), w2.stride(0), w2.stride(1), q2[1], q2[2], out.stride(0), E=e,
+        H=h, I=inter, TOP_K=top_k, MT=m, SP=cfg["SP"], BH=cfg["BH"], BI=cfg["BI"], PDL=pdl, **qc, **launch2)
     return out
 
 
@@ -951,9 +1055,10 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
     hidden : torch.Tensor
         Shape: (M, H); bfloat16 or float16 for Triton (float32 only with ``impl="reference"``).
     w13 : torch.Tensor
-        Shape: (E, 2 * I, H); hidden's dtype. Rows 0..I-1 gate, I..2I-1 up.
+        Shape: (E, 2 * I, H); hidden's dtype. Rows 0..I-1 gate, I..2I-1 up. With ``quant``: int4 uint8 (E, 2 * I,
+        H / 2) or fp8 float8_e4m3fn (E, 2 * I, H) (:class:`MoEQuant`).
     w2 : torch.Tensor
-        Shape: (E, H, I); hidden's dtype.
+        Shape: (E, H, I); hidden's dtype (with ``quant``: uint8 (E, H, I / 2) or float8_e4m3fn (E, H, I)).
     topk_ids : torch.Tensor
         Shape: (M, top_k); int32 or int64; -1 = no expert (adds nothing). Not range-checked (that would need a
         host sync): the Triton path skips any id outside [0, E) like -1, the reference raises IndexError.
@@ -967,7 +1072,9 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
     out : torch.Tensor, optional
         Shape: (M, H); hidden's dtype. Mutated: receives the result.
     quant : MoEQuant, optional
-        Reserved for quantised weights (W4A16 group 32); passing one raises NotImplementedError for now.
+        Quantised weights (int4 group-wise, as Kimi-K2.5 ships its experts, or block fp8, as DeepSeek-V3 and
+        Kimi-K2 do): the format and the scales of ``w13`` / ``w2``. hidden must then be bf16 or fp16; every path
+        dequantises the weight tiles in registers (W4A16 / W8A16: activations are not quantised).
     impl : {"auto", "triton", "reference"}
 
     Returns
@@ -978,12 +1085,12 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
     Raises
     ------
     TypeError
-        Non-tensor inputs, unsupported or mismatched dtypes, a wrong ``alignment`` or ``quant`` type.
+        Non-tensor inputs, unsupported or mismatched dtypes (quantised weights of the wrong storage dtype), a wrong
+        ``alignment`` or ``quant`` type.
     ValueError
-        Shapes that do not fit ``[E, 2I, H]`` / ``[E, H, I]`` / ``[M, top_k]``, too-small alignment buffers, a
-        wrong ``out``, unknown ``activation`` or ``impl``.
-    NotImplementedError
-        ``quant`` given.
+        Shapes that do not fit ``[E, 2I, H]`` / ``[E, H, I]`` / ``[M, top_k]``, scales of the wrong shape, group or
+        block sizes that are not powers of two or do not divide H and I, too-small alignment buffers, a wrong
+        ``out``, unknown ``activation``, ``impl`` or quantised format.
 
     Notes
     -----
@@ -1019,6 +1126,8 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
     if which == "reference":
         from specverify.reference.moe import fused_moe_reference
 
+        if quant is not None:
+            w13, w2 = quant.dequantize(w13, w2)  # fp32: the reference computes in fp32
         res = fused_moe_reference(hidden, w13, w2, topk_ids, topk_weights)
         if out is None:
             return res
@@ -1026,5 +1135,5 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
         return out
     m = hidden.shape[0]
     if _VARIANT["experts"] in ("stream", "auto") and 0 < m <= _STREAM_OVERRIDE.get("max_m", _STREAM_CONFIG["max_m"]):
-        return _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, out)
-    return _fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, alignment, out)
+        return _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, out, quant)
+    return _fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, alignment, out, quant)

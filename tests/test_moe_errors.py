@@ -64,7 +64,6 @@ def _moe_args():
     (dict(out=torch.zeros(2, 16)), ValueError, "out must be torch.bfloat16 [M=2, H=16]"),
     (dict(alignment=(1, 2, 3)), TypeError, "MoEAlignment"),
     (dict(quant="w4a16"), TypeError, "MoEQuant"),
-    (dict(quant=MoEQuant()), NotImplementedError, "not implemented yet"),
     (dict(impl="cuda"), ValueError, "impl must be one of"),
 ])
 def test_fused_moe_errors(change, exc, words):
@@ -74,6 +73,67 @@ def test_fused_moe_errors(change, exc, words):
         fused_moe(args.pop("hidden"), args.pop("w13"), args.pop("w2"), args.pop("topk_ids"),
                   args.pop("topk_weights"), **args)
     assert words in str(info.value)
+
+
+def _quant_args(fmt):
+    """int4 (group 8) or fp8 (blocks of 8 x 8) experts of E 4, H 16, I 8, quantised from zeros."""
+    m, e, h, i = 2, 4, 16, 8
+    args = dict(hidden=torch.zeros(m, h, dtype=torch.bfloat16), topk_ids=torch.zeros(m, 2, dtype=torch.int32),
+                topk_weights=torch.zeros(m, 2))
+    if fmt == "int4":
+        args.update(w13=torch.zeros(e, 2 * i, h // 2, dtype=torch.uint8),
+                    w2=torch.zeros(e, h, i // 2, dtype=torch.uint8),
+                    quant=MoEQuant("int4", torch.ones(e, 2 * i, h // 8), torch.ones(e, h, i // 8), group_size=8))
+    else:
+        args.update(w13=torch.zeros(e, 2 * i, h, dtype=torch.float8_e4m3fn),
+                    w2=torch.zeros(e, h, i, dtype=torch.float8_e4m3fn),
+                    quant=MoEQuant("fp8", torch.ones(e, 2, 2), torch.ones(e, 2, 1), block_shape=(8, 8)))
+    return args
+
+
+def _requant(args, **fields):
+    q = args["quant"]
+    return MoEQuant(**{**dict(format=q.format, w13_scale=q.w13_scale, w2_scale=q.w2_scale, group_size=q.group_size,
+                              block_shape=q.block_shape), **fields})
+
+
+@pytest.mark.parametrize("fmt, change, exc, words", [
+    ("int4", lambda a: dict(quant=_requant(a, format="int8")), ValueError, "'int4' or 'fp8', got 'int8'"),
+    ("int4", lambda a: dict(hidden=a["hidden"].float()), TypeError, "bfloat16 or float16 hidden states"),
+    # compressed-tensors' int32 words: the message says how to pass them
+    ("int4", lambda a: dict(w13=torch.zeros(4, 16, 2, dtype=torch.int32), w2=torch.zeros(4, 16, 1, dtype=torch.int32)),
+     TypeError, "pass compressed-tensors int32 weight_packed as .view(torch.uint8)"),
+    ("int4", lambda a: dict(w13=a["w13"][..., :4]), ValueError, "int4: the last dimension holds two codes a byte"),
+    ("int4", lambda a: dict(w13=torch.zeros(4, 16, 16, dtype=torch.uint8)), ValueError, "disagree on H"),
+    ("int4", lambda a: dict(quant=_requant(a, group_size=6)), ValueError, "group_size must be a power of two"),
+    ("int4", lambda a: dict(quant=_requant(a, group_size=16)), ValueError, "multiples of group_size=16"),
+    ("int4", lambda a: dict(quant=_requant(a, w13_scale=torch.ones(4, 16, 3))), ValueError,
+     "MoEQuant.w13_scale must have shape [4, 16, 2]"),
+    ("int4", lambda a: dict(quant=_requant(a, w2_scale=torch.ones(4, 16, 1, dtype=torch.int32))), TypeError,
+     "MoEQuant.w2_scale must be float32, bfloat16 or float16"),
+    ("int4", lambda a: dict(quant=_requant(a, w2_scale=None)), TypeError, "MoEQuant.w2_scale must be a torch.Tensor"),
+    ("fp8", lambda a: dict(w2=a["w2"].bfloat16()), TypeError, "fp8 experts must be torch.float8_e4m3fn"),
+    ("fp8", lambda a: dict(quant=_requant(a, block_shape=(16, 8))), ValueError, "I=8 to be a multiple of block_shape"),
+    ("fp8", lambda a: dict(quant=_requant(a, block_shape=(8,))), ValueError, "block_shape must be two powers of two"),
+    ("fp8", lambda a: dict(quant=_requant(a, w2_scale=torch.ones(4, 2, 2))), ValueError,
+     "MoEQuant.w2_scale must have shape [4, 2, 1]"),
+])
+def test_fused_moe_quant_errors(fmt, change, exc, words):
+    args = _quant_args(fmt)
+    args.update(change(args))
+    with pytest.raises(exc) as info:
+        fused_moe(args.pop("hidden"), args.pop("w13"), args.pop("w2"), args.pop("topk_ids"),
+                  args.pop("topk_weights"), **args)
+    assert words in str(info.value)
+
+
+def test_fused_moe_quant_valid_args_run():
+    # the base arguments of the error cases above are valid: each error comes from its one change
+    for fmt in ("int4", "fp8"):
+        args = _quant_args(fmt)
+        out = fused_moe(args.pop("hidden"), args.pop("w13"), args.pop("w2"), args.pop("topk_ids"),
+                        args.pop("topk_weights"), impl="reference", **args)
+        assert out.shape == (2, 16)
 
 
 def test_fused_moe_alignment_too_small():

@@ -1,0 +1,72 @@
+"""Quantised expert weights, in plain torch: the two formats the served MoE checkpoints use, packed and unpacked.
+
+* **int4** (W4A16, group-wise, symmetric; Kimi-K2.5's routed experts, compressed-tensors ``pack-quantized``):
+  a weight ``W [N, K]`` is stored as ``packed`` uint8 ``[N, K / 2]``, two 4-bit codes a byte along K with column
+  ``2j`` in the low nibble and ``2j + 1`` in the high one, and ``scale [N, K / group]``. Code ``q`` in ``[0, 15]``
+  stands for ``(q - 8) * scale[n, k // group]``. A compressed-tensors ``weight_packed`` int32 ``[N, K / 8]`` (code
+  ``k`` at bits ``4 * (k % 8)``) is the same bytes: ``weight_packed.view(torch.uint8)`` on a little-endian machine.
+* **fp8** (W8A16, block-wise; DeepSeek-V3 and Kimi-K2): ``W`` stored as float8_e4m3fn ``[N, K]`` and a float32
+  ``scale [ceil(N / bn), ceil(K / bk)]`` (the checkpoints' ``weight_scale_inv``) with ``(bn, bk) = (128, 128)``;
+  the value is ``w[n, k] * scale[n // bn, k // bk]``.
+
+Every function works on the last two dimensions and keeps any leading ones (experts ``[E, N, K]``).
+"""
+from __future__ import annotations
+
+import torch
+
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def quantize_int4(w: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round ``w [..., N, K]`` to int4 codes with one scale per ``group_size`` columns (``max |w| / 7`` a group, so
+    codes 1..15 are used and 0 (-8) never is). Returns ``(packed uint8 [..., N, K / 2], scale fp32 [..., N, K /
+    group_size])``. K must be a multiple of ``group_size`` (even)."""
+    *lead, n, k = w.shape
+    if group_size < 2 or k % group_size:
+        raise ValueError(f"quantize_int4: K={k} must be a multiple of group_size={group_size} (>= 2)")
+    g = w.float().reshape(*lead, n, k // group_size, group_size)
+    scale = g.abs().amax(-1) / 7.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (torch.round(g / scale.unsqueeze(-1)).clamp(-8, 7) + 8).to(torch.uint8).reshape(*lead, n, k)
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).contiguous(), scale
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, group_size: int = 32,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``packed`` uint8 ``[..., N, K / 2]`` and ``scale [..., N, K / group_size]`` to ``[..., N, K]`` in ``dtype``
+    (computed in fp32, or fp64 for an fp64 ``dtype``)."""
+    ctype = torch.float64 if dtype == torch.float64 else torch.float32
+    lo = (packed & 0xF).to(ctype) - 8
+    hi = (packed >> 4).to(ctype) - 8
+    q = torch.stack([lo, hi], -1).flatten(-2)  # [..., N, K]
+    s = scale.to(ctype).repeat_interleave(group_size, dim=-1)
+    return (q * s).to(dtype)
+
+
+def quantize_fp8_block(w: torch.Tensor, block_shape: tuple[int, int] = (128, 128)
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round ``w [..., N, K]`` to float8_e4m3fn with one fp32 scale per ``block_shape`` block (``max |w| / 448`` a
+    block). Returns ``(w8 float8_e4m3fn [..., N, K], scale fp32 [..., ceil(N / bn), ceil(K / bk)])``; edge blocks
+    may be partial."""
+    bn, bk = block_shape
+    *lead, n, k = w.shape
+    nb, kb = -(-n // bn), -(-k // bk)
+    pad = torch.zeros(*lead, nb * bn, kb * bk, dtype=torch.float32, device=w.device)
+    pad[..., :n, :k] = w.float()
+    blocks = pad.reshape(*lead, nb, bn, kb, bk)
+    scale = blocks.abs().amax(dim=(-3, -1)) / FP8_MAX  # [..., nb, kb]
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (blocks / scale[..., :, None, :, None]).reshape(*lead, nb * bn, kb * bk)[..., :n, :k]
+    return q.to(torch.float8_e4m3fn).contiguous(), scale
+
+
+def dequantize_fp8_block(w8: torch.Tensor, scale: torch.Tensor, block_shape: tuple[int, int] = (128, 128),
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``w8`` float8_e4m3fn ``[..., N, K]`` times its block ``scale [..., ceil(N / bn), ceil(K / bk)]``, in
+    ``dtype`` (computed in fp32, or fp64 for an fp64 ``dtype``)."""
+    bn, bk = block_shape
+    n, k = w8.shape[-2:]
+    ctype = torch.float64 if dtype == torch.float64 else torch.float32
+    s = scale.to(ctype).repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
+    return (w8.to(ctype) * s).to(dtype)

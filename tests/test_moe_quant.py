@@ -1,0 +1,170 @@
+"""Quantised experts: the int4 (W4A16, group-wise) and fp8 (W8A16, block) formats of ``specverify.reference.quant``
+and ``fused_moe(..., quant=MoEQuant(...))`` on every expert path, against the fp64 loop over the dequantised
+weights."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import warm_up_for_capture
+
+import specverify.moe as moe_mod
+from specverify.moe import MoEQuant, fused_moe, moe_route
+from specverify.reference.moe import fused_moe_loop_reference, fused_moe_reference, random_expert_weights
+from specverify.reference.quant import (dequantize_fp8_block, dequantize_int4, quantize_fp8_block,
+                                        quantize_int4)
+
+
+# ---------------------------------------------------------------------------------------------- the formats
+def test_int4_packing_and_rounding():
+    w = torch.randn(3, 6, 64, generator=torch.Generator().manual_seed(1))
+    packed, scale = quantize_int4(w, 32)
+    assert packed.dtype == torch.uint8 and list(packed.shape) == [3, 6, 32] and list(scale.shape) == [3, 6, 2]
+    codes = torch.stack([packed & 0xF, packed >> 4], -1).flatten(-2).long()  # column 2j low nibble, 2j + 1 high
+    want = (torch.round(w.view(3, 6, 2, 32) / scale[..., None]).clamp(-8, 7) + 8).view(3, 6, 64).long()
+    assert torch.equal(codes, want)
+    back = dequantize_int4(packed, scale, 32)
+    assert ((back - w).abs() <= scale.repeat_interleave(32, -1) / 2 + 1e-7).all()  # half a step at most
+
+
+def test_int4_is_compressed_tensors_int32_bytes():
+    # compressed-tensors packs code k of a row at bits 4 * (k % 8) of int32 word k // 8: the same bytes as ours
+    w = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))
+    packed, _ = quantize_int4(w, 32)
+    codes = torch.stack([packed & 0xF, packed >> 4], -1).flatten(-2).to(torch.int64)  # [5, 64]
+    words = (codes.view(5, 8, 8) << (4 * torch.arange(8))).sum(-1)  # [5, 8], values < 2^32
+    int32 = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+    assert torch.equal(int32.view(torch.uint8), packed)
+
+
+def test_fp8_block_rounding():
+    w = torch.randn(2, 40, 72, generator=torch.Generator().manual_seed(3))  # partial edge blocks both ways
+    w8, scale = quantize_fp8_block(w, (16, 32))
+    assert w8.dtype == torch.float8_e4m3fn and list(scale.shape) == [2, 3, 3]
+    back = dequantize_fp8_block(w8, scale, (16, 32))
+    s = scale.repeat_interleave(16, -2)[:, :40].repeat_interleave(32, -1)[..., :72]
+    # e4m3 keeps 3 mantissa bits: half a unit in the last place is at most 2^-4 of the value; subnormals 2^-10 * s
+    assert ((back - w).abs() <= w.abs() * 2 ** -4 + s * 2 ** -10).all()
+
+
+# ---------------------------------------------------------------------------------------------- the experts
+def _quantised(fmt, w13, w2, shape):
+    if fmt == "int4":
+        p13, s13 = quantize_int4(w13, shape)
+        p2, s2 = quantize_int4(w2, shape)
+        return p13, p2, MoEQuant("int4", s13.to(torch.bfloat16), s2.to(torch.bfloat16), group_size=shape)
+    p13, s13 = quantize_fp8_block(w13, shape)
+    p2, s2 = quantize_fp8_block(w2, shape)
+    return p13, p2, MoEQuant("fp8", s13, s2, block_shape=shape)
+
+
+def check_quant_experts(hidden, p13, p2, q, ids, w, **kw):
+    """The kernel against the fp64 loop over the dequantised weights; tolerance: twice what torch errs computing in
+    hidden's dtype from the dequantised weights rounded to it, plus a floor."""
+    d13, d2 = q.dequantize(p13, p2, torch.float64)
+    want = fused_moe_loop_reference(hidden, d13, d2, ids, w)
+    torch_out = fused_moe_reference(hidden, d13.to(hidden.dtype), d2.to(hidden.dtype), ids, w,
+                                    compute_dtype=hidden.dtype)
+    tol = 2 * (torch_out.double() - want).abs().max().item() + 2 ** -8 * 1e-2 * want.abs().max().item() + 1e-6
+    out = fused_moe(hidden, p13, p2, ids, w, quant=q, impl="triton", **kw)
+    err = (out.double() - want).abs().max().item()
+    assert out.dtype == hidden.dtype and out.shape == hidden.shape
+    assert err <= tol, f"quantised fused_moe error {err:.3g} > tolerance {tol:.3g}"
+    return out
+
+
+# (format, group or block, H, I): H = 64 / I = 32 hold whole groups in every tile; H = 256 with 128-column groups
+# puts two groups in a stream tile and a dot tile inside one group; fp8 at H = 192 / I = 64 with (32, 128) blocks has
+# a partial last block column.
+QUANT_CASES = [("int4", 16, 64, 32), ("int4", 128, 256, 128), ("fp8", (16, 32), 64, 32), ("fp8", (32, 128), 192, 64)]
+
+
+@pytest.mark.parametrize("path", ["fma", "splitk", "dot"])
+@pytest.mark.parametrize("fmt, shape, h, inter", QUANT_CASES)
+def test_fused_moe_quant_paths(device, poison, monkeypatch, path, fmt, shape, h, inter):
+    # 3 tokens x top-3 over 8 experts (stream paths) or forced to the block-aligned dot path; a slot with -1 and
+    # two tokens sharing an expert
+    m, e = 3, 8
+    monkeypatch.setitem(moe_mod._VARIANT, "experts", "dot" if path == "dot" else "stream")
+    monkeypatch.setitem(moe_mod._STREAM_OVERRIDE, "gate_up", "fma" if path == "dot" else path)
+    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.float32, seed=40)
+    p13, p2, q = _quantised(fmt, w13, w2, shape)
+    g = torch.Generator().manual_seed(41)
+    hidden = torch.randn(m, h, generator=g).bfloat16()
+    ids = torch.tensor([[1, 5, 2], [5, -1, 7], [0, 3, 6]], dtype=torch.int32)
+    w = torch.rand(m, 3, generator=g)
+    p13, p2 = p13.to(device), p2.to(device)
+    q = MoEQuant(q.format, q.w13_scale.to(device), q.w2_scale.to(device), q.group_size, q.block_shape)
+    out = poison(hidden.to(device))
+    res = check_quant_experts(hidden.to(device), p13, p2, q, ids.to(device), w.to(device), out=out)
+    assert res.data_ptr() == out.data_ptr()
+
+
+@pytest.mark.parametrize("fmt, shape", [("int4", 16), ("fp8", (16, 32))])
+def test_fused_moe_quant_fp16_and_reference_impl(device, fmt, shape):
+    # fp16 hidden states with fp32 scales; impl="reference" dequantises and agrees with the kernel's definition
+    m, e, h, inter = 2, 4, 64, 32
+    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.float32, seed=42)
+    p13, p2, q = _quantised(fmt, w13, w2, shape)
+    q = MoEQuant(q.format, q.w13_scale.float().to(device), q.w2_scale.float().to(device), q.group_size,
+                 q.block_shape)
+    hidden = torch.randn(m, h, generator=torch.Generator().manual_seed(43)).half().to(device)
+    ids, w = moe_route(torch.randn(m, e).to(device), top_k=2, impl="reference")
+    check_quant_experts(hidden, p13.to(device), p2.to(device), q, ids, w)
+    ref = fused_moe(hidden, p13.to(device), p2.to(device), ids, w, quant=q, impl="reference")
+    d13, d2 = q.dequantize(p13.to(device), p2.to(device))
+    assert torch.equal(ref, fused_moe_reference(hidden, d13, d2, ids, w))
+
+
+def test_fused_moe_quant_reads_the_scales(device):
+    # a scale changed by 2x changes exactly its group's contribution: the kernel reads each group's own scale
+    m, e, h, inter = 1, 2, 64, 32
+    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.float32, seed=44)
+    p13, p2, q = _quantised("int4", w13, w2, 16)
+    s13 = q.w13_scale.clone()
+    s13[1, 3, 2] *= 2  # expert 1, gate row 3, columns 32..47
+    q2 = MoEQuant("int4", s13.to(device), q.w2_scale.to(device), group_size=16)
+    hidden = torch.randn(m, h, generator=torch.Generator().manual_seed(45)).bfloat16().to(device)
+    ids = torch.tensor([[1]], dtype=torch.int32, device=device)
+    w = torch.ones(1, 1, device=device)
+    check_quant_experts(hidden, p13.to(device), p2.to(device), q2, ids, w)
+
+
+# ---------------------------------------------------------------------------------------------- GPU, real sizes
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])  # split-K gate/up, FMA gate/up, then the dot path
+@pytest.mark.parametrize("fmt, shape", [("int4", 32), ("fp8", (128, 128))])
+def test_fused_moe_quant_kimi_k2_rank_gpu(fmt, shape, m):
+    # a Kimi-K2 rank at tp 8 (H 7168, I 256, top-8) over 64 experts: Kimi-K2.5's int4 and Kimi-K2's fp8 formats
+    e, h, inter = 64, 7168, 256
+    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.float32, device="cuda", seed=46)
+    p13, p2, q = _quantised(fmt, w13, w2, shape)
+    del w13, w2
+    g = torch.Generator().manual_seed(47 + m)
+    hidden = torch.randn(m, h, generator=g).bfloat16().cuda()
+    ids, w, al = moe_route(torch.randn(m, e, generator=g).cuda(), top_k=8, block_size=16, routed_scaling_factor=2.827)
+    d13, d2 = q.dequantize(p13, p2, torch.float64)
+    want = fused_moe_reference(hidden, d13, d2, ids, w, compute_dtype=torch.float64).double()
+    torch_out = fused_moe_reference(hidden, d13.bfloat16(), d2.bfloat16(), ids, w, compute_dtype=torch.bfloat16)
+    tol = 2 * (torch_out.double() - want).abs().max().item() + 1e-6
+    out = fused_moe(hidden, p13, p2, ids, w, alignment=al, quant=q)
+    assert (out.double() - want).abs().max().item() <= tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, shape", [("int4", 32), ("fp8", (128, 128))])
+@pytest.mark.parametrize("m", [1, 4, 12])
+def test_fused_moe_quant_cuda_graph_gpu(graph_replay, fmt, shape, m):
+    # eager -> capture -> replay -> change the inputs in place -> replay -> compare with eager
+    e, h, inter = 32, 512, 128
+    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.float32, device="cuda", seed=48)
+    p13, p2, q = _quantised(fmt, w13, w2, shape)
+    logits = torch.randn(m, e, device="cuda")
+    hidden = torch.randn(m, h, device="cuda").bfloat16()
+
+    def step():
+        ids, w, al = moe_route(logits, top_k=4, block_size=16)
+        return ids, fused_moe(hidden, p13, p2, ids, w, alignment=al, quant=q)
+
+    warm_up_for_capture(step)
+    graph_replay(step, (logits, hidden))

@@ -269,9 +269,25 @@ def attention_weight_elems(s: RankShapes) -> int:
     return qkv + o + norms
 
 
+def expert_param_bytes(experts_quant: str | None, dtype_bytes: int = 2) -> tuple[float, float]:
+    """Bytes a weight of a routed and of a shared expert takes, scales included: unquantised ``dtype_bytes``;
+    ``"int4"`` half a byte plus a bf16 scale per 32 (the shared expert unquantised, as Kimi-K2.5 ships it);
+    ``"fp8"`` one byte plus an fp32 scale per 128 x 128 block, shared expert too (DeepSeek-V3, Kimi-K2) when it is
+    one expert's size (stacked with the routed ones; :func:`verify_bytes` counts a larger one unquantised, as
+    ``VerifyModel`` stores it). Edge blocks are counted as whole fractions (exact when the sizes divide the
+    block)."""
+    if experts_quant is None:
+        return float(dtype_bytes), float(dtype_bytes)
+    if experts_quant == "int4":
+        return 0.5 + 2 / 32, float(dtype_bytes)
+    if experts_quant == "fp8":
+        return 1 + 4 / (128 * 128), 1 + 4 / (128 * 128)
+    raise ValueError(f"experts_quant must be None, 'int4' or 'fp8', got {experts_quant!r}")
+
+
 def verify_bytes(config: ModelConfig | str, tp: int = 1, tokens: int = 1, context: int = 4096, batch: int = 1,
                  dtype_bytes: int = 2, distinct_experts: float | None = None,
-                 num_layers: int | None = None) -> VerifyBytes:
+                 num_layers: int | None = None, experts_quant: str | None = None) -> VerifyBytes:
     """Bytes one verify pass must read per rank: the weights actually touched plus the KV cache.
 
     Parameters
@@ -291,6 +307,9 @@ def verify_bytes(config: ModelConfig | str, tp: int = 1, tokens: int = 1, contex
         ``batch * tokens`` tokens (:func:`expected_distinct_experts`).
     num_layers
         Layers in the pass (default: the model's).
+    experts_quant
+        None, ``"int4"`` or ``"fp8"``: the experts as ``VerifyModel(experts_quant=...)`` stores them
+        (:func:`expert_param_bytes`: codes plus scales; int4 leaves the shared expert in ``dtype_bytes``).
 
     Notes
     -----
@@ -317,8 +336,11 @@ def verify_bytes(config: ModelConfig | str, tp: int = 1, tokens: int = 1, contex
         distinct = (expected_distinct_experts(e, s.num_experts_per_tok, tokens * batch)
                     if distinct_experts is None else float(distinct_experts))
         router = (h * e * b + (e * 4 if s.e_score_correction_bias else 0) + h * b) * moe_layers
-        routed = distinct * 3 * h * s.moe_intermediate_size * b * moe_layers
-        shared = 3 * h * s.shared_intermediate_size * b * moe_layers
+        routed_b, shared_b = expert_param_bytes(experts_quant, b)
+        if s.shared_intermediate_size != s.moe_intermediate_size:  # stored apart from the stack: unquantised
+            shared_b = b
+        routed = distinct * 3 * h * s.moe_intermediate_size * routed_b * moe_layers
+        shared = 3 * h * s.shared_intermediate_size * shared_b * moe_layers
     else:
         distinct, router, routed, shared = 0.0, 0.0, 0.0, 0.0
     lm_head = (h * s.vocab_size + h) * b

@@ -86,6 +86,7 @@ class WallSettings:
     json_path: str | None = None
     plot_path: str | None = None
     link: str = "nvlink"
+    experts_quant: str | None = None
 
 
 def make_tree(spec: str, k: int) -> DraftTree:
@@ -518,8 +519,11 @@ def _auto_distinct_layers(cfg, s, device, layers) -> int:
 
     shapes = per_rank_shapes(cfg, s.tp)
     e = cfg.n_routed_experts
-    per_layer = verify_bytes(cfg, s.tp, 1, 0, 1, distinct_experts=e, num_layers=1).total
+    per_layer = verify_bytes(cfg, s.tp, 1, 0, 1, distinct_experts=e, num_layers=1,
+                             experts_quant=s.experts_quant).total
     fixed = (shapes.vocab_size * cfg.hidden_size * 2) * 2
+    if s.experts_quant is not None:  # a set is drawn in bf16, then quantised: room for one bf16 set at a time
+        fixed += verify_bytes(cfg, s.tp, 1, 0, 1, distinct_experts=e, num_layers=1).total
     free, _ = torch.cuda.mem_get_info(device)
     n = int((0.45 * free - fixed) // max(per_layer, 1))
     return max(1, min(layers, n))
@@ -655,7 +659,7 @@ def run_verify_wall(s: WallSettings, progress=None) -> dict:
     dtype = torch.bfloat16  # the kernels' dtype, on the CPU too
     torch.manual_seed(s.seed)
     model = VerifyModel(cfg, tp=tp, rank=0, num_layers=layers, distinct_layers=distinct, dtype=dtype,
-                        device=device, seed=s.seed)
+                        device=device, seed=s.seed, experts_quant=s.experts_quant)
     ks = sorted(set(s.draft_tokens) | {1})
     max_k = max(ks)
     per = -(-(context + max_k) // s.page_size)
@@ -675,6 +679,7 @@ def run_verify_wall(s: WallSettings, progress=None) -> dict:
     commit = None if commit == "?" else commit
     meta = {"model": cfg.name, "requested_model": s.model, "tp": tp, "batch": s.batch, "context": context,
             "layers": layers, "distinct_layers": distinct, "tree": s.tree, "graph": s.graph,
+            "experts_quant": s.experts_quant,
             "page_size": s.page_size, "copy_bandwidth_gbps": bandwidth / 1e9, "notes": notes,
             "weight_bytes": model.weight_bytes(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "commit": commit, "gpu": env.get("gpu"), "versions": {k: env.get(k) for k in (
@@ -767,7 +772,8 @@ def run_verify_wall(s: WallSettings, progress=None) -> dict:
                     b = breakdown(cases[k], device, lambda: pool.replay(s.batch, k))
                     b["graph_nodes"] = nodes_of(k)
                     breakdowns[f"{provider}/k={k}"] = section_floors(
-                        b, verify_bytes(cfg, tp, k, context, s.batch, num_layers=layers), bandwidth, layers)
+                        b, verify_bytes(cfg, tp, k, context, s.batch, num_layers=layers,
+                                        experts_quant=s.experts_quant), bandwidth, layers)
                 if s.kernels and device.type == "cuda" and k in (1, 4) and times:
                     kernel_profiles[f"{provider}/k={k}"] = kernel_profile(lambda: pool.replay(s.batch, k), layers)
             if use_graphs:
@@ -804,13 +810,13 @@ def run_verify_wall(s: WallSettings, progress=None) -> dict:
             for k in ks:
                 res = results[k]
                 times, host_us, switch_ms, check, gpu_us = res
-                vb = verify_bytes(cfg, tp, k, context, s.batch, num_layers=layers)
+                vb = verify_bytes(cfg, tp, k, context, s.batch, num_layers=layers, experts_quant=s.experts_quant)
                 floor_ms = vb.total / bandwidth * 1e3 if bandwidth == bandwidth else float("nan")
                 med = statistics.median(times) if times else float("nan")
                 d_routed = routed.get(k)
                 if d_routed is not None:
                     vb_routed = verify_bytes(cfg, tp, k, context, s.batch, distinct_experts=d_routed,
-                                             num_layers=layers)
+                                             num_layers=layers, experts_quant=s.experts_quant)
                     floor_routed = vb_routed.total / bandwidth * 1e3 if bandwidth == bandwidth else float("nan")
                 elif vb.distinct_experts_per_layer == 0:  # no MoE layer: nothing routed, the one floor
                     floor_routed = floor_ms
@@ -865,7 +871,9 @@ def format_table(result: dict) -> str:
     meta = result["meta"]
     head = (f"verify wall: {meta['model']} tp={meta['tp']} batch={meta['batch']} context={meta['context']} "
             f"layers={meta['layers']} (weight sets {meta['distinct_layers']}) tree={meta['tree']} "
-            f"graph={'on' if meta['graph'] else 'off'} on {meta['gpu']}; copy bandwidth "
+            f"graph={'on' if meta['graph'] else 'off'}"
+            f"{' experts=' + meta['experts_quant'] if meta.get('experts_quant') else ''} on {meta['gpu']}; "
+            f"copy bandwidth "
             f"{meta['copy_bandwidth_gbps']:.0f} GB/s")
     cols = ["provider", "k", "verify ms", "p20", "p80", "floor ms", "eff", "eff rt", "overhead", "AR ms", "total",
             "break-even", "host us", "nodes", "rel err"]
@@ -989,8 +997,8 @@ def _cmd(args) -> int:
                      distinct_layers=args.distinct_layers, impl=[p for p in args.impl.split(",") if p],
                      graph=args.graph == "on", warmup=args.warmup, iters=args.iters, page_size=args.page_size,
                      breakdown=args.breakdown, kernels=args.kernels, switch=args.switch, seed=args.seed,
-                     json_path=args.json,
-                     plot_path=args.plot, link=args.link)
+                     json_path=args.json, plot_path=args.plot, link=args.link,
+                     experts_quant=None if args.experts_quant == "none" else args.experts_quant)
     # every check before any work: a run of many minutes must not end in a traceback at its last step
     try:
         make_tree(s.tree, 2)
@@ -998,6 +1006,10 @@ def _cmd(args) -> int:
         unknown = [p for p in s.impl if p not in WALL_PROVIDERS]
         if unknown or not s.impl:
             raise ValueError(f"--impl takes a comma-separated list of {', '.join(WALL_PROVIDERS)}, got {args.impl!r}")
+        peers = [p for p in s.impl if p.startswith("sglang")]
+        if s.experts_quant is not None and peers:
+            raise ValueError(f"--experts-quant {s.experts_quant} runs with --impl specverify and reference only (the "
+                             f"SGLang providers run its unquantised fused MoE), got --impl {args.impl}")
         for name in ("tp", "batch", "context", "iters", "page_size", "layers", "distinct_layers"):
             value = getattr(args, name)
             if value is not None and value < 1:
@@ -1095,6 +1107,10 @@ def register_cli(bench_sub) -> None:
     p.add_argument("--switch", action="store_true", help="also time replays that change k every pass")
     p.add_argument("--link", choices=["nvlink", "pcie"], default="nvlink",
                    help="link of the modelled tp allreduce (default: nvlink)")
+    p.add_argument("--experts-quant", choices=["none", "int4", "fp8"], default="none",
+                   help="store the MoE experts as the served checkpoints do: int4 (Kimi-K2.5: routed experts int4, "
+                        "group 32; shared expert bf16) or fp8 (DeepSeek-V3, Kimi-K2: 128 x 128 blocks); the floor "
+                        "counts their bytes (specverify and reference providers only) (default: none)")
     p.add_argument("--seed", type=int, default=0, help="seed of the dummy weights and inputs (default: 0)")
     p.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON (after each provider)")
     p.add_argument("--plot", default=None, metavar="PATH.png",

@@ -47,6 +47,71 @@ FOLD_Q_NORM = True
 FOLD_Q_NORM_MAX_M = 4
 
 
+#: ``VerifyModel(experts_quant=...)``: None or a quantised format with its parameters (:class:`specverify.moe.MoEQuant`)
+#: and whether the shared expert is stored quantised too (the checkpoints: Kimi-K2.5 keeps its shared expert in bf16,
+#: DeepSeek-V3 and Kimi-K2 store it in fp8 like the routed ones).
+EXPERTS_QUANT = {None: None, "int4": dict(group_size=32, scale_dtype=torch.bfloat16, shared=False),
+                 "fp8": dict(block_shape=(128, 128), scale_dtype=torch.float32, shared=True)}
+
+
+def _quantise(w: torch.Tensor, fmt: str, extra: dict, scale_dtype, chunk: int = 16):
+    """``w [E, N, K]`` quantised ``chunk`` experts at a time (no E-sized fp32 temporary): (stored, scale)."""
+    from specverify.reference.quant import quantize_fp8_block, quantize_int4
+
+    parts = []
+    for i in range(0, w.shape[0], chunk):
+        if fmt == "int4":
+            q, sc = quantize_int4(w[i:i + chunk], extra["group_size"])
+        else:
+            q, sc = quantize_fp8_block(w[i:i + chunk], extra["block_shape"])
+        parts.append((q, sc.to(scale_dtype)))
+    return torch.cat([q for q, _ in parts]), torch.cat([sc for _, sc in parts])
+
+
+def quantise_experts(w: dict, e: int, fmt: str) -> dict:
+    """Replace a MoE layer dict's expert weights by their ``fmt`` form (:data:`EXPERTS_QUANT`) in place.
+
+    After it: ``w13`` / ``w2`` hold the routed experts' stored values and ``quant`` their
+    :class:`~specverify.moe.MoEQuant` (scales also as ``w13_scale`` / ``w2_scale``, so :meth:`VerifyModel.weight_bytes`
+    counts them). A shared expert stacked as expert ``e`` stays stacked when the format quantises it (``w13_all`` /
+    ``w2_all`` quantised, ``quant_all`` their record; its slice also as ``shared_w13`` / ``shared_w2`` /
+    ``quant_shared`` for tables without ``experts_with_shared``); otherwise it becomes the separate
+    ``shared_gate_up`` / ``shared_down`` in the weights' dtype and the stacked tensors are dropped. Returns ``w``."""
+    from specverify.moe import MoEQuant
+
+    p = EXPERTS_QUANT[fmt]
+    if fmt == "int4":
+        extra = dict(group_size=p["group_size"])
+    else:  # a block row must not straddle gate and up rows: at most the largest power of two dividing I
+        inter = w["w13"].shape[1] // 2
+        bn, bk = p["block_shape"]
+        extra = dict(block_shape=(math.gcd(bn, inter & -inter), bk))
+
+    def quantise(t):
+        return _quantise(t, fmt, extra, p["scale_dtype"])
+
+    if "w13_all" in w and p["shared"]:
+        q13, s13 = quantise(w.pop("w13_all"))
+        q2, s2 = quantise(w.pop("w2_all"))
+        w["w13_all"], w["w2_all"] = q13, q2
+        w["quant_all"] = MoEQuant(fmt, s13, s2, **extra)
+        # tables without experts_with_shared run the shared expert as one more expert call on its slice
+        w.pop("shared_gate_up", None), w.pop("shared_down", None)
+        w["shared_w13"], w["shared_w2"] = q13[e:], q2[e:]
+        w["quant_shared"] = MoEQuant(fmt, s13[e:], s2[e:], **extra)
+        q13, q2, s13, s2 = q13[:e], q2[:e], s13[:e], s2[:e]
+    else:
+        if "w13_all" in w:  # the shared expert leaves the stack in the weights' dtype (its own storage)
+            w13_all, w2_all = w.pop("w13_all"), w.pop("w2_all")
+            w["shared_gate_up"], w["shared_down"] = w13_all[e].clone(), w2_all[e].clone()
+            del w13_all, w2_all
+        q13, s13 = quantise(w["w13"])
+        q2, s2 = quantise(w["w2"])
+    w["w13"], w["w2"], w["w13_scale"], w["w2_scale"] = q13, q2, s13, s2
+    w["quant"] = MoEQuant(fmt, s13, s2, **extra)
+    return w
+
+
 def q_norm_foldable(w: dict) -> bool:
     """Whether a layer dict gets ``q_b_folded`` (:func:`attach_folded_q_b`): the forward can fold its q_a RMSNorm
     only with a bf16 q_b (fp16's range is short for an un-normed q) and a qkv_a shape our GEMV serves, whose
@@ -160,12 +225,20 @@ class VerifyModel:
         ``tp == 1`` or a group is given; otherwise each rank's shard is drawn directly (cheaper).
     ops : Ops
         The op table (default: all reference).
+    experts_quant : {None, "int4", "fp8"}
+        Store the MoE experts as the served checkpoints do (:class:`specverify.moe.MoEQuant`): ``"int4"`` as
+        Kimi-K2.5 (routed experts int4, group 32, bf16 scales; the shared expert stays in ``dtype``), ``"fp8"`` as
+        DeepSeek-V3 and Kimi-K2 (routed and shared experts float8_e4m3fn with fp32 128 x 128 block scales). The
+        dummy weights are drawn as usual and quantised. Default None: every weight in ``dtype``.
     """
 
     def __init__(self, config: ModelConfig | str, tp: int = 1, rank: int = 0, *, group=None,
                  num_layers: int | None = None, distinct_layers: int | None = None,
                  dtype=torch.bfloat16, device="cpu", seed: int = 0, full_weights: bool | None = None,
-                 ops: Ops | None = None):
+                 ops: Ops | None = None, experts_quant: str | None = None):
+        if experts_quant not in EXPERTS_QUANT:
+            raise ValueError(f"experts_quant must be one of {list(EXPERTS_QUANT)}, got {experts_quant!r}")
+        self.experts_quant = experts_quant
         self.config = get_config(config)
         self.shapes: RankShapes = per_rank_shapes(self.config, tp)
         self.tp, self.rank, self.group = tp, rank, group
@@ -271,6 +344,8 @@ class VerifyModel:
                 else:
                     w["shared_gate_up"], w["shared_down"] = torch.cat([sg, su], 0), sd
             w["w13"], w["w2"] = w13[:e], w2[:e]
+            if self.experts_quant is not None:
+                quantise_experts(w, e, self.experts_quant)
             w["route"] = RouteParams(c.num_experts_per_tok, c.scoring_func, w["bias"], c.n_group, c.topk_group,
                                      c.norm_topk_prob, c.routed_scaling_factor, e)
         return w
@@ -423,7 +498,8 @@ class VerifyModel:
         if w["dense"]:
             with self.section("dense_mlp"):
                 return (ops.silu_mul(flat @ w["gate_up"].t()) @ w["down"].t()).view_as(h)
-        if "w13_all" in w and ops.moe_block is not None and flat.shape[0] <= ops.moe_block_max_m:
+        quant, quant_all = w.get("quant"), w.get("quant_all")
+        if "w13_all" in w and quant is None and ops.moe_block is not None and flat.shape[0] <= ops.moe_block_max_m:
             with self.section("moe_block"):  # router, routing and every expert in one launch
                 return ops.moe_block(flat, w["router"], w["route"], w["w13_all"], w["w2_all"]).view_as(h)
         stacked = "w13_all" in w and ops.experts_with_shared is not None
@@ -435,16 +511,25 @@ class VerifyModel:
             else:
                 ids, weights = ops.route(logits, w["route"])
         if stacked:
+            qk = {} if quant_all is None else {"quant": quant_all}
             with self.section("experts"):  # routed experts and the shared expert in one expert pass
                 if shared_slot:
-                    return ops.experts(flat, w["w13_all"], w["w2_all"], ids, weights).view_as(h)
-                return ops.experts_with_shared(flat, w["w13_all"], w["w2_all"], ids, weights).view_as(h)
+                    return ops.experts(flat, w["w13_all"], w["w2_all"], ids, weights, **qk).view_as(h)
+                return ops.experts_with_shared(flat, w["w13_all"], w["w2_all"], ids, weights, **qk).view_as(h)
         with self.section("experts"):
             if "experts_fn" in w:  # the layer's own experts (see the docstring)
                 out = w["experts_fn"](flat, ids, weights, logits)
+            elif quant is not None:
+                out = ops.experts(flat, w["w13"], w["w2"], ids, weights, quant=quant)
             else:
                 out = ops.experts(flat, w["w13"], w["w2"], ids, weights)
-        if "shared_gate_up" in w:
+        if "quant_shared" in w:  # a quantised shared expert outside the stack: one more expert call
+            with self.section("shared_expert"):
+                m = flat.shape[0]
+                ids0 = torch.zeros(m, 1, dtype=torch.int32, device=flat.device)
+                ones = torch.ones(m, 1, dtype=torch.float32, device=flat.device)
+                out = out + ops.experts(flat, w["shared_w13"], w["shared_w2"], ids0, ones, quant=w["quant_shared"])
+        elif "shared_gate_up" in w:
             with self.section("shared_expert"):
                 out = out + ops.silu_mul(flat @ w["shared_gate_up"].t()) @ w["shared_down"].t()
         return out.view_as(h)

@@ -17,7 +17,9 @@ attention_mla        q_latent [b, k, h, R], q_rope [b, k, h, Dr] (a strided view
 attention_gqa        q [b, k, hq, D], k_cache, v_cache, page_table, prefix_lens, tree_mask, sm_scale
                      -> [b, k, hq, D]
 route                logits [M, E], :class:`RouteParams` -> (ids [M, top_k], weights [M, top_k])
-experts              hidden [M, H], w13 [E, 2I, H], w2 [E, H, I], ids, weights -> [M, H]
+experts              hidden [M, H], w13 [E, 2I, H], w2 [E, H, I], ids, weights, quant=None -> [M, H]; with
+                     quantised weights ``quant`` is their :class:`specverify.moe.MoEQuant` (tables that cannot run
+                     them refuse the model at build time)
 experts_with_shared  as ``experts`` over ``[E + 1, ...]`` weights whose expert E is the shared one; None: the
                      shared expert runs as a separate MLP
 route_shared         logits [M, E], :class:`RouteParams`, shared_id -> (ids [M, top_k + 1], weights [M, top_k + 1]):
@@ -98,6 +100,14 @@ def _torch_attention_gqa(q, k_cache, v_cache, page_table, prefix_lens, tree_mask
     return tree_attention_reference(q, k_cache, v_cache, page_table, prefix_lens, tree_mask, sm_scale, **kw)
 
 
+def _experts_reference(hidden, w13, w2, ids, weights, quant=None):
+    """:func:`fused_moe_reference`; quantised weights (``quant``, a :class:`specverify.moe.MoEQuant`) are first
+    dequantised to fp32."""
+    if quant is not None:
+        w13, w2 = quant.dequantize(w13, w2)
+    return fused_moe_reference(hidden, w13, w2, ids, weights)
+
+
 @dataclass
 class Ops:
     """The op table a model runs through. ``pieces`` names, per component, which implementation is used."""
@@ -106,7 +116,7 @@ class Ops:
     attention_gqa: Callable = _torch_attention_gqa
     write_kv: Callable = write_draft_kv
     route: Callable = None  # (logits, config) -> (ids, weights)
-    experts: Callable = fused_moe_reference
+    experts: Callable = _experts_reference  # (hidden, w13, w2, ids, weights, quant=None): quant a MoEQuant
     accept_greedy: Callable = greedy_accept_reference
     compact_kv: Callable = compact_kv_reference
     rmsnorm: Callable = rmsnorm_reference
@@ -114,7 +124,8 @@ class Ops:
     mla_prep: Callable = None  # (q, kv, positions, norm_w, cache, page_table, prefix_lens, eps, theta, nope)
     gqa_prep: Callable = None  # (q, k, v, positions, q_norm, k_norm, k_cache, v_cache, pt, prefix, eps, theta)
     silu_mul: Callable = silu_mul_reference
-    experts_with_shared: Callable = None  # (hidden, w13_all, w2_all, ids, weights): expert E is the shared one
+    # (hidden, w13_all, w2_all, ids, weights, quant=None): expert E is the shared one
+    experts_with_shared: Callable = None
     # a fusion; None: the forward composes route and experts_with_shared
     route_shared: Callable = None  # (logits, config, shared_id) -> (ids, weights) [M, top_k + 1]
     mla_absorb_q: Callable = mla_absorb_q_reference  # (q, w_uk, nope) -> q_latent [b, k, h, R]
@@ -215,13 +226,13 @@ def specverify_ops(model):
         def route(logits, p):
             return route_shared(logits, p, None)
 
-        def experts(hidden, w13, w2, ids, weights):
-            return fused_moe(hidden, w13, w2, ids, weights, impl="triton")
+        def experts(hidden, w13, w2, ids, weights, quant=None):
+            return fused_moe(hidden, w13, w2, ids, weights, quant=quant, impl="triton")
 
-        def experts_with_shared(hidden, w13_all, w2_all, ids, weights):
+        def experts_with_shared(hidden, w13_all, w2_all, ids, weights, quant=None):
             # the shared expert is expert E of the stacked weights, chosen by every token with weight 1
             ids, weights = append_shared_expert(ids, weights, w13_all.shape[0] - 1, impl="triton")
-            return fused_moe(hidden, w13_all, w2_all, ids, weights, impl="triton")
+            return fused_moe(hidden, w13_all, w2_all, ids, weights, quant=quant, impl="triton")
 
         ops.route, ops.experts, ops.experts_with_shared = route, experts, experts_with_shared
         ops.route_shared = route_shared
@@ -342,7 +353,12 @@ def sglang_ops(model, attention: str = "triton"):
     ------
     RuntimeError
         When SGLang's attention kernel cannot be imported (the reason is in the message).
+    ValueError
+        A model with quantised experts (``experts_quant``): this table runs SGLang's unquantised fused MoE.
     """
+    if getattr(model, "experts_quant", None) is not None:
+        raise ValueError(f"sglang_ops runs SGLang's unquantised fused MoE, but the model's experts are "
+                         f"{model.experts_quant}; build the model with experts_quant=None for the SGLang provider")
     ok, why = sglang_peer.available()
     if not ok:
         raise RuntimeError(why)

@@ -661,8 +661,8 @@ def run_verify_wall(s: WallSettings, progress=None) -> dict:
     model = VerifyModel(cfg, tp=tp, rank=0, num_layers=layers, distinct_layers=distinct, dtype=dtype,
                         device=device, seed=s.seed, experts_quant=s.experts_quant)
     if s.experts_quant is not None:
-        shared = ("the shared expert stays bf16, apart from the routed ones (torch matmuls)" if s.experts_quant == "int4"
-                  else "the shared expert stacked with the routed ones, fp8 too")
+        shared = ("the shared expert stays bf16, apart from the routed ones (torch matmuls)"
+                  if s.experts_quant == "int4" else "the shared expert stacked with the routed ones, fp8 too")
         notes.append(f"experts stored {s.experts_quant} ({shared}); the one-launch MoE block has no quantised path, "
                      "so MoE layers run the router, the routing and the expert kernels at every k")
     ks = sorted(set(s.draft_tokens) | {1})

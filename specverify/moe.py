@@ -848,18 +848,25 @@ def _expert_operands(hidden, w13, w2, topk_ids, topk_weights):
     return hidden, w13, w2, topk_ids.to(torch.int32).contiguous(), topk_weights.float().contiguous()
 
 
+#: How the expert kernels turn int4 codes into values (``DQ``): 0 an int-to-float conversion per code, the tile
+#: interleaved back into column order; 1 the exponent trick of ``kernels.fused_moe._int4_value``, interleaved; 2 the
+#: trick, and the FMA kernels (stream gate/up, down gather) multiply the even and odd columns apart (no interleave;
+#: the tl.dot kernels interleave).
+_INT4_DEQUANT: dict = {"DQ": 2}
+
+
 def _scale_operands(quant, w, which: str):
     """One expert weight's scale operands for the kernels: ``(scale, stride_se, stride_sn)`` and the constexprs
     ``QUANT`` / ``QG`` / ``QN`` (``which``: ``"w13"`` or ``"w2"``). Unquantised, the weight stands in for its scale
     (never read) with strides 0."""
     if quant is None:
-        return (w, 0, 0), dict(QUANT=0, QG=1, QN=1)
+        return (w, 0, 0), dict(QUANT=0, QG=1, QN=1, DQ=0)
     sc = getattr(quant, f"{which}_scale")
     sc = sc if sc.stride(2) == 1 else sc.contiguous()
     if quant.format == "int4":
-        consts = dict(QUANT=1, QG=quant.group_size, QN=1)
+        consts = dict(QUANT=1, QG=quant.group_size, QN=1, DQ=_INT4_DEQUANT["DQ"])
     else:
-        consts = dict(QUANT=2, QG=quant.block_shape[1], QN=quant.block_shape[0])
+        consts = dict(QUANT=2, QG=quant.block_shape[1], QN=quant.block_shape[0], DQ=0)
     return (sc, sc.stride(0), sc.stride(1)), consts
 
 

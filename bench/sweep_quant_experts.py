@@ -1,0 +1,118 @@
+"""Sweep: the quantised experts (``fused_moe(..., quant=...)``) by dequantisation variant and gate/up kernel, against
+their bytes floor.
+
+Shape: Kimi-K2 per rank (tp 8: H 7168, I 256, 384 routed experts, top-8; ``--experts`` to draw fewer), routed
+experts only, M = 1, 2, 4, 8 tokens (``--ms``). Formats (``--formats``): int4 (group 32, bf16 scales; Kimi-K2.5) and
+fp8 (128 x 128 blocks, fp32 scales; Kimi-K2 / DeepSeek-V3), both from the same random bf16 weights.
+
+Variants: ``dq<N>`` sets ``specverify.moe._INT4_DEQUANT["DQ"]`` (int4 only: 0 an int-to-float conversion per code,
+1 the exponent trick, 2 the trick with even / odd columns apart in the FMA kernels), each with the gate/up kernel the
+launcher picks (``auto``) and, up to M = 2, the other stream gate/up (``fma`` / ``splitk``); fp8 rows run its one
+dequantisation. Every row is first checked against an fp64 loop over the activated experts, dequantised (tolerance:
+twice torch's own bf16 error on the dequantised weights, plus 1e-6), then timed by CUDA-graph replay of ``SETS``
+calls each with its own routing (so the weights come from HBM, not L2).
+
+``floor_us = mean over the sets of distinct experts * stored bytes an expert (codes + scales) / copy_bw``; ``x``
+= us / floor_us.
+
+Usage: ``python bench/sweep_quant_experts.py [--ms 1,2,4,8] [--formats int4,fp8] [--experts 384] [--json PATH]``.
+Needs a CUDA GPU (exit code 2 otherwise).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from specverify.benchmarking import copy_bandwidth_gbps, graph_us, token_counts, write_rows_json
+
+SETS = 20
+
+
+def _quantise(w, fmt, chunk=16):
+    from specverify.reference.quant import quantize_fp8_block, quantize_int4
+
+    parts = [quantize_int4(w[i:i + chunk], 32) if fmt == "int4" else quantize_fp8_block(w[i:i + chunk])
+             for i in range(0, w.shape[0], chunk)]
+    sdt = torch.bfloat16 if fmt == "int4" else torch.float32
+    return torch.cat([p for p, _ in parts]), torch.cat([s.to(sdt) for _, s in parts])
+
+
+def _truth(x, q, p13, p2, ids, w, dtype):
+    """The experts over the dequantised weights, one activated expert at a time, in ``dtype`` (fp64: the truth)."""
+    inter = p2.shape[2] * (2 if q.format == "int4" else 1)
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=dtype, device=x.device)
+    for e in torch.unique(ids).tolist():
+        rows, ks = (ids == e).nonzero(as_tuple=True)
+        one = type(q)(q.format, q.w13_scale[e:e + 1], q.w2_scale[e:e + 1], q.group_size, q.block_shape)
+        d13, d2 = one.dequantize(p13[e:e + 1], p2[e:e + 1], torch.float64)
+        d13, d2 = d13[0].to(dtype), d2[0].to(dtype)
+        gu = x[rows].to(dtype) @ d13.T
+        a = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+        out.index_add_(0, rows, (a @ d2.T) * w[rows, ks].to(dtype)[:, None])
+    return out.double()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ms", type=token_counts, default=[1, 2, 4, 8])
+    ap.add_argument("--formats", default="int4,fp8")
+    ap.add_argument("--experts", type=int, default=384)
+    ap.add_argument("--json", metavar="PATH")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("sweep_quant_experts: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import specverify.moe as moe
+    from specverify.reference.moe import random_expert_weights
+
+    e, h, inter, top = args.experts, 7168, 256, 8
+    bw = copy_bandwidth_gbps() * 1e9
+    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.bfloat16, device="cuda", seed=1)
+    rows, failed = [], 0
+    for fmt in [f for f in args.formats.split(",") if f]:
+        p13, s13 = _quantise(w13, fmt)
+        p2, s2 = _quantise(w2, fmt)
+        q = moe.MoEQuant(fmt, s13, s2)
+        per_expert = sum(t[0].numel() * t.element_size() for t in (p13, p2, s13, s2))
+        for m in args.ms:
+            g = torch.Generator(device="cuda").manual_seed(m)
+            x = torch.randn(SETS, m, h, device="cuda", generator=g).bfloat16()
+            routed = [moe.moe_route(torch.randn(m, e, device="cuda", generator=g), top_k=top) for _ in range(SETS)]
+            floor_us = sum(len(torch.unique(i)) for i, _ in routed) / SETS * per_expert / bw * 1e6
+            dqs = (0, 1, 2) if fmt == "int4" else (0,)
+            gus = ("auto", "fma", "splitk") if m <= 2 else ("auto",)
+            for dq in dqs:
+                for gu in gus:
+                    moe._INT4_DEQUANT["DQ"] = dq
+                    over = {} if gu == "auto" else {"gate_up": gu}
+                    moe._STREAM_OVERRIDE.clear()
+                    moe._STREAM_OVERRIDE.update(over)
+                    ids, w = routed[0]
+                    out = moe.fused_moe(x[0], p13, p2, ids, w, quant=q)
+                    want = _truth(x[0], q, p13, p2, ids, w, torch.float64)
+                    tol = 2 * (_truth(x[0], q, p13, p2, ids, w, torch.bfloat16) - want).abs().max().item() + 1e-6
+                    err = (out.double() - want).abs().max().item()
+                    label = f"{fmt} dq{dq} {gu}"
+                    if not err <= tol:
+                        print(f"FAIL {label} M={m}: error {err:.3g} > tolerance {tol:.3g}")
+                        failed += 1
+                        continue
+
+                    def calls():
+                        for i in range(SETS):
+                            moe.fused_moe(x[i], p13, p2, routed[i][0], routed[i][1], quant=q)
+                    us = graph_us(calls, calls=1, replays=10, repeats=3) / SETS
+                    rows.append(dict(format=fmt, dq=dq, gate_up=gu, m=m, us=us, floor_us=floor_us,
+                                     x_floor=us / floor_us, err=err, tol=tol))
+                    print(f"{label:>18} M={m}: {us:8.2f} us  floor {floor_us:7.2f}  x{us / floor_us:5.2f}", flush=True)
+    moe._STREAM_OVERRIDE.clear()
+    moe._INT4_DEQUANT["DQ"] = 2
+    if args.json:
+        write_rows_json(args.json, __file__, rows, copy_bandwidth_gbps=bw / 1e9)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

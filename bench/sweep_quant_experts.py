@@ -21,6 +21,7 @@ Needs a CUDA GPU (exit code 2 otherwise).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 import torch
@@ -60,6 +61,10 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", default="int4,fp8")
     ap.add_argument("--experts", type=int, default=384)
     ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--dq", default="0,1,2", help="int4 dequantisation variants to run (default 0,1,2)")
+    ap.add_argument("--configs", default=None,
+                    help="JSON list of stream-config overrides (merged into _STREAM_OVERRIDE) to run instead of the "
+                         "gate/up choices, e.g. '[{\"R\": 8}, {\"BK\": 1024}]'")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("sweep_quant_experts: needs a CUDA GPU", file=sys.stderr)
@@ -81,12 +86,15 @@ def main(argv=None) -> int:
             x = torch.randn(SETS, m, h, device="cuda", generator=g).bfloat16()
             routed = [moe.moe_route(torch.randn(m, e, device="cuda", generator=g), top_k=top) for _ in range(SETS)]
             floor_us = sum(len(torch.unique(i)) for i, _ in routed) / SETS * per_expert / bw * 1e6
-            dqs = (0, 1, 2) if fmt == "int4" else (0,)
-            gus = ("auto", "fma", "splitk") if m <= 2 else ("auto",)
+            dqs = tuple(int(v) for v in args.dq.split(",")) if fmt == "int4" else (0,)
+            if args.configs:
+                gus = [json.dumps(c, sort_keys=True) for c in json.loads(args.configs)]
+            else:
+                gus = ("auto", "fma", "splitk") if m <= 2 else ("auto",)
             for dq in dqs:
                 for gu in gus:
                     moe._INT4_DEQUANT["DQ"] = dq
-                    over = {} if gu == "auto" else {"gate_up": gu}
+                    over = json.loads(gu) if args.configs else ({} if gu == "auto" else {"gate_up": gu})
                     moe._STREAM_OVERRIDE.clear()
                     moe._STREAM_OVERRIDE.update(over)
                     ids, w = routed[0]

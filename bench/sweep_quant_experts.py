@@ -5,10 +5,9 @@ Shape: Kimi-K2 per rank (tp 8: H 7168, I 256, 384 routed experts, top-8; ``--exp
 experts only, M = 1, 2, 4, 8 tokens (``--ms``). Formats (``--formats``): int4 (group 32, bf16 scales; Kimi-K2.5) and
 fp8 (128 x 128 blocks, fp32 scales; Kimi-K2 / DeepSeek-V3), both from the same random bf16 weights.
 
-Variants: ``dq<N>`` sets ``specverify.moe._INT4_DEQUANT["DQ"]`` (int4 only: 0 an int-to-float conversion per code,
-1 the exponent trick, 2 the trick with even / odd columns apart in the FMA kernels), each with the gate/up kernel the
-launcher picks (``auto``) and, up to M = 2, the other stream gate/up (``fma`` / ``splitk``); fp8 rows run its one
-dequantisation. Every row is first checked against an fp64 loop over the activated experts, dequantised (tolerance:
+Variants: ``dq<N>`` sets ``specverify.moe._INT4_DEQUANT["GROUPED"]`` to N (int4 only: 0 each tile dequantised into
+column order, 1 group by group), each with the gate/up kernel the launcher picks (``auto``) and, up to M = 2, the
+other stream gate/up (``fma`` / ``splitk``), or each of ``--configs``; fp8 rows run its one dequantisation. Every row is first checked against an fp64 loop over the activated experts, dequantised (tolerance:
 twice torch's own bf16 error on the dequantised weights, plus 1e-6), then timed by CUDA-graph replay of ``SETS``
 calls each with its own routing (so the weights come from HBM, not L2).
 
@@ -61,7 +60,7 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", default="int4,fp8")
     ap.add_argument("--experts", type=int, default=384)
     ap.add_argument("--json", metavar="PATH")
-    ap.add_argument("--dq", default="0,1,2", help="int4 dequantisation variants to run (default 0,1,2)")
+    ap.add_argument("--dq", default="0,1", help="int4 variants (GROUPED 0 / 1) to run (default 0,1)")
     ap.add_argument("--configs", default=None,
                     help="JSON list of stream-config overrides (merged into _STREAM_OVERRIDE) to run instead of the "
                          "gate/up choices, e.g. '[{\"R\": 8}, {\"BK\": 1024}]'")
@@ -93,7 +92,7 @@ def main(argv=None) -> int:
                 gus = ("auto", "fma", "splitk") if m <= 2 else ("auto",)
             for dq in dqs:
                 for gu in gus:
-                    moe._INT4_DEQUANT["DQ"] = dq
+                    moe._INT4_DEQUANT["GROUPED"] = bool(dq)
                     over = json.loads(gu) if args.configs else ({} if gu == "auto" else {"gate_up": gu})
                     moe._STREAM_OVERRIDE.clear()
                     moe._STREAM_OVERRIDE.update(over)
@@ -116,7 +115,7 @@ def main(argv=None) -> int:
                                      x_floor=us / floor_us, err=err, tol=tol))
                     print(f"{label:>18} M={m}: {us:8.2f} us  floor {floor_us:7.2f}  x{us / floor_us:5.2f}", flush=True)
     moe._STREAM_OVERRIDE.clear()
-    moe._INT4_DEQUANT["DQ"] = 2
+    moe._INT4_DEQUANT["GROUPED"] = True
     if args.json:
         write_rows_json(args.json, __file__, rows, copy_bandwidth_gbps=bw / 1e9)
     return 1 if failed else 0

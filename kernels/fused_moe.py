@@ -53,79 +53,57 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
-def _int4_value(code):
-    """q - 8 in fp32 for 4-bit codes q (int32): 2^23 + q by setting the exponent bits of 2^23 (an OR and a
-    bitcast instead of an int-to-float conversion, which issues at a fraction of the FMA rate), then minus 2^23 + 8:
-    exact for q < 2^23."""
-    return (code | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+def _int4_code(p):
+    """4-bit codes (int32 in [0, 15]) as fp32: the exponent bits of 2^23 set by an OR, a bitcast, minus 2^23 (two
+    full-rate instructions instead of an int-to-float conversion, which issues at a fraction of the FMA rate)."""
+    return (p | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
 @triton.jit
-def _load_w_int4(w_ptr, s_ptr, e, rows, k0, e_mask, row_mask, stride_e, stride_row, stride_se, stride_srow,
-                 K: tl.constexpr, BK: tl.constexpr, QG: tl.constexpr, DQ: tl.constexpr):
-    """The int4 tile W[e][rows, k0:k0 + BK] as two [len(e), len(rows), BK / 2] halves in fp32, scaled: ``lo`` holds
-    the even columns k0, k0 + 2, ... (the bytes' low nibbles) and ``hi`` the odd ones, so FMA callers multiply them
-    by the even and odd activations without interleaving. DQ 0: the codes converted to float (the first version);
-    1: :func:`_int4_value`."""
-    base = w_ptr + e[:, None, None].to(tl.int64) * stride_e + rows[None, :, None].to(tl.int64) * stride_row
-    m2 = e_mask[:, None, None] & row_mask[None, :, None]
-    pc = k0 // 2 + tl.arange(0, BK // 2)
-    p = tl.load(base + pc[None, None, :], mask=m2 & (pc < K // 2)[None, None, :], other=0x88).to(tl.int32)
-    if DQ == 1:
-        lo = _int4_value(p & 0xF)
-        hi = _int4_value(p >> 4)
-    else:
-        lo = (p & 0xF).to(tl.float32) - 8.0
-        hi = (p >> 4).to(tl.float32) - 8.0
-    GW: tl.constexpr = (QG if QG < BK else BK) // 2  # bytes of one group inside the tile
-    NGT: tl.constexpr = BK // 2 // GW
-    gc = (k0 + tl.arange(0, NGT) * 2 * GW) // QG
-    sb = s_ptr + e[:, None, None].to(tl.int64) * stride_se + rows[None, :, None].to(tl.int64) * stride_srow
-    sc = tl.load(sb + gc[None, None, :], mask=m2 & (gc < K // QG)[None, None, :], other=0.0).to(tl.float32)
-    shape4: tl.constexpr = (e.shape[0], rows.shape[0], NGT, GW)
-    shape3: tl.constexpr = (e.shape[0], rows.shape[0], BK // 2)
-    lo = tl.reshape(tl.reshape(lo, shape4) * sc[:, :, :, None], shape3)
-    hi = tl.reshape(tl.reshape(hi, shape4) * sc[:, :, :, None], shape3)
-    return lo, hi
+def _int4_group_sums(p, xe, xo, sc):
+    """Scaled per-group dot products of int4 codes with activations: ``p`` int32 bytes [..., GB] (a group's GB = QG
+    / 2 bytes on the last axis), ``xe`` / ``xo`` the activations of the even / odd columns (broadcastable to ``p``),
+    ``sc`` the groups' scales (``p``'s shape without its last axis). Returns ``sc * sum_j (q_j - 8) x_j`` with the
+    codes multiplied as they are and the -8 applied once a group through the activations' sum."""
+    acc = _int4_code(p & 0xF) * xe + _int4_code(p >> 4) * xo
+    return (tl.sum(acc, axis=len(acc.shape) - 1) - 8.0 * tl.sum(xe + xo, axis=len(xe.shape) - 1)) * sc
 
 
 @triton.jit
 def _load_w(w_ptr, s_ptr, e, rows, k0, e_mask, row_mask, stride_e, stride_row, stride_se, stride_srow,
-            K: tl.constexpr, BK: tl.constexpr, QUANT: tl.constexpr, QG: tl.constexpr, QN: tl.constexpr,
-            DQ: tl.constexpr):
+            K: tl.constexpr, BK: tl.constexpr, QUANT: tl.constexpr, QG: tl.constexpr, QN: tl.constexpr):
     """W[e][rows, k0:k0 + BK] of every expert in ``e``: a [len(e), len(rows), BK] tile, zero past K and outside
     the masks. QUANT 0: as stored. QUANT 1 (int4): byte ``k // 2`` of a row holds column k's code q (even k in the
     low nibble), the value is ``(q - 8) * S[e][row, k // QG]`` (fp32). QUANT 2 (fp8): ``W * S[e][row // QN, k //
     QG]`` (fp32). ``stride_row`` counts stored elements (bytes for int4); k0 is a multiple of BK, and BK and QG are
     powers of two, so a tile holds whole groups or lies inside one."""
-    if QUANT == 1:  # the halves of _load_w_int4, interleaved back into column order
-        lo, hi = _load_w_int4(w_ptr, s_ptr, e, rows, k0, e_mask, row_mask, stride_e, stride_row, stride_se,
-                              stride_srow, K, BK, QG, DQ)
-        w = tl.interleave(lo, hi)
+    base = w_ptr + e[:, None, None].to(tl.int64) * stride_e + rows[None, :, None].to(tl.int64) * stride_row
+    m2 = e_mask[:, None, None] & row_mask[None, :, None]
+    if QUANT == 1:
+        pc = k0 // 2 + tl.arange(0, BK // 2)
+        p = tl.load(base + pc[None, None, :], mask=m2 & (pc < K // 2)[None, None, :], other=0x88)
+        w = tl.interleave((p & 0xF).to(tl.float32), (p >> 4).to(tl.float32)) - 8.0
     else:
-        base = w_ptr + e[:, None, None].to(tl.int64) * stride_e + rows[None, :, None].to(tl.int64) * stride_row
-        m2 = e_mask[:, None, None] & row_mask[None, :, None]
         kc = k0 + tl.arange(0, BK)
         w = tl.load(base + kc[None, None, :], mask=m2 & (kc < K)[None, None, :], other=0.0)
-        if QUANT == 2:
-            GW: tl.constexpr = QG if QG < BK else BK  # columns of one group inside the tile
-            NGT: tl.constexpr = BK // GW
-            gc = (k0 + tl.arange(0, NGT) * GW) // QG
-            sb = s_ptr + e[:, None, None].to(tl.int64) * stride_se + \
-                (rows // QN)[None, :, None].to(tl.int64) * stride_srow
-            s = tl.load(sb + gc[None, None, :], mask=m2 & (gc < (K + QG - 1) // QG)[None, None, :], other=0.0)
-            w = tl.reshape(w.to(tl.float32), (e.shape[0], rows.shape[0], NGT, GW)) * s.to(tl.float32)[:, :, :, None]
-            w = tl.reshape(w, (e.shape[0], rows.shape[0], BK))
+    if QUANT != 0:
+        GW: tl.constexpr = QG if QG < BK else BK  # columns of one group inside the tile
+        NGT: tl.constexpr = BK // GW
+        gc = (k0 + tl.arange(0, NGT) * GW) // QG
+        sb = s_ptr + e[:, None, None].to(tl.int64) * stride_se + (rows // QN)[None, :, None].to(tl.int64) * stride_srow
+        s = tl.load(sb + gc[None, None, :], mask=m2 & (gc < (K + QG - 1) // QG)[None, None, :], other=0.0)
+        w = tl.reshape(w.to(tl.float32), (e.shape[0], rows.shape[0], NGT, GW)) * s.to(tl.float32)[:, :, :, None]
+        w = tl.reshape(w, (e.shape[0], rows.shape[0], BK))
     return w
 
 
 @triton.jit
 def _load_w_tile(w_ptr, s_ptr, e, rows, k0, row_mask, stride_e, stride_row, stride_se, stride_srow, K: tl.constexpr,
-                 BK: tl.constexpr, QUANT: tl.constexpr, QG: tl.constexpr, QN: tl.constexpr, DQ: tl.constexpr):
+                 BK: tl.constexpr, QUANT: tl.constexpr, QG: tl.constexpr, QN: tl.constexpr):
     """W[e][rows, k0:k0 + BK] of one expert ``e`` (a scalar) as a [len(rows), BK] tile (``_load_w``)."""
     ev = e + tl.zeros([1], tl.int32)
     w = _load_w(w_ptr, s_ptr, ev, rows, k0, ev >= 0, row_mask, stride_e, stride_row, stride_se, stride_srow, K, BK,
-                QUANT, QG, QN, DQ)
+                QUANT, QG, QN)
     return tl.reshape(w, (rows.shape[0], BK))
 
 
@@ -141,8 +119,7 @@ def _mma(a, w, acc, UPCAST: tl.constexpr):
 def _moe_gate_up_kernel(hidden_ptr, w13_ptr, s13_ptr, act_ptr, sorted_ptr, eids_ptr, npad_ptr, S, stride_hm,
                         stride_we, stride_wn, stride_se, stride_sn, stride_am, H: tl.constexpr, I: tl.constexpr,
                         TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        UPCAST: tl.constexpr, QUANT: tl.constexpr, QG: tl.constexpr, QN: tl.constexpr,
-                        DQ: tl.constexpr):
+                        UPCAST: tl.constexpr, QUANT: tl.constexpr, QG: tl.constexpr, QN: tl.constexpr):
     """act[s] = silu(gate) * up for the slots of one block and BLOCK_N columns of I."""
     pid = tl.program_id(0)
     n_tiles: tl.constexpr = (I + BLOCK_N - 1) // BLOCK_N
@@ -168,9 +145,9 @@ def _moe_gate_up_kernel(hidden_ptr, w13_ptr, s13_ptr, act_ptr, sorted_ptr, eids_
         kmask = kc < H
         a = tl.load(a_base + kc[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
         wg = _load_w_tile(w13_ptr, s13_ptr, e, on, k0, nmask, stride_we, stride_wn, stride_se, stride_sn, H, BLOCK_K,
-                          QUANT, QG, QN, DQ)
+                          QUANT, QG, QN)
         wu = _load_w_tile(w13_ptr, s13_ptr, e, on + I, k0, nmask, stride_we, stride_wn, stride_se, stride_sn, H,
-                          BLOCK_K, QUANT, QG, QN, DQ)
+                          BLOCK_K, QUANT, QG, QN)
         if not UPCAST:  # a dequantised tile into the MMA's dtype (the interpreter multiplies in fp32 instead)
             wg = wg.to(a.dtype)
             wu = wu.to(a.dtype)
@@ -186,7 +163,7 @@ def _moe_gate_up_kernel(hidden_ptr, w13_ptr, s13_ptr, act_ptr, sorted_ptr, eids_
 def _moe_down_kernel(act_ptr, w2_ptr, s2_ptr, part_ptr, tw_ptr, sorted_ptr, eids_ptr, npad_ptr, S, stride_am,
                      stride_we, stride_wn, stride_se, stride_sn, stride_pm, H: tl.constexpr, I: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-                     QUANT: tl.constexpr, QG: tl.constexpr, QN: tl.constexpr, DQ: tl.constexpr):
+                     QUANT: tl.constexpr, QG: tl.constexpr, QN: tl.constexpr):
     """part[s] = r * (act[s] @ w2[e]^T) for the slots of one block and BLOCK_N columns of H."""
     pid = tl.program_id(0)
     n_tiles: tl.constexpr = (H + BLOCK_N - 1) // BLOCK_N
@@ -211,7 +188,7 @@ def _moe_down_kernel(act_ptr, w2_ptr, s2_ptr, part_ptr, tw_ptr, sorted_ptr, eids
         kmask = kc < I
         a = tl.load(a_base + kc[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
         w = _load_w_tile(w2_ptr, s2_ptr, e, on, k0, nmask, stride_we, stride_wn, stride_se, stride_sn, I, BLOCK_K,
-                         QUANT, QG, QN, DQ)
+                         QUANT, QG, QN)
         if not UPCAST:
             w = w.to(a.dtype)
         acc = _mma(a, w, acc, UPCAST)
@@ -268,7 +245,7 @@ def _moe_topk_sum_kernel(part_ptr, ids_ptr, out_ptr, stride_pm, stride_om, E: tl
 def _moe_stream_gate_up_kernel(hidden_ptr, w13_ptr, s13_ptr, act_ptr, ids_ptr, stride_hm, stride_we, stride_wn,
                                stride_se, stride_sn, stride_am, E: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                                TOP_K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
-                               QUANT: tl.constexpr, QG: tl.constexpr, QN: tl.constexpr, DQ: tl.constexpr):
+                               QUANT: tl.constexpr, QG: tl.constexpr, QN: tl.constexpr, GROUPED: tl.constexpr):
     if PDL:  # wait for the routing (ids) and the norm (hidden) first: the down kernel reads ids and weights
         gdc_wait()  # before its own wait, so it may launch (and gather w2) only once the routing has finished
         gdc_launch_dependents()
@@ -286,33 +263,48 @@ def _moe_stream_gate_up_kernel(hidden_ptr, w13_ptr, s13_ptr, act_ptr, ids_ptr, s
     ev = e + tl.zeros([1], tl.int32)
     tok = slots // TOP_K
     a_base = hidden_ptr + tok.to(tl.int64) * stride_hm
-    HALVES: tl.constexpr = QUANT == 1 and DQ == 2  # int4 as even / odd halves: no interleave
-    KW: tl.constexpr = BK // 2 if HALVES else BK
-    acc_g = tl.zeros([1, R, KW], tl.float32)
-    acc_u = tl.zeros([1, R, KW], tl.float32)
-    for k0 in range(0, H, BK):
-        if HALVES:  # even columns k0 + 2j against the low nibbles, odd ones against the high
-            ke = k0 + 2 * tl.arange(0, BK // 2)
-            xe = tl.load(a_base[:, None] + ke[None, :], mask=(ke < H)[None, :], other=0.0).to(tl.float32)
-            xo = tl.load(a_base[:, None] + ke[None, :] + 1, mask=(ke < H)[None, :], other=0.0).to(tl.float32)
-            glo, ghi = _load_w_int4(w13_ptr, s13_ptr, ev, rows, k0, ev >= 0, rmask, stride_we, stride_wn, stride_se,
-                                    stride_sn, H, BK, QG, 1)
-            ulo, uhi = _load_w_int4(w13_ptr, s13_ptr, ev, rows + I, k0, ev >= 0, rmask, stride_we, stride_wn,
-                                    stride_se, stride_sn, H, BK, QG, 1)
-            acc_g += xe[:, None, :] * glo + xo[:, None, :] * ghi
-            acc_u += xe[:, None, :] * ulo + xo[:, None, :] * uhi
-        else:
+    if QUANT == 1 and GROUPED:  # int4 group by group: [R, groups, bytes] tiles, no reshape or interleave
+        GB: tl.constexpr = QG // 2  # bytes a group
+        NG: tl.constexpr = BK // QG  # groups a tile (BK is a multiple of QG here)
+        gb = tl.arange(0, NG)[:, None] * GB + tl.arange(0, GB)[None, :]  # [NG, GB] byte offsets in a tile
+        wg_rows = w13_ptr + e.to(tl.int64) * stride_we + rows[:, None, None].to(tl.int64) * stride_wn
+        wu_rows = wg_rows + I * stride_wn
+        sg_rows = s13_ptr + e.to(tl.int64) * stride_se + rows[:, None].to(tl.int64) * stride_sn
+        su_rows = sg_rows + I * stride_sn
+        x_row = hidden_ptr + (slot // TOP_K).to(tl.int64) * stride_hm
+        acc_g = tl.zeros([R, NG], tl.float32)
+        acc_u = tl.zeros([R, NG], tl.float32)
+        for k0 in range(0, H, BK):
+            byte = k0 // 2 + gb
+            bmask = byte < H // 2
+            m3 = rmask[:, None, None] & bmask[None, :, :]
+            pg = tl.load(wg_rows + byte[None, :, :], mask=m3, other=0).to(tl.int32)
+            pu = tl.load(wu_rows + byte[None, :, :], mask=m3, other=0).to(tl.int32)
+            gi = k0 // QG + tl.arange(0, NG)
+            m2 = rmask[:, None] & (gi < H // QG)[None, :]
+            sg = tl.load(sg_rows + gi[None, :], mask=m2, other=0.0).to(tl.float32)
+            su = tl.load(su_rows + gi[None, :], mask=m2, other=0.0).to(tl.float32)
+            xe = tl.load(x_row + 2 * byte, mask=bmask, other=0.0).to(tl.float32)[None, :, :]
+            xo = tl.load(x_row + 2 * byte + 1, mask=bmask, other=0.0).to(tl.float32)[None, :, :]
+            acc_g += _int4_group_sums(pg, xe, xo, sg)
+            acc_u += _int4_group_sums(pu, xe, xo, su)
+        g = tl.sum(acc_g, axis=1)[None, :]
+        u = tl.sum(acc_u, axis=1)[None, :]
+    else:
+        acc_g = tl.zeros([1, R, BK], tl.float32)
+        acc_u = tl.zeros([1, R, BK], tl.float32)
+        for k0 in range(0, H, BK):
             kc = k0 + ok
             kmask = kc < H
             wg = _load_w(w13_ptr, s13_ptr, ev, rows, k0, ev >= 0, rmask, stride_we, stride_wn, stride_se, stride_sn,
-                         H, BK, QUANT, QG, QN, DQ)
+                         H, BK, QUANT, QG, QN)
             wu = _load_w(w13_ptr, s13_ptr, ev, rows + I, k0, ev >= 0, rmask, stride_we, stride_wn, stride_se,
-                         stride_sn, H, BK, QUANT, QG, QN, DQ)
+                         stride_sn, H, BK, QUANT, QG, QN)
             a = tl.load(a_base[:, None] + kc[None, :], mask=kmask[None, :], other=0.0).to(tl.float32)
             acc_g += a[:, None, :] * wg.to(tl.float32)
             acc_u += a[:, None, :] * wu.to(tl.float32)
-    g = tl.sum(acc_g, axis=2)
-    u = tl.sum(acc_u, axis=2)
+        g = tl.sum(acc_g, axis=2)
+        u = tl.sum(acc_u, axis=2)
     act = g / (1.0 + tl.exp(-g)) * u
     tl.store(act_ptr + slots[:, None].to(tl.int64) * stride_am + rows[None, :], act.to(act_ptr.dtype.element_ty),
              mask=rmask[None, :])
@@ -323,7 +315,7 @@ def _moe_stream_down_kernel(act_ptr, w2_ptr, s2_ptr, ids_ptr, tw_ptr, out_ptr, s
                             stride_se, stride_sn, stride_om, E: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                             TOP_K: tl.constexpr, MT: tl.constexpr, SP: tl.constexpr, BH: tl.constexpr,
                             BI: tl.constexpr, PDL: tl.constexpr, QUANT: tl.constexpr, QG: tl.constexpr,
-                            QN: tl.constexpr, DQ: tl.constexpr):
+                            QN: tl.constexpr, GROUPED: tl.constexpr):
     pid = tl.program_id(0)
     oh = pid * BH + tl.arange(0, BH)
     hmask = oh < H
@@ -339,21 +331,32 @@ def _moe_stream_down_kernel(act_ptr, w2_ptr, s2_ptr, ids_ptr, tw_ptr, out_ptr, s
     part = tl.zeros([SP, BH], tl.float32)
     for i0 in range(0, I, BI):  # one step when I <= BI (Kimi-K2: I = 256)
         a_rows = act_ptr + sl[:, None].to(tl.int64) * stride_am
-        if QUANT == 1 and DQ == 2:  # int4 as even / odd halves (see the gate/up kernel)
-            wlo, whi = _load_w_int4(w2_ptr, s2_ptr, e, oh, i0, use, hmask, stride_we, stride_wn, stride_se, stride_sn,
-                                    I, BI, QG, 1)  # [SP, BH, BI / 2] each
-            if PDL:
+        if QUANT == 1 and GROUPED:  # int4 group by group (see the gate/up kernel): [SP, BH, groups, bytes]
+            GB: tl.constexpr = QG // 2
+            NG: tl.constexpr = BI // QG
+            byte = i0 // 2 + tl.arange(0, NG)[:, None] * GB + tl.arange(0, GB)[None, :]  # [NG, GB]
+            bmask = byte < I // 2
+            w_rows = w2_ptr + e[:, None].to(tl.int64) * stride_we + oh[None, :].to(tl.int64) * stride_wn  # [SP, BH]
+            m2 = use[:, None] & hmask[None, :]
+            p = tl.load(w_rows[:, :, None, None] + byte[None, None, :, :],
+                        mask=m2[:, :, None, None] & bmask[None, None, :, :], other=0).to(tl.int32)
+            gi = i0 // QG + tl.arange(0, NG)
+            s_rows = s2_ptr + e[:, None].to(tl.int64) * stride_se + oh[None, :].to(tl.int64) * stride_sn
+            sc = tl.load(s_rows[:, :, None] + gi[None, None, :], mask=m2[:, :, None] & (gi < I // QG)[None, None, :],
+                         other=0.0).to(tl.float32)  # [SP, BH, NG]
+            if PDL:  # act is the gate/up kernel's output (the w2 gather above is already in flight)
                 gdc_wait()
-            ie = i0 + 2 * tl.arange(0, BI // 2)
-            am = use[:, None] & (ie < I)[None, :]
-            ae = tl.load(a_rows + ie[None, :], mask=am, other=0.0).to(tl.float32) * r[:, None]
-            ao = tl.load(a_rows + ie[None, :] + 1, mask=am, other=0.0).to(tl.float32) * r[:, None]
-            part += tl.sum(wlo * ae[:, None, :] + whi * ao[:, None, :], axis=2)
+            am = use[:, None, None] & bmask[None, :, :]
+            ae = tl.load(a_rows[:, :, None] + 2 * byte[None, :, :], mask=am, other=0.0).to(tl.float32)
+            ao = tl.load(a_rows[:, :, None] + 2 * byte[None, :, :] + 1, mask=am, other=0.0).to(tl.float32)
+            ae = (ae * r[:, None, None])[:, None, :, :]
+            ao = (ao * r[:, None, None])[:, None, :, :]
+            part += tl.sum(_int4_group_sums(p, ae, ao, sc), axis=2)
         else:
             ic = i0 + oi
             imask = ic < I
             w = _load_w(w2_ptr, s2_ptr, e, oh, i0, use, hmask, stride_we, stride_wn, stride_se, stride_sn, I, BI,
-                        QUANT, QG, QN, DQ)  # [SP, BH, BI]
+                        QUANT, QG, QN)  # [SP, BH, BI]
             if PDL:  # act is the gate/up kernel's output: wait for it (the w2 gather above is already in flight)
                 gdc_wait()
             a = tl.load(a_rows + ic[None, :], mask=use[:, None] & imask[None, :], other=0.0).to(tl.float32) * r[:, None]
@@ -386,7 +389,7 @@ def _moe_splitk_gate_up_kernel(hidden_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, 
                                E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
                                BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_PAD: tl.constexpr,
                                DOT_FP32: tl.constexpr, PDL: tl.constexpr, QUANT: tl.constexpr, QG: tl.constexpr,
-                               QN: tl.constexpr, DQ: tl.constexpr):
+                               QN: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -411,9 +414,9 @@ def _moe_splitk_gate_up_kernel(hidden_ptr, w13_ptr, s13_ptr, act_ptr, part_ptr, 
         xt = tl.load(x_base + kc[:, None] + tl.zeros((1, 16), tl.int32), mask=kmask[:, None] & col0[None, :],
                      other=0.0)
         wg = _load_w_tile(w13_ptr, s13_ptr, e, rows, k0, rmask, stride_we, stride_wn, stride_se, stride_sn, H, BK,
-                          QUANT, QG, QN, DQ)
+                          QUANT, QG, QN)
         wu = _load_w_tile(w13_ptr, s13_ptr, e, rows + I, k0, rmask, stride_we, stride_wn, stride_se, stride_sn, H, BK,
-                          QUANT, QG, QN, DQ)
+                          QUANT, QG, QN)
         if DOT_FP32:  # the CPU interpreter (its bf16 dot is not exact, its cast to bf16 truncates)
             acc_g += tl.dot(wg.to(tl.float32), xt.to(tl.float32))
             acc_u += tl.dot(wu.to(tl.float32), xt.to(tl.float32))

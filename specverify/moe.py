@@ -848,11 +848,10 @@ def _expert_operands(hidden, w13, w2, topk_ids, topk_weights):
     return hidden, w13, w2, topk_ids.to(torch.int32).contiguous(), topk_weights.float().contiguous()
 
 
-#: How the expert kernels turn int4 codes into values (``DQ``): 0 an int-to-float conversion per code, the tile
-#: interleaved back into column order; 1 the exponent trick of ``kernels.fused_moe._int4_value``, interleaved; 2 the
-#: trick, and the FMA kernels (stream gate/up, down gather) multiply the even and odd columns apart (no interleave;
-#: the tl.dot kernels interleave).
-_INT4_DEQUANT: dict = {"DQ": 2}
+#: How the FMA expert kernels (stream gate/up, down gather) read int4 codes (``GROUPED``): False dequantises each
+#: tile into column order (``_load_w``: codes converted, interleaved, scaled per element), True works group by group
+#: on [rows, groups, bytes] tiles (``_int4_group_sums``: even / odd columns apart, a scale per group sum).
+_INT4_DEQUANT: dict = {"GROUPED": True}
 
 
 def _scale_operands(quant, w, which: str):
@@ -860,13 +859,13 @@ def _scale_operands(quant, w, which: str):
     ``QUANT`` / ``QG`` / ``QN`` (``which``: ``"w13"`` or ``"w2"``). Unquantised, the weight stands in for its scale
     (never read) with strides 0."""
     if quant is None:
-        return (w, 0, 0), dict(QUANT=0, QG=1, QN=1, DQ=0)
+        return (w, 0, 0), dict(QUANT=0, QG=1, QN=1)
     sc = getattr(quant, f"{which}_scale")
     sc = sc if sc.stride(2) == 1 else sc.contiguous()
     if quant.format == "int4":
-        consts = dict(QUANT=1, QG=quant.group_size, QN=1, DQ=_INT4_DEQUANT["DQ"])
+        consts = dict(QUANT=1, QG=quant.group_size, QN=1)
     else:
-        consts = dict(QUANT=2, QG=quant.block_shape[1], QN=quant.block_shape[0], DQ=0)
+        consts = dict(QUANT=2, QG=quant.block_shape[1], QN=quant.block_shape[0])
     return (sc, sc.stride(0), sc.stride(1)), consts
 
 
@@ -1001,7 +1000,10 @@ def stream_gate_up(hidden, w13, ids32, cfg: dict, pdl: bool, quant: MoEQuant | N
     inter, top_k = two_i // 2, ids32.shape[1]
     s = m * top_k
     act = torch.empty((s, inter), dtype=hidden.dtype, device=hidden.device)
-    if cfg["gate_up"] == "splitk" or (cfg["gate_up"] == "auto" and m <= cfg["splitk_max_m"]):
+    # quantised weights take the FMA programs at every M: split-K's MMA tiles lost to them at M = 1 and 2 (H100,
+    # sweep_quant_experts.py, 2026-12-07: int4 23.1 / 40.0 us against 37.6 / 66.5, fp8 21.2 / 39.1 against 26.5 /
+    # 46.3)
+    if cfg["gate_up"] == "splitk" or (cfg["gate_up"] == "auto" and m <= cfg["splitk_max_m"] and quant is None):
         _splitk_gate_up(hidden, w13, act, ids32, s, h, e, inter, top_k, cfg, pdl, quant)
         return act
     launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]} if hidden.is_cuda else {}
@@ -1011,7 +1013,8 @@ def stream_gate_up(hidden, w13, ids32, cfg: dict, pdl: bool, quant: MoEQuant | N
     q13, qc = _scale_operands(quant, w13, "w13")
     _moe_stream_gate_up_kernel[(s * nt,)](
         hidden, w13, q13[0], act, ids32, hidden.stride(0), w13.stride(0), w13.stride(1), q13[1], q13[2],
-        act.stride(0), E=e, H=h, I=inter, TOP_K=top_k, R=cfg["R"], BK=cfg["BK"], PDL=pdl, **qc, **launch)
+        act.stride(0), E=e, H=h, I=inter, TOP_K=top_k, R=cfg["R"], BK=max(cfg["BK"], qc["QG"]), PDL=pdl,
+        GROUPED=_INT4_DEQUANT["GROUPED"], **qc, **launch)
     return act
 
 
@@ -1043,7 +1046,8 @@ def _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, out, quant=None):
     q2, qc = _scale_operands(quant, w2, "w2")
     _moe_stream_down_kernel[(_cdiv(h, cfg["BH"]),)](
         act, w2, q2[0], ids32, tw, out, act.stride(0), w2.stride(0), w2.stride(1), q2[1], q2[2], out.stride(0), E=e,
-        H=h, I=inter, TOP_K=top_k, MT=m, SP=cfg["SP"], BH=cfg["BH"], BI=cfg["BI"], PDL=pdl, **qc, **launch2)
+        H=h, I=inter, TOP_K=top_k, MT=m, SP=cfg["SP"], BH=cfg["BH"], BI=max(cfg["BI"], qc["QG"]), PDL=pdl,
+        GROUPED=_INT4_DEQUANT["GROUPED"], **qc, **launch2)
     return out
 
 

@@ -5,11 +5,11 @@ Shape: Kimi-K2 per rank (tp 8: H 7168, I 256, 384 routed experts, top-8; ``--exp
 experts only, M = 1, 2, 4, 8 tokens (``--ms``). Formats (``--formats``): int4 (group 32, bf16 scales; Kimi-K2.5) and
 fp8 (128 x 128 blocks, fp32 scales; Kimi-K2 / DeepSeek-V3), both from the same random bf16 weights.
 
-Variants: ``dq<N>`` sets ``specverify.moe._INT4_DEQUANT["GROUPED"]`` to N (int4 only: 0 each tile dequantised into
-column order, 1 group by group), each with the gate/up kernel the launcher picks (``auto``) and, up to M = 2, the
-other stream gate/up (``fma`` / ``splitk``), or each of ``--configs``; fp8 rows run its one dequantisation. Every row is first checked against an fp64 loop over the activated experts, dequantised (tolerance:
-twice torch's own bf16 error on the dequantised weights, plus 1e-6), then timed by CUDA-graph replay of ``SETS``
-calls each with its own routing (so the weights come from HBM, not L2).
+Variants: the gate/up kernel the launcher picks (``auto``) and, up to M = 2, each stream gate/up (``fma`` /
+``splitk``), or each of ``--configs`` (stream-config overrides). Every row is first checked against an fp64 loop
+over the activated experts, dequantised (tolerance: twice torch's own bf16 error on the dequantised weights, plus
+1e-6), then timed by CUDA-graph replay of ``SETS`` calls each with its own routing (so the weights come from HBM, not
+L2).
 
 ``floor_us = mean over the sets of distinct experts * stored bytes an expert (codes + scales) / copy_bw``; ``x``
 = us / floor_us.
@@ -60,7 +60,6 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", default="int4,fp8")
     ap.add_argument("--experts", type=int, default=384)
     ap.add_argument("--json", metavar="PATH")
-    ap.add_argument("--dq", default="0,1", help="int4 variants (GROUPED 0 / 1) to run (default 0,1)")
     ap.add_argument("--configs", default=None,
                     help="JSON list of stream-config overrides (merged into _STREAM_OVERRIDE) to run instead of the "
                          "gate/up choices, e.g. '[{\"R\": 8}, {\"BK\": 1024}]'")
@@ -85,37 +84,33 @@ def main(argv=None) -> int:
             x = torch.randn(SETS, m, h, device="cuda", generator=g).bfloat16()
             routed = [moe.moe_route(torch.randn(m, e, device="cuda", generator=g), top_k=top) for _ in range(SETS)]
             floor_us = sum(len(torch.unique(i)) for i, _ in routed) / SETS * per_expert / bw * 1e6
-            dqs = tuple(int(v) for v in args.dq.split(",")) if fmt == "int4" else (0,)
             if args.configs:
                 gus = [json.dumps(c, sort_keys=True) for c in json.loads(args.configs)]
             else:
                 gus = ("auto", "fma", "splitk") if m <= 2 else ("auto",)
-            for dq in dqs:
-                for gu in gus:
-                    moe._INT4_DEQUANT["GROUPED"] = bool(dq)
-                    over = json.loads(gu) if args.configs else ({} if gu == "auto" else {"gate_up": gu})
-                    moe._STREAM_OVERRIDE.clear()
-                    moe._STREAM_OVERRIDE.update(over)
-                    ids, w = routed[0]
-                    out = moe.fused_moe(x[0], p13, p2, ids, w, quant=q)
-                    want = _truth(x[0], q, p13, p2, ids, w, torch.float64)
-                    tol = 2 * (_truth(x[0], q, p13, p2, ids, w, torch.bfloat16) - want).abs().max().item() + 1e-6
-                    err = (out.double() - want).abs().max().item()
-                    label = f"{fmt} dq{dq} {gu}"
-                    if not err <= tol:
-                        print(f"FAIL {label} M={m}: error {err:.3g} > tolerance {tol:.3g}")
-                        failed += 1
-                        continue
+            for gu in gus:
+                over = json.loads(gu) if args.configs else ({} if gu == "auto" else {"gate_up": gu})
+                moe._STREAM_OVERRIDE.clear()
+                moe._STREAM_OVERRIDE.update(over)
+                ids, w = routed[0]
+                out = moe.fused_moe(x[0], p13, p2, ids, w, quant=q)
+                want = _truth(x[0], q, p13, p2, ids, w, torch.float64)
+                tol = 2 * (_truth(x[0], q, p13, p2, ids, w, torch.bfloat16) - want).abs().max().item() + 1e-6
+                err = (out.double() - want).abs().max().item()
+                label = f"{fmt} {gu}"
+                if not err <= tol:
+                    print(f"FAIL {label} M={m}: error {err:.3g} > tolerance {tol:.3g}")
+                    failed += 1
+                    continue
 
-                    def calls():
-                        for i in range(SETS):
-                            moe.fused_moe(x[i], p13, p2, routed[i][0], routed[i][1], quant=q)
-                    us = graph_us(calls, calls=1, replays=10, repeats=3) / SETS
-                    rows.append(dict(format=fmt, dq=dq, gate_up=gu, m=m, us=us, floor_us=floor_us,
-                                     x_floor=us / floor_us, err=err, tol=tol))
-                    print(f"{label:>18} M={m}: {us:8.2f} us  floor {floor_us:7.2f}  x{us / floor_us:5.2f}", flush=True)
+                def calls():
+                    for i in range(SETS):
+                        moe.fused_moe(x[i], p13, p2, routed[i][0], routed[i][1], quant=q)
+                us = graph_us(calls, calls=1, replays=10, repeats=3) / SETS
+                rows.append(dict(format=fmt, gate_up=gu, m=m, us=us, floor_us=floor_us, x_floor=us / floor_us,
+                                 err=err, tol=tol))
+                print(f"{label:>18} M={m}: {us:8.2f} us  floor {floor_us:7.2f}  x{us / floor_us:5.2f}", flush=True)
     moe._STREAM_OVERRIDE.clear()
-    moe._INT4_DEQUANT["GROUPED"] = True
     if args.json:
         write_rows_json(args.json, __file__, rows, copy_bandwidth_gbps=bw / 1e9)
     return 1 if failed else 0

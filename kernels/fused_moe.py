@@ -53,23 +53,6 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
-def _int4_code(p):
-    """4-bit codes (int32 in [0, 15]) as fp32: the exponent bits of 2^23 set by an OR, a bitcast, minus 2^23 (two
-    full-rate instructions instead of an int-to-float conversion, which issues at a fraction of the FMA rate)."""
-    return (p | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-
-
-@triton.jit
-def _int4_group_sums(p, xe, xo, sc):
-    """Scaled per-group dot products of int4 codes with activations: ``p`` int32 bytes [..., GB] (a group's GB = QG
-    / 2 bytes on the last axis), ``xe`` / ``xo`` the activations of the even / odd columns (broadcastable to ``p``),
-    ``sc`` the groups' scales (``p``'s shape without its last axis). Returns ``sc * sum_j (q_j - 8) x_j`` with the
-    codes multiplied as they are and the -8 applied once a group through the activations' sum."""
-    acc = _int4_code(p & 0xF) * xe + _int4_code(p >> 4) * xo
-    return (tl.sum(acc, axis=len(acc.shape) - 1) - 8.0 * tl.sum(xe + xo, axis=len(xe.shape) - 1)) * sc
-
-
-@triton.jit
 def _load_w(w_ptr, s_ptr, e, rows, k0, e_mask, row_mask, stride_e, stride_row, stride_se, stride_srow,
             K: tl.constexpr, BK: tl.constexpr, QUANT: tl.constexpr, QG: tl.constexpr, QN: tl.constexpr):
     """W[e][rows, k0:k0 + BK] of every expert in ``e``: a [len(e), len(rows), BK] tile, zero past K and outside
@@ -245,7 +228,7 @@ def _moe_topk_sum_kernel(part_ptr, ids_ptr, out_ptr, stride_pm, stride_om, E: tl
 def _moe_stream_gate_up_kernel(hidden_ptr, w13_ptr, s13_ptr, act_ptr, ids_ptr, stride_hm, stride_we, stride_wn,
                                stride_se, stride_sn, stride_am, E: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                                TOP_K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
-                               QUANT: tl.constexpr, QG: tl.constexpr, QN: tl.constexpr, GROUPED: tl.constexpr):
+                               QUANT: tl.constexpr, QG: tl.constexpr, QN: tl.constexpr):
     if PDL:  # wait for the routing (ids) and the norm (hidden) first: the down kernel reads ids and weights
         gdc_wait()  # before its own wait, so it may launch (and gather w2) only once the routing has finished
         gdc_launch_dependents()
@@ -263,48 +246,20 @@ def _moe_stream_gate_up_kernel(hidden_ptr, w13_ptr, s13_ptr, act_ptr, ids_ptr, s
     ev = e + tl.zeros([1], tl.int32)
     tok = slots // TOP_K
     a_base = hidden_ptr + tok.to(tl.int64) * stride_hm
-    if QUANT == 1 and GROUPED:  # int4 group by group: [R, groups, bytes] tiles, no reshape or interleave
-        GB: tl.constexpr = QG // 2  # bytes a group
-        NG: tl.constexpr = BK // QG  # groups a tile (BK is a multiple of QG here)
-        gb = tl.arange(0, NG)[:, None] * GB + tl.arange(0, GB)[None, :]  # [NG, GB] byte offsets in a tile
-        wg_rows = w13_ptr + e.to(tl.int64) * stride_we + rows[:, None, None].to(tl.int64) * stride_wn
-        wu_rows = wg_rows + I * stride_wn
-        sg_rows = s13_ptr + e.to(tl.int64) * stride_se + rows[:, None].to(tl.int64) * stride_sn
-        su_rows = sg_rows + I * stride_sn
-        x_row = hidden_ptr + (slot // TOP_K).to(tl.int64) * stride_hm
-        acc_g = tl.zeros([R, NG], tl.float32)
-        acc_u = tl.zeros([R, NG], tl.float32)
-        for k0 in range(0, H, BK):
-            byte = k0 // 2 + gb
-            bmask = byte < H // 2
-            m3 = rmask[:, None, None] & bmask[None, :, :]
-            pg = tl.load(wg_rows + byte[None, :, :], mask=m3, other=0).to(tl.int32)
-            pu = tl.load(wu_rows + byte[None, :, :], mask=m3, other=0).to(tl.int32)
-            gi = k0 // QG + tl.arange(0, NG)
-            m2 = rmask[:, None] & (gi < H // QG)[None, :]
-            sg = tl.load(sg_rows + gi[None, :], mask=m2, other=0.0).to(tl.float32)
-            su = tl.load(su_rows + gi[None, :], mask=m2, other=0.0).to(tl.float32)
-            xe = tl.load(x_row + 2 * byte, mask=bmask, other=0.0).to(tl.float32)[None, :, :]
-            xo = tl.load(x_row + 2 * byte + 1, mask=bmask, other=0.0).to(tl.float32)[None, :, :]
-            acc_g += _int4_group_sums(pg, xe, xo, sg)
-            acc_u += _int4_group_sums(pu, xe, xo, su)
-        g = tl.sum(acc_g, axis=1)[None, :]
-        u = tl.sum(acc_u, axis=1)[None, :]
-    else:
-        acc_g = tl.zeros([1, R, BK], tl.float32)
-        acc_u = tl.zeros([1, R, BK], tl.float32)
-        for k0 in range(0, H, BK):
-            kc = k0 + ok
-            kmask = kc < H
-            wg = _load_w(w13_ptr, s13_ptr, ev, rows, k0, ev >= 0, rmask, stride_we, stride_wn, stride_se, stride_sn,
-                         H, BK, QUANT, QG, QN)
-            wu = _load_w(w13_ptr, s13_ptr, ev, rows + I, k0, ev >= 0, rmask, stride_we, stride_wn, stride_se,
-                         stride_sn, H, BK, QUANT, QG, QN)
-            a = tl.load(a_base[:, None] + kc[None, :], mask=kmask[None, :], other=0.0).to(tl.float32)
-            acc_g += a[:, None, :] * wg.to(tl.float32)
-            acc_u += a[:, None, :] * wu.to(tl.float32)
-        g = tl.sum(acc_g, axis=2)
-        u = tl.sum(acc_u, axis=2)
+    acc_g = tl.zeros([1, R, BK], tl.float32)
+    acc_u = tl.zeros([1, R, BK], tl.float32)
+    for k0 in range(0, H, BK):
+        kc = k0 + ok
+        kmask = kc < H
+        wg = _load_w(w13_ptr, s13_ptr, ev, rows, k0, ev >= 0, rmask, stride_we, stride_wn, stride_se, stride_sn, H,
+                     BK, QUANT, QG, QN)
+        wu = _load_w(w13_ptr, s13_ptr, ev, rows + I, k0, ev >= 0, rmask, stride_we, stride_wn, stride_se, stride_sn,
+                     H, BK, QUANT, QG, QN)
+        a = tl.load(a_base[:, None] + kc[None, :], mask=kmask[None, :], other=0.0).to(tl.float32)
+        acc_g += a[:, None, :] * wg.to(tl.float32)
+        acc_u += a[:, None, :] * wu.to(tl.float32)
+    g = tl.sum(acc_g, axis=2)
+    u = tl.sum(acc_u, axis=2)
     act = g / (1.0 + tl.exp(-g)) * u
     tl.store(act_ptr + slots[:, None].to(tl.int64) * stride_am + rows[None, :], act.to(act_ptr.dtype.element_ty),
              mask=rmask[None, :])
@@ -315,7 +270,7 @@ def _moe_stream_down_kernel(act_ptr, w2_ptr, s2_ptr, ids_ptr, tw_ptr, out_ptr, s
                             stride_se, stride_sn, stride_om, E: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                             TOP_K: tl.constexpr, MT: tl.constexpr, SP: tl.constexpr, BH: tl.constexpr,
                             BI: tl.constexpr, PDL: tl.constexpr, QUANT: tl.constexpr, QG: tl.constexpr,
-                            QN: tl.constexpr, GROUPED: tl.constexpr):
+                            QN: tl.constexpr):
     pid = tl.program_id(0)
     oh = pid * BH + tl.arange(0, BH)
     hmask = oh < H
@@ -330,37 +285,15 @@ def _moe_stream_down_kernel(act_ptr, w2_ptr, s2_ptr, ids_ptr, tw_ptr, out_ptr, s
     oi = tl.arange(0, BI)
     part = tl.zeros([SP, BH], tl.float32)
     for i0 in range(0, I, BI):  # one step when I <= BI (Kimi-K2: I = 256)
-        a_rows = act_ptr + sl[:, None].to(tl.int64) * stride_am
-        if QUANT == 1 and GROUPED:  # int4 group by group (see the gate/up kernel): [SP, BH, groups, bytes]
-            GB: tl.constexpr = QG // 2
-            NG: tl.constexpr = BI // QG
-            byte = i0 // 2 + tl.arange(0, NG)[:, None] * GB + tl.arange(0, GB)[None, :]  # [NG, GB]
-            bmask = byte < I // 2
-            w_rows = w2_ptr + e[:, None].to(tl.int64) * stride_we + oh[None, :].to(tl.int64) * stride_wn  # [SP, BH]
-            m2 = use[:, None] & hmask[None, :]
-            p = tl.load(w_rows[:, :, None, None] + byte[None, None, :, :],
-                        mask=m2[:, :, None, None] & bmask[None, None, :, :], other=0).to(tl.int32)
-            gi = i0 // QG + tl.arange(0, NG)
-            s_rows = s2_ptr + e[:, None].to(tl.int64) * stride_se + oh[None, :].to(tl.int64) * stride_sn
-            sc = tl.load(s_rows[:, :, None] + gi[None, None, :], mask=m2[:, :, None] & (gi < I // QG)[None, None, :],
-                         other=0.0).to(tl.float32)  # [SP, BH, NG]
-            if PDL:  # act is the gate/up kernel's output (the w2 gather above is already in flight)
-                gdc_wait()
-            am = use[:, None, None] & bmask[None, :, :]
-            ae = tl.load(a_rows[:, :, None] + 2 * byte[None, :, :], mask=am, other=0.0).to(tl.float32)
-            ao = tl.load(a_rows[:, :, None] + 2 * byte[None, :, :] + 1, mask=am, other=0.0).to(tl.float32)
-            ae = (ae * r[:, None, None])[:, None, :, :]
-            ao = (ao * r[:, None, None])[:, None, :, :]
-            part += tl.sum(_int4_group_sums(p, ae, ao, sc), axis=2)
-        else:
-            ic = i0 + oi
-            imask = ic < I
-            w = _load_w(w2_ptr, s2_ptr, e, oh, i0, use, hmask, stride_we, stride_wn, stride_se, stride_sn, I, BI,
-                        QUANT, QG, QN)  # [SP, BH, BI]
-            if PDL:  # act is the gate/up kernel's output: wait for it (the w2 gather above is already in flight)
-                gdc_wait()
-            a = tl.load(a_rows + ic[None, :], mask=use[:, None] & imask[None, :], other=0.0).to(tl.float32) * r[:, None]
-            part += tl.sum(w.to(tl.float32) * a[:, None, :], axis=2)
+        ic = i0 + oi
+        imask = ic < I
+        w = _load_w(w2_ptr, s2_ptr, e, oh, i0, use, hmask, stride_we, stride_wn, stride_se, stride_sn, I, BI, QUANT,
+                    QG, QN)  # [SP, BH, BI]
+        if PDL:  # act is the gate/up kernel's output: wait for it (the w2 gather above is already in flight)
+            gdc_wait()
+        a = tl.load(act_ptr + sl[:, None].to(tl.int64) * stride_am + ic[None, :], mask=use[:, None] & imask[None, :],
+                    other=0.0).to(tl.float32) * r[:, None]
+        part += tl.sum(w.to(tl.float32) * a[:, None, :], axis=2)
     tok = sl // TOP_K
     for m in tl.static_range(MT):  # the top-k sum of token m, in the fixed order of one reduction
         y = tl.sum(tl.where((tok == m)[:, None], part, 0.0), axis=0)

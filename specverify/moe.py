@@ -848,12 +848,6 @@ def _expert_operands(hidden, w13, w2, topk_ids, topk_weights):
     return hidden, w13, w2, topk_ids.to(torch.int32).contiguous(), topk_weights.float().contiguous()
 
 
-#: How the FMA expert kernels (stream gate/up, down gather) read int4 codes (``GROUPED``): False dequantises each
-#: tile into column order (``_load_w``: codes converted, interleaved, scaled per element), True works group by group
-#: on [rows, groups, bytes] tiles (``_int4_group_sums``: even / odd columns apart, a scale per group sum).
-_INT4_DEQUANT: dict = {"GROUPED": True}
-
-
 def _scale_operands(quant, w, which: str):
     """One expert weight's scale operands for the kernels: ``(scale, stride_se, stride_sn)`` and the constexprs
     ``QUANT`` / ``QG`` / ``QN`` (``which``: ``"w13"`` or ``"w2"``). Unquantised, the weight stands in for its scale
@@ -1013,8 +1007,7 @@ def stream_gate_up(hidden, w13, ids32, cfg: dict, pdl: bool, quant: MoEQuant | N
     q13, qc = _scale_operands(quant, w13, "w13")
     _moe_stream_gate_up_kernel[(s * nt,)](
         hidden, w13, q13[0], act, ids32, hidden.stride(0), w13.stride(0), w13.stride(1), q13[1], q13[2],
-        act.stride(0), E=e, H=h, I=inter, TOP_K=top_k, R=cfg["R"], BK=max(cfg["BK"], qc["QG"]), PDL=pdl,
-        GROUPED=_INT4_DEQUANT["GROUPED"], **qc, **launch)
+        act.stride(0), E=e, H=h, I=inter, TOP_K=top_k, R=cfg["R"], BK=cfg["BK"], PDL=pdl, **qc, **launch)
     return act
 
 
@@ -1046,8 +1039,7 @@ def _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, out, quant=None):
     q2, qc = _scale_operands(quant, w2, "w2")
     _moe_stream_down_kernel[(_cdiv(h, cfg["BH"]),)](
         act, w2, q2[0], ids32, tw, out, act.stride(0), w2.stride(0), w2.stride(1), q2[1], q2[2], out.stride(0), E=e,
-        H=h, I=inter, TOP_K=top_k, MT=m, SP=cfg["SP"], BH=cfg["BH"], BI=max(cfg["BI"], qc["QG"]), PDL=pdl,
-        GROUPED=_INT4_DEQUANT["GROUPED"], **qc, **launch2)
+        H=h, I=inter, TOP_K=top_k, MT=m, SP=cfg["SP"], BH=cfg["BH"], BI=cfg["BI"], PDL=pdl, **qc, **launch2)
     return out
 
 

@@ -50,6 +50,11 @@ experts           ``sglang.kernels.ops.moe.fused_moe_triton_kernels : invoke_fus
                   ``silu_and_mul`` that needs ``tvm_ffi``); combine as ``moe_combine_topk``: direct write for
                   top-1, ``torch.add`` for top-2, ``moe_sum_reduce_triton`` otherwise (SGLang's choice up to 32
                   tokens on Hopper; above that it calls ``sgl_kernel.moe_sum_reduce``, used when installed).
+                  Quantised experts (``quant=MoEQuant(...)``): the same sequence with SGLang's int4 W4A16 flags
+                  (``fused_moe_kernel_gptq_awq``; on Hopper SGLang's default for int4 is Marlin, not this) or block
+                  fp8 W8A8 flags and its config for them; block fp8 activations are quantised per token group by
+                  SGLang's JIT-CUDA kernel on CUDA when it builds here, else by its Triton kernel (a stand-in on
+                  CUDA, named in ``fn.not_sglang``); see :func:`prepare_fused_experts`.
 ================  ================================================================================================
 
 Not provided: tree greedy verification and tree speculative sampling. On CUDA SGLang 0.5.23 runs
@@ -204,6 +209,13 @@ def _load() -> dict:
                 cfg.get_exec = lambda: _ExecDefaults
             ns = types.SimpleNamespace(invoke=k.invoke_fused_moe_kernel, act_and_mul=k.act_and_mul_triton,
                                        sum_reduce=k.moe_sum_reduce_triton, config=cfg, cuda_sum=None)
+            # block fp8: invoke_fused_moe_kernel quantises its activations itself, with the JIT-CUDA
+            # sglang_per_token_group_quant_fp8 where SGLang's platform probe (``_is_cuda``) says CUDA, else with the
+            # Triton kernel behind fp8_kernel.per_token_group_quant_fp8 (``_per_token_group_quant_8bit_raw``)
+            fp8 = importlib.import_module("sglang.kernels.ops.quantization.fp8_kernel")
+            ns.sees_cuda = bool(getattr(k, "_is_cuda", False))
+            ns.group_quant_triton = fp8._per_token_group_quant_8bit_raw
+            ns.group_quant_cuda = getattr(fp8, "sglang_per_token_group_quant_fp8", None)
             try:
                 ns.cuda_sum = importlib.import_module("sgl_kernel").moe_sum_reduce
             except Exception:
@@ -759,25 +771,56 @@ def route_and_align(logits, bias, block_size, *, top_k, scoring="sigmoid", n_gro
 # experts
 
 
-def _moe_configs(w13_shape, w2_shape, top_k, dtype, m, on_cuda):
-    """SGLang's block config choice for an unquantised MoE: (config, down_config or None).
+_NO_QUANT = dict(use_fp8_w8a8=False, use_int8_w8a8=False, use_int8_w8a16=False, use_int4_w4a16=False,
+                 per_channel_quant=False)
+_ACT_QUANT = ("auto", "sglang", "triton")
+_INT4_NOTE = ("int4 backend: SGLang's Triton W4A16 path (CompressedTensorsWNA16TritonMoE: --moe-runner-backend "
+              "triton, its default on SM100); on Hopper its default for these checkpoints is Marlin "
+              "(fused_marlin_moe, sgl_kernel CUDA)")
+_FP8_ACT_NOTE = ("fp8 activation quantisation: SGLang's Triton per_token_group_quant_fp8 kernel "
+                 "(_per_token_group_quant_8bit_raw) standing in for the JIT-CUDA sglang_per_token_group_quant_fp8 "
+                 "SGLang calls on CUDA")
 
-    Tuned files are keyed by the CUDA device name; off CUDA there is none, and SGLang's default config applies.
+
+def _quant_call(quant):
+    """``invoke_fused_moe_kernel``'s quantisation flags and ``block_shape`` for ``quant`` (None or a
+    :class:`specverify.moe.MoEQuant`), as SGLang's layers set them: int4 ``use_int4_w4a16`` with ``[0, group_size]``
+    (``CompressedTensorsWNA16TritonMoE.get_triton_quant_info``), block fp8 ``use_fp8_w8a8`` with the checkpoint's
+    ``weight_block_size`` (``Fp8MoEMethod``)."""
+    flags = dict(_NO_QUANT)
+    if quant is None:
+        return flags, None
+    if quant.format == "int4":
+        flags["use_int4_w4a16"] = True
+        return flags, [0, int(quant.group_size)]
+    flags["use_fp8_w8a8"] = True
+    return flags, [int(b) for b in quant.block_shape]
+
+
+def _moe_configs(w13_shape, w2_shape, top_k, dtype, m, on_cuda, flags=None, block_shape=None):
+    """SGLang's block config choice (``try_get_optimal_moe_config``): (config, down_config or None).
+
+    Tuned files are keyed by E, the *stored* last dimension of w2 (SGLang passes ``w2.shape``: for int4 the packed
+    I / 2), the dtype string (``get_config_dtype_str``: None for fp16/bf16, ``"int4_w4a16"``, ``"fp8_w8a8"``), the
+    block shape (named only when both entries are non-zero) and the CUDA device name. Off CUDA there is none, and
+    SGLang's ``get_default_config`` applies (block fp8: BLOCK_SIZE_N / BLOCK_SIZE_K = the block shape).
     """
     cfg = _need("experts").config
     e, _, n = w2_shape
-    dtype_str = cfg.get_config_dtype_str(dtype)
+    quant_flags = {k: v for k, v in (flags or {}).items() if k != "per_channel_quant"}
+    dtype_str = cfg.get_config_dtype_str(dtype, **quant_flags)
+    block_n, block_k = block_shape if block_shape else (0, 0)
 
     def lookup(down):
         if not on_cuda:
             return None
-        return cfg.get_moe_configs(e, n, dtype_str, 0, 0, per_channel_quant=False, down_moe=down)
+        return cfg.get_moe_configs(e, n, dtype_str, block_n, block_k, per_channel_quant=False, down_moe=down)
 
     configs = lookup(False)
     if configs:
         config = dict(configs[min(configs.keys(), key=lambda x: abs(x - m))])
     else:
-        config = dict(cfg.get_default_config(m, e, n, w13_shape[2], top_k, dtype_str, False, None))
+        config = dict(cfg.get_default_config(m, e, n, w13_shape[2], top_k, dtype_str, False, block_shape))
     down = None
     down_configs = lookup(True)
     if down_configs:
@@ -791,13 +834,14 @@ def _moe_configs(w13_shape, w2_shape, top_k, dtype, m, on_cuda):
 _CONFIG_CACHE: dict = {}
 
 
-def _config_for(hidden, w13, w2, top_k):
+def _config_for(hidden, w13, w2, top_k, flags=None, block_shape=None):
     on_cuda = hidden.is_cuda
-    key = (tuple(w13.shape), tuple(w2.shape), top_k, hidden.dtype, hidden.shape[0], on_cuda)
+    key = (tuple(w13.shape), tuple(w2.shape), top_k, hidden.dtype, hidden.shape[0], on_cuda,
+           tuple(sorted((flags or {}).items())), tuple(block_shape or ()))
     got = _CONFIG_CACHE.get(key)
     if got is None:
         got = _CONFIG_CACHE[key] = _moe_configs(tuple(w13.shape), tuple(w2.shape), top_k, hidden.dtype,
-                                                hidden.shape[0], on_cuda)
+                                                hidden.shape[0], on_cuda, flags, block_shape)
     return got
 
 
@@ -819,6 +863,53 @@ def _check_experts(hidden, w13, w2, topk_weights, topk_ids):
                          f"{list(topk_ids.shape)} and {list(topk_weights.shape)}")
 
 
+def _check_experts_quant(hidden, w13, w2, topk_weights, topk_ids, quant, act_quant):
+    """Quantised experts: what :func:`specverify.moe.fused_moe` checks (format, storage dtype, shapes, scales), then
+    what SGLang's call adds."""
+    from specverify.moe import _check_moe_args
+
+    _check_moe_args(hidden, w13, w2, topk_ids, topk_weights, None, "silu", None, quant)
+    if act_quant not in _ACT_QUANT:
+        raise ValueError(f"sglang peer fused_experts: act_quant must be one of {_ACT_QUANT}, got {act_quant!r}")
+    if quant.format == "fp8":
+        bk, h, inter = quant.block_shape[1], hidden.shape[1], w2.shape[2]
+        if h % bk or inter % bk:
+            raise ValueError(f"sglang peer fused_experts: block fp8 quantises the activations per group of "
+                             f"block_shape[1]={bk} columns (SGLang's per_token_group_quant_fp8 takes whole groups "
+                             f"only), so H={h} and I={inter} must be multiples of it; use a block_shape whose second "
+                             "entry divides both")
+
+
+_ACT_PROBES: dict = {}
+
+
+def _fp8_act_quant(ex, hidden, inter, block_k, act_quant):
+    """(mode, note or "") for block fp8's activation quantisation (see :func:`prepare_fused_experts`)."""
+    if not ex.sees_cuda:
+        note = ("" if not hidden.is_cuda else "fp8 activation quantisation: SGLang's non-CUDA Triton path (its "
+                "platform probe sees no CUDA here), not the JIT-CUDA kernel it calls on CUDA")
+        return ("sglang" if act_quant != "triton" else "triton"), note
+    if act_quant == "sglang":
+        return "sglang", ""
+    if act_quant == "triton":
+        return "triton", _FP8_ACT_NOTE
+    key = (hidden.dtype, hidden.shape[1], inter, block_k, str(hidden.device))
+    why = _ACT_PROBES.get(key)
+    if why is None:
+        try:  # compiles SGLang's JIT kernel for both activation widths (a whole-row group takes its per-token kernel)
+            if ex.group_quant_cuda is None:
+                raise RuntimeError("sglang.kernels.ops.quantization.fp8_kernel has no sglang_per_token_group_quant_fp8")
+            for width in (hidden.shape[1], inter):
+                ex.group_quant_cuda(hidden.new_zeros((1, width)), block_k)
+            if hidden.is_cuda:
+                torch.cuda.synchronize(hidden.device)
+            why = ""
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
+        _ACT_PROBES[key] = why
+    return ("sglang", "") if not why else ("triton", f"{_FP8_ACT_NOTE} ({why})")
+
+
 def _combine(cache3, out, topk, sum_reduce, cuda_sum):
     m = cache3.shape[0]
     if topk == 2:
@@ -829,56 +920,123 @@ def _combine(cache3, out, topk, sum_reduce, cuda_sum):
         cuda_sum(cache3, out, 1.0)
 
 
-def prepare_fused_experts(hidden, w13, w2, topk_weights, topk_ids):
+def prepare_fused_experts(hidden, w13, w2, topk_weights, topk_ids, *, quant=None, act_quant="auto"):
     """Resolve SGLang's config for these shapes and return ``fn()`` running align + the two expert GEMMs.
+
+    Unquantised, ``invoke_fused_moe_kernel`` runs with every quantisation flag off. With ``quant``, it runs as
+    SGLang's quantised MoE layers call it on its Triton runner (``srt/layers/moe/moe_runner/triton.py :
+    fused_experts_none_to_triton`` -> ``triton_utils/fused_moe.py : _fused_moe_kernel_sequence``), with SGLang's
+    config for the format (``get_config_dtype_str`` / ``get_moe_configs`` / ``get_default_config``):
+
+    * int4: ``use_int4_w4a16=True``, ``block_shape=[0, group_size]``, ``B`` the packed uint8 weights [E, N, K / 2],
+      ``B_scale`` the group scales [E, N, K / group_size] (any float dtype: the kernel reads them as fp32), no zero
+      point. That call goes to ``fused_moe_kernel_gptq_awq``, which takes byte ``k // 2`` of row n, code ``(byte >>
+      4 * (k % 2)) & 0xF``, and ``(code - 8) * scale[e, n, k // group_size]`` in fp32 rounded to hidden's dtype
+      before the dot (W4A16): :class:`specverify.moe.MoEQuant`'s int4 layout. It is what
+      ``CompressedTensorsWNA16TritonMoE`` passes after loading (``weight_packed`` int32 transposed to [E, N, K / 8]
+      and viewed as uint8; scales transposed to [E, N, K / g]). **Not what SGLang runs by default on Hopper**:
+      there its default for these checkpoints is Marlin (``fused_marlin_moe``, CUDA from ``sgl_kernel``); this
+      Triton path is its ``--moe-runner-backend triton`` and its SM100 default. ``fn.not_sglang`` says so.
+    * block fp8: ``use_fp8_w8a8=True``, ``block_shape=[bn, bk]``, ``B`` float8_e4m3fn [E, N, K], ``B_scale`` fp32
+      [E, ceil(N / bn), ceil(K / bk)] (the checkpoints' ``weight_scale_inv``), as ``Fp8MoEMethod`` passes them (its
+      Triton runner is SGLang's default on Hopper without DeepEP). Both GEMMs' activations are quantised to fp8 per
+      token and group of bk columns (scale ``max|x| / 448``; W8A8), which SGLang does inside
+      ``invoke_fused_moe_kernel``: with the JIT-CUDA ``sglang_per_token_group_quant_fp8`` where its platform probe
+      sees CUDA, else with the Triton kernel of ``fp8_kernel.per_token_group_quant_fp8``. ``act_quant`` picks:
+      ``"sglang"``: activations go in in hidden's dtype and ``invoke_fused_moe_kernel`` quantises them, as in
+      SGLang. ``"triton"``: this wrapper quantises them with SGLang's Triton kernel and passes fp8 activations and
+      their row-major fp32 scales (the kernel's pre-quantised branch); **on CUDA not SGLang's** (a Triton stand-in
+      for its JIT-CUDA kernel), elsewhere the same kernel SGLang calls. ``"auto"``: ``"sglang"`` where SGLang sees
+      no CUDA, and on CUDA when one probe call of its JIT kernel per activation width (which compiles it; a host
+      sync, here in the prepare step) succeeds; otherwise ``"triton"``, with the reason in ``fn.not_sglang``.
+
+    The activation (``act_and_mul_triton``), the alignment and the expert sum are those of the unquantised call;
+    the module notes say where those are not SGLang's.
 
     Parameters
     ----------
     hidden : torch.Tensor
         [M, H], fp16/bf16. w13: [E, 2I, H] (gate rows then up rows, SGLang's ``w13_weight`` layout);
         w2: [E, H, I] (SGLang's ``w2_weight``). topk_weights fp32 [M, top_k] (already scaled); topk_ids int32.
+        With ``quant`` the weights hold the stored values: int4 uint8 [E, 2I, H / 2] / [E, H, I / 2], fp8
+        float8_e4m3fn [E, 2I, H] / [E, H, I].
+    quant : specverify.moe.MoEQuant, optional
+        Format and scales of quantised experts, checked as :func:`specverify.moe.fused_moe` checks them; block fp8
+        also needs H and I to be multiples of ``block_shape[1]`` (whole activation groups).
+    act_quant : {"auto", "sglang", "triton"}
+        Block fp8 only: who quantises the activations (above).
 
     Returns
     -------
     callable
-        ``fn()`` returns [M, H] in hidden's dtype: ``sum_j w[m, j] * W2[e] silu(W1_gate[e] x) * (W1_up[e] x)``.
+        ``fn()`` returns [M, H] in hidden's dtype: ``sum_j w[m, j] * W2[e] silu(W1_gate[e] x) * (W1_up[e] x)``
+        over the dequantised weights (block fp8: with fp8-rounded activations into each GEMM). ``fn.act_quant``
+        is the activation-quantisation mode used (None unless block fp8); ``fn.not_sglang`` lists where this
+        quantised call is not what SGLang runs here (empty unquantised: the module notes cover that call).
+
+    Raises
+    ------
+    TypeError, ValueError
+        Inputs that do not fit, an unknown ``act_quant``.
+    RuntimeError
+        SGLang's experts piece does not import here.
     """
-    _check_experts(hidden, w13, w2, topk_weights, topk_ids)
+    if quant is None:
+        _check_experts(hidden, w13, w2, topk_weights, topk_ids)
+    else:
+        _check_experts_quant(hidden, w13, w2, topk_weights, topk_ids, quant, act_quant)
     ex = _need("experts")
     import triton.language as tl
 
-    config, down = _config_for(hidden, w13, w2, topk_ids.shape[1])
+    flags, block_shape = _quant_call(quant)
+    config, down = _config_for(hidden, w13, w2, topk_ids.shape[1], flags, block_shape)
     m, h = hidden.shape
     e, n, _ = w13.shape
     topk = topk_ids.shape[1]
     compute_type = tl.bfloat16 if hidden.dtype == torch.bfloat16 else tl.float16
-    flags = dict(compute_type=compute_type, use_fp8_w8a8=False, use_int8_w8a8=False, use_int8_w8a16=False,
-                 use_int4_w4a16=False, per_channel_quant=False, block_shape=None, filter_expert=False)
+    kw = dict(compute_type=compute_type, **flags, block_shape=block_shape, filter_expert=False)
+    s13, s2 = (None, None) if quant is None else (quant.w13_scale, quant.w2_scale)
+    not_sglang, mode = [], None
+    if quant is not None and quant.format == "int4":
+        not_sglang.append(_INT4_NOTE)
+    if flags["use_fp8_w8a8"]:
+        mode, note = _fp8_act_quant(ex, hidden, w2.shape[2], block_shape[1], act_quant)
+        if note:
+            not_sglang.append(note)
+    quantise = ex.group_quant_triton if mode == "triton" else None
+    block_k = block_shape[1] if block_shape else 0
+
+    def gemm(a, b, b_scale, c, route, mul_routed_weight, top_k, cfg, **extra):
+        a_scale = None
+        if quantise is not None:
+            a, a_scale = quantise(a, block_k)
+        wts, ids, sorted_ids, expert_ids, ntpp = route
+        ex.invoke(a, b, None, c, a_scale, b_scale, None, wts, ids, sorted_ids, expert_ids, ntpp, mul_routed_weight,
+                  top_k, cfg, **kw, **extra)
 
     def fn():
         ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
         wts = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
-        sorted_ids, expert_ids, ntpp = align(ids, e, config["BLOCK_SIZE_M"])
+        route = (wts, ids) + align(ids, e, config["BLOCK_SIZE_M"])
         cache1 = hidden.new_empty((m * topk, n))
-        ex.invoke(hidden, w13, None, cache1, None, None, None, wts, ids, sorted_ids, expert_ids, ntpp, False,
-                  topk, config, **flags)
+        gemm(hidden, w13, s13, cache1, route, False, topk, config)
         cache2 = hidden.new_empty((m * topk, n // 2))
         ex.act_and_mul(cache1, cache2, config)
         out = torch.empty_like(hidden)
         direct = topk == 1  # routed scaling is folded into the weights, so SGLang's "scale == 1" case applies
         dst = out.unsqueeze(0) if direct else hidden.new_empty((m, topk, w2.shape[1]))
-        ex.invoke(cache2, w2, None, dst, None, None, None, wts, ids, sorted_ids, expert_ids, ntpp, True, 1,
-                  down or config, router_topk=topk, **flags)
+        gemm(cache2, w2, s2, dst, route, True, 1, down or config, router_topk=topk)
         if not direct:
             _combine(dst, out, topk, ex.sum_reduce, ex.cuda_sum)
         return out
 
+    fn.act_quant, fn.not_sglang = mode, not_sglang
     return fn
 
 
-def fused_experts(hidden, w13, w2, topk_weights, topk_ids):
+def fused_experts(hidden, w13, w2, topk_weights, topk_ids, *, quant=None, act_quant="auto"):
     """SGLang's Triton fused-MoE sequence (see :func:`prepare_fused_experts`). Returns [M, H]."""
-    return prepare_fused_experts(hidden, w13, w2, topk_weights, topk_ids)()
+    return prepare_fused_experts(hidden, w13, w2, topk_weights, topk_ids, quant=quant, act_quant=act_quant)()
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -14,10 +14,7 @@ default table), ``no-<slot>`` (one slot of ``FUSIONS`` emptied); gate/up of the 
 ``bench_moe_block.py --configs``); ``cublas-o`` (o_proj on cuBLAS again); ``router-gemv-m8`` (the router on our GEMV
 up to 8 tokens); ``no-q-fold`` (q_a's RMSNorm a launch of its own again, ``forward.model.FOLD_Q_NORM``); ``fold-m8``
 (the fold up to 8 tokens, ``FOLD_Q_NORM_MAX_M``); ``no-early-kv`` (the MLA attention's first prefix KV tile read
-after the PDL wait, not before); ``mla-m64`` (33-64 query rows a program in one 64-row tile, not two of 32);
-``pdl-late`` / ``pdl-late-<gemv|norm|prep|route>`` (every kernel, or one launch family, lets its successor launch
-after its own PDL wait, ``fit.PDL_TRIGGER_AFTER_WAIT``); ``router-gemv-m8-late[-3d]`` (the router on our GEMV with
-every kernel triggering late, and with 16-row tiles and the one-load split reduce).
+after the PDL wait, not before); ``mla-m64`` (33-64 query rows a program in one 64-row tile, not two of 32).
 Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded into the projections and
 q_a's norm in the qkv_a GEMV's last tile (slower in the pass), the split merge fused with W_UV (slower alone; again
 as latent parts a program summed by a ticket, `no-attention_mla_up_v` against it: 0.06 / 0.12 / 0.32 / 0.48 ms
@@ -43,7 +40,11 @@ and on the sixth the split merge on 2048-element tiles and 2 warps (`merge-2k-w2
 0.01 ms at DeepSeek-V3 b 4 / 16k k = 4); on the seventh the MLA split count bound so that a split reads at least the
 KV bytes of the fp32 partials it writes (Kimi-K2 k = 6 / 8 at 32 splits, not 64; `no-split-cover` against it:
 within 0.04 ms either way at k = 8, 0.04 ms slower at k = 6 on one 64-row tile). 33-63 rows as two 32-row tiles
-(first measured as `mla-48-m32`) became the rule on the eighth session; `mla-m64` measures against it.
+(first measured as `mla-48-m32`) became the rule on the eighth session; `mla-m64` measures against it. On the H100
+(2026-12-07, bench/results/HISTORY.md): every kernel letting its successor launch after its own PDL wait, not
+before (`pdl-late`; the GEMVs or the routing alone, `pdl-late-gemv` / `-route`), also with the router on our GEMV
+up to 8 tokens, and that on 16-row tiles with its split reduce in one load (`router-gemv-m8-late`, `-late-3d`): no
+faster in the pass.
 
 Usage: ``python bench/ab_verify_pass.py [--model kimi-k2] [--batch 1] [--context 4096] [--tree chain]
 [--draft-tokens 1,2,4,8] [--iters 10] [--page-size 64] [--variants ...] [--kernels] [--json PATH]``.
@@ -55,7 +56,6 @@ import importlib
 import json
 import sys
 
-from specverify import fit
 from specverify import verify_wall as vw
 from specverify.gemv import gemv_config
 
@@ -74,23 +74,6 @@ VARIANTS["router-gemv-m8-w1"] = dict(off=(), linear=((8, (1, 512), (7168, 7168))
     ((8, (1, 512), (7168, 7168)), {**gemv_config(8, 384, 7168), "WAVES": 1}),))
 VARIANTS["no-q-fold"] = dict(off=(), attrs=(("specverify.forward.model", "FOLD_Q_NORM", False),))
 VARIANTS["fold-m8"] = dict(off=(), attrs=(("specverify.forward.model", "FOLD_Q_NORM_MAX_M", 8),))
-
-
-def _late(which) -> tuple:
-    """``attrs`` of a variant whose kernels entering through ``kernels/pdl.py`` (``which``: True, every one; or a
-    frozenset of launch families) let their successor launch after their own wait, not before it
-    (``specverify.fit.PDL_TRIGGER_AFTER_WAIT``): at most one successor resident beside a running grid."""
-    return (("specverify.fit", "PDL_TRIGGER_AFTER_WAIT", which),)
-
-
-VARIANTS["pdl-late"] = dict(off=(), attrs=_late(True))
-VARIANTS.update({f"pdl-late-{fam}": dict(off=(), attrs=_late(frozenset((fam,)))) for fam in fit.PDL_FAMILIES})
-VARIANTS["router-gemv-m8-late"] = dict(VARIANTS["router-gemv-m8"], attrs=_late(True))
-#: the same with 16-row tiles and the one-load split reduce (``REDUCE_3D``; its M-row loop at 4-8 tokens was the
-#: GEMV's loss against cuBLAS alone, bench_gemv)
-VARIANTS["router-gemv-m8-late-3d"] = dict(VARIANTS["router-gemv-m8-late"], gemv=tuple(
-    ((mm, (1, 512), (7168, 7168)), {**gemv_config(mm, 384, 7168), "BLOCK_N": 16, "REDUCE_3D": True})
-    for mm in (1, 8)))  # one token (no pass here runs the router GEMV there) on Kimi-K2's one-token grid
 VARIANTS["no-early-kv"] = dict(off=(), attrs=(("specverify.kernels.tree_attention_wgmma", "EARLY_KV", False),))
 #: the Gluon MLA kernel's programs of 33-64 rows as one 64-row tile again (``MLA_WGMMA_64_ROW_TILE``, read at plan
 #: time)

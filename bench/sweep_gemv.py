@@ -6,8 +6,8 @@ For each shape (one tp-8 rank of Kimi-K2 / DeepSeek-V3, ``bench_gemv.SHAPES``) a
 exceed 4x L2, so each call reads HBM as in the pass); cuBLAS (``torch.matmul``) beside it. ``bw`` = weight bytes /
 time / copy bandwidth of the same run.
 
-Usage: ``python bench/sweep_gemv.py [--ms 1,4] [--shapes kimi-k2:qkv_a,...] [--row-range] [--reduce] [--json PATH]``;
-prints a table last.
+Usage: ``python bench/sweep_gemv.py [--ms 1,4] [--shapes kimi-k2:qkv_a,...] [--row-range] [--json PATH]``; prints a
+table last.
 """
 from __future__ import annotations
 
@@ -42,11 +42,6 @@ CONFIGS = [
     {"ROW_RANGE": True, "WAVES": 2, "BLOCK_K": 256, "num_stages": 3},
     {"ROW_RANGE": True, "WAVES": 2, "BLOCK_K": 128, "num_stages": 4},
 ]
-#: the split reduce in one load (``REDUCE_3D``; where its tile exceeds ``gemv.REDUCE_3D_MAX`` the launch keeps the
-#: reduce above, so such a row repeats its tile's default), and 16-row tiles without it (``--reduce``: these only)
-REDUCE_CONFIGS = [{"REDUCE_3D": True}, {"REDUCE_3D": True, "BLOCK_N": 32}, {"REDUCE_3D": True, "BLOCK_N": 16},
-                  {"BLOCK_N": 16}]
-CONFIGS += REDUCE_CONFIGS
 
 
 def _name(over: dict) -> str:
@@ -59,13 +54,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="", help="comma-separated model:proj (default: all of bench_gemv.SHAPES but "
                                                  "the LM head)")
     ap.add_argument("--row-range", action="store_true", help="today's launch and the row-range candidates only")
-    ap.add_argument("--reduce", action="store_true", help="today's launch and the one-load reduce candidates only")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
-    configs = CONFIGS
-    if args.row_range or args.reduce:
-        configs = [c for c in CONFIGS if not c or (args.row_range and c.get("ROW_RANGE"))
-                   or (args.reduce and c in REDUCE_CONFIGS)]
+    configs = [c for c in CONFIGS if not c or c.get("ROW_RANGE")] if args.row_range else CONFIGS
     if not torch.cuda.is_available():
         print("sweep_gemv: needs a CUDA GPU", file=sys.stderr)
         return 2

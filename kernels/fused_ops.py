@@ -40,8 +40,8 @@ launches per layer is what matters.
    gone from the pass. The partials are one [BLOCK_P, tokens] load beside each program's first activation load.
 
 ``PDL`` (every kernel here; programmatic dependent launch, sm_90+): the grid may start while the previous kernel
-finishes; it loads only constant weights before ``gdc_wait`` and lets the next kernel launch at once (``PDL`` 2:
-after its wait; ``specverify.kernels.pdl``).
+finishes; it loads only constant weights before ``gdc_wait`` and lets the next kernel launch at once
+(``specverify.kernels.pdl``).
 
 Tensors (T = batch * k tokens):
 

@@ -8,8 +8,8 @@ grid covers every SM about twice (N of 384-7168 gives only 6-112 row tiles)::
 
     program (n, s):  P[s, :, n0:n0+ROWS] = sum over k in slice s of  X[:, k] * W[n0 + j, k]   (n0 = n * ROWS) fp32
     last program of row tile n (a self-resetting ticket per tile):  Y[m, n0:n0+ROWS] = sum_s P[s, m]  (x's dtype):
-        one [SPLIT_PAD, BLOCK_N, BLOCK_M] load for all token rows (REDUCE_3D), else one [SPLIT_PAD, BLOCK_N] load
-        and tree sum per token row (WIDE_REDUCE: one token, or many splits), else split by split
+        one [SPLIT_PAD, BLOCK_N] load and tree sum per token row (WIDE_REDUCE: one token, or many splits),
+        else split by split
 
 Row ranges (``ROWS`` < ``BLOCK_N``): program n takes weight rows [n * ROWS, (n + 1) * ROWS) in a BLOCK_N tile (the
 rows past ROWS masked, never loaded), so a grid of at most ``WAVES`` programs an SM covers N with no split of K and
@@ -21,12 +21,12 @@ acquire-release) reduces them and resets the ticket, so the launch is graph-repl
 ``PDL`` (programmatic dependent launch, sm_90+): the grid may start while the previous kernel finishes; with
 ``PREFETCH`` each program first issues ``prefetch.global.L2`` for the first ``k_prefetch`` columns of its weight
 slice (constant data; the launcher bounds the grid's total, so a large weight does not thrash L2), then lets the
-next kernel launch (``gdc_launch_dependents``) and waits (``gdc_wait``; ``PDL`` 2: the two the other way round,
-``specverify.kernels.pdl``) before it touches X, the workspace or Y.
+next kernel launch (``gdc_launch_dependents``) and waits (``gdc_wait``; ``specverify.kernels.pdl``) before it
+touches X, the workspace or Y.
 
 ``SUMSQ`` (the qkv_a projection of MLA, whose first ``sumsq_cols`` = q_lora columns feed q_a's RMSNorm): the
-program that stores row tile n (the plain store at ``SPLIT_K == 1``, else the tile's last program, in all three
-reduce forms) also writes, per token row m, the sum of squares of the values it stored in columns ``< sumsq_cols``::
+program that stores row tile n (the plain store at ``SPLIT_K == 1``, else the tile's last program, in both reduce
+forms) also writes, per token row m, the sum of squares of the values it stored in columns ``< sumsq_cols``::
 
     S[n, m] = sum over j < ROWS with n * ROWS + j < sumsq_cols of  float(Y[m, n * ROWS + j])^2     (Y as stored)
 
@@ -65,7 +65,7 @@ def _gemv_splitk_kernel(X, W, Y, P, TICKET, S, M, N, K, stride_xm, stride_wn, st
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLIT_K: tl.constexpr, SPLIT_PAD: tl.constexpr, WIDE_REDUCE: tl.constexpr,
                         DOT_FP32: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                        SUMSQ: tl.constexpr = False, REDUCE_3D: tl.constexpr = False):
+                        SUMSQ: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     rr = tl.arange(0, BLOCK_N)
@@ -108,7 +108,7 @@ def _gemv_splitk_kernel(X, W, Y, P, TICKET, S, M, N, K, stride_xm, stride_wn, st
         tl.debug_barrier()  # this program's partial precedes its ticket
         ticket = tl.atomic_add(TICKET + pid_n, 1, sem="acq_rel")
         if ticket == SPLIT_K - 1:
-            if WIDE_REDUCE and not REDUCE_3D:
+            if WIDE_REDUCE:
                 # one wide load of every split's partial per token row (the launcher's rule: one token, or
                 # many splits, where the split-by-split loop below would serialise)
                 rs = tl.arange(0, SPLIT_PAD)
@@ -122,19 +122,9 @@ def _gemv_splitk_kernel(X, W, Y, P, TICKET, S, M, N, K, stride_xm, stride_wn, st
                         if s_here:
                             tl.store(s_row + m, _sumsq(y, nmask & (rn < sumsq_cols)))
             else:
-                if REDUCE_3D:
-                    # every split's partial of every token row in one [SPLIT_PAD, BLOCK_N, BLOCK_M] load (one
-                    # round trip at any M; the launcher keeps the tile within the registers)
-                    rs = tl.arange(0, SPLIT_PAD)
-                    total = tl.sum(tl.load(P + (rs[:, None, None] * BLOCK_M + rm[None, None, :]) * N
-                                           + rn[None, :, None],
-                                           mask=(rs < SPLIT_K)[:, None, None] & out_mask[None, :, :], other=0.0),
-                                   axis=0)
-                else:
-                    total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-                    for s in range(0, SPLIT_K):
-                        total += tl.load(P + (s * BLOCK_M + rm[None, :]) * N + rn[:, None], mask=out_mask,
-                                         other=0.0)
+                total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                for s in range(0, SPLIT_K):
+                    total += tl.load(P + (s * BLOCK_M + rm[None, :]) * N + rn[:, None], mask=out_mask, other=0.0)
                 y = total.to(Y.dtype.element_ty)
                 tl.store(Y + rm[None, :] * stride_ym + rn[:, None], y, mask=out_mask)
                 if SUMSQ:

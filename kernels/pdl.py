@@ -5,13 +5,12 @@ their successor before they wait.
 read while its predecessor still runs)::
 
     PDL false: nothing (no programmatic edge: the launch waited for the predecessor)
-    PDL 1 / True: gdc_launch_dependents, then gdc_wait   (the successor may launch before this grid's own wait)
-    PDL 2:        gdc_wait, then gdc_launch_dependents   (it launches only once this grid's predecessor is done)
+    PDL true:  gdc_launch_dependents, then gdc_wait   (the successor may launch before this grid's own wait)
 
-With 1 a chain of small grids can have several successors resident at once, each waiting on the one before; with 2
-at most one successor is resident beside a running grid. ``specverify.fit.PDL_TRIGGER_AFTER_WAIT`` (all launch
-families, or the ones it names) gives 2 through :func:`specverify.fit.pdl_kwargs` to the launchers that name their
-family; kernels with their own trigger (the MoE block, attention, experts) pass none and keep theirs.
+A chain of small grids can have several successors resident at once, each waiting on the one before (the trigger
+after the wait, at most one successor resident beside a running grid, was no faster in the pass on the H100:
+bench/results/HISTORY.md). :func:`specverify.fit.pdl_kwargs` gives ``PDL``; kernels with their own trigger (the
+MoE block, attention, experts) keep theirs.
 """
 import triton
 import triton.language as tl
@@ -20,9 +19,6 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 @triton.jit
 def pdl_enter(PDL: tl.constexpr):
-    if PDL == 2:
-        gdc_wait()
-        gdc_launch_dependents()
-    elif PDL:
+    if PDL:
         gdc_launch_dependents()
         gdc_wait()

@@ -52,38 +52,21 @@ def _capability_major(index: int) -> int:
 
 def pdl_launch(device: torch.device) -> bool:
     """Whether the verify pass's kernels launch as programmatic dependents (PDL) on ``device``: CUDA sm_90+ and
-    ``SPECVERIFY_PDL`` on. Such a kernel is given ``PDL`` (True, or 2: :data:`PDL_TRIGGER_AFTER_WAIT`) and
-    ``launch_pdl=True``: it may start while the previous kernel of the stream finishes, prefetches only constant
-    data (weights) and calls ``gdc_wait`` before it reads or writes anything else, so every kernel of the chain
-    waits for all before it. A kernel whose successor reads earlier kernels' data before its own wait (the experts'
-    down kernel reads the routing's ids) calls ``gdc_launch_dependents`` only after its ``gdc_wait``. Captured in a
-    CUDA graph as programmatic edges. Off the GPU (the interpreter) always False."""
+    ``SPECVERIFY_PDL`` on. Such a kernel is given ``PDL=True`` and ``launch_pdl=True``: it may start while the
+    previous kernel of the stream finishes, prefetches only constant data (weights) and calls ``gdc_wait`` before
+    it reads or writes anything else, so every kernel of the chain waits for all before it. A kernel whose
+    successor reads earlier kernels' data before its own wait (the experts' down kernel reads the routing's ids)
+    calls ``gdc_launch_dependents`` only after its ``gdc_wait``. Captured in a CUDA graph as programmatic edges.
+    Off the GPU (the interpreter) always False."""
     if device.type != "cuda" or not envvars.get_flag("SPECVERIFY_PDL"):
         return False
     return _capability_major(_index(device)) >= 9
 
 
-#: Where the kernels entering through ``specverify.kernels.pdl.pdl_enter`` let their successor launch: False, before
-#: their own wait (``PDL=1``); True, after it (``PDL=2``), so a chain of small grids never has more than one successor
-#: resident beside a running grid; or a set of the launch families of :func:`pdl_kwargs` that trigger after it
-#: (``"gemv"``, ``"norm"``: RMSNorm and SiLU-mul, ``"prep"``: MLA / GQA preparation and the head matmuls,
-#: ``"route"``). Read at each launch (``bench/ab_verify_pass.py`` times them as ``pdl-late`` and ``pdl-late-<family>``).
-PDL_TRIGGER_AFTER_WAIT: bool | frozenset = False
-PDL_FAMILIES = ("gemv", "norm", "prep", "route")
-
-
-def pdl_kwargs(device: torch.device, family: str | None = None) -> dict:
+def pdl_kwargs(device: torch.device) -> dict:
     """Launch keywords of a kernel that takes a ``PDL`` constexpr: ``PDL`` and ``launch_pdl`` when
-    :func:`pdl_launch` says so, else ``PDL=False``. ``PDL`` is 2 for a kernel entering through ``pdl_enter`` (``family``
-    one of :data:`PDL_FAMILIES`) that :data:`PDL_TRIGGER_AFTER_WAIT` makes trigger after its wait, else True (a
-    kernel with its own trigger passes no family). Raises ValueError for a family not in :data:`PDL_FAMILIES`."""
-    if family is not None and family not in PDL_FAMILIES:
-        raise ValueError(f"pdl_kwargs: family must be one of {PDL_FAMILIES} or None, got {family!r}")
-    if not pdl_launch(device):
-        return {"PDL": False}
-    late = PDL_TRIGGER_AFTER_WAIT
-    late = family is not None and (late if isinstance(late, bool) else family in late)
-    return {"PDL": 2 if late else True, "launch_pdl": True}
+    :func:`pdl_launch` says so, else ``PDL=False``."""
+    return {"PDL": True, "launch_pdl": True} if pdl_launch(device) else {"PDL": False}
 
 
 def _index(device: torch.device) -> int:

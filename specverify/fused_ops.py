@@ -96,15 +96,14 @@ def rmsnorm(x, weight, eps: float, residual=None, *, impl: str = "auto"):
     warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
     if residual is None:
         _rmsnorm_kernel[(x2.shape[0],)](x2, x2, weight, y, y, x2.stride(0), x2.stride(0), y.stride(0), y.stride(0),
-                                        n, eps, HAS_RES=False, BLOCK=block, num_warps=warps,
-                                        **pdl_kwargs(x.device, "norm"))
+                                        n, eps, HAS_RES=False, BLOCK=block, num_warps=warps, **pdl_kwargs(x.device))
         return y.view(x.shape)
     r2 = residual.reshape(-1, n)
     if r2.stride(-1) != 1:
         r2 = r2.contiguous()
     s = torch.empty_like(y)
     _rmsnorm_kernel[(x2.shape[0],)](x2, r2, weight, y, s, x2.stride(0), r2.stride(0), y.stride(0), s.stride(0), n,
-                                    eps, HAS_RES=True, BLOCK=block, num_warps=warps, **pdl_kwargs(x.device, "norm"))
+                                    eps, HAS_RES=True, BLOCK=block, num_warps=warps, **pdl_kwargs(x.device))
     return y.view(x.shape), s.view(x.shape)
 
 
@@ -169,7 +168,7 @@ def mla_kv_prep(q, kv, positions, norm_weight, cache, page_table, prefix_lens, *
         kv2.stride(0), q.stride(1), q.stride(2), page_table.stride(0), cache.stride(0), cache.stride(1),
         table.stride(0), k, cache.shape[1], heads, eps, math.log2(theta),
         R=r, DR=dr, NOPE=nope_dim, BLOCK_R=triton_next_pow2(r), BLOCK_H=triton_next_pow2(heads),
-        TABLE=cos_sin is not None, INTERLEAVED=bool(interleaved), num_warps=4, **pdl_kwargs(q.device, "prep"))
+        TABLE=cos_sin is not None, INTERLEAVED=bool(interleaved), num_warps=4, **pdl_kwargs(q.device))
     return q
 
 
@@ -199,7 +198,7 @@ def gqa_prep(q, k, v, positions, q_norm, k_norm, k_cache, v_cache, page_table, p
         q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), v3.stride(0), v3.stride(1), page_table.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), kk, k_cache.shape[1], hq, eps, math.log2(theta), D=d, QK_NORM=q_norm is not None,
-        num_warps=1, **pdl_kwargs(q.device, "prep"))
+        num_warps=1, **pdl_kwargs(q.device))
     return q
 
 
@@ -216,7 +215,7 @@ def silu_mul(gate_up, *, impl: str = "auto"):
     act = torch.empty(t, inter, dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, triton_next_pow2(inter))
     _silu_mul_kernel[(t, triton_cdiv(inter, block))](gate_up, act, gate_up.stride(0), act.stride(0), inter,
-                                                     BLOCK=block, num_warps=4, **pdl_kwargs(gate_up.device, "norm"))
+                                                     BLOCK=block, num_warps=4, **pdl_kwargs(gate_up.device))
     return act
 
 
@@ -250,7 +249,7 @@ def _head_matmul(op, a, w, out, t, heads, prep=None):
     # (DeepSeek-V3 batch 4 x k 16) Triton's default 3 stages need 228 KiB, over the H200's 227; fewer stages, then
     # fewer rows per tile, until it fits the device
     cands = [{"BLOCK_T": bt, "num_stages": st} for bt in (block_t, 32, 16) if bt <= block_t for st in (3, 2, 1)]
-    pdl = pdl_kwargs(a.device, "prep")
+    pdl = pdl_kwargs(a.device)
     cfg = first_fitting(kernel, grid, args, [dict(c, KDIM=kdim, NDIM=ndim, BLOCK_N=block_n, UPCAST=upcast,
                                                   PDL=pdl["PDL"], num_warps=4, **extra) for c in cands],
                         device=a.device, key=(kdim, ndim, block_n, block_t, a.dtype, upcast, pdl["PDL"],

@@ -27,10 +27,6 @@ WIDE_REDUCE_MIN_SPLITS = 16
 #: 32 MiB (bench/RESULTS.md, "Verify pass"). The tile (``BLOCK_N`` weight rows x ``BLOCK_K``), the grid's size
 #: (``WAVES`` programs an SM, by splitting K) and the launch's warps / stages: the defaults; :data:`SHAPE_CONFIGS`
 #: overrides them per shape (``bench/sweep_gemv.py`` times the candidates).
-#: ``REDUCE_3D`` (a config key, off by default): the tile's last program sums every split of every token row in one
-#: load when the [pow-2 splits, BLOCK_N, BLOCK_M] fp32 partial tile holds at most this many values (64 registers a
-#: thread at 4 warps); otherwise the reduce above (:func:`reduce_3d`).
-REDUCE_3D_MAX = 8192
 _CONFIG = {"PREFETCH_BYTES": 8 << 20, "BLOCK_N": 64, "BLOCK_K": 128, "WAVES": 2, "num_warps": 4, "num_stages": 3}
 _INF = 1 << 62
 #: ((max M, (N lo, N hi), (K lo, K hi)), overrides of :data:`_CONFIG`): the first rule that holds applies. From
@@ -84,13 +80,6 @@ def gemv_rows(n: int, sms: int, cfg: dict | None = None) -> tuple[int, int]:
         return cfg["BLOCK_N"], cfg["BLOCK_N"]
     rows = -(-n // (cfg["WAVES"] * sms))
     return rows, max(16, triton_next_pow2(rows))
-
-
-def reduce_3d(cfg: dict, split: int, block_n: int, m: int) -> bool:
-    """Whether a launch of ``split`` splits, ``block_n``-row tiles and ``m`` tokens sums its partials in one load
-    (``REDUCE_3D`` set in ``cfg``, more than one split, the tile within :data:`REDUCE_3D_MAX`)."""
-    return (bool(cfg.get("REDUCE_3D")) and split > 1
-            and triton_next_pow2(split) * block_n * max(16, triton_next_pow2(m)) <= REDUCE_3D_MAX)
 
 
 def gemv_split(n: int, k: int, sms: int, cfg: dict | None = None) -> tuple[int, int]:
@@ -227,14 +216,13 @@ def _launch(x, w, out, sumsq_cols: int = 0):
     rows, block_n = gemv_rows(n, sms, cfg)
     part, ticket, sums = _buffers(x.device, n, split, rows)
     grid = (-(-n // rows), split)
-    pdl = pdl_kwargs(x.device, "gemv")
+    pdl = pdl_kwargs(x.device)
     k_prefetch = prefetch_columns(grid[0] * grid[1], per, x.element_size(), cfg, rows) if pdl["PDL"] else 0
     _gemv_splitk_kernel[grid](x, w, out, part, ticket, sums, m, n, k, x.stride(0), w.stride(0), out.stride(0),
                               MAX_M, per, k_prefetch, sumsq_cols,
                               BLOCK_M=max(16, triton_next_pow2(m)), BLOCK_N=block_n, ROWS=rows, BLOCK_K=cfg["BLOCK_K"],
                               SPLIT_K=split, SPLIT_PAD=triton_next_pow2(split),
                               WIDE_REDUCE=m == 1 or split >= WIDE_REDUCE_MIN_SPLITS,
-                              REDUCE_3D=reduce_3d(cfg, split, block_n, m),
                               DOT_FP32=not x.is_cuda, PREFETCH=k_prefetch > 0, SUMSQ=sumsq_cols > 0,
                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl)
     return sums[: -(-sumsq_cols // rows), :m] if sumsq_cols else None

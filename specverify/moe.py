@@ -313,7 +313,7 @@ def _launch_route_align(logits, bias, top_k, softmax, n_group, topk_group, renor
     rows = 1  # one token row per program: the top-k reductions stay inside one row
     grid = (_cdiv(m, rows),) if do_route else (1,)
     launch = {"num_warps": _ROUTE_CONFIG["num_warps"]} if dev.type == "cuda" else {}
-    launch.update(pdl_kwargs(dev, "route"))
+    launch.update(pdl_kwargs(dev))
     if m == 0 or (not do_route and not do_align):
         pass
     else:
@@ -390,7 +390,7 @@ def _launch_route_align_fast(logits, bias, ids, weights, m, e, top_k, softmax, n
         grid = (_cdiv(m, rows),)
         warps = cfg["wide_warps"] if s > cfg["wide_slots"] and not mask_align else cfg["num_warps"]
     extra = {"num_warps": warps} if on_gpu else {}
-    extra.update(pdl_kwargs(dev, "route"))
+    extra.update(pdl_kwargs(dev))
     bias_arg = bias if bias is not None else (logits if do_route else ids)
     _moe_route_align_fast_kernel[grid](
         logits if do_route else ids, bias_arg, ids, weights, rank, sorted_ids, expert_ids, npad, count, offs,
@@ -600,7 +600,7 @@ def append_shared_expert(topk_ids, topk_weights, shared_id: int, *, impl: str = 
     block = 256
     _append_shared_kernel[(_cdiv(m * (k + 1), block),)](topk_ids, topk_weights, ids, w, m, shared_id,
                                                          topk_ids.stride(0), topk_weights.stride(0), TOP_K=k,
-                                                         BLOCK=block, **pdl_kwargs(topk_ids.device, "route"))
+                                                         BLOCK=block, **pdl_kwargs(topk_ids.device))
     return ids, w
 
 

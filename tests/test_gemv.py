@@ -106,16 +106,10 @@ def test_shape_configs_pick_the_swept_launch():
 # row ranges (38 rows in a 64-row tile at 4 programs; 19 in 32 at 8)
 @pytest.mark.parametrize("over", [{"BLOCK_N": 128, "num_warps": 8}, {"BLOCK_K": 256, "num_stages": 4},
                                   {"BLOCK_N": 32, "WAVES": 4}, {"WAVES": 1}, {"ROW_RANGE": True, "WAVES": 1},
-                                  {"ROW_RANGE": True, "WAVES": 2, "BLOCK_K": 256},
-                                  {"REDUCE_3D": True, "BLOCK_N": 16, "WAVES": 8},
-                                  {"REDUCE_3D": True, "BLOCK_N": 32, "BLOCK_K": 64, "WAVES": 6}])
+                                  {"ROW_RANGE": True, "WAVES": 2, "BLOCK_K": 256}])
 def test_gemv_configs_match_reference(device, monkeypatch, over):
-    import specverify.kernels.gemv as kernels
-    from conftest import spy_launches
-
     monkeypatch.setattr(gemv_mod, "_CONFIG", {**gemv_mod._CONFIG, **over})
     monkeypatch.setattr(gemv_mod, "sm_count", lambda device_type, index: 4)
-    spy = spy_launches(monkeypatch, kernels, "_gemv_splitk_kernel")
     g = torch.Generator().manual_seed(len(str(over)))
     x = torch.randn(3, 1000, generator=g).to(torch.bfloat16).to(device)  # K not a multiple of the chunk
     w = torch.randn(150, 1000, generator=g).to(torch.bfloat16).to(device)
@@ -127,20 +121,6 @@ def test_gemv_configs_match_reference(device, monkeypatch, over):
     eps = torch.finfo(torch.bfloat16).eps
     torch.testing.assert_close(gemv(x, w, out=out, impl="triton"), want, rtol=2 * eps,
                                atol=2 * eps * float(want.abs().max()) + 1e-5 * 1000 ** 0.5)
-    (kw,) = spy.kwargs
-    # the one-load reduce ran where asked: 4 splits, and 6 padded to 8 (its split mask)
-    assert kw["REDUCE_3D"] == ("REDUCE_3D" in over)
-    if "REDUCE_3D" in over:
-        split = 6 if over["WAVES"] == 6 else 4
-        assert kw["SPLIT_K"] == split and kw["SPLIT_PAD"] == (8 if split == 6 else 4)
-
-
-def test_reduce_3d_rule():
-    """The one-load reduce only where asked, with more than one split, and its tile within REDUCE_3D_MAX."""
-    on = {"REDUCE_3D": True}
-    assert gemv_mod.reduce_3d(on, 12, 16, 8) and gemv_mod.reduce_3d(on, 19, 16, 4)  # the routers at 16-row tiles
-    assert not gemv_mod.reduce_3d({}, 12, 16, 8) and not gemv_mod.reduce_3d(on, 1, 16, 8)
-    assert gemv_mod.reduce_3d(on, 8, 64, 8) and not gemv_mod.reduce_3d(on, 9, 64, 8)  # 8192 values, then 16384
 
 
 @pytest.mark.parametrize("n,sms,waves", [(7168, 132, 1), (2112, 132, 1), (2112, 132, 2), (1536, 188, 1), (150, 4, 2)])
@@ -160,12 +140,11 @@ def _tile_sumsq(y, cols, rows):
     return torch.stack([y[:, p:min(p + rows, cols)].double().pow(2).sum(-1) for p in range(0, cols, rows)])
 
 
-# every store path of the kernel: split K with the split-by-split reduce (3 tokens), the wide one (one token; 3
-# tokens with the wide rule lowered) and the one-load one (REDUCE_3D, 3 tokens), one split (a single wave of 4
-# programs on 2 SMs), row ranges (38 rows in a 64-row tile); cols 100 ends inside a tile, 150 = N takes every
-# column, 1 a single one
-@pytest.mark.parametrize("m, over, wide_min", [(3, {}, 16), (1, {}, 16), (3, {}, 2), (3, {"REDUCE_3D": True}, 16),
-                                               (3, {"WAVES": 1}, 16), (2, {"ROW_RANGE": True, "WAVES": 1}, 16)])
+# every store path of the kernel: split K with the split-by-split reduce (3 tokens) and the wide one (one token; 3
+# tokens with the wide rule lowered), one split (a single wave of 4 programs on 2 SMs), row ranges (38 rows in a
+# 64-row tile); cols 100 ends inside a tile, 150 = N takes every column, 1 a single one
+@pytest.mark.parametrize("m, over, wide_min", [(3, {}, 16), (1, {}, 16), (3, {}, 2), (3, {"WAVES": 1}, 16),
+                                               (2, {"ROW_RANGE": True, "WAVES": 1}, 16)])
 @pytest.mark.parametrize("cols", [100, 150, 1])
 def test_gemv_sumsq_partials_are_the_stored_tiles_squares(device, monkeypatch, m, over, wide_min, cols):
     sms = 2 if over.get("WAVES") == 1 and not over.get("ROW_RANGE") else 4
@@ -176,8 +155,7 @@ def test_gemv_sumsq_partials_are_the_stored_tiles_squares(device, monkeypatch, m
     cfg = gemv_mod.gemv_config(m, n, k)
     split = gemv_split(n, k, sms, cfg)[0]
     rows = gemv_mod.gemv_rows(n, sms, cfg)[0]
-    assert (split > 1) == (not over or "REDUCE_3D" in over), (split, over)  # the path this case is for
-    assert gemv_mod.reduce_3d(cfg, split, rows, m) == ("REDUCE_3D" in over)  # the path this case is for
+    assert (split > 1) == (not over), (split, over)  # the path this case is for
     g = torch.Generator().manual_seed(m * 100 + cols + len(over))
     x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(device)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16).to(device)

@@ -27,21 +27,11 @@ def test_kernels_launch_without_pdl_off_the_gpu():
     assert fit.pdl_kwargs(torch.device("cpu")) == {"PDL": False}
 
 
-def test_the_trigger_after_the_wait_is_pdl_2(monkeypatch):
+def test_kernels_launch_with_pdl_on_sm90(monkeypatch):
     monkeypatch.setattr(fit, "_capability_major", lambda index: 9)
     monkeypatch.setattr(fit, "_index", lambda device: 0)
     monkeypatch.delenv("SPECVERIFY_PDL", raising=False)
-    cuda = torch.device("cuda", 0)
-    assert fit.pdl_kwargs(cuda) == {"PDL": True, "launch_pdl": True}
-    monkeypatch.setattr(fit, "PDL_TRIGGER_AFTER_WAIT", True)
-    assert fit.pdl_kwargs(cuda, "gemv") == {"PDL": 2, "launch_pdl": True}
-    assert fit.pdl_kwargs(torch.device("cpu")) == {"PDL": False}
-    assert fit.pdl_kwargs(cuda)["PDL"] is True  # no family: a kernel with its own trigger keeps it
-    monkeypatch.setattr(fit, "PDL_TRIGGER_AFTER_WAIT", frozenset({"gemv"}))  # one launch family
-    assert fit.pdl_kwargs(cuda, "gemv")["PDL"] == 2
-    assert fit.pdl_kwargs(cuda, "norm")["PDL"] is True and fit.pdl_kwargs(cuda)["PDL"] is True
-    with pytest.raises(ValueError, match="family must be one of"):
-        fit.pdl_kwargs(cuda, "gemm")
+    assert fit.pdl_kwargs(torch.device("cuda", 0)) == {"PDL": True, "launch_pdl": True}
 
 
 _PTX_ORDER = """
@@ -55,7 +45,7 @@ def _k(X, PDL: tl.constexpr):
     pdl_enter(PDL)
     tl.store(X, 1.0)
 
-for pdl in (True, 2, False):
+for pdl in (True, False):
     src = ASTSource(fn=_k, signature={"X": "*fp32", "PDL": "constexpr"}, constexprs={"PDL": pdl})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
     print(pdl, [w for line in ptx.splitlines() for w in line.split() if w.startswith("griddepcontrol")])
@@ -63,8 +53,8 @@ for pdl in (True, 2, False):
 
 
 def test_pdl_enter_orders_the_trigger_and_the_wait(tmp_path):
-    """Compiled for sm_90 without a GPU (a process without the interpreter): PDL True triggers then waits, 2 waits
-    then triggers, False emits neither."""
+    """Compiled for sm_90 without a GPU (a process without the interpreter): PDL True triggers then waits, False
+    emits neither."""
     import os
     import subprocess
     import sys
@@ -75,23 +65,20 @@ def test_pdl_enter_orders_the_trigger_and_the_wait(tmp_path):
     run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     launch, wait = "griddepcontrol.launch_dependents", "griddepcontrol.wait"
-    assert run.stdout.split("\n")[:3] == [f"True {[launch, wait]}", f"2 {[wait, launch]}", "False []"], run.stdout
+    assert run.stdout.split("\n")[:2] == [f"True {[launch, wait]}", "False []"], run.stdout
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("late", [False, True], ids=["trigger-first", "trigger-after-wait"])
 @pytest.mark.parametrize("name", ["kimi-k2", "deepseek-v3"])  # 8 / 16 heads a rank; 4 layers: dense and MoE
-def test_the_chained_pass_equals_the_unchained_one(monkeypatch, name, late):
+def test_the_chained_pass_equals_the_unchained_one(monkeypatch, name):
     """Graph replays with PDL against eager calls without it, at k = 1 and 4, batch 1 and 4, then again after the
-    inputs changed in place: logits argmax tokens and accept lengths identical, and the forward's logits bitwise;
-    with the successor launched before or after each kernel's wait (``fit.PDL_TRIGGER_AFTER_WAIT``)."""
+    inputs changed in place: logits argmax tokens and accept lengths identical, and the forward's logits bitwise."""
     from specverify.configs import get_config
     from specverify.forward.model import build_verify_model
     from specverify.graph_pool import VerifyGraphPool
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs sm_90+")
-    monkeypatch.setattr(fit, "PDL_TRIGGER_AFTER_WAIT", late)
     ad = build_verify_model(get_config(name), tp=8, num_layers=4, device="cuda", dtype=torch.bfloat16)
     monkeypatch.setenv("SPECVERIFY_PDL", "1")
     pool = VerifyGraphPool(ad.verify, ad.make_inputs, batch_buckets=[1, 4], draft_lengths=[1, 4], capture="eager")

@@ -25,8 +25,9 @@ Ours, for TARGET_VERIFY at the server's draft length (chains and trees) and deco
 its correction bias, routed experts with the shared expert, the dense MLP, the fused residual norms) and the LM
 head. SGLang's: every other forward mode (EXTEND / prefill, draft model), the sampler and the verify acceptance.
 
-Routed experts in a format we have no kernel for (a quantised ``FusedMoE``: Kimi-K2.5's W4A16 int4 experts through
-Marlin, FP8 block experts, ...) stay SGLang's: the layer's weight dict carries ``experts_fn``
+Quantised routed experts (a quantised ``FusedMoE``: Kimi-K2.5's W4A16 int4 experts through Marlin, FP8 block
+experts, ...) stay SGLang's: the step does not read SGLang's quantised expert parameters into our int4 / fp8 expert
+kernels (``fused_moe(..., quant=...)``) yet. The layer's weight dict carries ``experts_fn``
 (:func:`sglang_experts_fn`), which hands our routing to the layer's own ``FusedMoE`` as a ``StandardTopKOutput``, so
 SGLang's quant method (``quant_method.apply``) runs those experts inside our forward while attention, routing, the
 shared expert and the norms stay ours. ``build_step(..., experts="sglang")`` sends every MoE layer that way (the

@@ -25,9 +25,10 @@ Ours, for TARGET_VERIFY at the server's draft length (chains and trees) and deco
 its correction bias, routed experts with the shared expert, the dense MLP, the fused residual norms) and the LM
 head. SGLang's: every other forward mode (EXTEND / prefill, draft model), the sampler and the verify acceptance.
 
-Quantised routed experts (a quantised ``FusedMoE``: Kimi-K2.5's W4A16 int4 experts through Marlin, FP8 block
-experts, ...) stay SGLang's: the step does not read SGLang's quantised expert parameters into our int4 / fp8 expert
-kernels (``fused_moe(..., quant=...)``) yet. The layer's weight dict carries ``experts_fn``
+Kimi-K2.5's W4A16 int4 routed experts run ours (``fused_moe(..., quant=...)`` over SGLang's tensors) where SGLang
+holds them in our layout: its Triton W4A16 runner (``CompressedTensorsWNA16TritonMoE``, ``--moe-runner-backend
+triton``; :func:`int4_experts_quant`). Other quantised routed experts (Marlin's repacked int4, SGLang's default on
+Hopper; FP8 block, ...) stay SGLang's: the layer's weight dict carries ``experts_fn``
 (:func:`sglang_experts_fn`), which hands our routing to the layer's own ``FusedMoE`` as a ``StandardTopKOutput``, so
 SGLang's quant method (``quant_method.apply``) runs those experts inside our forward while attention, routing, the
 shared expert and the norms stay ours. ``build_step(..., experts="sglang")`` sends every MoE layer that way (the
@@ -419,6 +420,36 @@ class WeightReport:
     held_extra_bytes: int = 0  #: bytes the step holds beyond SGLang's parameters after build
 
 
+#: SGLang's compressed-tensors W4A16 MoE scheme whose loaded weights are already our int4 layout
+#: (``CompressedTensorsWNA16TritonMoE``: its Triton runner, ``--moe-runner-backend triton``; Marlin's repacked
+#: weights are not).
+INT4_TRITON_SCHEME = "CompressedTensorsWNA16TritonMoE"
+
+
+def int4_experts_quant(experts):
+    """A :class:`specverify.moe.MoEQuant` for a ``FusedMoE`` whose routed experts SGLang holds in our int4 layout, or
+    None. That is the case after ``CompressedTensorsWNA16TritonMoE.process_weights_after_loading`` (the layer's
+    ``is_triton_converted``): ``w13_weight_packed`` uint8 [E, 2I, H / 2] and ``w2_weight_packed`` [E, H, I / 2] (the
+    checkpoint's int32 words transposed and viewed as bytes, low nibble first) with ``w13_weight_scale`` [E, 2I, H /
+    g] / ``w2_weight_scale`` [E, H, I / g], 4-bit, symmetric (code - 8), group size g a power of two. Anything else
+    (Marlin's repacked weights, another bit width, zero points, channel-wise scales) gives None: those experts stay
+    SGLang's module."""
+    from specverify.moe import MoEQuant
+
+    scheme = getattr(experts, "scheme", None)
+    if type(scheme).__name__ != INT4_TRITON_SCHEME or not getattr(experts, "is_triton_converted", False):
+        return None
+    g = getattr(scheme, "group_size", None)
+    if getattr(scheme, "num_bits", None) != 4 or not getattr(scheme, "sym", False) or \
+            not isinstance(g, int) or g < 2 or g & (g - 1):
+        return None
+    names = ("w13_weight_packed", "w2_weight_packed", "w13_weight_scale", "w2_weight_scale")
+    tensors = [getattr(experts, n, None) for n in names]
+    if any(t is None for t in tensors) or tensors[0].dtype != torch.uint8 or tensors[1].dtype != torch.uint8:
+        return None
+    return MoEQuant("int4", tensors[2].data, tensors[3].data, group_size=g)
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -508,10 +539,18 @@ def read_weights(model, config: ModelConfig, *, stack_shared_expert: bool,
             bias = mlp.gate.e_score_correction_bias
             w["bias"] = None if bias is None else share(bias.data)
             experts, shared = mlp.experts, mlp.shared_experts
+            quant = None if layer_index in (sglang_experts or {}) else int4_experts_quant(experts)
             if layer_index in (sglang_experts or {}):  # the experts stay SGLang's module (quantised, or asked)
                 w["experts_fn"] = sglang_experts[layer_index]
                 w["w13"] = w["w2"] = None
                 if shared is not None:
+                    w["shared_gate_up"] = share(shared.gate_up_proj.weight.data)
+                    w["shared_down"] = share(shared.down_proj.weight.data)
+            elif quant is not None:  # int4 experts SGLang holds in our layout: our int4 kernels over its tensors
+                w["w13"], w["w2"] = share(experts.w13_weight_packed.data), share(experts.w2_weight_packed.data)
+                w["w13_scale"], w["w2_scale"] = share(quant.w13_scale), share(quant.w2_scale)
+                w["quant"] = quant
+                if shared is not None:  # unquantised, apart (Kimi-K2.5 leaves its shared expert in bf16)
                     w["shared_gate_up"] = share(shared.gate_up_proj.weight.data)
                     w["shared_down"] = share(shared.down_proj.weight.data)
             elif mlp.num_fused_shared_experts:  # SGLang already appended the shared expert(s) to the stacks
@@ -603,9 +642,10 @@ class VerifyStep:
 
     ``model`` is what SGLang wraps the forward of: a ``DeepseekV3ForCausalLM``, or a wrapper of :data:`WRAPPERS`
     (Kimi-K2.5), whose language model (:func:`language_model`) and ``hf_config.text_config`` the step reads.
-    ``experts``: ``auto`` runs the routed experts ours where we read their format (unquantised) and through the
-    layer's SGLang module otherwise (:func:`sglang_experts_fn`); ``sglang`` sends every MoE layer's routed experts
-    through its SGLang module.
+    ``experts``: ``auto`` runs the routed experts ours where we read their format (unquantised, or int4 held in our
+    layout by SGLang's Triton W4A16 runner: :func:`int4_experts_quant`) and through the layer's SGLang module
+    otherwise (:func:`sglang_experts_fn`); ``sglang`` sends every MoE layer's routed experts through its SGLang
+    module.
 
     Attributes
     ----------
@@ -655,7 +695,8 @@ class VerifyStep:
         for i, layer in enumerate(lm.model.layers):
             mlp = layer.mlp
             if isinstance(mlp, DeepseekV2MoE) and (
-                    experts == "sglang" or not isinstance(mlp.experts.quant_method, UnquantizedFusedMoEMethod)):
+                    experts == "sglang" or (not isinstance(mlp.experts.quant_method, UnquantizedFusedMoEMethod)
+                                            and int4_experts_quant(mlp.experts) is None)):
                 fns[i] = sglang_experts_fn(mlp)
                 self.sglang_expert_layers[i] = type(mlp.experts.quant_method).__name__
         # the stacks with the shared expert serve experts_with_shared (and the table's route_shared, which writes the

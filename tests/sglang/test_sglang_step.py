@@ -379,6 +379,87 @@ def test_quantised_experts_run_through_their_quant_method(sglang_loaded):
     assert built.weights.copied_bytes == 0
 
 
+INT4_GROUP = 32
+
+
+def _int4_triton_experts(model):
+    """``prepare`` for the harness: every MoE layer's routed experts as SGLang's Triton W4A16 runner holds Kimi-K2.5's
+    int4 experts after loading (``CompressedTensorsWNA16TritonMoE``: ``w13_weight_packed`` uint8 [E, 2I, H / 2],
+    ``w13_weight_scale`` [E, 2I, H / 32], ``is_triton_converted``), quantised from the layer's weights; the quant
+    method a counting stand-in. The unquantised parameters are replaced by the dequantised values, so SGLang's own
+    forward (the reference, through the stand-in's unquantised apply) computes the same experts."""
+    from specverify.reference.quant import dequantize_int4, quantize_int4
+
+    lm = getattr(model, "language_model", model)
+    for layer in lm.model.layers:
+        if not hasattr(layer.mlp, "experts"):
+            continue
+        ex = layer.mlp.experts
+        for name in ("w13", "w2"):
+            weight = getattr(ex, f"{name}_weight")
+            packed, scale = quantize_int4(weight.data.float(), INT4_GROUP)
+            scale = scale.to(weight.dtype)
+            weight.data.copy_(dequantize_int4(packed, scale, INT4_GROUP, weight.dtype))
+            setattr(ex, f"{name}_weight_packed", torch.nn.Parameter(packed, requires_grad=False))
+            setattr(ex, f"{name}_weight_scale", torch.nn.Parameter(scale, requires_grad=False))
+        ex.is_triton_converted = True
+        ex.scheme = type(step.INT4_TRITON_SCHEME, (), dict(num_bits=4, sym=True, group_size=INT4_GROUP))()
+        ex.quant_method = type("CompressedTensorsWNA16MoEMethod", (_CountingMoEMethod,), {})(ex.quant_method)
+
+
+def _check_int4_layers(h):
+    built = h.built
+    assert built.sglang_expert_layers == {}  # every MoE layer's experts are ours
+    for i in (1, 2):
+        w, ex = built.verify_model.layers[i], h.lm.model.layers[i].mlp.experts
+        assert w["quant"].format == "int4" and w["quant"].group_size == INT4_GROUP and "w13_all" not in w
+        assert w["w13"].data_ptr() == ex.w13_weight_packed.data_ptr()  # SGLang's storage, not a copy
+        assert w["quant"].w2_scale.data_ptr() == ex.w2_weight_scale.data_ptr()
+    methods = [layer.mlp.experts.quant_method for layer in h.lm.model.layers[1:]]
+    return lambda: sum(m.applied for m in methods)
+
+
+def test_int4_triton_experts_run_ours_fp32(sglang_loaded):
+    # the reference table over SGLang's int4 tensors (dequantised in fp32) against SGLang's forward over the same
+    # dequantised weights: fp32 agreement, and SGLang's quant method is not called inside our forward
+    h = harness("fp32-int4-triton", dtype=torch.float32, tokens=4, topk=2, prepare=_int4_triton_experts)
+    count = _check_int4_layers(h)
+    _, _, stats = compare(h, h.verify_batch(PREFIX, TREES), count=count)
+    assert stats["counted"] == 0, "SGLang's experts ran inside our forward"
+
+
+def test_int4_triton_experts_run_our_kernels_bf16(sglang_loaded):
+    # our int4 expert kernels (interpreter) in bf16 over SGLang's tensors
+    with interpreter_bf16_dot():
+        import msgspec
+
+        spec = msgspec.structs.replace(step.SPEC, build=functools.partial(step.build_step, provider="specverify"))
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(step, "SPEC", spec)
+            h = harness("bf16-int4-triton", dtype=torch.bfloat16, tokens=4, topk=2, prepare=_int4_triton_experts)
+        assert h.built.provider == "specverify"
+        count = _check_int4_layers(h)
+        _, _, stats = compare(h, h.verify_batch(PREFIX, TREES), dtype_tag="bf16", count=count)
+        assert stats["counted"] == 0
+
+
+def test_int4_marlin_or_other_formats_stay_sglangs():
+    # only the Triton runner's converted layout is read: Marlin's scheme, an unconverted layer, another bit width,
+    # asymmetric codes or channel-wise scales give None (those experts stay SGLang's module)
+    def experts(scheme_name=step.INT4_TRITON_SCHEME, converted=True, **scheme):
+        fields = dict(num_bits=4, sym=True, group_size=32)
+        fields.update(scheme)
+        return SimpleNamespace(scheme=type(scheme_name, (), fields)(), is_triton_converted=converted,
+                               w13_weight_packed=torch.zeros(2, 8, 16, dtype=torch.uint8),
+                               w2_weight_packed=torch.zeros(2, 32, 2, dtype=torch.uint8),
+                               w13_weight_scale=torch.ones(2, 8, 1), w2_weight_scale=torch.ones(2, 32, 1))
+
+    assert step.int4_experts_quant(experts()).format == "int4"
+    for bad in (experts("CompressedTensorsWNA16MoE"), experts(converted=False), experts(num_bits=8),
+                experts(sym=False), experts(group_size=-1), experts(group_size=24)):
+        assert step.int4_experts_quant(bad) is None
+
+
 # ------------------------------------------------------------------------------------------------------------
 # tensor parallel: two ranks, each SGLang's real model over its shards (tests/sglang/tp_worker.py)
 

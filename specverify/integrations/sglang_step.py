@@ -730,6 +730,9 @@ class VerifyStep:
                           f"routing, through their FusedMoE ({methods})")
             moe = sum(not layer["dense"] for layer in self.verify_model.layers)
             experts = "shared expert" if len(layers) == moe else "the other layers' experts + shared expert"
+        int4 = sum(layer.get("quant") is not None for layer in self.verify_model.layers)
+        if int4:
+            experts += f" (int4 in {int4} MoE layers: our kernels over SGLang's tensors)"
         if self.wrapped:
             theirs.append("the vision tower and every batch carrying multimodal inputs")
         return (f"ours ({self.architecture}, TP {self.tp_size}, rank {self.tp_rank}): {steps}: embedding, "

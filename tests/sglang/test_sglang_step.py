@@ -410,6 +410,7 @@ def _int4_triton_experts(model):
 def _check_int4_layers(h):
     built = h.built
     assert built.sglang_expert_layers == {}  # every MoE layer's experts are ours
+    assert "(int4 in 2 MoE layers: our kernels over SGLang's tensors)" in built.summary()
     for i in (1, 2):
         w, ex = built.verify_model.layers[i], h.lm.model.layers[i].mlp.experts
         assert w["quant"].format == "int4" and w["quant"].group_size == INT4_GROUP and "w13_all" not in w

@@ -1,5 +1,4 @@
-"""Sweep: the quantised experts (``fused_moe(..., quant=...)``) by dequantisation variant and gate/up kernel, against
-their bytes floor.
+"""Sweep: the quantised experts (``fused_moe(..., quant=...)``) by gate/up kernel and tile, against their bytes floor.
 
 Shape: Kimi-K2 per rank (tp 8: H 7168, I 256, 384 routed experts, top-8; ``--experts`` to draw fewer), routed
 experts only, M = 1, 2, 4, 8 tokens (``--ms``). Formats (``--formats``): int4 (group 32, bf16 scales; Kimi-K2.5) and
@@ -54,15 +53,23 @@ def _truth(x, q, p13, p2, ids, w, dtype):
     return out.double()
 
 
+def _formats(text: str) -> list:
+    got = [t.strip() for t in text.split(",") if t.strip()]
+    if not got or any(f not in ("int4", "fp8") for f in got):
+        raise argparse.ArgumentTypeError(f"--formats takes a comma-separated subset of int4,fp8, got {text!r}")
+    return got
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ms", type=token_counts, default=[1, 2, 4, 8])
-    ap.add_argument("--formats", default="int4,fp8")
-    ap.add_argument("--experts", type=int, default=384)
-    ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--ms", type=token_counts, default=[1, 2, 4, 8], help="token counts M (default: 1,2,4,8)")
+    ap.add_argument("--formats", default="int4,fp8", type=_formats,
+                    help="comma-separated subset of int4,fp8 (default: both)")
+    ap.add_argument("--experts", type=int, default=384, help="experts drawn (default: 384, Kimi-K2's)")
+    ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     ap.add_argument("--configs", default=None,
-                    help="JSON list of stream-config overrides (merged into _STREAM_OVERRIDE) to run instead of the "
-                         "gate/up choices, e.g. '[{\"R\": 8}, {\"BK\": 1024}]'")
+                    help="JSON list of stream-config overrides (keys of specverify.moe._STREAM_CONFIG) to run instead "
+                         "of the gate/up choices, e.g. '[{}, {\"R\": 8}, {\"BK\": 1024}]' ({}: the defaults)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("sweep_quant_experts: needs a CUDA GPU", file=sys.stderr)
@@ -74,7 +81,7 @@ def main(argv=None) -> int:
     bw = copy_bandwidth_gbps() * 1e9
     w13, w2 = random_expert_weights(e, h, inter, dtype=torch.bfloat16, device="cuda", seed=1)
     rows, failed = [], 0
-    for fmt in [f for f in args.formats.split(",") if f]:
+    for fmt in args.formats:
         p13, s13 = _quantise(w13, fmt)
         p2, s2 = _quantise(w2, fmt)
         q = moe.MoEQuant(fmt, s13, s2)

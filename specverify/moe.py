@@ -7,6 +7,7 @@ exchange. Kernels: ``specverify.kernels.moe_route`` and ``specverify.kernels.fus
 from __future__ import annotations
 
 import logging
+import numbers
 import threading
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -75,7 +76,8 @@ class MoEQuant:
       (the checkpoints' ``weight_scale_inv``), ``(bn, bk) = block_shape``; the value is ``w * scale``. With gate and
       up stacked in ``w13``, I must be a multiple of bn (each block row is all gate or all up).
 
-    ``group_size`` and both ``block_shape`` entries are powers of two (>= 2). Checked by :func:`fused_moe`.
+    ``group_size`` and both ``block_shape`` entries are powers of two (>= 2). Checked by :func:`fused_moe`
+    (:meth:`dequantize` checks only the format).
     """
 
     format: str
@@ -88,6 +90,8 @@ class MoEQuant:
         """``(w13, w2)`` as plain ``dtype`` tensors ``[E, 2I, H]`` / ``[E, H, I]`` (the references use this)."""
         from specverify.reference import quant as q
 
+        if self.format not in ("int4", "fp8"):
+            raise ValueError(f"MoEQuant.format must be 'int4' or 'fp8', got {self.format!r}")
         if self.format == "int4":
             return (q.dequantize_int4(w13, self.w13_scale, self.group_size, dtype),
                     q.dequantize_int4(w2, self.w2_scale, self.group_size, dtype))
@@ -617,6 +621,10 @@ def _check_moe_args(hidden, w13, w2, topk_ids, topk_weights, alignment, activati
                          f"{list(w2.shape)}")
     if quant is not None:
         _check_quant_format(quant, w13, w2)
+    elif w13.dtype in (torch.uint8, torch.float8_e4m3fn) or w2.dtype in (torch.uint8, torch.float8_e4m3fn):
+        raise TypeError(f"w13 / w2 are {w13.dtype} / {w2.dtype}: quantised experts (int4 codes as uint8, fp8) need "
+                        "their scales, quant=MoEQuant('int4' or 'fp8', w13_scale, w2_scale, ...); casting them to "
+                        "hidden's dtype would drop the scales")
     # int4 holds two codes a byte along the reduced dimension: the shapes below are the unpacked ones
     pk = 2 if quant is not None and quant.format == "int4" else 1
     packed_note = " (int4: the last dimension holds two codes a byte, so it is half of this)" if pk == 2 else ""
@@ -676,7 +684,7 @@ def _check_moe_args(hidden, w13, w2, topk_ids, topk_weights, alignment, activati
 
 
 def _is_pow2(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 2 and v & (v - 1) == 0
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 2 and int(v) & (int(v) - 1) == 0
 
 
 _QUANT_DTYPES = {"int4": (torch.uint8, "pass compressed-tensors int32 weight_packed as .view(torch.uint8); pack "
@@ -724,12 +732,15 @@ def _check_quant(quant: MoEQuant, hidden, w13, w2, e: int, h: int, inter: int) -
         bn, bk = bs
         if inter % bn:
             raise ValueError(f"fp8 experts need I={inter} to be a multiple of block_shape[0]={bn}: w13 stacks gate "
-                             "and up rows, and each scale block row must be all gate or all up")
+                             "and up rows, and each scale block row must be all gate or all up; pass the "
+                             "checkpoint's block_shape (its weight_block_size), quantised with the same one")
         s13, s2 = (e, _cdiv(2 * inter, bn), _cdiv(h, bk)), (e, _cdiv(h, bn), _cdiv(inter, bk))
+    sizes = (f"group_size={quant.group_size}" if quant.format == "int4" else f"block_shape={tuple(quant.block_shape)}")
     for name, t, want in (("w13_scale", quant.w13_scale, s13), ("w2_scale", quant.w2_scale, s2)):
         if tuple(t.shape) != want:
             raise ValueError(f"MoEQuant.{name} must have shape {list(want)} for {quant.format} experts with E={e}, "
-                             f"H={h}, I={inter}, got {list(t.shape)}")
+                             f"H={h}, I={inter} and {sizes}, got {list(t.shape)}; is {sizes} the one the scales "
+                             "were made with?")
 
 
 #: The routing kernel of the router alone (no alignment; one token row per program), of calls past 1024 slots and of
@@ -1088,12 +1099,13 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
     Raises
     ------
     TypeError
-        Non-tensor inputs, unsupported or mismatched dtypes (quantised weights of the wrong storage dtype), a wrong
-        ``alignment`` or ``quant`` type.
+        Non-tensor inputs, unsupported or mismatched dtypes (quantised weights of the wrong storage dtype, or uint8 /
+        fp8 weights without ``quant``), a wrong ``alignment`` or ``quant`` type.
     ValueError
         Shapes that do not fit ``[E, 2I, H]`` / ``[E, H, I]`` / ``[M, top_k]``, scales of the wrong shape, group or
-        block sizes that are not powers of two or do not divide H and I, too-small alignment buffers, a wrong
-        ``out``, unknown ``activation``, ``impl`` or quantised format.
+        block sizes that are not powers of two, an int4 group that does not divide H and I, an fp8 block row that
+        does not divide I (edge blocks along H and I are fine), too-small alignment buffers, a wrong ``out``,
+        unknown ``activation``, ``impl`` or quantised format.
 
     Notes
     -----

@@ -511,6 +511,25 @@ def modelled_allreduce_ms(s: WallSettings, cfg, layers: int, k: int) -> tuple[fl
 # the run
 
 
+def experts_quant_note(model) -> str:
+    """What ``VerifyModel(experts_quant=...)`` stored and how its MoE layers run (the table's note)."""
+    moe = next(w for w in model._sets.values() if not w["dense"])
+    q = moe["quant"]
+    if q.format == "int4":
+        what = f"routed experts int4 (group {q.group_size}, bf16 scales)"
+    else:
+        what = f"routed experts fp8 ({q.block_shape[0]} x {q.block_shape[1]} blocks, fp32 scales)"
+        if tuple(q.block_shape) != (128, 128):
+            what += (f": I = {moe['w13'].shape[1] // 2} is no multiple of 128, so the block rows shrink to stay all "
+                     "gate or all up (the floor counts 128 x 128 scales; they are under 0.1% of the bytes either way)")
+    if "quant_shared" in moe:
+        what += "; the shared expert stacked with them, fp8 too"
+    elif moe.get("shared_gate_up") is not None:
+        what += "; the shared expert unquantised, apart (torch matmuls)"
+    return (f"experts: {what}. The pieces line's one-launch MoE block and fused shared expert do not apply: "
+            "quantised MoE layers run the router, the routing and the expert kernels at every k")
+
+
 def _auto_distinct_layers(cfg, s, device, layers) -> int:
     """The most weight sets that fit in 45% of free GPU memory (at least 1); all layers on CPU."""
     if device.type != "cuda":
@@ -661,10 +680,7 @@ def run_verify_wall(s: WallSettings, progress=None) -> dict:
     model = VerifyModel(cfg, tp=tp, rank=0, num_layers=layers, distinct_layers=distinct, dtype=dtype,
                         device=device, seed=s.seed, experts_quant=s.experts_quant)
     if s.experts_quant is not None:
-        shared = ("the shared expert stays bf16, apart from the routed ones (torch matmuls)"
-                  if s.experts_quant == "int4" else "the shared expert stacked with the routed ones, fp8 too")
-        notes.append(f"experts stored {s.experts_quant} ({shared}); the one-launch MoE block has no quantised path, "
-                     "so MoE layers run the router, the routing and the expert kernels at every k")
+        notes.append(experts_quant_note(model))
     ks = sorted(set(s.draft_tokens) | {1})
     max_k = max(ks)
     per = -(-(context + max_k) // s.page_size)
@@ -1011,10 +1027,14 @@ def _cmd(args) -> int:
         unknown = [p for p in s.impl if p not in WALL_PROVIDERS]
         if unknown or not s.impl:
             raise ValueError(f"--impl takes a comma-separated list of {', '.join(WALL_PROVIDERS)}, got {args.impl!r}")
-        peers = [p for p in s.impl if p.startswith("sglang")]
+        peers = [p for p in s.impl if p in ("sglang", "sglang-flashinfer")]
         if s.experts_quant is not None and peers:
-            raise ValueError(f"--experts-quant {s.experts_quant} runs with --impl specverify and reference only (the "
-                             f"SGLang providers run its unquantised fused MoE), got --impl {args.impl}")
+            raise ValueError(f"--experts-quant {s.experts_quant} runs with --impl specverify, reference and "
+                             f"sglang-step ({', '.join(peers)}: SGLang's unquantised fused MoE), got --impl "
+                             f"{args.impl}; SGLang's quantised fused MoE is timed by bench/bench_moe.py --quant")
+        if s.experts_quant is not None and not cfg.n_routed_experts:
+            raise ValueError(f"--experts-quant {s.experts_quant} quantises MoE experts, and {cfg.name} has none; drop "
+                             "it or pick a MoE model")
         for name in ("tp", "batch", "context", "iters", "page_size", "layers", "distinct_layers"):
             value = getattr(args, name)
             if value is not None and value < 1:
@@ -1115,7 +1135,8 @@ def register_cli(bench_sub) -> None:
     p.add_argument("--experts-quant", choices=["none", "int4", "fp8"], default="none",
                    help="store the MoE experts as the served checkpoints do: int4 (Kimi-K2.5: routed experts int4, "
                         "group 32; shared expert bf16) or fp8 (DeepSeek-V3, Kimi-K2: 128 x 128 blocks); the floor "
-                        "counts their bytes (specverify and reference providers only) (default: none)")
+                        "counts their bytes (MoE models; providers specverify, reference, sglang-step) "
+                        "(default: none)")
     p.add_argument("--seed", type=int, default=0, help="seed of the dummy weights and inputs (default: 0)")
     p.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON (after each provider)")
     p.add_argument("--plot", default=None, metavar="PATH.png",

@@ -234,3 +234,18 @@ def test_plan_from_json_missing_file_names_the_flag(tmp_path, capsys):
     assert main(["plan", "--from-json", str(path), "--accept", "0.7"]) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert "--from-json" in line and str(path) in line and "No such file" in line
+
+
+@pytest.mark.parametrize("args, words", [
+    # SGLang's own providers run its unquantised fused MoE: refused, with where the quantised peer is timed
+    (["--model", "tiny-mla-moe", "--impl", "sglang", "--experts-quant", "int4"],
+     ["--experts-quant int4", "sglang: SGLang's unquantised fused MoE", "bench/bench_moe.py --quant"]),
+    (["--model", "tiny-mla-moe", "--impl", "specverify,sglang-flashinfer", "--experts-quant", "fp8"],
+     ["sglang-flashinfer: SGLang's unquantised fused MoE"]),
+    # a model without experts has nothing to quantise
+    (["--model", "tiny-gqa", "--impl", "reference", "--experts-quant", "int4"], ["tiny-gqa has none"]),
+])
+def test_experts_quant_refusals(args, words, no_work, capsys):
+    assert main(["bench", "verify-wall", *args, "--draft-tokens", "1"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert all(w in line for w in words), line

@@ -127,6 +127,28 @@ def test_fused_moe_quant_errors(fmt, change, exc, words):
     assert words in str(info.value)
 
 
+def test_quantised_storage_without_quant_is_refused():
+    # uint8 codes or fp8 values passed as plain weights: the message asks for their scales, not for a cast
+    args = _quant_args("fp8")
+    args.pop("quant")
+    with pytest.raises(TypeError, match=r"need their scales, quant=MoEQuant.*would drop the scales"):
+        fused_moe(args.pop("hidden"), args.pop("w13"), args.pop("w2"), args.pop("topk_ids"), args.pop("topk_weights"))
+
+
+def test_scale_shape_message_names_the_group_size():
+    args = _quant_args("int4")
+    args["quant"] = _requant(args, group_size=4, w13_scale=torch.ones(4, 16, 2), w2_scale=torch.ones(4, 16, 1))
+    with pytest.raises(ValueError, match=r"and group_size=4, got \[4, 16, 2\]; is group_size=4 the one"):
+        fused_moe(args.pop("hidden"), args.pop("w13"), args.pop("w2"), args.pop("topk_ids"),
+                  args.pop("topk_weights"), **args)
+
+
+def test_dequantize_checks_the_format():
+    q = MoEQuant("INT4", torch.ones(1, 2, 1), torch.ones(1, 2, 1))
+    with pytest.raises(ValueError, match="must be 'int4' or 'fp8', got 'INT4'"):
+        q.dequantize(torch.zeros(1, 2, 4, dtype=torch.uint8), torch.zeros(1, 2, 4, dtype=torch.uint8))
+
+
 def test_fused_moe_quant_valid_args_run():
     # the base arguments of the error cases above are valid: each error comes from its one change
     for fmt in ("int4", "fp8"):

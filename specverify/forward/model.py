@@ -228,8 +228,10 @@ class VerifyModel:
     experts_quant : {None, "int4", "fp8"}
         Store the MoE experts as the served checkpoints do (:class:`specverify.moe.MoEQuant`): ``"int4"`` as
         Kimi-K2.5 (routed experts int4, group 32, bf16 scales; the shared expert stays in ``dtype``), ``"fp8"`` as
-        DeepSeek-V3 and Kimi-K2 (routed and shared experts float8_e4m3fn with fp32 128 x 128 block scales). The
-        dummy weights are drawn as usual and quantised. Default None: every weight in ``dtype``.
+        DeepSeek-V3 and Kimi-K2 (routed and shared experts float8_e4m3fn with fp32 128 x 128 block scales; where the
+        rank's I is no multiple of 128, e.g. the tiny stand-ins, the block rows shrink to the largest power of two
+        dividing I, so each stays all gate or all up). The dummy weights are drawn as usual and quantised. Default
+        None: every weight in ``dtype``.
     """
 
     def __init__(self, config: ModelConfig | str, tp: int = 1, rank: int = 0, *, group=None,

@@ -23,8 +23,11 @@ def quantize_int4(w: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor, 
     codes 1..15 are used and 0 (-8) never is). Returns ``(packed uint8 [..., N, K / 2], scale fp32 [..., N, K /
     group_size])``. K must be a multiple of ``group_size`` (even)."""
     *lead, n, k = w.shape
-    if group_size < 2 or k % group_size:
-        raise ValueError(f"quantize_int4: K={k} must be a multiple of group_size={group_size} (>= 2)")
+    if group_size < 2 or group_size & (group_size - 1):
+        raise ValueError(f"quantize_int4: group_size must be a power of two >= 2 (what fused_moe takes), got "
+                         f"{group_size}")
+    if k % group_size:
+        raise ValueError(f"quantize_int4: K={k} must be a multiple of group_size={group_size}")
     g = w.float().reshape(*lead, n, k // group_size, group_size)
     scale = g.abs().amax(-1) / 7.0
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))

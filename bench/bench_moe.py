@@ -89,25 +89,11 @@ def _quantise_experts(fmt, w13, w2):
     """``(p13, p2, MoEQuant, bytes per expert)``: the stored weights of ``fmt`` made from bf16 ``w13`` / ``w2``,
     :data:`QUANT_CHUNK` experts at a time."""
     from specverify.moe import MoEQuant
-    from specverify.reference.quant import quantize_fp8_block, quantize_int4
+    from specverify.reference.quant import quantize_experts
 
-    e = w13.shape[0]
-    if fmt == "int4":
-        def one(w):
-            packed, scale = quantize_int4(w, INT4_GROUP)
-            return packed, scale.to(torch.bfloat16)
-    else:
-        def one(w):
-            return quantize_fp8_block(w, FP8_BLOCK)
-    parts = []
-    for w in (w13, w2):
-        first_p, first_s = one(w[:1])
-        packed = torch.empty((e,) + tuple(first_p.shape[1:]), dtype=first_p.dtype, device=w.device)
-        scale = torch.empty((e,) + tuple(first_s.shape[1:]), dtype=first_s.dtype, device=w.device)
-        for i in range(0, e, QUANT_CHUNK):
-            packed[i:i + QUANT_CHUNK], scale[i:i + QUANT_CHUNK] = one(w[i:i + QUANT_CHUNK])
-        parts.append((packed, scale))
-    (p13, s13), (p2, s2) = parts
+    kw = dict(group_size=INT4_GROUP, block_shape=FP8_BLOCK, chunk=QUANT_CHUNK,
+              scale_dtype=torch.bfloat16 if fmt == "int4" else torch.float32)
+    (p13, s13), (p2, s2) = quantize_experts(w13, fmt, **kw), quantize_experts(w2, fmt, **kw)
     q = (MoEQuant("int4", s13, s2, group_size=INT4_GROUP) if fmt == "int4"
          else MoEQuant("fp8", s13, s2, block_shape=FP8_BLOCK))
     per_expert = sum(t[0].numel() * t.element_size() for t in (p13, p2, s13, s2))
@@ -126,18 +112,15 @@ def _quant_unfit(fmt, h, inter) -> str:
 
 def _quant_reference(hidden, p13, p2, q, ids, w):
     """(fp64 truth, torch's bf16 result as fp64), both [M, H]: the experts over the dequantised weights, one activated
-    expert at a time (each dequantised alone: no E-sized temporary)."""
-    from specverify.moe import MoEQuant
+    expert at a time (each dequantised alone: no E-sized temporary); the bf16 experts' outputs summed in fp64."""
     from specverify.reference.moe import fused_moe_by_expert_reference
 
     truth = torch.zeros(hidden.shape, dtype=torch.float64, device=hidden.device)
     torch_bf16 = torch.zeros_like(truth)
     for e in torch.unique(ids[ids >= 0]).tolist():
-        qe = MoEQuant(q.format, q.w13_scale[e:e + 1], q.w2_scale[e:e + 1], q.group_size, q.block_shape)
-        d13, d2 = qe.dequantize(p13[e:e + 1], p2[e:e + 1], torch.float64)
-        only = torch.where(ids == e, torch.zeros_like(ids), torch.full_like(ids, -1))  # this expert as expert 0
-        truth += fused_moe_by_expert_reference(hidden, d13, d2, only, w, torch.float64)
-        torch_bf16 += fused_moe_by_expert_reference(hidden, d13.bfloat16(), d2.bfloat16(), only, w, torch.bfloat16)
+        only = torch.where(ids == e, ids, torch.full_like(ids, -1))  # this expert's slots alone
+        truth += fused_moe_by_expert_reference(hidden, p13, p2, only, w, torch.float64, quant=q)
+        torch_bf16 += fused_moe_by_expert_reference(hidden, p13, p2, only, w, torch.bfloat16, quant=q)
     return truth, torch_bf16
 
 

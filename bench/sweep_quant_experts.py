@@ -29,30 +29,6 @@ from specverify.benchmarking import copy_bandwidth_gbps, graph_us, token_counts,
 SETS = 20
 
 
-def _quantise(w, fmt, chunk=16):
-    from specverify.reference.quant import quantize_fp8_block, quantize_int4
-
-    parts = [quantize_int4(w[i:i + chunk], 32) if fmt == "int4" else quantize_fp8_block(w[i:i + chunk])
-             for i in range(0, w.shape[0], chunk)]
-    sdt = torch.bfloat16 if fmt == "int4" else torch.float32
-    return torch.cat([p for p, _ in parts]), torch.cat([s.to(sdt) for _, s in parts])
-
-
-def _truth(x, q, p13, p2, ids, w, dtype):
-    """The experts over the dequantised weights, one activated expert at a time, in ``dtype`` (fp64: the truth)."""
-    inter = p2.shape[2] * (2 if q.format == "int4" else 1)
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=dtype, device=x.device)
-    for e in torch.unique(ids).tolist():
-        rows, ks = (ids == e).nonzero(as_tuple=True)
-        one = type(q)(q.format, q.w13_scale[e:e + 1], q.w2_scale[e:e + 1], q.group_size, q.block_shape)
-        d13, d2 = one.dequantize(p13[e:e + 1], p2[e:e + 1], torch.float64)
-        d13, d2 = d13[0].to(dtype), d2[0].to(dtype)
-        gu = x[rows].to(dtype) @ d13.T
-        a = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
-        out.index_add_(0, rows, (a @ d2.T) * w[rows, ks].to(dtype)[:, None])
-    return out.double()
-
-
 def _formats(text: str) -> list:
     got = [t.strip() for t in text.split(",") if t.strip()]
     if not got or any(f not in ("int4", "fp8") for f in got):
@@ -75,15 +51,18 @@ def main(argv=None) -> int:
         print("sweep_quant_experts: needs a CUDA GPU", file=sys.stderr)
         return 2
     import specverify.moe as moe
+    from specverify.reference.moe import fused_moe_by_expert_reference as by_expert
     from specverify.reference.moe import random_expert_weights
+    from specverify.reference.quant import quantize_experts
 
     e, h, inter, top = args.experts, 7168, 256, 8
     bw = copy_bandwidth_gbps() * 1e9
     w13, w2 = random_expert_weights(e, h, inter, dtype=torch.bfloat16, device="cuda", seed=1)
     rows, failed = [], 0
     for fmt in args.formats:
-        p13, s13 = _quantise(w13, fmt)
-        p2, s2 = _quantise(w2, fmt)
+        sdt = torch.bfloat16 if fmt == "int4" else torch.float32
+        p13, s13 = quantize_experts(w13, fmt, scale_dtype=sdt)
+        p2, s2 = quantize_experts(w2, fmt, scale_dtype=sdt)
         q = moe.MoEQuant(fmt, s13, s2)
         per_expert = sum(t[0].numel() * t.element_size() for t in (p13, p2, s13, s2))
         for m in args.ms:
@@ -101,8 +80,8 @@ def main(argv=None) -> int:
                 moe._STREAM_OVERRIDE.update(over)
                 ids, w = routed[0]
                 out = moe.fused_moe(x[0], p13, p2, ids, w, quant=q)
-                want = _truth(x[0], q, p13, p2, ids, w, torch.float64)
-                tol = 2 * (_truth(x[0], q, p13, p2, ids, w, torch.bfloat16) - want).abs().max().item() + 1e-6
+                want = by_expert(x[0], p13, p2, ids, w, torch.float64, quant=q)
+                tol = 2 * (by_expert(x[0], p13, p2, ids, w, torch.bfloat16, quant=q) - want).abs().max().item() + 1e-6
                 err = (out.double() - want).abs().max().item()
                 label = f"{fmt} {gu}"
                 if not err <= tol:

@@ -1141,9 +1141,7 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
     if which == "reference":
         from specverify.reference.moe import fused_moe_reference
 
-        if quant is not None:
-            w13, w2 = quant.dequantize(w13, w2)  # fp32: the reference computes in fp32
-        res = fused_moe_reference(hidden, w13, w2, topk_ids, topk_weights)
+        res = fused_moe_reference(hidden, w13, w2, topk_ids, topk_weights, quant=quant)
         if out is None:
             return res
         out.copy_(res)

@@ -54,20 +54,6 @@ EXPERTS_QUANT = {None: None, "int4": dict(group_size=32, scale_dtype=torch.bfloa
                  "fp8": dict(block_shape=(128, 128), scale_dtype=torch.float32, shared=True)}
 
 
-def _quantise(w: torch.Tensor, fmt: str, extra: dict, scale_dtype, chunk: int = 16):
-    """``w [E, N, K]`` quantised ``chunk`` experts at a time (no E-sized fp32 temporary): (stored, scale)."""
-    from specverify.reference.quant import quantize_fp8_block, quantize_int4
-
-    parts = []
-    for i in range(0, w.shape[0], chunk):
-        if fmt == "int4":
-            q, sc = quantize_int4(w[i:i + chunk], extra["group_size"])
-        else:
-            q, sc = quantize_fp8_block(w[i:i + chunk], extra["block_shape"])
-        parts.append((q, sc.to(scale_dtype)))
-    return torch.cat([q for q, _ in parts]), torch.cat([sc for _, sc in parts])
-
-
 def quantise_experts(w: dict, e: int, fmt: str) -> dict:
     """Replace a MoE layer dict's expert weights by their ``fmt`` form (:data:`EXPERTS_QUANT`) in place.
 
@@ -78,6 +64,7 @@ def quantise_experts(w: dict, e: int, fmt: str) -> dict:
     ``quant_shared`` for tables without ``experts_with_shared``); otherwise it becomes the separate
     ``shared_gate_up`` / ``shared_down`` in the weights' dtype and the stacked tensors are dropped. Returns ``w``."""
     from specverify.moe import MoEQuant
+    from specverify.reference.quant import quantize_experts
 
     p = EXPERTS_QUANT[fmt]
     if fmt == "int4":
@@ -88,7 +75,7 @@ def quantise_experts(w: dict, e: int, fmt: str) -> dict:
         extra = dict(block_shape=(math.gcd(bn, inter & -inter), bk))
 
     def quantise(t):
-        return _quantise(t, fmt, extra, p["scale_dtype"])
+        return quantize_experts(t, fmt, scale_dtype=p["scale_dtype"], **extra)
 
     if "w13_all" in w and p["shared"]:
         q13, s13 = quantise(w.pop("w13_all"))

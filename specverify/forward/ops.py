@@ -100,14 +100,6 @@ def _torch_attention_gqa(q, k_cache, v_cache, page_table, prefix_lens, tree_mask
     return tree_attention_reference(q, k_cache, v_cache, page_table, prefix_lens, tree_mask, sm_scale, **kw)
 
 
-def _experts_reference(hidden, w13, w2, ids, weights, quant=None):
-    """:func:`fused_moe_reference`; quantised weights (``quant``, a :class:`specverify.moe.MoEQuant`) are first
-    dequantised to fp32."""
-    if quant is not None:
-        w13, w2 = quant.dequantize(w13, w2)
-    return fused_moe_reference(hidden, w13, w2, ids, weights)
-
-
 @dataclass
 class Ops:
     """The op table a model runs through. ``pieces`` names, per component, which implementation is used."""
@@ -116,7 +108,7 @@ class Ops:
     attention_gqa: Callable = _torch_attention_gqa
     write_kv: Callable = write_draft_kv
     route: Callable = None  # (logits, config) -> (ids, weights)
-    experts: Callable = _experts_reference  # (hidden, w13, w2, ids, weights, quant=None): quant a MoEQuant
+    experts: Callable = fused_moe_reference  # (hidden, w13, w2, ids, weights, quant=None): quant a MoEQuant
     accept_greedy: Callable = greedy_accept_reference
     compact_kv: Callable = compact_kv_reference
     rmsnorm: Callable = rmsnorm_reference

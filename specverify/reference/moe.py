@@ -25,6 +25,7 @@ Expert weights: ``w13`` [E, 2 * I, H] (rows 0..I-1 gate, I..2I-1 up), ``w2`` [E,
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -97,42 +98,55 @@ def align_reference(topk_ids, num_experts, block_size):
             torch.tensor([len(sorted_ids)], dtype=torch.int32, device=dev))
 
 
-def fused_moe_reference(hidden, w13, w2, topk_ids, topk_weights, compute_dtype=torch.float32):
+def _experts_as(w13, w2, idx, quant, dtype):
+    """``(w13[idx], w2[idx])`` in ``dtype``; with ``quant`` (a :class:`specverify.moe.MoEQuant`) only those experts
+    dequantised, with their scales."""
+    if quant is None:
+        return w13[idx].to(dtype), w2[idx].to(dtype)
+    picked = dataclasses.replace(quant, w13_scale=quant.w13_scale[idx], w2_scale=quant.w2_scale[idx])
+    return picked.dequantize(w13[idx], w2[idx], dtype)
+
+
+def fused_moe_reference(hidden, w13, w2, topk_ids, topk_weights, compute_dtype=torch.float32, quant=None):
     """SwiGLU experts. hidden [M, H]; returns [M, H] in hidden's dtype. Slots with id -1 add nothing.
 
     Gathers each slot's expert weights (fixed shapes, no host sync: capturable), computes in ``compute_dtype``.
+    Quantised weights (``quant``, a :class:`specverify.moe.MoEQuant`) are dequantised slot by slot, as gathered.
     """
     if hidden.dtype == torch.float64:
         compute_dtype = torch.float64
     m, h = hidden.shape
     top_k = topk_ids.shape[1]
-    inter = w2.shape[2]
     ids = topk_ids.long().reshape(-1)
     valid = ids >= 0
     safe = torch.where(valid, ids, torch.zeros_like(ids))
     x = hidden.to(compute_dtype).repeat_interleave(top_k, dim=0).unsqueeze(-1)  # [S, H, 1]
-    gate_up = torch.bmm(w13[safe].to(compute_dtype), x).squeeze(-1)  # [S, 2I]
+    w13s, w2s = _experts_as(w13, w2, safe, quant, compute_dtype)
+    inter = w2s.shape[2]
+    gate_up = torch.bmm(w13s, x).squeeze(-1)  # [S, 2I]
     act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-    y = torch.bmm(w2[safe].to(compute_dtype), act.unsqueeze(-1)).squeeze(-1)  # [S, H]
+    y = torch.bmm(w2s, act.unsqueeze(-1)).squeeze(-1)  # [S, H]
     w = torch.where(valid, topk_weights.reshape(-1).to(compute_dtype), torch.zeros((), dtype=compute_dtype,
                                                                                     device=hidden.device))
     y = y * w.unsqueeze(-1)
     return y.view(m, top_k, h).sum(1).to(hidden.dtype)
 
 
-def fused_moe_by_expert_reference(hidden, w13, w2, topk_ids, topk_weights, dtype=torch.float64):
+def fused_moe_by_expert_reference(hidden, w13, w2, topk_ids, topk_weights, dtype=torch.float64, quant=None):
     """SwiGLU experts one activated expert at a time, computed in ``dtype`` and returned as fp64 [M, H]: with fp64 the
     truth for large shapes (no per-slot weight copies), with bf16 the error of a plain bf16 computation, from which
-    the sweeps derive their tolerances. Slots with id -1 add nothing."""
+    the sweeps derive their tolerances. Slots with id -1 add nothing. Quantised weights (``quant``) are dequantised
+    one activated expert at a time (to fp32, then ``dtype``; fp64 directly)."""
     m, h = hidden.shape
-    inter = w2.shape[2]
     out = torch.zeros(m, h, dtype=dtype, device=hidden.device)
     x = hidden.to(dtype)
     for e in torch.unique(topk_ids[topk_ids >= 0]).tolist():
         rows, ks = (topk_ids == e).nonzero(as_tuple=True)
-        gu = x[rows] @ w13[e].to(dtype).T
+        w13e, w2e = _experts_as(w13, w2, slice(e, e + 1), quant, dtype)
+        inter = w2e.shape[2]
+        gu = x[rows] @ w13e[0].T
         act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
-        y = (act @ w2[e].to(dtype).T) * topk_weights[rows, ks].to(dtype)[:, None]
+        y = (act @ w2e[0].T) * topk_weights[rows, ks].to(dtype)[:, None]
         out.index_add_(0, rows, y)
     return out.double()
 

@@ -73,3 +73,20 @@ def dequantize_fp8_block(w8: torch.Tensor, scale: torch.Tensor, block_shape: tup
     ctype = torch.float64 if dtype == torch.float64 else torch.float32
     s = scale.to(ctype).repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
     return (w8.to(ctype) * s).to(dtype)
+
+
+def quantize_experts(w: torch.Tensor, fmt: str, *, group_size: int = 32, block_shape: tuple[int, int] = (128, 128),
+                     scale_dtype: torch.dtype | None = None, chunk: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [E, N, K]`` as ``fmt`` (``"int4"``: :func:`quantize_int4`; ``"fp8"``: :func:`quantize_fp8_block`),
+    ``chunk`` experts at a time, so no E-sized fp32 temporary exists. Returns ``(stored, scale)``, the scales in
+    ``scale_dtype`` (default fp32)."""
+    parts = []
+    for i in range(0, w.shape[0], chunk):
+        if fmt == "int4":
+            q, sc = quantize_int4(w[i:i + chunk], group_size)
+        elif fmt == "fp8":
+            q, sc = quantize_fp8_block(w[i:i + chunk], block_shape)
+        else:
+            raise ValueError(f"quantize_experts: fmt must be 'int4' or 'fp8', got {fmt!r}")
+        parts.append((q, sc if scale_dtype is None else sc.to(scale_dtype)))
+    return torch.cat([q for q, _ in parts]), torch.cat([sc for _, sc in parts])

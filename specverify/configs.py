@@ -269,20 +269,26 @@ def attention_weight_elems(s: RankShapes) -> int:
     return qkv + o + norms
 
 
+#: How ``VerifyModel(experts_quant=...)`` stores MoE experts, as the served checkpoints do: int4 as Kimi-K2.5 (codes
+#: of half a byte, a bf16 scale per group of 32, the shared expert left unquantised), fp8 as DeepSeek-V3 and Kimi-K2
+#: (a byte, an fp32 scale per 128 x 128 block, the shared expert quantised too when it is one expert's size).
+EXPERTS_QUANT = {"int4": dict(code_bytes=0.5, group_size=32, scale_bytes=2, shared=False),
+                 "fp8": dict(code_bytes=1, block_shape=(128, 128), scale_bytes=4, shared=True)}
+
+
 def expert_param_bytes(experts_quant: str | None, dtype_bytes: int = 2) -> tuple[float, float]:
-    """Bytes a weight of a routed and of a shared expert takes, scales included: unquantised ``dtype_bytes``;
-    ``"int4"`` half a byte plus a bf16 scale per 32 (the shared expert unquantised, as Kimi-K2.5 ships it);
-    ``"fp8"`` one byte plus an fp32 scale per 128 x 128 block, shared expert too (DeepSeek-V3, Kimi-K2) when it is
-    one expert's size (stacked with the routed ones; :func:`verify_bytes` counts a larger one unquantised, as
-    ``VerifyModel`` stores it). Edge blocks are counted as whole fractions (exact when the sizes divide the
-    block)."""
+    """Bytes a weight of a routed and of a shared expert takes, scales included (:data:`EXPERTS_QUANT`):
+    unquantised ``dtype_bytes``. A shared expert counted quantised here is one expert's size, stacked with the
+    routed ones; :func:`verify_bytes` counts a larger one unquantised, as ``VerifyModel`` stores it. Edge blocks are
+    counted as whole fractions (exact when the sizes divide the block)."""
     if experts_quant is None:
         return float(dtype_bytes), float(dtype_bytes)
-    if experts_quant == "int4":
-        return 0.5 + 2 / 32, float(dtype_bytes)
-    if experts_quant == "fp8":
-        return 1 + 4 / (128 * 128), 1 + 4 / (128 * 128)
-    raise ValueError(f"experts_quant must be None, 'int4' or 'fp8', got {experts_quant!r}")
+    p = EXPERTS_QUANT.get(experts_quant)
+    if p is None:
+        raise ValueError(f"experts_quant must be None, 'int4' or 'fp8', got {experts_quant!r}")
+    per_scale = p["group_size"] if "group_size" in p else p["block_shape"][0] * p["block_shape"][1]
+    routed = p["code_bytes"] + p["scale_bytes"] / per_scale
+    return routed, routed if p["shared"] else float(dtype_bytes)
 
 
 def verify_bytes(config: ModelConfig | str, tp: int = 1, tokens: int = 1, context: int = 4096, batch: int = 1,

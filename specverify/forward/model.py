@@ -32,7 +32,7 @@ from contextlib import contextmanager
 
 import torch
 
-from specverify.configs import ModelConfig, RankShapes, get_config, per_rank_shapes
+from specverify.configs import EXPERTS_QUANT, ModelConfig, RankShapes, get_config, per_rank_shapes
 from specverify.forward.ops import Ops, RouteParams, provider_ops
 from specverify.gemv import gemv_is_faster
 
@@ -47,15 +47,9 @@ FOLD_Q_NORM = True
 FOLD_Q_NORM_MAX_M = 4
 
 
-#: ``VerifyModel(experts_quant=...)``: None or a quantised format with its parameters (:class:`specverify.moe.MoEQuant`)
-#: and whether the shared expert is stored quantised too (the checkpoints: Kimi-K2.5 keeps its shared expert in bf16,
-#: DeepSeek-V3 and Kimi-K2 store it in fp8 like the routed ones).
-EXPERTS_QUANT = {None: None, "int4": dict(group_size=32, scale_dtype=torch.bfloat16, shared=False),
-                 "fp8": dict(block_shape=(128, 128), scale_dtype=torch.float32, shared=True)}
-
-
 def quantise_experts(w: dict, e: int, fmt: str) -> dict:
-    """Replace a MoE layer dict's expert weights by their ``fmt`` form (:data:`EXPERTS_QUANT`) in place.
+    """Replace a MoE layer dict's expert weights by their ``fmt`` form (:data:`specverify.configs.EXPERTS_QUANT`) in
+    place.
 
     After it: ``w13`` / ``w2`` hold the routed experts' stored values and ``quant`` their
     :class:`~specverify.moe.MoEQuant` (scales also as ``w13_scale`` / ``w2_scale``, so :meth:`VerifyModel.weight_bytes`
@@ -67,6 +61,7 @@ def quantise_experts(w: dict, e: int, fmt: str) -> dict:
     from specverify.reference.quant import quantize_experts
 
     p = EXPERTS_QUANT[fmt]
+    scale_dtype = torch.bfloat16 if p["scale_bytes"] == 2 else torch.float32
     if fmt == "int4":
         extra = dict(group_size=p["group_size"])
     else:  # a block row must not straddle gate and up rows: at most the largest power of two dividing I
@@ -75,7 +70,7 @@ def quantise_experts(w: dict, e: int, fmt: str) -> dict:
         extra = dict(block_shape=(math.gcd(bn, inter & -inter), bk))
 
     def quantise(t):
-        return quantize_experts(t, fmt, scale_dtype=p["scale_dtype"], **extra)
+        return quantize_experts(t, fmt, scale_dtype=scale_dtype, **extra)
 
     if "w13_all" in w and p["shared"]:
         q13, s13 = quantise(w.pop("w13_all"))
@@ -225,8 +220,8 @@ class VerifyModel:
                  num_layers: int | None = None, distinct_layers: int | None = None,
                  dtype=torch.bfloat16, device="cpu", seed: int = 0, full_weights: bool | None = None,
                  ops: Ops | None = None, experts_quant: str | None = None):
-        if experts_quant not in EXPERTS_QUANT:
-            raise ValueError(f"experts_quant must be one of {list(EXPERTS_QUANT)}, got {experts_quant!r}")
+        if experts_quant is not None and experts_quant not in EXPERTS_QUANT:
+            raise ValueError(f"experts_quant must be one of {[None, *EXPERTS_QUANT]}, got {experts_quant!r}")
         self.experts_quant = experts_quant
         self.config = get_config(config)
         self.shapes: RankShapes = per_rank_shapes(self.config, tp)

@@ -11,7 +11,8 @@ default table), ``no-<slot>`` (one slot of ``FUSIONS`` emptied); gate/up of the 
 ``MOE_BLOCK_MAX_M``); ``w<1|4>-<router|qkv|qb>`` (that GEMV's grid at 1 or 4 programs an SM instead of 2);
 ``rr-<qkv|qb|o>-k..-s..`` (that projection on the row-range GEMV, see ``_RR_RULES``);
 ``mb-n<BN>-k<BK>-c<SK>.<SD>.<W>`` (the MoE block's tiles at every token count and its launch candidate, as
-``bench_moe_block.py --configs``); ``cublas-o`` (o_proj on cuBLAS again); ``router-gemv-m8`` (the router on our GEMV
+``bench_moe_block.py --configs``); ``int4-bytes`` (with ``--experts-quant int4``: the stream experts' codes read a
+byte at a time, not as int32 words); ``cublas-o`` (o_proj on cuBLAS again); ``router-gemv-m8`` (the router on our GEMV
 up to 8 tokens); ``no-q-fold`` (q_a's RMSNorm a launch of its own again, ``forward.model.FOLD_Q_NORM``); ``fold-m8``
 (the fold up to 8 tokens, ``FOLD_Q_NORM_MAX_M``); ``no-early-kv`` (the MLA attention's first prefix KV tile read
 after the PDL wait, not before); ``mla-m64`` (33-64 query rows a program in one 64-row tile, not two of 32).
@@ -47,7 +48,8 @@ up to 8 tokens, and that on 16-row tiles with its split reduce in one load (`rou
 faster in the pass.
 
 Usage: ``python bench/ab_verify_pass.py [--model kimi-k2] [--batch 1] [--context 4096] [--tree chain]
-[--draft-tokens 1,2,4,8] [--iters 10] [--page-size 64] [--variants ...] [--kernels] [--json PATH]``.
+[--draft-tokens 1,2,4,8] [--iters 10] [--page-size 64] [--variants ...] [--experts-quant int4|fp8] [--kernels]
+[--json PATH]``.
 """
 from __future__ import annotations
 
@@ -64,6 +66,8 @@ VARIANTS = {"chain": dict(off=FUSIONS), "fused": dict(off=()), "fma": dict(off=(
 VARIANTS.update({f"no-{slot}": dict(off=(slot,)) for slot in FUSIONS})
 VARIANTS.update({f"splitk-m{m}": dict(off=(), stream={"splitk_max_m": m}) for m in (4, 6)})
 VARIANTS.update({f"block-m{m}": dict(off=(), set={"moe_block_max_m": m}) for m in (3, 4)})
+#: int4 experts (``--experts-quant int4``): the stream kernels' codes read a byte at a time, not as int32 words
+VARIANTS["int4-bytes"] = dict(off=(), stream={"int4_words": 0})
 #: module attributes read at each launch: (module, attribute, value)
 #: o_proj's rule (``specverify.gemv.LINEAR_RULES``, N 7168, K 1024 / 2048): the ``cublas-o`` and ``rr-o-*`` variants
 _O_PROJ = (8, (7168, 7168), (1024, 2048))
@@ -134,6 +138,8 @@ def main(argv=None) -> int:
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--distinct-layers", type=int, default=4)
     ap.add_argument("--variants", default="chain,fused")
+    ap.add_argument("--experts-quant", choices=("int4", "fp8"), default=None,
+                    help="the routed experts stored quantised (verify-wall --experts-quant)")
     ap.add_argument("--kernels", action="store_true", help="kernel profile of the last variant's second run")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
@@ -180,7 +186,8 @@ def main(argv=None) -> int:
         s = vw.WallSettings(model=args.model, batch=args.batch, context=args.context, tree=args.tree,
                             draft_tokens=args.draft_tokens, distinct_layers=args.distinct_layers,
                             impl=["specverify"], iters=args.iters, page_size=args.page_size,
-                            kernels=args.kernels and last, breakdown=args.kernels and last)
+                            experts_quant=args.experts_quant, kernels=args.kernels and last,
+                            breakdown=args.kernels and last)
         res = vw.run_verify_wall(s)
         results.append({"variant": name, "pass": 1 if i < len(names) else 2, **res})
         # the distinct routed experts a layer (d): a variant that rounds the logits differently may read others

@@ -812,7 +812,7 @@ _FAST_ROUTE_CONFIG: dict = {"one_max_slots": 16, "align_one_max_slots": 32, "one
 _STREAM_CONFIG: dict = {"max_m": 6, "small_m": 2, "small_R": 2, "R": 4, "BK": 512, "num_warps": 4, "num_stages": 1,
                         "BH": 2, "BI": 256, "TILE": 8192, "down_warps": 4, "PDL": True, "gate_up": "auto",
                         "splitk_max_m": 2, "SBN": 32, "SBK": 128, "split_stages": 3, "split_warps": 4,
-                        "split_waves": 4}
+                        "split_waves": 4, "int4_words": 2}
 #: Overrides merged into the stream config (benchmarks and sweeps only; empty in normal use).
 _STREAM_OVERRIDE: dict = {}
 #: Tile overrides for benchmarks and sweeps only: keys ``g1`` / ``g2`` (dicts merged into the gate/up and down
@@ -872,6 +872,16 @@ def _scale_operands(quant, w, which: str):
     else:
         consts = dict(QUANT=2, QG=quant.block_shape[1], QN=quant.block_shape[0])
     return (sc, sc.stride(0), sc.stride(1)), consts
+
+
+def _int4_words(quant, w, k: int, cfg: dict) -> int:
+    """The stream kernels' ``W4`` for weight ``w`` (reduced length ``k``): ``cfg["int4_words"]`` where its int4
+    codes can be read as aligned int32 words (k and the group a multiple of 8, strides and base a multiple of 4
+    bytes), else 0 (the byte path)."""
+    if quant is None or quant.format != "int4":
+        return 0
+    aligned = w.stride(0) % 4 == 0 and w.stride(1) % 4 == 0 and w.data_ptr() % 4 == 0
+    return cfg["int4_words"] if aligned and k % 8 == 0 and quant.group_size % 8 == 0 else 0
 
 
 def _expert_setup(hidden, w13, w2, topk_ids, topk_weights, out):
@@ -1018,7 +1028,8 @@ def stream_gate_up(hidden, w13, ids32, cfg: dict, pdl: bool, quant: MoEQuant | N
     q13, qc = _scale_operands(quant, w13, "w13")
     _moe_stream_gate_up_kernel[(s * nt,)](
         hidden, w13, q13[0], act, ids32, hidden.stride(0), w13.stride(0), w13.stride(1), q13[1], q13[2],
-        act.stride(0), E=e, H=h, I=inter, TOP_K=top_k, R=cfg["R"], BK=cfg["BK"], PDL=pdl, **qc, **launch)
+        act.stride(0), E=e, H=h, I=inter, TOP_K=top_k, R=cfg["R"], BK=cfg["BK"], PDL=pdl, **qc,
+        W4=_int4_words(quant, w13, h, cfg), **launch)
     return act
 
 
@@ -1050,7 +1061,8 @@ def _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, out, quant=None):
     q2, qc = _scale_operands(quant, w2, "w2")
     _moe_stream_down_kernel[(_cdiv(h, cfg["BH"]),)](
         act, w2, q2[0], ids32, tw, out, act.stride(0), w2.stride(0), w2.stride(1), q2[1], q2[2], out.stride(0), E=e,
-        H=h, I=inter, TOP_K=top_k, MT=m, SP=cfg["SP"], BH=cfg["BH"], BI=cfg["BI"], PDL=pdl, **qc, **launch2)
+        H=h, I=inter, TOP_K=top_k, MT=m, SP=cfg["SP"], BH=cfg["BH"], BI=cfg["BI"], PDL=pdl, **qc,
+        W4=_int4_words(quant, w2, inter, cfg), **launch2)
     return out
 
 

@@ -11,8 +11,8 @@ default table), ``no-<slot>`` (one slot of ``FUSIONS`` emptied); gate/up of the 
 ``MOE_BLOCK_MAX_M``); ``w<1|4>-<router|qkv|qb>`` (that GEMV's grid at 1 or 4 programs an SM instead of 2);
 ``rr-<qkv|qb|o>-k..-s..`` (that projection on the row-range GEMV, see ``_RR_RULES``);
 ``mb-n<BN>-k<BK>-c<SK>.<SD>.<W>`` (the MoE block's tiles at every token count and its launch candidate, as
-``bench_moe_block.py --configs``); ``int4-bytes`` (with ``--experts-quant int4``: the stream experts' codes read a
-byte at a time, not as int32 words); ``cublas-o`` (o_proj on cuBLAS again); ``router-gemv-m8`` (the router on our GEMV
+``bench_moe_block.py --configs``); ``qdown-bh2`` / ``no-qprefetch`` (with ``--experts-quant``: the stream down
+kernel on bf16's tile / the gate/up without its register prefetch); ``cublas-o`` (o_proj on cuBLAS again); ``router-gemv-m8`` (the router on our GEMV
 up to 8 tokens); ``no-q-fold`` (q_a's RMSNorm a launch of its own again, ``forward.model.FOLD_Q_NORM``); ``fold-m8``
 (the fold up to 8 tokens, ``FOLD_Q_NORM_MAX_M``); ``no-early-kv`` (the MLA attention's first prefix KV tile read
 after the PDL wait, not before); ``mla-m64`` (33-64 query rows a program in one 64-row tile, not two of 32).
@@ -66,8 +66,10 @@ VARIANTS = {"chain": dict(off=FUSIONS), "fused": dict(off=()), "fma": dict(off=(
 VARIANTS.update({f"no-{slot}": dict(off=(slot,)) for slot in FUSIONS})
 VARIANTS.update({f"splitk-m{m}": dict(off=(), stream={"splitk_max_m": m}) for m in (4, 6)})
 VARIANTS.update({f"block-m{m}": dict(off=(), set={"moe_block_max_m": m}) for m in (3, 4)})
-#: int4 experts (``--experts-quant int4``): the stream kernels' codes read a byte at a time, not as int32 words
-VARIANTS["int4-bytes"] = dict(off=(), stream={"int4_words": 0})
+#: quantised experts (``--experts-quant``): the stream down kernel on bf16's tile (2 rows a program, 8192 elements)
+VARIANTS["qdown-bh2"] = dict(off=(), stream={"qBH": 2, "qTILE": 8192})
+#: quantised experts: the stream gate/up without the next tile's loads issued before this tile's arithmetic
+VARIANTS["no-qprefetch"] = dict(off=(), stream={"QPF": 0})
 #: module attributes read at each launch: (module, attribute, value)
 #: o_proj's rule (``specverify.gemv.LINEAR_RULES``, N 7168, K 1024 / 2048): the ``cublas-o`` and ``rr-o-*`` variants
 _O_PROJ = (8, (7168, 7168), (1024, 2048))

@@ -53,6 +53,46 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
+def _load_w_raw(w_ptr, s_ptr, e, rows, k0, e_mask, row_mask, stride_e, stride_row, stride_se, stride_srow,
+                K: tl.constexpr, BK: tl.constexpr, QUANT: tl.constexpr, QG: tl.constexpr, QN: tl.constexpr):
+    """The loads of ``_load_w`` without its arithmetic: (stored tile, scales). The stored tile is [len(e),
+    len(rows), BK] in w's dtype (QUANT 1: [.., BK // 2] bytes, two codes each, 0x88 = two zeros outside the masks);
+    the scales [len(e), len(rows), BK // min(QG, BK)] (0 outside the masks; a zero scalar when QUANT is 0)."""
+    base = w_ptr + e[:, None, None].to(tl.int64) * stride_e + rows[None, :, None].to(tl.int64) * stride_row
+    m2 = e_mask[:, None, None] & row_mask[None, :, None]
+    if QUANT == 1:
+        pc = k0 // 2 + tl.arange(0, BK // 2)
+        p = tl.load(base + pc[None, None, :], mask=m2 & (pc < K // 2)[None, None, :], other=0x88)
+    else:
+        kc = k0 + tl.arange(0, BK)
+        p = tl.load(base + kc[None, None, :], mask=m2 & (kc < K)[None, None, :], other=0.0)
+    if QUANT != 0:
+        GW: tl.constexpr = QG if QG < BK else BK  # columns of one group inside the tile
+        NGT: tl.constexpr = BK // GW
+        gc = (k0 + tl.arange(0, NGT) * GW) // QG
+        sb = s_ptr + e[:, None, None].to(tl.int64) * stride_se + (rows // QN)[None, :, None].to(tl.int64) * stride_srow
+        s = tl.load(sb + gc[None, None, :], mask=m2 & (gc < (K + QG - 1) // QG)[None, None, :], other=0.0)
+    else:
+        s = 0.0
+    return p, s
+
+
+@triton.jit
+def _dequant_w(p, s, BK: tl.constexpr, QUANT: tl.constexpr, QG: tl.constexpr):
+    """The arithmetic of ``_load_w`` on what ``_load_w_raw`` loaded: the [len(e), len(rows), BK] tile."""
+    if QUANT == 1:
+        w = tl.interleave((p & 0xF).to(tl.float32), (p >> 4).to(tl.float32)) - 8.0
+    else:
+        w = p
+    if QUANT != 0:
+        GW: tl.constexpr = QG if QG < BK else BK
+        NGT: tl.constexpr = BK // GW
+        w = tl.reshape(w.to(tl.float32), (w.shape[0], w.shape[1], NGT, GW)) * s.to(tl.float32)[:, :, :, None]
+        w = tl.reshape(w, (p.shape[0], p.shape[1], BK))
+    return w
+
+
+@triton.jit
 def _load_w(w_ptr, s_ptr, e, rows, k0, e_mask, row_mask, stride_e, stride_row, stride_se, stride_srow,
             K: tl.constexpr, BK: tl.constexpr, QUANT: tl.constexpr, QG: tl.constexpr, QN: tl.constexpr):
     """W[e][rows, k0:k0 + BK] of every expert in ``e``: a [len(e), len(rows), BK] tile, zero past K and outside
@@ -60,24 +100,9 @@ def _load_w(w_ptr, s_ptr, e, rows, k0, e_mask, row_mask, stride_e, stride_row, s
     low nibble), the value is ``(q - 8) * S[e][row, k // QG]`` (fp32). QUANT 2 (fp8): ``W * S[e][row // QN, k //
     QG]`` (fp32). ``stride_row`` counts stored elements (bytes for int4); k0 is a multiple of BK, and BK and QG are
     powers of two, so a tile holds whole groups or lies inside one."""
-    base = w_ptr + e[:, None, None].to(tl.int64) * stride_e + rows[None, :, None].to(tl.int64) * stride_row
-    m2 = e_mask[:, None, None] & row_mask[None, :, None]
-    if QUANT == 1:
-        pc = k0 // 2 + tl.arange(0, BK // 2)
-        p = tl.load(base + pc[None, None, :], mask=m2 & (pc < K // 2)[None, None, :], other=0x88)
-        w = tl.interleave((p & 0xF).to(tl.float32), (p >> 4).to(tl.float32)) - 8.0
-    else:
-        kc = k0 + tl.arange(0, BK)
-        w = tl.load(base + kc[None, None, :], mask=m2 & (kc < K)[None, None, :], other=0.0)
-    if QUANT != 0:
-        GW: tl.constexpr = QG if QG < BK else BK  # columns of one group inside the tile
-        NGT: tl.constexpr = BK // GW
-        gc = (k0 + tl.arange(0, NGT) * GW) // QG
-        sb = s_ptr + e[:, None, None].to(tl.int64) * stride_se + (rows // QN)[None, :, None].to(tl.int64) * stride_srow
-        s = tl.load(sb + gc[None, None, :], mask=m2 & (gc < (K + QG - 1) // QG)[None, None, :], other=0.0)
-        w = tl.reshape(w.to(tl.float32), (e.shape[0], rows.shape[0], NGT, GW)) * s.to(tl.float32)[:, :, :, None]
-        w = tl.reshape(w, (e.shape[0], rows.shape[0], BK))
-    return w
+    p, s = _load_w_raw(w_ptr, s_ptr, e, rows, k0, e_mask, row_mask, stride_e, stride_row, stride_se, stride_srow, K,
+                       BK, QUANT, QG, QN)
+    return _dequant_w(p, s, BK, QUANT, QG)
 
 
 @triton.jit
@@ -88,101 +113,6 @@ def _load_w_tile(w_ptr, s_ptr, e, rows, k0, row_mask, stride_e, stride_row, stri
     w = _load_w(w_ptr, s_ptr, ev, rows, k0, ev >= 0, row_mask, stride_e, stride_row, stride_se, stride_srow, K, BK,
                 QUANT, QG, QN)
     return tl.reshape(w, (rows.shape[0], BK))
-
-
-@triton.jit
-def _int4_words(w_ptr, s_ptr, e, rows, k0, e_mask, row_mask, stride_e, stride_row, stride_se, stride_srow,
-                K: tl.constexpr, BK: tl.constexpr, QG: tl.constexpr):
-    """The int4 codes of W[e][rows, k0:k0 + BK] as int32 words, 8 codes a word (column ``k0 + 8 i + j`` in bits
-    4j..4j+3 of word i: the byte order of ``_load_w``'s codes read little-endian), [len(e), len(rows), BK // 8], and
-    each word's group scale (fp32, same shape; 0 outside the masks). Needs K, QG and BK multiples of 8 and both
-    strides (bytes) multiples of 4: the launcher checks (``_int4_words_ok``)."""
-    NW: tl.constexpr = BK // 8
-    wp = w_ptr.to(tl.pointer_type(tl.int32))
-    iw = tl.arange(0, NW)
-    wc = k0 // 8 + iw
-    base = wp + e[:, None, None].to(tl.int64) * (stride_e // 4) + rows[None, :, None].to(tl.int64) * (stride_row // 4)
-    m = e_mask[:, None, None] & row_mask[None, :, None] & (wc < K // 8)[None, None, :]
-    words = tl.load(base + wc[None, None, :], mask=m, other=0)
-    sb = s_ptr + e[:, None, None].to(tl.int64) * stride_se + rows[None, :, None].to(tl.int64) * stride_srow
-    s = tl.load(sb + ((k0 + iw * 8) // QG)[None, None, :], mask=m, other=0.0).to(tl.float32)
-    return words, s
-
-
-@triton.jit
-def _int4_x(x_ptrs, x_mask, k0, K: tl.constexpr, BK: tl.constexpr, W4: tl.constexpr):
-    """The activations that meet code j of every word of ``_int4_words``: eight [len(x_ptrs), BK // 8] fp32 tiles,
-    x_j[n, i] = x_ptrs[n][k0 + 8 i + j] (0 past K or outside ``x_mask``). W4 == 2 scales x_j by 2^-p_j, the place of
-    code j in ``_int4_dot``'s masked word."""
-    iw = tl.arange(0, BK // 8)
-    c = k0 + iw * 8
-    m = x_mask[:, None] & (c < K)[None, :]
-    p = x_ptrs[:, None] + c[None, :]
-    if W4 == 3:  # one [NE, BK // 8, 8] load (8 contiguous columns a word), split into the 8 codes' tiles
-        jj = tl.arange(0, 8)
-        xa = tl.load(p[:, :, None] + jj[None, None, :], mask=m[:, :, None], other=0.0).to(tl.float32)
-        NE: tl.constexpr = x_ptrs.shape[0]
-        xe, xo = tl.split(tl.reshape(xa, (NE, BK // 8, 4, 2)))  # columns 2t, 2t + 1
-        x04, x26 = tl.split(tl.reshape(xe, (NE, BK // 8, 2, 2)))
-        x15, x37 = tl.split(tl.reshape(xo, (NE, BK // 8, 2, 2)))
-        x0, x4 = tl.split(x04)
-        x2, x6 = tl.split(x26)
-        x1, x5 = tl.split(x15)
-        x3, x7 = tl.split(x37)
-    else:
-        x0 = tl.load(p, mask=m, other=0.0).to(tl.float32)
-        x1 = tl.load(p + 1, mask=m, other=0.0).to(tl.float32)
-        x2 = tl.load(p + 2, mask=m, other=0.0).to(tl.float32)
-        x3 = tl.load(p + 3, mask=m, other=0.0).to(tl.float32)
-        x4 = tl.load(p + 4, mask=m, other=0.0).to(tl.float32)
-        x5 = tl.load(p + 5, mask=m, other=0.0).to(tl.float32)
-        x6 = tl.load(p + 6, mask=m, other=0.0).to(tl.float32)
-        x7 = tl.load(p + 7, mask=m, other=0.0).to(tl.float32)
-    if W4 >= 2:  # codes 0-4 in place (bits 4j), codes 5-7 from the word shifted by 12 (bits 8, 12, 16)
-        x1 = x1 * 0.0625
-        x2 = x2 * 0.00390625
-        x3 = x3 * 0.000244140625
-        x4 = x4 * 0.0000152587890625
-        x5 = x5 * 0.00390625
-        x6 = x6 * 0.000244140625
-        x7 = x7 * 0.0000152587890625
-    return x0, x1, x2, x3, x4, x5, x6, x7
-
-
-@triton.jit
-def _code(words, SHIFT: tl.constexpr, P: tl.constexpr):
-    """(q - 8) * 2^P for the code q in bits P..P+3 of ``words >> SHIFT``, exactly, without an int-to-float
-    conversion: the bits ORed into the mantissa of 2^23 (0x4B000000) read as 2^23 + q * 2^P."""
-    src = words >> SHIFT if SHIFT > 0 else words
-    v = ((src & (0xF << P)) | 0x4B000000).to(tl.float32, bitcast=True)
-    return v - (8388608.0 + 8.0 * (1 << P))
-
-
-@triton.jit
-def _int4_dot(words, s, x0, x1, x2, x3, x4, x5, x6, x7, W4: tl.constexpr):
-    """s * sum_j (q_j - 8) * x_j over the 8 codes of each word: [NE, R, BK // 8] fp32, x_j [NE, BK // 8] from
-    ``_int4_x`` with the same W4. W4 1: each code shifted down to bits 0..3; W4 2: codes 0-4 in place and 5-7 from
-    the word shifted by 12, the place's power of two carried by x_j."""
-    if W4 == 1:
-        t = _code(words, 0, 0) * x0[:, None, :]
-        t += _code(words, 4, 0) * x1[:, None, :]
-        t += _code(words, 8, 0) * x2[:, None, :]
-        t += _code(words, 12, 0) * x3[:, None, :]
-        t += _code(words, 16, 0) * x4[:, None, :]
-        t += _code(words, 20, 0) * x5[:, None, :]
-        t += _code(words, 24, 0) * x6[:, None, :]
-        t += _code(words, 28, 0) * x7[:, None, :]
-    else:
-        hi = words >> 12
-        t = _code(words, 0, 0) * x0[:, None, :]
-        t += _code(words, 0, 4) * x1[:, None, :]
-        t += _code(words, 0, 8) * x2[:, None, :]
-        t += _code(words, 0, 12) * x3[:, None, :]
-        t += _code(words, 0, 16) * x4[:, None, :]
-        t += _code(hi, 0, 8) * x5[:, None, :]
-        t += _code(hi, 0, 12) * x6[:, None, :]
-        t += _code(hi, 0, 16) * x7[:, None, :]
-    return t * s
 
 
 @triton.jit
@@ -323,7 +253,7 @@ def _moe_topk_sum_kernel(part_ptr, ids_ptr, out_ptr, stride_pm, stride_om, E: tl
 def _moe_stream_gate_up_kernel(hidden_ptr, w13_ptr, s13_ptr, act_ptr, ids_ptr, stride_hm, stride_we, stride_wn,
                                stride_se, stride_sn, stride_am, E: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                                TOP_K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
-                               QUANT: tl.constexpr, QG: tl.constexpr, QN: tl.constexpr, W4: tl.constexpr = 0):
+                               QUANT: tl.constexpr, QG: tl.constexpr, QN: tl.constexpr, QPF: tl.constexpr = False):
     if PDL:  # wait for the routing (ids) and the norm (hidden) first: the down kernel reads ids and weights
         gdc_wait()  # before its own wait, so it may launch (and gather w2) only once the routing has finished
         gdc_launch_dependents()
@@ -341,20 +271,26 @@ def _moe_stream_gate_up_kernel(hidden_ptr, w13_ptr, s13_ptr, act_ptr, ids_ptr, s
     ev = e + tl.zeros([1], tl.int32)
     tok = slots // TOP_K
     a_base = hidden_ptr + tok.to(tl.int64) * stride_hm
-    if QUANT == 1 and W4 != 0:  # int4 read as words (``_int4_dot``): one scale a word, no per-code convert
-        acc_g = tl.zeros([1, R, BK // 8], tl.float32)
-        acc_u = tl.zeros([1, R, BK // 8], tl.float32)
+    acc_g = tl.zeros([1, R, BK], tl.float32)
+    acc_u = tl.zeros([1, R, BK], tl.float32)
+    if QPF:  # the next tile's loads issued before this tile's arithmetic (two tiles in flight a program)
+        pg, sg = _load_w_raw(w13_ptr, s13_ptr, ev, rows, 0, ev >= 0, rmask, stride_we, stride_wn, stride_se,
+                             stride_sn, H, BK, QUANT, QG, QN)
+        pu, su = _load_w_raw(w13_ptr, s13_ptr, ev, rows + I, 0, ev >= 0, rmask, stride_we, stride_wn, stride_se,
+                             stride_sn, H, BK, QUANT, QG, QN)
         for k0 in range(0, H, BK):
-            wg, sg = _int4_words(w13_ptr, s13_ptr, ev, rows, k0, ev >= 0, rmask, stride_we, stride_wn, stride_se,
-                                 stride_sn, H, BK, QG)
-            wu, su = _int4_words(w13_ptr, s13_ptr, ev, rows + I, k0, ev >= 0, rmask, stride_we, stride_wn, stride_se,
-                                 stride_sn, H, BK, QG)
-            x0, x1, x2, x3, x4, x5, x6, x7 = _int4_x(a_base, ev >= 0, k0, H, BK, W4)
-            acc_g += _int4_dot(wg, sg, x0, x1, x2, x3, x4, x5, x6, x7, W4)
-            acc_u += _int4_dot(wu, su, x0, x1, x2, x3, x4, x5, x6, x7, W4)
+            kc = k0 + ok
+            kmask = kc < H
+            # past H the loads are masked off (no memory traffic)
+            pg_n, sg_n = _load_w_raw(w13_ptr, s13_ptr, ev, rows, k0 + BK, ev >= 0, rmask, stride_we, stride_wn,
+                                     stride_se, stride_sn, H, BK, QUANT, QG, QN)
+            pu_n, su_n = _load_w_raw(w13_ptr, s13_ptr, ev, rows + I, k0 + BK, ev >= 0, rmask, stride_we, stride_wn,
+                                     stride_se, stride_sn, H, BK, QUANT, QG, QN)
+            a = tl.load(a_base[:, None] + kc[None, :], mask=kmask[None, :], other=0.0).to(tl.float32)
+            acc_g += a[:, None, :] * _dequant_w(pg, sg, BK, QUANT, QG).to(tl.float32)
+            acc_u += a[:, None, :] * _dequant_w(pu, su, BK, QUANT, QG).to(tl.float32)
+            pg, sg, pu, su = pg_n, sg_n, pu_n, su_n
     else:
-        acc_g = tl.zeros([1, R, BK], tl.float32)
-        acc_u = tl.zeros([1, R, BK], tl.float32)
         for k0 in range(0, H, BK):
             kc = k0 + ok
             kmask = kc < H
@@ -377,7 +313,7 @@ def _moe_stream_down_kernel(act_ptr, w2_ptr, s2_ptr, ids_ptr, tw_ptr, out_ptr, s
                             stride_se, stride_sn, stride_om, E: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                             TOP_K: tl.constexpr, MT: tl.constexpr, SP: tl.constexpr, BH: tl.constexpr,
                             BI: tl.constexpr, PDL: tl.constexpr, QUANT: tl.constexpr, QG: tl.constexpr,
-                            QN: tl.constexpr, W4: tl.constexpr = 0):
+                            QN: tl.constexpr):
     pid = tl.program_id(0)
     oh = pid * BH + tl.arange(0, BH)
     hmask = oh < H
@@ -394,21 +330,13 @@ def _moe_stream_down_kernel(act_ptr, w2_ptr, s2_ptr, ids_ptr, tw_ptr, out_ptr, s
     for i0 in range(0, I, BI):  # one step when I <= BI (Kimi-K2: I = 256)
         ic = i0 + oi
         imask = ic < I
-        if QUANT == 1 and W4 != 0:
-            words, sw = _int4_words(w2_ptr, s2_ptr, e, oh, i0, use, hmask, stride_we, stride_wn, stride_se,
-                                    stride_sn, I, BI, QG)  # [SP, BH, BI // 8]
-            if PDL:
-                gdc_wait()
-            x0, x1, x2, x3, x4, x5, x6, x7 = _int4_x(act_ptr + sl.to(tl.int64) * stride_am, use, i0, I, BI, W4)
-            part += tl.sum(_int4_dot(words, sw, x0, x1, x2, x3, x4, x5, x6, x7, W4), axis=2) * r[:, None]
-        else:
-            w = _load_w(w2_ptr, s2_ptr, e, oh, i0, use, hmask, stride_we, stride_wn, stride_se, stride_sn, I, BI,
-                        QUANT, QG, QN)  # [SP, BH, BI]
-            if PDL:  # act is the gate/up kernel's output: wait for it (the w2 gather above is already in flight)
-                gdc_wait()
-            a = tl.load(act_ptr + sl[:, None].to(tl.int64) * stride_am + ic[None, :],
-                        mask=use[:, None] & imask[None, :], other=0.0).to(tl.float32) * r[:, None]
-            part += tl.sum(w.to(tl.float32) * a[:, None, :], axis=2)
+        w = _load_w(w2_ptr, s2_ptr, e, oh, i0, use, hmask, stride_we, stride_wn, stride_se, stride_sn, I, BI, QUANT,
+                    QG, QN)  # [SP, BH, BI]
+        if PDL:  # act is the gate/up kernel's output: wait for it (the w2 gather above is already in flight)
+            gdc_wait()
+        a = tl.load(act_ptr + sl[:, None].to(tl.int64) * stride_am + ic[None, :], mask=use[:, None] & imask[None, :],
+                    other=0.0).to(tl.float32) * r[:, None]
+        part += tl.sum(w.to(tl.float32) * a[:, None, :], axis=2)
     tok = sl // TOP_K
     for m in tl.static_range(MT):  # the top-k sum of token m, in the fixed order of one reduction
         y = tl.sum(tl.where((tok == m)[:, None], part, 0.0), axis=0)

@@ -812,7 +812,7 @@ _FAST_ROUTE_CONFIG: dict = {"one_max_slots": 16, "align_one_max_slots": 32, "one
 _STREAM_CONFIG: dict = {"max_m": 6, "small_m": 2, "small_R": 2, "R": 4, "BK": 512, "num_warps": 4, "num_stages": 1,
                         "BH": 2, "BI": 256, "TILE": 8192, "down_warps": 4, "PDL": True, "gate_up": "auto",
                         "splitk_max_m": 2, "SBN": 32, "SBK": 128, "split_stages": 3, "split_warps": 4,
-                        "split_waves": 4, "int4_words": 2}
+                        "split_waves": 4, "qBH": 8, "qTILE": 16384, "QPF": 1}
 #: Overrides merged into the stream config (benchmarks and sweeps only; empty in normal use).
 _STREAM_OVERRIDE: dict = {}
 #: Tile overrides for benchmarks and sweeps only: keys ``g1`` / ``g2`` (dicts merged into the gate/up and down
@@ -874,16 +874,6 @@ def _scale_operands(quant, w, which: str):
     return (sc, sc.stride(0), sc.stride(1)), consts
 
 
-def _int4_words(quant, w, k: int, cfg: dict) -> int:
-    """The stream kernels' ``W4`` for weight ``w`` (reduced length ``k``): ``cfg["int4_words"]`` where its int4
-    codes can be read as aligned int32 words (k and the group a multiple of 8, strides and base a multiple of 4
-    bytes), else 0 (the byte path)."""
-    if quant is None or quant.format != "int4":
-        return 0
-    aligned = w.stride(0) % 4 == 0 and w.stride(1) % 4 == 0 and w.data_ptr() % 4 == 0
-    return cfg["int4_words"] if aligned and k % 8 == 0 and quant.group_size % 8 == 0 else 0
-
-
 def _expert_setup(hidden, w13, w2, topk_ids, topk_weights, out):
     """Operands (:func:`_expert_operands`), the sizes every expert launcher uses, and ``out`` (allocated if None):
     ``(hidden, w13, w2, ids32, weights32, M, H, E, I, top_k, slots, out)``."""
@@ -936,14 +926,17 @@ def _fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, alignment, out, q
     return out
 
 
-def _stream_config(m: int, h: int, inter: int, top_k: int, on_gpu: bool) -> dict:
+def _stream_config(m: int, h: int, inter: int, top_k: int, on_gpu: bool, quantised: bool = False) -> dict:
     """Tiles of the stream experts for ``m`` tokens: ``_STREAM_CONFIG`` with ``_STREAM_OVERRIDE`` merged, clamped to
     the shapes. The down tile [SP, BH, BI] is kept to at most ``TILE`` elements by lowering BH (M = 2 at top-9 needs
-    SP = 32 slot lanes against 16 at M = 1)."""
+    SP = 32 slot lanes against 16 at M = 1). Quantised weights (``quantised``) take ``qBH`` / ``qTILE``: a stored
+    element is 1 or 1/2 byte, so a program needs more of them for the same bytes in flight."""
     cfg = dict(_STREAM_CONFIG)
     if m <= cfg["small_m"]:
         cfg["R"] = cfg["small_R"]
     cfg.update(_STREAM_OVERRIDE)
+    if quantised:
+        cfg["BH"], cfg["TILE"] = cfg["qBH"], cfg["qTILE"]
     cfg["R"] = max(1, min(cfg["R"], _next_pow2(inter)))
     cfg["BK"] = max(16, min(cfg["BK"], _next_pow2(h)))
     cfg["BI"] = max(16, min(cfg["BI"], _next_pow2(inter)))
@@ -1029,7 +1022,7 @@ def stream_gate_up(hidden, w13, ids32, cfg: dict, pdl: bool, quant: MoEQuant | N
     _moe_stream_gate_up_kernel[(s * nt,)](
         hidden, w13, q13[0], act, ids32, hidden.stride(0), w13.stride(0), w13.stride(1), q13[1], q13[2],
         act.stride(0), E=e, H=h, I=inter, TOP_K=top_k, R=cfg["R"], BK=cfg["BK"], PDL=pdl, **qc,
-        W4=_int4_words(quant, w13, h, cfg), **launch)
+        QPF=bool(cfg["QPF"]) and quant is not None, **launch)
     return act
 
 
@@ -1052,7 +1045,7 @@ def _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, out, quant=None):
     dev = hidden.device
     if m == 0:
         return out
-    cfg = _stream_config(m, h, inter, top_k, dev.type == "cuda")
+    cfg = _stream_config(m, h, inter, top_k, dev.type == "cuda", quant is not None)
     pdl = _pdl(cfg["PDL"], dev)
     act = stream_gate_up(hidden, w13, ids32, cfg, pdl, quant)
     launch2 = {"num_warps": cfg["down_warps"], "num_stages": 1} if dev.type == "cuda" else {}
@@ -1061,8 +1054,7 @@ def _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, out, quant=None):
     q2, qc = _scale_operands(quant, w2, "w2")
     _moe_stream_down_kernel[(_cdiv(h, cfg["BH"]),)](
         act, w2, q2[0], ids32, tw, out, act.stride(0), w2.stride(0), w2.stride(1), q2[1], q2[2], out.stride(0), E=e,
-        H=h, I=inter, TOP_K=top_k, MT=m, SP=cfg["SP"], BH=cfg["BH"], BI=cfg["BI"], PDL=pdl, **qc,
-        W4=_int4_words(quant, w2, inter, cfg), **launch2)
+        H=h, I=inter, TOP_K=top_k, MT=m, SP=cfg["SP"], BH=cfg["BH"], BI=cfg["BI"], PDL=pdl, **qc, **launch2)
     return out
 
 

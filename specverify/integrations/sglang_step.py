@@ -495,6 +495,11 @@ def read_weights(model, config: ModelConfig, *, stack_shared_expert: bool,
             report.shared_bytes += _nbytes(t)
         return t
 
+    def share_shared_mlp(w: dict, shared) -> None:  # the shared expert as its own MLP, SGLang's tensors
+        if shared is not None:
+            w["shared_gate_up"] = share(shared.gate_up_proj.weight.data)
+            w["shared_down"] = share(shared.down_proj.weight.data)
+
     c = config
     vocab = c.vocab_size
     qk = c.qk_nope_head_dim + c.qk_rope_head_dim
@@ -543,16 +548,12 @@ def read_weights(model, config: ModelConfig, *, stack_shared_expert: bool,
             if layer_index in (sglang_experts or {}):  # the experts stay SGLang's module (quantised, or asked)
                 w["experts_fn"] = sglang_experts[layer_index]
                 w["w13"] = w["w2"] = None
-                if shared is not None:
-                    w["shared_gate_up"] = share(shared.gate_up_proj.weight.data)
-                    w["shared_down"] = share(shared.down_proj.weight.data)
+                share_shared_mlp(w, shared)
             elif quant is not None:  # int4 experts SGLang holds in our layout: our int4 kernels over its tensors
                 w["w13"], w["w2"] = share(experts.w13_weight_packed.data), share(experts.w2_weight_packed.data)
                 w["w13_scale"], w["w2_scale"] = share(quant.w13_scale), share(quant.w2_scale)
                 w["quant"] = quant
-                if shared is not None:  # unquantised, apart (Kimi-K2.5 leaves its shared expert in bf16)
-                    w["shared_gate_up"] = share(shared.gate_up_proj.weight.data)
-                    w["shared_down"] = share(shared.down_proj.weight.data)
+                share_shared_mlp(w, shared)  # unquantised, apart (Kimi-K2.5 leaves its shared expert in bf16)
             elif mlp.num_fused_shared_experts:  # SGLang already appended the shared expert(s) to the stacks
                 w["w13_all"] = share(experts.w13_weight.data)
                 w["w2_all"] = share(experts.w2_weight.data)
@@ -566,9 +567,7 @@ def read_weights(model, config: ModelConfig, *, stack_shared_expert: bool,
                 w["shared_gate_up"], w["shared_down"] = w["w13_all"][e], w["w2_all"][e]
             else:
                 w["w13"], w["w2"] = share(experts.w13_weight.data), share(experts.w2_weight.data)
-                if shared is not None:
-                    w["shared_gate_up"] = share(shared.gate_up_proj.weight.data)
-                    w["shared_down"] = share(shared.down_proj.weight.data)
+                share_shared_mlp(w, shared)
             w["route"] = RouteParams(c.num_experts_per_tok, c.scoring_func, w["bias"], c.n_group, c.topk_group,
                                      c.norm_topk_prob, c.routed_scaling_factor, e)
         out["layers"].append(w)

@@ -247,7 +247,9 @@ def _moe_topk_sum_kernel(part_ptr, ids_ptr, out_ptr, stride_pm, stride_om, E: tl
 #       issued before ``gdc_wait``, so the down grid's weight reads overlap the gate/up kernel's tail.
 #
 # Weight loads go through ``_load_w`` (quantised weights: int4 codes or fp8 values and their scales, dequantised in
-# registers; the FMA and the sums stay fp32).
+# registers; the FMA and the sums stay fp32). With ``QPF`` (int4: half a byte a weight, so a [R, BK] tile is few
+# bytes a thread) the gate/up loop issues the next tile's loads (``_load_w_raw``) before this tile's arithmetic
+# (``_dequant_w``), two tiles in flight a program.
 # ------------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _moe_stream_gate_up_kernel(hidden_ptr, w13_ptr, s13_ptr, act_ptr, ids_ptr, stride_hm, stride_we, stride_wn,

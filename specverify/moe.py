@@ -809,6 +809,11 @@ _FAST_ROUTE_CONFIG: dict = {"one_max_slots": 16, "align_one_max_slots": 32, "one
 #: tiles for both MMA kernels: alone (M = 1 / 2 / 4 + shared) stream-K with TMA, 64-row tiles, one program an SM
 #: took 20.76 / 33.44 / 59.25 us against split-K 22.11 / 36.26 / 63.33, but in the pass 4.974 / 6.630 / 9.485 ms at
 #: k = 1 / 2 / 4 against 4.975 / 6.644 / 9.253 (up to 4 tokens), and DeepSeek-V3 b 4 k = 1 10.611 against 10.428.
+#: Quantised weights (H100, 2026-12-07, commit ef17f19, bench/results/HISTORY.md): the down kernel takes 8 rows a
+#: program (``qBH`` / ``qTILE``; ``ab_verify_pass.py --experts-quant int4``: Kimi-K2 5.127 / 6.169 / 8.695 ms at k =
+#: 1 / 2 / 4 against 5.178 / 6.249 / 9.100 with bf16's 2 rows; fp8 DeepSeek-V3 b 4 / 16k equal within 0.1%), and the
+#: int4 gate/up loads its next tile before this tile's arithmetic (``QPF``: 8.695 against 8.849 ms at k = 4, equal at
+#: 1, 2 and 8; fp8 lost with it, 10.458 against 10.272 ms at DeepSeek-V3 k = 1, so fp8 runs without).
 _STREAM_CONFIG: dict = {"max_m": 6, "small_m": 2, "small_R": 2, "R": 4, "BK": 512, "num_warps": 4, "num_stages": 1,
                         "BH": 2, "BI": 256, "TILE": 8192, "down_warps": 4, "PDL": True, "gate_up": "auto",
                         "splitk_max_m": 2, "SBN": 32, "SBK": 128, "split_stages": 3, "split_warps": 4,
@@ -1022,7 +1027,7 @@ def stream_gate_up(hidden, w13, ids32, cfg: dict, pdl: bool, quant: MoEQuant | N
     _moe_stream_gate_up_kernel[(s * nt,)](
         hidden, w13, q13[0], act, ids32, hidden.stride(0), w13.stride(0), w13.stride(1), q13[1], q13[2],
         act.stride(0), E=e, H=h, I=inter, TOP_K=top_k, R=cfg["R"], BK=cfg["BK"], PDL=pdl, **qc,
-        QPF=bool(cfg["QPF"]) and quant is not None, **launch)
+        QPF=bool(cfg["QPF"]) and quant is not None and quant.format == "int4", **launch)
     return act
 
 

@@ -129,6 +129,10 @@ def test_stream_config_shapes():
     assert (c1["SP"], c2["SP"]) == (16, 32)
     assert c1["SP"] * c1["BH"] * c1["BI"] <= base["TILE"] and c2["SP"] * c2["BH"] * c2["BI"] <= base["TILE"]
     assert c2["BH"] <= c1["BH"] and c1["PDL"] == base["PDL"]
+    # quantised weights: the down tile of qBH rows within qTILE elements (8 rows at M = 1, top-8 routed only)
+    q1 = moe_mod._stream_config(1, 7168, 256, 8, on_gpu=True, quantised=True)
+    assert q1["BH"] == min(base["qBH"], base["qTILE"] // (q1["SP"] * q1["BI"])) and q1["TILE"] == base["qTILE"]
+    assert q1["BH"] > moe_mod._stream_config(1, 7168, 256, 8, on_gpu=True)["BH"]
     tiny = moe_mod._stream_config(1, 24, 6, 3, on_gpu=False)
     assert tiny["BK"] == 32 and tiny["BI"] == 16 and tiny["R"] <= 8 and tiny["PDL"] is False
 

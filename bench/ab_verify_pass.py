@@ -11,9 +11,10 @@ default table), ``no-<slot>`` (one slot of ``FUSIONS`` emptied); gate/up of the 
 ``MOE_BLOCK_MAX_M``); ``w<1|4>-<router|qkv|qb>`` (that GEMV's grid at 1 or 4 programs an SM instead of 2);
 ``rr-<qkv|qb|o>-k..-s..`` (that projection on the row-range GEMV, see ``_RR_RULES``);
 ``mb-n<BN>-k<BK>-c<SK>.<SD>.<W>`` (the MoE block's tiles at every token count and its launch candidate, as
-``bench_moe_block.py --configs``); ``qdown-bh2`` / ``no-qprefetch`` (with ``--experts-quant``: the stream down
-kernel on bf16's tile / the gate/up without its register prefetch); ``cublas-o`` (o_proj on cuBLAS again); ``router-gemv-m8`` (the router on our GEMV
-up to 8 tokens); ``no-q-fold`` (q_a's RMSNorm a launch of its own again, ``forward.model.FOLD_Q_NORM``); ``fold-m8``
+``bench_moe_block.py --configs``); ``qdown-bh2`` (with ``--experts-quant``: the stream down kernel on bf16's
+tile) and ``no-qprefetch`` (with ``--experts-quant int4``: the gate/up without its next-tile loads); ``cublas-o``
+(o_proj on cuBLAS again); ``router-gemv-m8`` (the router on our GEMV up to 8 tokens); ``no-q-fold`` (q_a's
+RMSNorm a launch of its own again, ``forward.model.FOLD_Q_NORM``); ``fold-m8``
 (the fold up to 8 tokens, ``FOLD_Q_NORM_MAX_M``); ``no-early-kv`` (the MLA attention's first prefix KV tile read
 after the PDL wait, not before); ``mla-m64`` (33-64 query rows a program in one 64-row tile, not two of 32).
 Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded into the projections and
@@ -146,6 +147,12 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
     names = [v for v in args.variants.split(",") if v]
+    quant_only = {"qdown-bh2": ("int4", "fp8"), "no-qprefetch": ("int4",)}
+    idle = [v for v in names if v in quant_only and args.experts_quant not in quant_only[v]]
+    if idle:
+        print(f"ab_verify_pass: {idle} change nothing without --experts-quant "
+              f"{' / '.join(sorted({f for v in idle for f in quant_only[v]}))}", file=sys.stderr)
+        return 2
     unknown = [v for v in names if _variant(v) is None]
     if unknown:
         print(f"ab_verify_pass: unknown variants {unknown}; expected some of {list(VARIANTS)}", file=sys.stderr)
@@ -195,7 +202,7 @@ def main(argv=None) -> int:
         # the distinct routed experts a layer (d): a variant that rounds the logits differently may read others
         cells = " ".join(f"k{r['k']}={r['verify_ms_median']:.3f}({r['efficiency']:.0%},{r['graph_nodes']},"
                          f"d={r.get('distinct_experts_routed') or 0:.1f})" for r in res["rows"] if r.get("iters"))
-        print(f"{name:>10} pass {results[-1]['pass']}: {cells}", flush=True)
+        print(f"{name:>12} pass {results[-1]['pass']}: {cells}", flush=True)
     vw._wall_ops = orig_ops
     moe._STREAM_OVERRIDE.clear()
     moe._STREAM_OVERRIDE.update(saved_stream)
@@ -206,7 +213,7 @@ def main(argv=None) -> int:
     attention._cached_plan.cache_clear()
     print("\nms (efficiency vs the bytes floor), mean of the two passes:")
     ks = args.draft_tokens
-    print(f"{'variant':>10} " + " ".join(f"{'k=' + str(k):>16}" for k in ks))
+    print(f"{'variant':>12} " + " ".join(f"{'k=' + str(k):>16}" for k in ks))
     for name in names:
         cells = []
         for k in ks:
@@ -216,7 +223,7 @@ def main(argv=None) -> int:
                 cells.append(f"{ms:8.3f} ({v[0]['floor_ms'] / ms:4.0%})")
             else:
                 cells.append(f"{'-':>16}")
-        print(f"{name:>10} " + " ".join(f"{c:>16}" for c in cells))
+        print(f"{name:>12} " + " ".join(f"{c:>16}" for c in cells))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(vw._json_safe({"args": vars(args), "results": results}), f, indent=1)

@@ -20,7 +20,8 @@ end of this file, section "Stream experts"), are built to keep enough weight byt
 programs, FMA GEMVs, one program per routed slot (no alignment), and the down projection of every slot plus the
 top-k sum in one gather.
 
-Every weight tile comes from ``_load_w``, which also reads the two quantised formats (``QUANT``; definitions in
+Every weight tile comes from ``_load_w`` (or its two halves, ``_load_w_raw`` then ``_dequant_w``, where a loop loads
+one tile ahead), which also reads the two quantised formats (``QUANT``; definitions in
 ``specverify.reference.quant``) and dequantises in registers: int4 (W4A16, ``QUANT`` 1: two codes a byte along the
 reduced dimension, one scale per ``QG`` columns) and fp8 (W8A16, ``QUANT`` 2: float8_e4m3fn, one fp32 scale per
 ``QN`` x ``QG`` block). The FMA kernels multiply in fp32; the tl.dot kernels round the dequantised tile to hidden's
@@ -56,8 +57,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 def _load_w_raw(w_ptr, s_ptr, e, rows, k0, e_mask, row_mask, stride_e, stride_row, stride_se, stride_srow,
                 K: tl.constexpr, BK: tl.constexpr, QUANT: tl.constexpr, QG: tl.constexpr, QN: tl.constexpr):
     """The loads of ``_load_w`` without its arithmetic: (stored tile, scales). The stored tile is [len(e),
-    len(rows), BK] in w's dtype (QUANT 1: [.., BK // 2] bytes, two codes each, 0x88 = two zeros outside the masks);
-    the scales [len(e), len(rows), BK // min(QG, BK)] (0 outside the masks; a zero scalar when QUANT is 0)."""
+    len(rows), BK] in w's dtype (QUANT 1: [.., BK // 2] bytes, two codes each, 0x88 = two zeros past K and outside
+    the masks); the scales [len(e), len(rows), BK // min(QG, BK)] (0 outside the masks; a zero scalar when QUANT is
+    0)."""
     base = w_ptr + e[:, None, None].to(tl.int64) * stride_e + rows[None, :, None].to(tl.int64) * stride_row
     m2 = e_mask[:, None, None] & row_mask[None, :, None]
     if QUANT == 1:
@@ -283,7 +285,8 @@ def _moe_stream_gate_up_kernel(hidden_ptr, w13_ptr, s13_ptr, act_ptr, ids_ptr, s
         for k0 in range(0, H, BK):
             kc = k0 + ok
             kmask = kc < H
-            # past H the loads are masked off (no memory traffic)
+            # past H the codes' loads are masked off (no memory traffic); a scale past H may be read (its group
+            # still lies inside the row's scales when QG > BK) and is never used
             pg_n, sg_n = _load_w_raw(w13_ptr, s13_ptr, ev, rows, k0 + BK, ev >= 0, rmask, stride_we, stride_wn,
                                      stride_se, stride_sn, H, BK, QUANT, QG, QN)
             pu_n, su_n = _load_w_raw(w13_ptr, s13_ptr, ev, rows + I, k0 + BK, ev >= 0, rmask, stride_we, stride_wn,

@@ -809,11 +809,13 @@ _FAST_ROUTE_CONFIG: dict = {"one_max_slots": 16, "align_one_max_slots": 32, "one
 #: tiles for both MMA kernels: alone (M = 1 / 2 / 4 + shared) stream-K with TMA, 64-row tiles, one program an SM
 #: took 20.76 / 33.44 / 59.25 us against split-K 22.11 / 36.26 / 63.33, but in the pass 4.974 / 6.630 / 9.485 ms at
 #: k = 1 / 2 / 4 against 4.975 / 6.644 / 9.253 (up to 4 tokens), and DeepSeek-V3 b 4 k = 1 10.611 against 10.428.
-#: Quantised weights (H100, 2026-12-07, commit ef17f19, bench/results/HISTORY.md): the down kernel takes 8 rows a
-#: program (``qBH`` / ``qTILE``; ``ab_verify_pass.py --experts-quant int4``: Kimi-K2 5.127 / 6.169 / 8.695 ms at k =
-#: 1 / 2 / 4 against 5.178 / 6.249 / 9.100 with bf16's 2 rows; fp8 DeepSeek-V3 b 4 / 16k equal within 0.1%), and the
+#: Quantised weights (H100, 2026-12-07, commit ef17f19, bench/results/HISTORY.md): the down kernel takes up to 8 rows
+#: a program within 16384 elements (``qBH`` / ``qTILE``: 8 / 4 / 2 / 1 rows at 1 / 2 / 3-4 / 5-6 tokens of top-8,
+#: bf16's tile 2 / 2 / 1 / 1; ``ab_verify_pass.py --experts-quant int4``: Kimi-K2 5.127 / 6.169 / 8.695 ms at k = 1 /
+#: 2 / 4 against 5.178 / 6.249 / 9.100 on bf16's tile; fp8 DeepSeek-V3 b 4 / 16k k = 1, 16 tokens, equal), and the
 #: int4 gate/up loads its next tile before this tile's arithmetic (``QPF``: 8.695 against 8.849 ms at k = 4, equal at
-#: 1, 2 and 8; fp8 lost with it, 10.458 against 10.272 ms at DeepSeek-V3 k = 1, so fp8 runs without).
+#: 1 and 2; fp8 lost with it, 10.458 against 10.272 ms at DeepSeek-V3 k = 1, so fp8 runs without). Above ``max_m``
+#: tokens (Kimi-K2 k = 8, DeepSeek-V3 b 4 k >= 2) the dot path runs and neither applies.
 _STREAM_CONFIG: dict = {"max_m": 6, "small_m": 2, "small_R": 2, "R": 4, "BK": 512, "num_warps": 4, "num_stages": 1,
                         "BH": 2, "BI": 256, "TILE": 8192, "down_warps": 4, "PDL": True, "gate_up": "auto",
                         "splitk_max_m": 2, "SBN": 32, "SBK": 128, "split_stages": 3, "split_warps": 4,
@@ -935,13 +937,15 @@ def _stream_config(m: int, h: int, inter: int, top_k: int, on_gpu: bool, quantis
     """Tiles of the stream experts for ``m`` tokens: ``_STREAM_CONFIG`` with ``_STREAM_OVERRIDE`` merged, clamped to
     the shapes. The down tile [SP, BH, BI] is kept to at most ``TILE`` elements by lowering BH (M = 2 at top-9 needs
     SP = 32 slot lanes against 16 at M = 1). Quantised weights (``quantised``) take ``qBH`` / ``qTILE``: a stored
-    element is 1 or 1/2 byte, so a program needs more of them for the same bytes in flight."""
+    element is 1 or 1/2 byte, so a program needs more of them for the same bytes in flight; a ``BH`` or ``TILE``
+    in ``_STREAM_OVERRIDE`` still wins for them (sweeps)."""
     cfg = dict(_STREAM_CONFIG)
     if m <= cfg["small_m"]:
         cfg["R"] = cfg["small_R"]
     cfg.update(_STREAM_OVERRIDE)
     if quantised:
-        cfg["BH"], cfg["TILE"] = cfg["qBH"], cfg["qTILE"]
+        cfg["BH"] = _STREAM_OVERRIDE.get("BH", cfg["qBH"])
+        cfg["TILE"] = _STREAM_OVERRIDE.get("TILE", cfg["qTILE"])
     cfg["R"] = max(1, min(cfg["R"], _next_pow2(inter)))
     cfg["BK"] = max(16, min(cfg["BK"], _next_pow2(h)))
     cfg["BI"] = max(16, min(cfg["BI"], _next_pow2(inter)))

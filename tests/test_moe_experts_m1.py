@@ -120,7 +120,7 @@ def test_stream_above_max_m_falls_through(device, stream):
     check(hidden, w13, w2, ids, torch.rand(3, 2, generator=g).to(device))
 
 
-def test_stream_config_shapes():
+def test_stream_config_shapes(monkeypatch):
     # Kimi-K2 per rank (H 7168, I 256, top-8 + shared): the down tile stays within TILE by lowering BH as the slot
     # lanes grow; tiles are clamped to tiny shapes; the interpreter never asks for programmatic dependent launch
     base = dict(moe_mod._STREAM_CONFIG)
@@ -133,6 +133,8 @@ def test_stream_config_shapes():
     q1 = moe_mod._stream_config(1, 7168, 256, 8, on_gpu=True, quantised=True)
     assert q1["BH"] == min(base["qBH"], base["qTILE"] // (q1["SP"] * q1["BI"])) and q1["TILE"] == base["qTILE"]
     assert q1["BH"] > moe_mod._stream_config(1, 7168, 256, 8, on_gpu=True)["BH"]
+    monkeypatch.setitem(moe_mod._STREAM_OVERRIDE, "BH", 1)  # a sweep's explicit down tile wins for them too
+    assert moe_mod._stream_config(1, 7168, 256, 8, on_gpu=True, quantised=True)["BH"] == 1
     tiny = moe_mod._stream_config(1, 24, 6, 3, on_gpu=False)
     assert tiny["BK"] == 32 and tiny["BI"] == 16 and tiny["R"] <= 8 and tiny["PDL"] is False
 

@@ -45,7 +45,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     ap.add_argument("--configs", default=None,
                     help="JSON list of stream-config overrides (keys of specverify.moe._STREAM_CONFIG) to run instead "
-                         "of the gate/up choices, e.g. '[{}, {\"R\": 8}, {\"BK\": 1024}]' ({}: the defaults)")
+                         "of the gate/up choices, e.g. '[{}, {\"R\": 8}, {\"BK\": 1024}]' ({}: the defaults; the "
+                         "down tile of quantised weights is qBH / qTILE unless BH / TILE are given; QPF: int4's "
+                         "next-tile loads)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("sweep_quant_experts: needs a CUDA GPU", file=sys.stderr)

@@ -91,8 +91,7 @@ def _quantise_experts(fmt, w13, w2):
     from specverify.moe import MoEQuant
     from specverify.reference.quant import quantize_experts
 
-    kw = dict(group_size=INT4_GROUP, block_shape=FP8_BLOCK, chunk=QUANT_CHUNK,
-              scale_dtype=torch.bfloat16 if fmt == "int4" else torch.float32)
+    kw = dict(group_size=INT4_GROUP, block_shape=FP8_BLOCK, chunk=QUANT_CHUNK)
     (p13, s13), (p2, s2) = quantize_experts(w13, fmt, **kw), quantize_experts(w2, fmt, **kw)
     q = (MoEQuant("int4", s13, s2, group_size=INT4_GROUP) if fmt == "int4"
          else MoEQuant("fp8", s13, s2, block_shape=FP8_BLOCK))

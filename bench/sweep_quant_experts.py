@@ -62,9 +62,8 @@ def main(argv=None) -> int:
     w13, w2 = random_expert_weights(e, h, inter, dtype=torch.bfloat16, device="cuda", seed=1)
     rows, failed = [], 0
     for fmt in args.formats:
-        sdt = torch.bfloat16 if fmt == "int4" else torch.float32
-        p13, s13 = quantize_experts(w13, fmt, scale_dtype=sdt)
-        p2, s2 = quantize_experts(w2, fmt, scale_dtype=sdt)
+        p13, s13 = quantize_experts(w13, fmt)
+        p2, s2 = quantize_experts(w2, fmt)
         q = moe.MoEQuant(fmt, s13, s2)
         per_expert = sum(t[0].numel() * t.element_size() for t in (p13, p2, s13, s2))
         for m in args.ms:

@@ -61,7 +61,6 @@ def quantise_experts(w: dict, e: int, fmt: str) -> dict:
     from specverify.reference.quant import quantize_experts
 
     p = EXPERTS_QUANT[fmt]
-    scale_dtype = torch.bfloat16 if p["scale_bytes"] == 2 else torch.float32
     if fmt == "int4":
         extra = dict(group_size=p["group_size"])
     else:  # a block row must not straddle gate and up rows: at most the largest power of two dividing I
@@ -70,7 +69,7 @@ def quantise_experts(w: dict, e: int, fmt: str) -> dict:
         extra = dict(block_shape=(math.gcd(bn, inter & -inter), bk))
 
     def quantise(t):
-        return quantize_experts(t, fmt, scale_dtype=scale_dtype, **extra)
+        return quantize_experts(t, fmt, **extra)
 
     if "w13_all" in w and p["shared"]:
         q13, s13 = quantise(w.pop("w13_all"))

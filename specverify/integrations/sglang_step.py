@@ -544,12 +544,12 @@ def read_weights(model, config: ModelConfig, *, stack_shared_expert: bool,
             bias = mlp.gate.e_score_correction_bias
             w["bias"] = None if bias is None else share(bias.data)
             experts, shared = mlp.experts, mlp.shared_experts
-            quant = None if layer_index in (sglang_experts or {}) else int4_experts_quant(experts)
             if layer_index in (sglang_experts or {}):  # the experts stay SGLang's module (quantised, or asked)
                 w["experts_fn"] = sglang_experts[layer_index]
                 w["w13"] = w["w2"] = None
                 share_shared_mlp(w, shared)
-            elif quant is not None:  # int4 experts SGLang holds in our layout: our int4 kernels over its tensors
+            elif (quant := int4_experts_quant(experts)) is not None:
+                # int4 experts SGLang holds in our layout: our int4 kernels over its tensors
                 w["w13"], w["w2"] = share(experts.w13_weight_packed.data), share(experts.w2_weight_packed.data)
                 w["w13_scale"], w["w2_scale"] = share(quant.w13_scale), share(quant.w2_scale)
                 w["quant"] = quant

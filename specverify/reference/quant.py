@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from specverify.configs import EXPERTS_QUANT
+
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
@@ -79,7 +81,10 @@ def quantize_experts(w: torch.Tensor, fmt: str, *, group_size: int = 32, block_s
                      scale_dtype: torch.dtype | None = None, chunk: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     """``w [E, N, K]`` as ``fmt`` (``"int4"``: :func:`quantize_int4`; ``"fp8"``: :func:`quantize_fp8_block`),
     ``chunk`` experts at a time, so no E-sized fp32 temporary exists. Returns ``(stored, scale)``, the scales in
-    ``scale_dtype`` (default fp32)."""
+    ``scale_dtype`` (default: the served checkpoints', :data:`specverify.configs.EXPERTS_QUANT`'s scale bytes: bf16
+    for int4, fp32 for fp8)."""
+    if scale_dtype is None and fmt in EXPERTS_QUANT:
+        scale_dtype = torch.bfloat16 if EXPERTS_QUANT[fmt]["scale_bytes"] == 2 else torch.float32
     parts = []
     for i in range(0, w.shape[0], chunk):
         if fmt == "int4":
@@ -88,5 +93,5 @@ def quantize_experts(w: torch.Tensor, fmt: str, *, group_size: int = 32, block_s
             q, sc = quantize_fp8_block(w[i:i + chunk], block_shape)
         else:
             raise ValueError(f"quantize_experts: fmt must be 'int4' or 'fp8', got {fmt!r}")
-        parts.append((q, sc if scale_dtype is None else sc.to(scale_dtype)))
+        parts.append((q, sc.to(scale_dtype)))
     return torch.cat([q for q, _ in parts]), torch.cat([sc for _, sc in parts])

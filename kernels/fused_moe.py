@@ -313,6 +313,139 @@ def _moe_stream_gate_up_kernel(hidden_ptr, w13_ptr, s13_ptr, act_ptr, ids_ptr, s
              mask=rmask[None, :])
 
 
+# ------------------------------------------------------------------------------------------------------------------
+# int4 stream gate/up (W4A16 with bf16 activations; the stream default for int4 where the shapes allow it). The
+# kernel above dequantises byte tiles through an int-to-float conversion, an interleave of the two nibbles and a
+# per-weight scale, and meets the activations through shared memory (two CTA barriers a tile): about 10
+# instructions a weight, more than the bytes take at a few tokens. This one works on 32-bit words of 8 codes:
+#   - codes [R, BW, 4] bytes (word w of row r holds columns 8w..8w+7, two a byte, even column in the low nibble),
+#     and the activations as [1, BW, 4] 32-bit pairs (bf16 columns 2j, 2j+1 of word w's byte j): both tiles have
+#     the same register layout (4 contiguous bytes / words a thread), so no tile goes through shared memory;
+#   - a code becomes a float by the exponent trick: byte j of (word & 0x0F0F0F0F) (or & 0xF0F0F0F0) moved into the
+#     low byte of 0x4B000000 is 2^23 + q (2^23 + 16 q), one PRMT a code (``_i4_nibbles``; ``ASM`` False, the
+#     interpreter, spells the same arithmetic in Triton ops); the subtraction of 2^23 + 8 (2^23 + 128) is exact
+#     and leaves q - 8 (16 (q - 8), met by the odd activations scaled by 1/16);
+#   - a word's 8 products are one FMA chain, times the word's group scale (a word lies in one group: QG % 8 == 0).
+#   About 5.5 instructions a weight (sm_90a SASS), no CTA barrier. ``PFL2``: the next tile's code words are
+#   prefetched into L2 (``prefetch.global.L2``) at the top of each step.
+#   grid (S * I / R,): program (s * I / R + t) computes act[s, t*R:(t+1)*R] for slot s (expert topk_ids[s]);
+#   requires H % (8 * BW) == 0, I % R == 0, QG % 8 == 0 (the launcher checks; no masks in the loop).
+# ------------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _i4_nibbles(p, ASM: tl.constexpr):
+    """(2^23 + q_lo, 2^23 + 16 q_hi) as fp32 for every code byte of p (uint8, last axis 4 contiguous bytes)."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            """{
+            .reg .b32 t, u;
+            and.b32 t, $8, 0x0F0F0F0F;
+            and.b32 u, $8, 0xF0F0F0F0;
+            prmt.b32 $0, t, 0x4B000000, 0x7440;
+            prmt.b32 $1, t, 0x4B000000, 0x7441;
+            prmt.b32 $2, t, 0x4B000000, 0x7442;
+            prmt.b32 $3, t, 0x4B000000, 0x7443;
+            prmt.b32 $4, u, 0x4B000000, 0x7440;
+            prmt.b32 $5, u, 0x4B000000, 0x7441;
+            prmt.b32 $6, u, 0x4B000000, 0x7442;
+            prmt.b32 $7, u, 0x4B000000, 0x7443;
+            }""",
+            "=r,=r,=r,=r,=r,=r,=r,=r,r", [p], dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+    else:
+        pi = p.to(tl.int32)
+        lo = ((pi & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+        hi = ((pi & 0xF0) | 0x4B000000).to(tl.float32, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _i4_quad(x):
+    """The four [A, B] slices x[:, :, 0..3] of an [A, B, 4] tensor (register moves: the last axis is in-thread)."""
+    a, b = tl.split(tl.reshape(x, (x.shape[0], x.shape[1], 2, 2)))
+    x0, x2 = tl.split(a)
+    x1, x3 = tl.split(b)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _i4_words_dot(p, s, ae, ao, ASM: tl.constexpr):
+    """Per word: s * sum_c (q_c - 8) * a_c over its 8 codes; p [R, BW, 4] codes, s [R, BW] its group scale, ae /
+    ao [1, BW, 4] the even / odd activations of each byte (ao already divided by 16)."""
+    lo, hi = _i4_nibbles(p, ASM)
+    l0, l1, l2, l3 = _i4_quad(lo)
+    h0, h1, h2, h3 = _i4_quad(hi)
+    e0, e1, e2, e3 = _i4_quad(ae)
+    o0, o1, o2, o3 = _i4_quad(ao)
+    t = (l0 - 8388616.0) * e0
+    t += (h0 - 8388736.0) * o0
+    t += (l1 - 8388616.0) * e1
+    t += (h1 - 8388736.0) * o1
+    t += (l2 - 8388616.0) * e2
+    t += (h2 - 8388736.0) * o2
+    t += (l3 - 8388616.0) * e3
+    t += (h3 - 8388736.0) * o3
+    return t * s.to(tl.float32)
+
+
+@triton.jit
+def _i4_words(w_ptr, s_ptr, e, rows, w0, stride_we, stride_wn, stride_se, stride_sn, BW: tl.constexpr,
+              QG: tl.constexpr):
+    """Code words w0..w0+BW of ``rows`` of expert e: ([R, BW, 4] bytes, [R, BW] group scales)."""
+    wi = w0 + tl.arange(0, BW)
+    base = w_ptr + e.to(tl.int64) * stride_we + rows[:, None, None].to(tl.int64) * stride_wn
+    p = tl.load(base + (wi * 4)[None, :, None] + tl.arange(0, 4)[None, None, :])
+    sb = s_ptr + e.to(tl.int64) * stride_se + rows[:, None].to(tl.int64) * stride_sn
+    s = tl.load(sb + ((wi * 8) // QG)[None, :])
+    return p, s
+
+
+@triton.jit
+def _i4_prefetch_l2(ptrs):
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _moe_stream_gate_up_int4_kernel(hidden_ptr, w13_ptr, s13_ptr, act_ptr, ids_ptr, stride_hm, stride_we, stride_wn,
+                                    stride_se, stride_sn, stride_am, E: tl.constexpr, H: tl.constexpr,
+                                    I: tl.constexpr, TOP_K: tl.constexpr, R: tl.constexpr, BW: tl.constexpr,
+                                    QG: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, PFL2: tl.constexpr):
+    if PDL:  # as the kernel above: the routing (ids) and the norm (hidden) first, then the down kernel may launch
+        gdc_wait()
+        gdc_launch_dependents()
+    pid = tl.program_id(0)
+    NT: tl.constexpr = I // R
+    NW: tl.constexpr = H // 8  # code words a row
+    slot = pid // NT
+    rows = (pid % NT) * R + tl.arange(0, R)
+    e = tl.load(ids_ptr + slot)
+    if (e < 0) | (e >= E):
+        return
+    tok = slot // TOP_K
+    # bf16 activations read as 32-bit pairs (the launcher checks hidden's dtype and its even row stride)
+    h32 = hidden_ptr.to(tl.pointer_type(tl.int32)) + tok.to(tl.int64) * (stride_hm // 2)
+    j = tl.arange(0, 4)
+    acc_g = tl.zeros([R, BW], tl.float32)
+    acc_u = tl.zeros([R, BW], tl.float32)
+    for w0 in range(0, NW, BW):
+        if PFL2:  # the next tile (the last tile again on the last step)
+            wn = tl.minimum(w0 + BW, NW - BW) + tl.arange(0, BW)
+            pb = w13_ptr + e.to(tl.int64) * stride_we + rows[:, None].to(tl.int64) * stride_wn + (wn * 4)[None, :]
+            _i4_prefetch_l2(pb)
+            _i4_prefetch_l2(pb + I * stride_wn)
+        pg, sg = _i4_words(w13_ptr, s13_ptr, e, rows, w0, stride_we, stride_wn, stride_se, stride_sn, BW, QG)
+        pu, su = _i4_words(w13_ptr, s13_ptr, e, rows + I, w0, stride_we, stride_wn, stride_se, stride_sn, BW, QG)
+        wi = w0 + tl.arange(0, BW)
+        ap = tl.load(h32 + (wi * 4)[None, :, None] + j[None, None, :])
+        ae = (ap << 16).to(tl.float32, bitcast=True)
+        ao = (ap & -65536).to(tl.float32, bitcast=True) * 0.0625
+        acc_g += _i4_words_dot(pg, sg, ae, ao, ASM)
+        acc_u += _i4_words_dot(pu, su, ae, ao, ASM)
+    g = tl.sum(acc_g, axis=1)
+    u = tl.sum(acc_u, axis=1)
+    act = g / (1.0 + tl.exp(-g)) * u
+    tl.store(act_ptr + slot.to(tl.int64) * stride_am + rows, act.to(act_ptr.dtype.element_ty))
+
+
 @triton.jit
 def _moe_stream_down_kernel(act_ptr, w2_ptr, s2_ptr, ids_ptr, tw_ptr, out_ptr, stride_am, stride_we, stride_wn,
                             stride_se, stride_sn, stride_om, E: tl.constexpr, H: tl.constexpr, I: tl.constexpr,

@@ -819,7 +819,8 @@ _FAST_ROUTE_CONFIG: dict = {"one_max_slots": 16, "align_one_max_slots": 32, "one
 _STREAM_CONFIG: dict = {"max_m": 6, "small_m": 2, "small_R": 2, "R": 4, "BK": 512, "num_warps": 4, "num_stages": 1,
                         "BH": 2, "BI": 256, "TILE": 8192, "down_warps": 4, "PDL": True, "gate_up": "auto",
                         "splitk_max_m": 2, "SBN": 32, "SBK": 128, "split_stages": 3, "split_warps": 4,
-                        "split_waves": 4, "qBH": 8, "qTILE": 16384, "QPF": 1}
+                        "split_waves": 4, "qBH": 8, "qTILE": 16384, "QPF": 1, "i4": 1, "i4R": 2, "i4BW": 128,
+                        "i4PF": 1}
 #: Overrides merged into the stream config (benchmarks and sweeps only; empty in normal use).
 _STREAM_OVERRIDE: dict = {}
 #: Tile overrides for benchmarks and sweeps only: keys ``g1`` / ``g2`` (dicts merged into the gate/up and down
@@ -1004,6 +1005,28 @@ def _splitk_gate_up(hidden, w13, act, ids32, s, h, e, inter, top_k, cfg, pdl, qu
         SPLIT_PAD=max(2, _next_pow2(split)), DOT_FP32=not on_gpu, PDL=pdl, **qc, **launch)
 
 
+def _int4_words_plan(hidden, w13, quant, cfg: dict) -> tuple[int, int] | None:
+    """(R, BW) of the int4 word kernel (``_moe_stream_gate_up_int4_kernel``) where it applies, else None: int4
+    codes with bf16 activations (read as 32-bit pairs: an even row stride, 4-byte aligned), QG % 8 == 0 (a word in
+    one group), BW the largest power of two up to ``cfg["i4BW"]`` dividing the H / 8 words (at least 8), R dividing
+    I. ``cfg["i4"]`` 0 turns it off (sweeps)."""
+    if quant is None or quant.format != "int4" or not cfg["i4"] or hidden.dtype != torch.bfloat16:
+        return None
+    h, inter = hidden.shape[1], w13.shape[1] // 2
+    if hidden.stride(1) != 1 or hidden.stride(0) % 2 or hidden.data_ptr() % 4 or w13.stride(2) != 1:
+        return None
+    if quant.group_size % 8 or h % 8:
+        return None
+    words = h // 8
+    bw = _next_pow2(cfg["i4BW"])
+    while bw > 8 and words % bw:
+        bw //= 2
+    r = cfg["i4R"]
+    if words % bw or bw < 8 or inter % r:
+        return None
+    return r, bw
+
+
 def stream_gate_up(hidden, w13, ids32, cfg: dict, pdl: bool, quant: MoEQuant | None = None) -> torch.Tensor:
     """Launch 1 of the stream experts alone: ``act`` [M * top_k, I] = silu(gate) * up of every routed slot, by the
     kernel ``cfg["gate_up"]`` names (``"auto"``: split-K up to ``splitk_max_m`` tokens, else the FMA programs).
@@ -1023,11 +1046,24 @@ def stream_gate_up(hidden, w13, ids32, cfg: dict, pdl: bool, quant: MoEQuant | N
     if cfg["gate_up"] == "splitk" or (cfg["gate_up"] == "auto" and m <= cfg["splitk_max_m"] and quant is None):
         _splitk_gate_up(hidden, w13, act, ids32, s, h, e, inter, top_k, cfg, pdl, quant)
         return act
+    q13, qc = _scale_operands(quant, w13, "w13")
+    i4 = _int4_words_plan(hidden, w13, quant, cfg)
+    if i4 is not None:
+        from specverify.kernels.fused_moe import _moe_stream_gate_up_int4_kernel
+
+        r, bw = i4
+        launch = {"num_warps": cfg["num_warps"], "num_stages": 1} if hidden.is_cuda else {}
+        if pdl:
+            launch["launch_pdl"] = True
+        _moe_stream_gate_up_int4_kernel[(s * (inter // r),)](
+            hidden, w13, q13[0], act, ids32, hidden.stride(0), w13.stride(0), w13.stride(1), q13[1], q13[2],
+            act.stride(0), E=e, H=h, I=inter, TOP_K=top_k, R=r, BW=bw, QG=qc["QG"], PDL=pdl, ASM=hidden.is_cuda,
+            PFL2=bool(cfg["i4PF"]) and hidden.is_cuda, **launch)
+        return act
     launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]} if hidden.is_cuda else {}
     if pdl:
         launch["launch_pdl"] = True
     nt = _cdiv(inter, cfg["R"])
-    q13, qc = _scale_operands(quant, w13, "w13")
     _moe_stream_gate_up_kernel[(s * nt,)](
         hidden, w13, q13[0], act, ids32, hidden.stride(0), w13.stride(0), w13.stride(1), q13[1], q13[2],
         act.stride(0), E=e, H=h, I=inter, TOP_K=top_k, R=cfg["R"], BK=cfg["BK"], PDL=pdl, **qc,

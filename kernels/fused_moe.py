@@ -447,6 +447,70 @@ def _moe_stream_gate_up_int4_kernel(hidden_ptr, w13_ptr, s13_ptr, act_ptr, ids_p
 
 
 @triton.jit
+def _i4_quad4(x):
+    """``_i4_quad`` for an [A, B, C, 4] tensor."""
+    a, b = tl.split(tl.reshape(x, (x.shape[0], x.shape[1], x.shape[2], 2, 2)))
+    x0, x2 = tl.split(a)
+    x1, x3 = tl.split(b)
+    return x0, x1, x2, x3
+
+
+# The int4 stream down (the same word arithmetic): grid (H / BH,); program p owns output rows [p*BH, (p+1)*BH) and
+# every slot: codes [BH, SP, I / 8, 4] (row h of expert e_s, every word of the row) and act [1, SP, I / 8, 4] as
+# bf16 pairs (broadcast over the rows in registers), both in one register layout; the codes (and scales) are loaded
+# before ``gdc_wait`` as in ``_moe_stream_down_kernel``, act after it. Requires I / 8 a power of two, H % BH == 0,
+# QG % 8 == 0 (the launcher checks). The codes are loaded unmasked when SP == MT * TOP_K (a slot without an expert
+# reads expert 0's rows and meets zero activations).
+@triton.jit
+def _moe_stream_down_int4_kernel(act_ptr, w2_ptr, s2_ptr, ids_ptr, tw_ptr, out_ptr, stride_am, stride_we, stride_wn,
+                                 stride_se, stride_sn, stride_om, E: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+                                 TOP_K: tl.constexpr, MT: tl.constexpr, SP: tl.constexpr, BH: tl.constexpr,
+                                 QG: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr):
+    pid = tl.program_id(0)
+    oh = pid * BH + tl.arange(0, BH)
+    sl = tl.arange(0, SP)
+    smask = sl < MT * TOP_K
+    e = tl.load(ids_ptr + sl, mask=smask, other=-1)  # the routing finished before this grid launched (as above)
+    use = smask & (e >= 0) & (e < E)
+    r = tl.load(tw_ptr + sl, mask=use, other=0.0).to(tl.float32)
+    e = tl.where(use, e, 0)
+    NWD: tl.constexpr = I // 8
+    wi = tl.arange(0, NWD)
+    off = (wi * 4)[None, None, :, None] + tl.arange(0, 4)[None, None, None, :]
+    base = w2_ptr + e[None, :, None, None].to(tl.int64) * stride_we + oh[:, None, None, None].to(tl.int64) * stride_wn
+    if SP == MT * TOP_K:
+        p = tl.load(base + off)
+    else:
+        p = tl.load(base + off, mask=use[None, :, None, None], other=0x88)
+    sb = s2_ptr + e[None, :, None].to(tl.int64) * stride_se + oh[:, None, None].to(tl.int64) * stride_sn
+    s = tl.load(sb + ((wi * 8) // QG)[None, None, :])
+    if PDL:  # act is the gate/up kernel's output
+        gdc_wait()
+    a32 = act_ptr.to(tl.pointer_type(tl.int32)) + sl[None, :, None, None].to(tl.int64) * (stride_am // 2)
+    ap = tl.load(a32 + off, mask=use[None, :, None, None], other=0)
+    ae = (ap << 16).to(tl.float32, bitcast=True)
+    ao = (ap & -65536).to(tl.float32, bitcast=True) * 0.0625
+    lo, hi = _i4_nibbles(p, ASM)
+    l0, l1, l2, l3 = _i4_quad4(lo)
+    h0, h1, h2, h3 = _i4_quad4(hi)
+    e0, e1, e2, e3 = _i4_quad4(ae)
+    o0, o1, o2, o3 = _i4_quad4(ao)
+    t = (l0 - 8388616.0) * e0
+    t += (h0 - 8388736.0) * o0
+    t += (l1 - 8388616.0) * e1
+    t += (h1 - 8388736.0) * o1
+    t += (l2 - 8388616.0) * e2
+    t += (h2 - 8388736.0) * o2
+    t += (l3 - 8388616.0) * e3
+    t += (h3 - 8388736.0) * o3
+    part = tl.sum(t * s.to(tl.float32), axis=2) * r[None, :]  # [BH, SP]
+    tok = sl // TOP_K
+    for m in tl.static_range(MT):  # the top-k sum of token m, in the fixed order of one reduction
+        y = tl.sum(tl.where((tok == m)[None, :], part, 0.0), axis=1)
+        tl.store(out_ptr + m * stride_om + oh, y.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
 def _moe_stream_down_kernel(act_ptr, w2_ptr, s2_ptr, ids_ptr, tw_ptr, out_ptr, stride_am, stride_we, stride_wn,
                             stride_se, stride_sn, stride_om, E: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                             TOP_K: tl.constexpr, MT: tl.constexpr, SP: tl.constexpr, BH: tl.constexpr,

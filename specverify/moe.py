@@ -819,8 +819,8 @@ _FAST_ROUTE_CONFIG: dict = {"one_max_slots": 16, "align_one_max_slots": 32, "one
 _STREAM_CONFIG: dict = {"max_m": 6, "small_m": 2, "small_R": 2, "R": 4, "BK": 512, "num_warps": 4, "num_stages": 1,
                         "BH": 2, "BI": 256, "TILE": 8192, "down_warps": 4, "PDL": True, "gate_up": "auto",
                         "splitk_max_m": 2, "SBN": 32, "SBK": 128, "split_stages": 3, "split_warps": 4,
-                        "split_waves": 4, "qBH": 8, "qTILE": 16384, "QPF": 1, "i4": 1, "i4R": 2, "i4BW": 128,
-                        "i4PF": 1}
+                        "split_waves": 4, "qBH": 8, "qTILE": 16384, "QPF": 1, "i4": 1, "i4d": 1, "i4R": 2,
+                        "i4BW": 128, "i4PF": 1}
 #: Overrides merged into the stream config (benchmarks and sweeps only; empty in normal use).
 _STREAM_OVERRIDE: dict = {}
 #: Tile overrides for benchmarks and sweeps only: keys ``g1`` / ``g2`` (dicts merged into the gate/up and down
@@ -1027,6 +1027,18 @@ def _int4_words_plan(hidden, w13, quant, cfg: dict) -> tuple[int, int] | None:
     return r, bw
 
 
+def _int4_down_words(act, w2, quant, cfg: dict, h: int) -> bool:
+    """Whether the int4 word down kernel (``_moe_stream_down_int4_kernel``) applies: int4 codes, bf16 ``act`` with
+    an even row stride, I / 8 a power of two, QG % 8 == 0, H % BH == 0; ``cfg["i4"]`` or ``cfg["i4d"]`` 0 turns it
+    off (sweeps)."""
+    if quant is None or quant.format != "int4" or not (cfg["i4"] and cfg["i4d"]) or act.dtype != torch.bfloat16:
+        return False
+    words = w2.shape[2] // 4  # I / 8: [E, H, I / 2] bytes
+    return (act.stride(1) == 1 and act.stride(0) % 2 == 0 and act.data_ptr() % 4 == 0 and w2.stride(2) == 1
+            and w2.shape[2] % 4 == 0 and words == _next_pow2(words) and quant.group_size % 8 == 0
+            and h % cfg["BH"] == 0)
+
+
 def stream_gate_up(hidden, w13, ids32, cfg: dict, pdl: bool, quant: MoEQuant | None = None) -> torch.Tensor:
     """Launch 1 of the stream experts alone: ``act`` [M * top_k, I] = silu(gate) * up of every routed slot, by the
     kernel ``cfg["gate_up"]`` names (``"auto"``: split-K up to ``splitk_max_m`` tokens, else the FMA programs).
@@ -1097,6 +1109,14 @@ def _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, out, quant=None):
     if pdl:  # gate/up waits for the routing, down for gate/up
         launch2["launch_pdl"] = True
     q2, qc = _scale_operands(quant, w2, "w2")
+    if _int4_down_words(act, w2, quant, cfg, h):
+        from specverify.kernels.fused_moe import _moe_stream_down_int4_kernel
+
+        _moe_stream_down_int4_kernel[(h // cfg["BH"],)](
+            act, w2, q2[0], ids32, tw, out, act.stride(0), w2.stride(0), w2.stride(1), q2[1], q2[2], out.stride(0),
+            E=e, H=h, I=inter, TOP_K=top_k, MT=m, SP=cfg["SP"], BH=cfg["BH"], QG=qc["QG"], PDL=pdl,
+            ASM=dev.type == "cuda", **launch2)
+        return out
     _moe_stream_down_kernel[(_cdiv(h, cfg["BH"]),)](
         act, w2, q2[0], ids32, tw, out, act.stride(0), w2.stride(0), w2.stride(1), q2[1], q2[2], out.stride(0), E=e,
         H=h, I=inter, TOP_K=top_k, MT=m, SP=cfg["SP"], BH=cfg["BH"], BI=cfg["BI"], PDL=pdl, **qc, **launch2)

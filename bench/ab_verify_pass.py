@@ -14,6 +14,7 @@ default table), ``no-<slot>`` (one slot of ``FUSIONS`` emptied); gate/up of the 
 ``bench_moe_block.py --configs``); ``qdown-bh2`` (with ``--experts-quant``: the stream down kernel on bf16's
 tile) and ``no-qprefetch`` (with ``--experts-quant int4``: the gate/up without its next-tile loads), ``i4-bytes`` /
 ``i4-nopf`` (int4: the byte-tile gate/up instead of the word kernel / the word kernel without its L2 prefetch);
+``stream-m8`` / ``stream-m16`` (the stream experts up to 8 / 16 tokens, not the dot path);
 ``cublas-o`` (o_proj on cuBLAS again); ``router-gemv-m8`` (the router on our GEMV up to 8 tokens); ``no-q-fold`` (q_a's
 RMSNorm a launch of its own again, ``forward.model.FOLD_Q_NORM``); ``fold-m8``
 (the fold up to 8 tokens, ``FOLD_Q_NORM_MAX_M``); ``no-early-kv`` (the MLA attention's first prefix KV tile read
@@ -75,6 +76,8 @@ VARIANTS["no-qprefetch"] = dict(off=(), stream={"QPF": 0})
 #: int4 experts: the byte-tile gate/up instead of the word kernel (``i4``), the word kernel without its L2 prefetch
 VARIANTS["i4-bytes"] = dict(off=(), stream={"i4": 0})
 VARIANTS["i4-nopf"] = dict(off=(), stream={"i4PF": 0})
+#: the stream experts up to 8 / 16 tokens (``max_m``; the dot path above 6 tokens today)
+VARIANTS.update({f"stream-m{m}": dict(off=(), stream={"max_m": m}) for m in (8, 16)})
 #: module attributes read at each launch: (module, attribute, value)
 #: o_proj's rule (``specverify.gemv.LINEAR_RULES``, N 7168, K 1024 / 2048): the ``cublas-o`` and ``rr-o-*`` variants
 _O_PROJ = (8, (7168, 7168), (1024, 2048))

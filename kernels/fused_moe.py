@@ -25,7 +25,9 @@ one tile ahead), which also reads the two quantised formats (``QUANT``; definiti
 ``specverify.reference.quant``) and dequantises in registers: int4 (W4A16, ``QUANT`` 1: two codes a byte along the
 reduced dimension, one scale per ``QG`` columns) and fp8 (W8A16, ``QUANT`` 2: float8_e4m3fn, one fp32 scale per
 ``QN`` x ``QG`` block). The FMA kernels multiply in fp32; the tl.dot kernels round the dequantised tile to hidden's
-dtype first. Activations are never quantised.
+dtype first. Activations are never quantised. int4 codes with bf16 activations take their own stream kernels
+where the shapes allow (``_moe_stream_gate_up_int4_kernel``, ``_moe_stream_down_int4_kernel``, section "int4 stream
+gate/up"): 32-bit code words, the exponent trick instead of the int-to-float conversion, no shared memory.
 
 Tensors (S = M * TOP_K; NB = number of blocks; B = BLOCK_M):
 

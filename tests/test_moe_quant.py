@@ -211,9 +211,12 @@ def test_fused_moe_quant_reads_the_scales(device):
 # ---------------------------------------------------------------------------------------------- GPU, real sizes
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 16])  # split-K gate/up, FMA gate/up, then the dot path
-@pytest.mark.parametrize("fmt, shape", [("int4", 32), ("fp8", (128, 128))])
-def test_fused_moe_quant_kimi_k2_rank_gpu(fmt, shape, m):
-    # a Kimi-K2 rank at tp 8 (H 7168, I 256, top-8) over 64 experts: Kimi-K2.5's int4 and Kimi-K2's fp8 formats
+@pytest.mark.parametrize("fmt, shape, words", [("int4", 32, 1), ("int4", 32, 0), ("fp8", (128, 128), 0)])
+def test_fused_moe_quant_kimi_k2_rank_gpu(monkeypatch, fmt, shape, words, m):
+    # a Kimi-K2 rank at tp 8 (H 7168, I 256, top-8) over 64 experts: Kimi-K2.5's int4 and Kimi-K2's fp8 formats;
+    # int4 on the word kernels (inline PTX) and on the byte tiles (``i4``), the stream path up to 8 tokens here
+    monkeypatch.setitem(moe_mod._STREAM_OVERRIDE, "i4", words)
+    monkeypatch.setitem(moe_mod._STREAM_OVERRIDE, "max_m", 8)
     e, h, inter = 64, 7168, 256
     w13, w2 = random_expert_weights(e, h, inter, dtype=torch.float32, device="cuda", seed=46)
     p13, p2, q = _quantised(fmt, w13, w2, shape)
@@ -230,10 +233,11 @@ def test_fused_moe_quant_kimi_k2_rank_gpu(fmt, shape, m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt, shape", [("int4", 32), ("fp8", (128, 128))])
+@pytest.mark.parametrize("fmt, shape, words", [("int4", 32, 1), ("int4", 32, 0), ("fp8", (128, 128), 0)])
 @pytest.mark.parametrize("m", [1, 4, 12])
-def test_fused_moe_quant_cuda_graph_gpu(graph_replay, fmt, shape, m):
+def test_fused_moe_quant_cuda_graph_gpu(monkeypatch, graph_replay, fmt, shape, words, m):
     # eager -> capture -> replay -> change the inputs in place -> replay -> compare with eager
+    monkeypatch.setitem(moe_mod._STREAM_OVERRIDE, "i4", words)
     e, h, inter = 32, 512, 128
     w13, w2 = random_expert_weights(e, h, inter, dtype=torch.float32, device="cuda", seed=48)
     p13, p2, q = _quantised(fmt, w13, w2, shape)

@@ -816,10 +816,14 @@ _FAST_ROUTE_CONFIG: dict = {"one_max_slots": 16, "align_one_max_slots": 32, "one
 #: int4 gate/up loads its next tile before this tile's arithmetic (``QPF``: 8.695 against 8.849 ms at k = 4, equal at
 #: 1 and 2; fp8 lost with it, 10.458 against 10.272 ms at DeepSeek-V3 k = 1, so fp8 runs without). Above ``max_m``
 #: tokens (Kimi-K2 k = 8, DeepSeek-V3 b 4 k >= 2) the dot path runs and neither applies.
+#: int4 word kernels (``i4``; ``i4d`` the down alone; ``i4R`` rows and ``i4BW`` code words a gate/up program, ``i4PF``
+#: its L2 prefetch of the next tile; see ``_int4_words_plan``): about 5.6 instructions a weight against 9.8 for the
+#: byte tiles, no CTA barrier (sm_90a SASS, 2026-12-07), checked on the CPU only: off until a GPU has run
+#: ``gpu-moe_quant`` and timed them (bench/results/HISTORY.md, "Fifth session of 2026-12-07").
 _STREAM_CONFIG: dict = {"max_m": 6, "small_m": 2, "small_R": 2, "R": 4, "BK": 512, "num_warps": 4, "num_stages": 1,
                         "BH": 2, "BI": 256, "TILE": 8192, "down_warps": 4, "PDL": True, "gate_up": "auto",
                         "splitk_max_m": 2, "SBN": 32, "SBK": 128, "split_stages": 3, "split_warps": 4,
-                        "split_waves": 4, "qBH": 8, "qTILE": 16384, "QPF": 1, "i4": 1, "i4d": 1, "i4R": 2,
+                        "split_waves": 4, "qBH": 8, "qTILE": 16384, "QPF": 1, "i4": 0, "i4d": 1, "i4R": 2,
                         "i4BW": 128, "i4PF": 1}
 #: Overrides merged into the stream config (benchmarks and sweeps only; empty in normal use).
 _STREAM_OVERRIDE: dict = {}

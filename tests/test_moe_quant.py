@@ -161,7 +161,7 @@ def test_int4_word_kernels(device, poison, monkeypatch, words, m, top_k, ids):
 
 def test_int4_word_kernels_need_their_shapes():
     # the plans fall back to the byte-tile kernels where the word kernels' conditions fail
-    cfg = moe_mod._stream_config(1, 64, 32, 2, False, True)
+    cfg = {**moe_mod._stream_config(1, 64, 32, 2, False, True), "i4": 1}
     q = MoEQuant("int4", torch.ones(2, 64, 2), torch.ones(2, 64, 1), group_size=32)
     codes = torch.zeros(2, 64, 32, dtype=torch.uint8)
     assert moe_mod._int4_words_plan(torch.zeros(1, 64).bfloat16(), codes, q, cfg) == (2, 8)

@@ -47,7 +47,8 @@ FOLD_Q_NORM = True
 FOLD_Q_NORM_MAX_M = 4
 #: A bf16 shared expert beside quantised routed experts (Kimi-K2.5) through the op table's ``experts`` (our stream
 #: kernels: two launches chained by PDL) instead of two torch matmuls and ``silu_mul``. Read at each forward (A/B).
-SHARED_AS_EXPERT = True
+#: Off until a GPU has timed it (``ab_verify_pass.py --experts-quant int4 --variants fused,shared-torch``).
+SHARED_AS_EXPERT = False
 
 
 def quantise_experts(w: dict, e: int, fmt: str) -> dict:

@@ -12,14 +12,12 @@ default table), ``no-<slot>`` (one slot of ``FUSIONS`` emptied); gate/up of the 
 ``rr-<qkv|qb|o>-k..-s..`` (that projection on the row-range GEMV, see ``_RR_RULES``);
 ``mb-n<BN>-k<BK>-c<SK>.<SD>.<W>`` (the MoE block's tiles at every token count and its launch candidate, as
 ``bench_moe_block.py --configs``); ``qdown-bh2`` (with ``--experts-quant``: the stream down kernel on bf16's
-tile) and ``no-qprefetch`` (with ``--experts-quant int4``: the gate/up without its next-tile loads), ``i4-words`` /
-``i4-bytes`` / ``i4-nopf`` (int4: the word kernels / the byte tiles / the words without the L2 prefetch);
-``stream-m8`` / ``stream-m16`` (the stream experts up to 8 / 16 tokens, not the dot path); ``shared-expert`` /
-``shared-torch`` (int4: the bf16 shared expert on our stream experts / as torch matmuls, ``SHARED_AS_EXPERT``);
-``cublas-o`` (o_proj on cuBLAS again); ``router-gemv-m8`` (the router on our GEMV up to 8 tokens); ``no-q-fold`` (q_a's
-RMSNorm a launch of its own again, ``forward.model.FOLD_Q_NORM``); ``fold-m8``
-(the fold up to 8 tokens, ``FOLD_Q_NORM_MAX_M``); ``no-early-kv`` (the MLA attention's first prefix KV tile read
-after the PDL wait, not before); ``mla-m64`` (33-64 query rows a program in one 64-row tile, not two of 32).
+tile) and ``no-qprefetch`` (with ``--experts-quant int4``: the gate/up without its next-tile loads); ``stream-m8`` /
+``stream-m16`` (the stream experts up to 8 / 16 tokens, not the dot path); ``cublas-o`` (o_proj on cuBLAS again);
+``router-gemv-m8`` (the router on our GEMV up to 8 tokens); ``no-q-fold`` (q_a's RMSNorm a launch of its own again,
+``forward.model.FOLD_Q_NORM``); ``fold-m8`` (the fold up to 8 tokens, ``FOLD_Q_NORM_MAX_M``); ``no-early-kv``
+(the MLA attention's first prefix KV tile read after the PDL wait, not before); ``mla-m64`` (33-64 query rows a
+program in one 64-row tile, not two of 32).
 Measured and removed (bench/RESULTS.md, "Verify pass"): RMSNorm folded into the projections and
 q_a's norm in the qkv_a GEMV's last tile (slower in the pass), the split merge fused with W_UV (slower alone; again
 as latent parts a program summed by a ticket, `no-attention_mla_up_v` against it: 0.06 / 0.12 / 0.32 / 0.48 ms
@@ -74,16 +72,8 @@ VARIANTS.update({f"block-m{m}": dict(off=(), set={"moe_block_max_m": m}) for m i
 VARIANTS["qdown-bh2"] = dict(off=(), stream={"qBH": 2, "qTILE": 8192})
 #: quantised experts: the stream gate/up without the next tile's loads issued before this tile's arithmetic
 VARIANTS["no-qprefetch"] = dict(off=(), stream={"QPF": 0})
-#: int4 experts: the word kernels (``i4``, off by default until timed), the byte tiles, the words without the L2
-#: prefetch
-VARIANTS["i4-words"] = dict(off=(), stream={"i4": 1})
-VARIANTS["i4-bytes"] = dict(off=(), stream={"i4": 0})
-VARIANTS["i4-nopf"] = dict(off=(), stream={"i4": 1, "i4PF": 0})
 #: the stream experts up to 8 / 16 tokens (``max_m``; the dot path above 6 tokens today)
 VARIANTS.update({f"stream-m{m}": dict(off=(), stream={"max_m": m}) for m in (8, 16)})
-#: a bf16 shared expert beside quantised experts on our stream experts / as two torch matmuls and silu_mul
-VARIANTS["shared-expert"] = dict(off=(), attrs=(("specverify.forward.model", "SHARED_AS_EXPERT", True),))
-VARIANTS["shared-torch"] = dict(off=(), attrs=(("specverify.forward.model", "SHARED_AS_EXPERT", False),))
 #: module attributes read at each launch: (module, attribute, value)
 #: o_proj's rule (``specverify.gemv.LINEAR_RULES``, N 7168, K 1024 / 2048): the ``cublas-o`` and ``rr-o-*`` variants
 _O_PROJ = (8, (7168, 7168), (1024, 2048))
@@ -160,8 +150,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
     names = [v for v in args.variants.split(",") if v]
-    quant_only = {"qdown-bh2": ("int4", "fp8"), "no-qprefetch": ("int4",), "i4-bytes": ("int4",),
-                  "i4-words": ("int4",), "i4-nopf": ("int4",), "shared-torch": ("int4",), "shared-expert": ("int4",)}
+    quant_only = {"qdown-bh2": ("int4", "fp8"), "no-qprefetch": ("int4",)}
     idle = [v for v in names if v in quant_only and args.experts_quant not in quant_only[v]]
     if idle:
         print(f"ab_verify_pass: {idle} change nothing without --experts-quant "

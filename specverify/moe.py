@@ -816,15 +816,10 @@ _FAST_ROUTE_CONFIG: dict = {"one_max_slots": 16, "align_one_max_slots": 32, "one
 #: int4 gate/up loads its next tile before this tile's arithmetic (``QPF``: 8.695 against 8.849 ms at k = 4, equal at
 #: 1 and 2; fp8 lost with it, 10.458 against 10.272 ms at DeepSeek-V3 k = 1, so fp8 runs without). Above ``max_m``
 #: tokens (Kimi-K2 k = 8, DeepSeek-V3 b 4 k >= 2) the dot path runs and neither applies.
-#: int4 word kernels (``i4``; ``i4d`` the down alone; ``i4R`` rows and ``i4BW`` code words a gate/up program, ``i4PF``
-#: its L2 prefetch of the next tile; see ``_int4_words_plan``): about 5.6 instructions a weight against 9.8 for the
-#: byte tiles, no CTA barrier (sm_90a SASS, 2026-12-07), checked on the CPU only: off until a GPU has run
-#: ``gpu-moe_quant`` and timed them (bench/results/HISTORY.md, "Fifth session of 2026-12-07").
 _STREAM_CONFIG: dict = {"max_m": 6, "small_m": 2, "small_R": 2, "R": 4, "BK": 512, "num_warps": 4, "num_stages": 1,
                         "BH": 2, "BI": 256, "TILE": 8192, "down_warps": 4, "PDL": True, "gate_up": "auto",
                         "splitk_max_m": 2, "SBN": 32, "SBK": 128, "split_stages": 3, "split_warps": 4,
-                        "split_waves": 4, "qBH": 8, "qTILE": 16384, "QPF": 1, "i4": 0, "i4d": 1, "i4R": 2,
-                        "i4BW": 128, "i4PF": 1}
+                        "split_waves": 4, "qBH": 8, "qTILE": 16384, "QPF": 1}
 #: Overrides merged into the stream config (benchmarks and sweeps only; empty in normal use).
 _STREAM_OVERRIDE: dict = {}
 #: Tile overrides for benchmarks and sweeps only: keys ``g1`` / ``g2`` (dicts merged into the gate/up and down
@@ -1009,40 +1004,6 @@ def _splitk_gate_up(hidden, w13, act, ids32, s, h, e, inter, top_k, cfg, pdl, qu
         SPLIT_PAD=max(2, _next_pow2(split)), DOT_FP32=not on_gpu, PDL=pdl, **qc, **launch)
 
 
-def _int4_words_plan(hidden, w13, quant, cfg: dict) -> tuple[int, int] | None:
-    """(R, BW) of the int4 word kernel (``_moe_stream_gate_up_int4_kernel``) where it applies, else None: int4
-    codes with bf16 activations (read as 32-bit pairs: an even row stride, 4-byte aligned), QG % 8 == 0 (a word in
-    one group), BW the largest power of two up to ``cfg["i4BW"]`` dividing the H / 8 words (at least 8), R dividing
-    I. ``cfg["i4"]`` 0 turns it off (sweeps)."""
-    if quant is None or quant.format != "int4" or not cfg["i4"] or hidden.dtype != torch.bfloat16:
-        return None
-    h, inter = hidden.shape[1], w13.shape[1] // 2
-    if hidden.stride(1) != 1 or hidden.stride(0) % 2 or hidden.data_ptr() % 4 or w13.stride(2) != 1:
-        return None
-    if quant.group_size % 8 or h % 8:
-        return None
-    words = h // 8
-    bw = _next_pow2(cfg["i4BW"])
-    while bw > 8 and words % bw:
-        bw //= 2
-    r = cfg["i4R"]
-    if words % bw or bw < 8 or inter % r:
-        return None
-    return r, bw
-
-
-def _int4_down_words(act, w2, quant, cfg: dict, h: int) -> bool:
-    """Whether the int4 word down kernel (``_moe_stream_down_int4_kernel``) applies: int4 codes, bf16 ``act`` with
-    an even row stride, I / 8 a power of two, QG % 8 == 0, H % BH == 0; ``cfg["i4"]`` or ``cfg["i4d"]`` 0 turns it
-    off (sweeps)."""
-    if quant is None or quant.format != "int4" or not (cfg["i4"] and cfg["i4d"]) or act.dtype != torch.bfloat16:
-        return False
-    words = w2.shape[2] // 4  # I / 8: [E, H, I / 2] bytes
-    return (act.stride(1) == 1 and act.stride(0) % 2 == 0 and act.data_ptr() % 4 == 0 and w2.stride(2) == 1
-            and w2.shape[2] % 4 == 0 and words == _next_pow2(words) and quant.group_size % 8 == 0
-            and h % cfg["BH"] == 0)
-
-
 def stream_gate_up(hidden, w13, ids32, cfg: dict, pdl: bool, quant: MoEQuant | None = None) -> torch.Tensor:
     """Launch 1 of the stream experts alone: ``act`` [M * top_k, I] = silu(gate) * up of every routed slot, by the
     kernel ``cfg["gate_up"]`` names (``"auto"``: split-K up to ``splitk_max_m`` tokens, else the FMA programs).
@@ -1062,24 +1023,11 @@ def stream_gate_up(hidden, w13, ids32, cfg: dict, pdl: bool, quant: MoEQuant | N
     if cfg["gate_up"] == "splitk" or (cfg["gate_up"] == "auto" and m <= cfg["splitk_max_m"] and quant is None):
         _splitk_gate_up(hidden, w13, act, ids32, s, h, e, inter, top_k, cfg, pdl, quant)
         return act
-    q13, qc = _scale_operands(quant, w13, "w13")
-    i4 = _int4_words_plan(hidden, w13, quant, cfg)
-    if i4 is not None:
-        from specverify.kernels.fused_moe import _moe_stream_gate_up_int4_kernel
-
-        r, bw = i4
-        launch = {"num_warps": cfg["num_warps"], "num_stages": 1} if hidden.is_cuda else {}
-        if pdl:
-            launch["launch_pdl"] = True
-        _moe_stream_gate_up_int4_kernel[(s * (inter // r),)](
-            hidden, w13, q13[0], act, ids32, hidden.stride(0), w13.stride(0), w13.stride(1), q13[1], q13[2],
-            act.stride(0), E=e, H=h, I=inter, TOP_K=top_k, R=r, BW=bw, QG=qc["QG"], PDL=pdl, ASM=hidden.is_cuda,
-            PFL2=bool(cfg["i4PF"]) and hidden.is_cuda, **launch)
-        return act
     launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]} if hidden.is_cuda else {}
     if pdl:
         launch["launch_pdl"] = True
     nt = _cdiv(inter, cfg["R"])
+    q13, qc = _scale_operands(quant, w13, "w13")
     _moe_stream_gate_up_kernel[(s * nt,)](
         hidden, w13, q13[0], act, ids32, hidden.stride(0), w13.stride(0), w13.stride(1), q13[1], q13[2],
         act.stride(0), E=e, H=h, I=inter, TOP_K=top_k, R=cfg["R"], BK=cfg["BK"], PDL=pdl, **qc,
@@ -1113,14 +1061,6 @@ def _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, out, quant=None):
     if pdl:  # gate/up waits for the routing, down for gate/up
         launch2["launch_pdl"] = True
     q2, qc = _scale_operands(quant, w2, "w2")
-    if _int4_down_words(act, w2, quant, cfg, h):
-        from specverify.kernels.fused_moe import _moe_stream_down_int4_kernel
-
-        _moe_stream_down_int4_kernel[(h // cfg["BH"],)](
-            act, w2, q2[0], ids32, tw, out, act.stride(0), w2.stride(0), w2.stride(1), q2[1], q2[2], out.stride(0),
-            E=e, H=h, I=inter, TOP_K=top_k, MT=m, SP=cfg["SP"], BH=cfg["BH"], QG=qc["QG"], PDL=pdl,
-            ASM=dev.type == "cuda", **launch2)
-        return out
     _moe_stream_down_kernel[(_cdiv(h, cfg["BH"]),)](
         act, w2, q2[0], ids32, tw, out, act.stride(0), w2.stride(0), w2.stride(1), q2[1], q2[2], out.stride(0), E=e,
         H=h, I=inter, TOP_K=top_k, MT=m, SP=cfg["SP"], BH=cfg["BH"], BI=cfg["BI"], PDL=pdl, **qc, **launch2)

@@ -5,7 +5,6 @@ dequantised weights; and the bytes the floor counts for them."""
 import pytest
 import torch
 
-import specverify.forward.model as model_mod
 from specverify import gemv as gemv_mod
 from specverify.configs import expert_param_bytes, per_rank_shapes, verify_bytes
 from specverify.forward.model import VerifyModel
@@ -68,13 +67,11 @@ def _fp64_twin(model, name, seed):
     return ref
 
 
-@pytest.mark.parametrize("fmt, shared_as_expert", [("int4", True), ("int4", False), ("fp8", True)])
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
 @pytest.mark.parametrize("name", ["tiny-mla-moe", "tiny-mla-grouped"])
 @pytest.mark.parametrize("b, k", [(1, 1), (2, 3)])  # M = 1 (the MoE block would serve unquantised) and M = 6
-def test_quantised_forward_matches_dequantised_truth(device, monkeypatch, fmt, shared_as_expert, name, b, k):
-    # int4 keeps a bf16 shared expert apart: one more ``experts`` call a layer (SHARED_AS_EXPERT), or torch matmuls
+def test_quantised_forward_matches_dequantised_truth(device, monkeypatch, fmt, name, b, k):
     monkeypatch.setattr(gemv_mod, "LINEAR_RULES", _ALL)
-    monkeypatch.setattr(model_mod, "SHARED_AS_EXPERT", shared_as_expert)
     page_size, seed = 4, 13
     model = VerifyModel(name, dtype=torch.bfloat16, seed=seed, device=device, experts_quant=fmt)
     moe_sets = [w for w in model._sets.values() if not w["dense"]]
@@ -99,9 +96,7 @@ def test_quantised_forward_matches_dequantised_truth(device, monkeypatch, fmt, s
         out[tag] = model.forward(ids, pos, _caches(model, pool, page_size, seed=5), pt, prefix)
     # the one-launch MoE block has no quantised path: every MoE layer ran the expert kernels with its format
     layers = sum(not w["dense"] for w in model.layers)
-    per_layer = 2 if fmt == "int4" and shared_as_expert else 1
-    assert calls["moe_block"] == 0 and calls["experts"] == per_layer * layers and calls["experts_with_shared"] == 0, \
-        calls
+    assert calls["moe_block"] == 0 and calls["experts"] == layers and calls["experts_with_shared"] == 0, calls
     twin = _fp64_twin(model, name, seed)
     assert len(routed["specverify"]) == layers
     _replay_routing(twin.ops, routed["specverify"])

@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import spy_launches, warm_up_for_capture
+from conftest import warm_up_for_capture
 
-import specverify.kernels.fused_moe as fused_moe_kernels
 import specverify.moe as moe_mod
 from specverify.moe import MoEQuant, fused_moe, moe_route
 from specverify.reference.moe import fused_moe_loop_reference, fused_moe_reference, random_expert_weights
@@ -123,61 +122,6 @@ def test_stream_gate_up_over_many_tiles(device, poison, monkeypatch, qpf, fmt, s
     check_quant_experts(hidden, p13.to(device), p2.to(device), q, ids, w, out=poison(hidden))
 
 
-@pytest.mark.parametrize("words", [1, 0])
-@pytest.mark.parametrize("m, top_k, ids", [(2, 2, [[1, -1], [3, 1]]), (3, 3, [[1, 5, 2], [5, -1, 7], [0, 3, 6]])])
-def test_int4_word_kernels(device, poison, monkeypatch, words, m, top_k, ids):
-    # the int4 word kernels (``i4`` 1; 0: the byte-tile kernels) over three gate/up tiles of 16 words (H = 384,
-    # groups of 32) with 2 gate/up rows a program; the down kernel unmasked (2 x top-2 fills its 4 slot lanes) and
-    # masked (3 x top-3 in 16 lanes). A slot without an expert leaves its act row unwritten: NaN here, which the down
-    # kernel must not read
-    e, h, inter = 8, 384, 32
-    monkeypatch.setitem(moe_mod._VARIANT, "experts", "stream")
-    monkeypatch.setitem(moe_mod._STREAM_OVERRIDE, "gate_up", "fma")
-    monkeypatch.setitem(moe_mod._STREAM_OVERRIDE, "i4", words)
-    monkeypatch.setitem(moe_mod._STREAM_OVERRIDE, "i4BW", 16)
-    gate_up = spy_launches(monkeypatch, fused_moe_kernels, "_moe_stream_gate_up_int4_kernel")
-    down = spy_launches(monkeypatch, fused_moe_kernels, "_moe_stream_down_int4_kernel")
-    real = moe_mod.stream_gate_up
-
-    def nan_rows(hidden, w13, ids32, cfg, pdl, quant=None):
-        act = real(hidden, w13, ids32, cfg, pdl, quant)
-        act[ids32.reshape(-1) < 0] = float("nan")
-        return act
-
-    monkeypatch.setattr(moe_mod, "stream_gate_up", nan_rows)
-    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.float32, seed=60 + m)
-    p13, p2, q = _quantised("int4", w13, w2, 32)
-    q = MoEQuant("int4", q.w13_scale.to(device), q.w2_scale.to(device), group_size=32)
-    g = torch.Generator().manual_seed(61)
-    hidden = torch.randn(m, h, generator=g).bfloat16().to(device)
-    w = torch.rand(m, top_k, generator=g).to(device)
-    ids = torch.tensor(ids, dtype=torch.int32, device=device)
-    check_quant_experts(hidden, p13.to(device), p2.to(device), q, ids, w, out=poison(hidden))
-    assert len(gate_up.grids) == words and len(down.grids) == words
-    if words:
-        assert gate_up.kwargs[0]["BW"] == 16 and gate_up.kwargs[0]["R"] == 2
-        assert down.kwargs[0]["SP"] == (4 if m == 2 else 16)
-
-
-def test_int4_word_kernels_need_their_shapes():
-    # the plans fall back to the byte-tile kernels where the word kernels' conditions fail
-    cfg = {**moe_mod._stream_config(1, 64, 32, 2, False, True), "i4": 1}
-    q = MoEQuant("int4", torch.ones(2, 64, 2), torch.ones(2, 64, 1), group_size=32)
-    codes = torch.zeros(2, 64, 32, dtype=torch.uint8)
-    assert moe_mod._int4_words_plan(torch.zeros(1, 64).bfloat16(), codes, q, cfg) == (2, 8)
-    assert moe_mod._int4_words_plan(torch.zeros(1, 64).half(), codes, q, cfg) is None  # fp16 activations
-    assert moe_mod._int4_words_plan(torch.zeros(1, 65).bfloat16()[:, :64], codes, q, cfg) is None  # odd row stride
-    assert moe_mod._int4_words_plan(torch.zeros(1, 56).bfloat16(), codes[:, :, :28], q, cfg) is None  # 7 words
-    q4 = MoEQuant("int4", torch.ones(2, 64, 16), torch.ones(2, 64, 8), group_size=4)
-    assert moe_mod._int4_words_plan(torch.zeros(1, 64).bfloat16(), codes, q4, cfg) is None  # groups of 4 columns
-    act = torch.zeros(2, 32).bfloat16()
-    w2 = torch.zeros(2, 64, 16, dtype=torch.uint8)
-    assert moe_mod._int4_down_words(act, w2, q, cfg, 64)
-    assert not moe_mod._int4_down_words(act, torch.zeros(2, 64, 12, dtype=torch.uint8), q, cfg, 64)  # I / 8 = 6
-    assert not moe_mod._int4_down_words(act.half(), w2, q, cfg, 64)
-    assert not moe_mod._int4_down_words(act, w2, q, {**cfg, "i4": 0}, 64)
-
-
 @pytest.mark.parametrize("fmt, shape", [("int4", 16), ("fp8", (16, 32))])
 def test_fused_moe_quant_fp16_and_reference_impl(device, fmt, shape):
     # fp16 hidden states with fp32 scales; impl="reference" dequantises and agrees with the kernel's definition
@@ -211,12 +155,9 @@ def test_fused_moe_quant_reads_the_scales(device):
 # ---------------------------------------------------------------------------------------------- GPU, real sizes
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 16])  # split-K gate/up, FMA gate/up, then the dot path
-@pytest.mark.parametrize("fmt, shape, words", [("int4", 32, 1), ("int4", 32, 0), ("fp8", (128, 128), 0)])
-def test_fused_moe_quant_kimi_k2_rank_gpu(monkeypatch, fmt, shape, words, m):
-    # a Kimi-K2 rank at tp 8 (H 7168, I 256, top-8) over 64 experts: Kimi-K2.5's int4 and Kimi-K2's fp8 formats;
-    # int4 on the word kernels (inline PTX) and on the byte tiles (``i4``), the stream path up to 8 tokens here
-    monkeypatch.setitem(moe_mod._STREAM_OVERRIDE, "i4", words)
-    monkeypatch.setitem(moe_mod._STREAM_OVERRIDE, "max_m", 8)
+@pytest.mark.parametrize("fmt, shape", [("int4", 32), ("fp8", (128, 128))])
+def test_fused_moe_quant_kimi_k2_rank_gpu(fmt, shape, m):
+    # a Kimi-K2 rank at tp 8 (H 7168, I 256, top-8) over 64 experts: Kimi-K2.5's int4 and Kimi-K2's fp8 formats
     e, h, inter = 64, 7168, 256
     w13, w2 = random_expert_weights(e, h, inter, dtype=torch.float32, device="cuda", seed=46)
     p13, p2, q = _quantised(fmt, w13, w2, shape)
@@ -233,11 +174,10 @@ def test_fused_moe_quant_kimi_k2_rank_gpu(monkeypatch, fmt, shape, words, m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt, shape, words", [("int4", 32, 1), ("int4", 32, 0), ("fp8", (128, 128), 0)])
+@pytest.mark.parametrize("fmt, shape", [("int4", 32), ("fp8", (128, 128))])
 @pytest.mark.parametrize("m", [1, 4, 12])
-def test_fused_moe_quant_cuda_graph_gpu(monkeypatch, graph_replay, fmt, shape, words, m):
+def test_fused_moe_quant_cuda_graph_gpu(graph_replay, fmt, shape, m):
     # eager -> capture -> replay -> change the inputs in place -> replay -> compare with eager
-    monkeypatch.setitem(moe_mod._STREAM_OVERRIDE, "i4", words)
     e, h, inter = 32, 512, 128
     w13, w2 = random_expert_weights(e, h, inter, dtype=torch.float32, device="cuda", seed=48)
     p13, p2, q = _quantised(fmt, w13, w2, shape)

@@ -45,10 +45,6 @@ FOLD_Q_NORM = True
 #: DeepSeek-V3 b 4 / 16k 12.521 against 12.541 ms at 4 tokens but 17.868 against 17.762 at 8: above 4 the
 #: unfolded chain.
 FOLD_Q_NORM_MAX_M = 4
-#: A bf16 shared expert beside quantised routed experts (Kimi-K2.5) through the op table's ``experts`` (our stream
-#: kernels: two launches chained by PDL) instead of two torch matmuls and ``silu_mul``. Read at each forward (A/B).
-#: Off until a GPU has timed it (``ab_verify_pass.py --experts-quant int4 --variants fused,shared-torch``).
-SHARED_AS_EXPERT = False
 
 
 def quantise_experts(w: dict, e: int, fmt: str) -> dict:
@@ -518,26 +514,8 @@ class VerifyModel:
                 out = out + ops.experts(flat, w["shared_w13"], w["shared_w2"], ids0, ones, quant=w["quant_shared"])
         elif "shared_gate_up" in w:
             with self.section("shared_expert"):
-                if SHARED_AS_EXPERT and quant is not None:
-                    ids0, ones = self._one_slot(flat.shape[0], flat.device)
-                    out = out + ops.experts(flat, w["shared_gate_up"][None], w["shared_down"][None], ids0, ones)
-                else:
-                    out = out + ops.silu_mul(flat @ w["shared_gate_up"].t()) @ w["shared_down"].t()
+                out = out + ops.silu_mul(flat @ w["shared_gate_up"].t()) @ w["shared_down"].t()
         return out.view_as(h)
-
-    def _one_slot(self, m: int, device):
-        """(int32 zeros, fp32 ones) [m, 1]: every token routed to expert 0 with weight 1. Kept per (m, device), so
-        a captured pass reads them instead of filling new ones each replay (made during a capture, they are not
-        kept: their fill runs only when the graph replays)."""
-        cache = self.__dict__.setdefault("_one_slot_cache", {})
-        key = (m, str(device))
-        if key in cache:
-            return cache[key]
-        pair = (torch.zeros(m, 1, dtype=torch.int32, device=device), torch.ones(m, 1, dtype=torch.float32,
-                                                                                device=device))
-        if not (torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            cache[key] = pair
-        return pair
 
     def forward(self, input_ids, positions, kv_caches, page_table, prefix_lens, tree_mask=None):
         """Logits of every node. input_ids, positions int [b, k]; page_table int32 [b, max_pages]; prefix_lens

@@ -819,7 +819,7 @@ _FAST_ROUTE_CONFIG: dict = {"one_max_slots": 16, "align_one_max_slots": 32, "one
 _STREAM_CONFIG: dict = {"max_m": 6, "small_m": 2, "small_R": 2, "R": 4, "BK": 512, "num_warps": 4, "num_stages": 1,
                         "BH": 2, "BI": 256, "TILE": 8192, "down_warps": 4, "PDL": True, "gate_up": "auto",
                         "splitk_max_m": 2, "SBN": 32, "SBK": 128, "split_stages": 3, "split_warps": 4,
-                        "split_waves": 4, "qBH": 8, "qTILE": 16384, "QPF": 1}
+                        "split_waves": 4, "qBH": 8, "qTILE": 16384, "QPF": 1, "LS": 0}
 #: Overrides merged into the stream config (benchmarks and sweeps only; empty in normal use).
 _STREAM_OVERRIDE: dict = {}
 #: Tile overrides for benchmarks and sweeps only: keys ``g1`` / ``g2`` (dicts merged into the gate/up and down
@@ -1031,7 +1031,8 @@ def stream_gate_up(hidden, w13, ids32, cfg: dict, pdl: bool, quant: MoEQuant | N
     _moe_stream_gate_up_kernel[(s * nt,)](
         hidden, w13, q13[0], act, ids32, hidden.stride(0), w13.stride(0), w13.stride(1), q13[1], q13[2],
         act.stride(0), E=e, H=h, I=inter, TOP_K=top_k, R=cfg["R"], BK=cfg["BK"], PDL=pdl, **qc,
-        QPF=bool(cfg["QPF"]) and quant is not None and quant.format == "int4", **launch)
+        QPF=bool(cfg["QPF"]) and cfg["LS"] <= 1 and quant is not None and quant.format == "int4",
+        LSTAGES=cfg["LS"], **launch)
     return act
 
 

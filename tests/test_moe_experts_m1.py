@@ -38,16 +38,18 @@ def _align(ids, e, block=16):
     return al
 
 
-@pytest.fixture(params=["fma", "splitk"])
+@pytest.fixture(params=["fma", "fma-ls3", "splitk"])
 def stream(monkeypatch, request):
     """The stream experts with interpreter-sized tiles, both gate/up kernels: FMA with R = 8 gate rows (I = 20 leaves
     a 4-row tail) and BK = 32 (H = 72 leaves an 8-column tail); split-K with 16-row MMA tiles (I = 20: a 4-row tail)
     over BK = 16 columns, H split 4-5 ways (64 programs wanted), so the ticket's last program sums several
-    partials; down: BI = 16 (I = 20: two I steps, the second mostly masked), BH = 16 (H = 72: a ragged last tile)."""
+    partials; down: BI = 16 (I = 20: two I steps, the second mostly masked), BH = 16 (H = 72: a ragged last tile).
+    ``fma-ls3``: the FMA loop as a pipelined ``tl.range`` of 3 stages (``LS``)."""
     monkeypatch.setitem(moe_mod._VARIANT, "experts", "stream")
+    gate_up, _, ls = request.param.partition("-ls")
     monkeypatch.setattr(moe_mod, "_STREAM_OVERRIDE", {"R": 8, "BK": 32, "BI": 16, "BH": 16, "TILE": 1 << 14,
-                                                      "gate_up": request.param, "SBN": 16, "SBK": 16,
-                                                      "split_waves": 16})
+                                                      "gate_up": gate_up, "SBN": 16, "SBK": 16,
+                                                      "split_waves": 16, "LS": int(ls or 0)})
     return moe_mod
 
 

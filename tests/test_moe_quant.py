@@ -100,19 +100,20 @@ def test_fused_moe_quant_paths(device, poison, monkeypatch, path, fmt, shape, h,
     assert res.data_ptr() == out.data_ptr()
 
 
-@pytest.mark.parametrize("qpf", [0, 1])
+@pytest.mark.parametrize("qpf, ls", [(0, 0), (1, 0), (0, 3)])
 @pytest.mark.parametrize("fmt, shape", [("int4", 16), ("int4", 64), ("fp8", (16, 32))])
-def test_stream_gate_up_over_many_tiles(device, poison, monkeypatch, qpf, fmt, shape):
+def test_stream_gate_up_over_many_tiles(device, poison, monkeypatch, qpf, ls, fmt, shape):
     # H = 176 in 32-column tiles: six loop steps, the last one half past H, so the int4 next-tile loads (QPF, int4
     # only) rotate five times and the last prefetch lies wholly past H (fp8: a partial last block column); int4
     # groups of 64 (H = 192, I = 64) span two tiles each. 2 tokens x top-2: stream gate/up, the down tile of up to
-    # qBH rows.
+    # qBH rows. LS 3: the loop pipelined by Triton (3 stages; the interpreter runs it as a plain loop).
     m, e, h, inter = 2, 6, *((192, 64) if shape == 64 else (176, 32))
     monkeypatch.setitem(moe_mod._VARIANT, "experts", "stream")
     monkeypatch.setitem(moe_mod._STREAM_OVERRIDE, "gate_up", "fma")
     monkeypatch.setitem(moe_mod._STREAM_OVERRIDE, "BK", 32)
     monkeypatch.setitem(moe_mod._STREAM_OVERRIDE, "QPF", qpf)
-    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.float32, seed=50 + qpf)
+    monkeypatch.setitem(moe_mod._STREAM_OVERRIDE, "LS", ls)
+    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.float32, seed=50 + qpf + ls)
     p13, p2, q = _quantised(fmt, w13, w2, shape)
     q = MoEQuant(q.format, q.w13_scale.to(device), q.w2_scale.to(device), q.group_size, q.block_shape)
     g = torch.Generator().manual_seed(51)

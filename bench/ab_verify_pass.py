@@ -76,6 +76,7 @@ VARIANTS["no-qprefetch"] = dict(off=(), stream={"QPF": 0})
 #: the stream FMA gate/up loop pipelined by Triton into shared memory, 3 / 4 / 6 stages (``LS``; int4 without QPF)
 VARIANTS.update({f"ls{n}": dict(off=(), stream={"LS": n}) for n in (3, 4, 6)})
 VARIANTS["ls4-r4"] = dict(off=(), stream={"LS": 4, "small_R": 4})  # and 4 gate/up rows a program at 1-2 tokens
+VARIANTS["ls0"] = dict(off=(), stream={"LS": 0})  # the plain loop for every format (fp8 pipelines from 4 tokens)
 #: the stream experts up to 8 / 16 tokens (``max_m``; the dot path above 6 tokens today)
 VARIANTS.update({f"stream-m{m}": dict(off=(), stream={"max_m": m}) for m in (8, 16)})
 #: module attributes read at each launch: (module, attribute, value)

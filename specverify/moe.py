@@ -819,7 +819,8 @@ _FAST_ROUTE_CONFIG: dict = {"one_max_slots": 16, "align_one_max_slots": 32, "one
 _STREAM_CONFIG: dict = {"max_m": 6, "small_m": 2, "small_R": 2, "R": 4, "BK": 512, "num_warps": 4, "num_stages": 1,
                         "BH": 2, "BI": 256, "TILE": 8192, "down_warps": 4, "PDL": True, "gate_up": "auto",
                         "splitk_max_m": 2, "SBN": 32, "SBK": 128, "split_stages": 3, "split_warps": 4,
-                        "split_waves": 4, "qBH": 8, "qTILE": 16384, "QPF": 1, "LS": 0}
+                        "split_waves": 4, "qBH": 8, "qTILE": 16384, "QPF": 1, "LS": 0,
+                        "fp8_LS": 4, "fp8_LS_min_m": 4}
 #: Overrides merged into the stream config (benchmarks and sweeps only; empty in normal use).
 _STREAM_OVERRIDE: dict = {}
 #: Tile overrides for benchmarks and sweeps only: keys ``g1`` / ``g2`` (dicts merged into the gate/up and down
@@ -933,17 +934,20 @@ def _fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, alignment, out, q
     return out
 
 
-def _stream_config(m: int, h: int, inter: int, top_k: int, on_gpu: bool, quantised: bool = False) -> dict:
+def _stream_config(m: int, h: int, inter: int, top_k: int, on_gpu: bool, quant_format: str | None = None) -> dict:
     """Tiles of the stream experts for ``m`` tokens: ``_STREAM_CONFIG`` with ``_STREAM_OVERRIDE`` merged, clamped to
     the shapes. The down tile [SP, BH, BI] is kept to at most ``TILE`` elements by lowering BH (M = 2 at top-9 needs
-    SP = 32 slot lanes against 16 at M = 1). Quantised weights (``quantised``) take ``qBH`` / ``qTILE``: a stored
-    element is 1 or 1/2 byte, so a program needs more of them for the same bytes in flight; a ``BH`` or ``TILE``
-    in ``_STREAM_OVERRIDE`` still wins for them (sweeps)."""
+    SP = 32 slot lanes against 16 at M = 1). Quantised weights (``quant_format`` "int4" or "fp8") take ``qBH`` /
+    ``qTILE``: a stored element is 1 or 1/2 byte, so a program needs more of them for the same bytes in flight; fp8
+    from ``fp8_LS_min_m`` tokens also takes ``fp8_LS`` pipeline stages. A key in ``_STREAM_OVERRIDE`` still wins
+    (sweeps)."""
     cfg = dict(_STREAM_CONFIG)
     if m <= cfg["small_m"]:
         cfg["R"] = cfg["small_R"]
+    if quant_format == "fp8" and m >= cfg["fp8_LS_min_m"]:
+        cfg["LS"] = cfg["fp8_LS"]
     cfg.update(_STREAM_OVERRIDE)
-    if quantised:
+    if quant_format is not None:
         cfg["BH"] = _STREAM_OVERRIDE.get("BH", cfg["qBH"])
         cfg["TILE"] = _STREAM_OVERRIDE.get("TILE", cfg["qTILE"])
     cfg["R"] = max(1, min(cfg["R"], _next_pow2(inter)))
@@ -1055,7 +1059,7 @@ def _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, out, quant=None):
     dev = hidden.device
     if m == 0:
         return out
-    cfg = _stream_config(m, h, inter, top_k, dev.type == "cuda", quant is not None)
+    cfg = _stream_config(m, h, inter, top_k, dev.type == "cuda", None if quant is None else quant.format)
     pdl = _pdl(cfg["PDL"], dev)
     act = stream_gate_up(hidden, w13, ids32, cfg, pdl, quant)
     launch2 = {"num_warps": cfg["down_warps"], "num_stages": 1} if dev.type == "cuda" else {}

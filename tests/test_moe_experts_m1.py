@@ -132,11 +132,19 @@ def test_stream_config_shapes(monkeypatch):
     assert c1["SP"] * c1["BH"] * c1["BI"] <= base["TILE"] and c2["SP"] * c2["BH"] * c2["BI"] <= base["TILE"]
     assert c2["BH"] <= c1["BH"] and c1["PDL"] == base["PDL"]
     # quantised weights: the down tile of qBH rows within qTILE elements (8 rows at M = 1, top-8 routed only)
-    q1 = moe_mod._stream_config(1, 7168, 256, 8, on_gpu=True, quantised=True)
+    q1 = moe_mod._stream_config(1, 7168, 256, 8, on_gpu=True, quant_format="int4")
     assert q1["BH"] == min(base["qBH"], base["qTILE"] // (q1["SP"] * q1["BI"])) and q1["TILE"] == base["qTILE"]
     assert q1["BH"] > moe_mod._stream_config(1, 7168, 256, 8, on_gpu=True)["BH"]
     monkeypatch.setitem(moe_mod._STREAM_OVERRIDE, "BH", 1)  # a sweep's explicit down tile wins for them too
-    assert moe_mod._stream_config(1, 7168, 256, 8, on_gpu=True, quantised=True)["BH"] == 1
+    assert moe_mod._stream_config(1, 7168, 256, 8, on_gpu=True, quant_format="int4")["BH"] == 1
+    # fp8 takes the pipelined gate/up loop from fp8_LS_min_m tokens; int4 and bf16 never by default
+    fp8 = {m: moe_mod._stream_config(m, 7168, 256, 8, on_gpu=True, quant_format="fp8")["LS"] for m in (1, 4, 6)}
+    low = base["fp8_LS_min_m"] - 1
+    assert fp8[4] == fp8[6] == base["fp8_LS"] > 1 and moe_mod._stream_config(low, 7168, 256, 8, True, "fp8")["LS"] == 0
+    assert moe_mod._stream_config(4, 7168, 256, 8, True, "int4")["LS"] == moe_mod._stream_config(4, 7168, 256, 8,
+                                                                                                 True)["LS"] == 0
+    monkeypatch.setitem(moe_mod._STREAM_OVERRIDE, "LS", 0)
+    assert moe_mod._stream_config(4, 7168, 256, 8, True, "fp8")["LS"] == 0
     tiny = moe_mod._stream_config(1, 24, 6, 3, on_gpu=False)
     assert tiny["BK"] == 32 and tiny["BI"] == 16 and tiny["R"] <= 8 and tiny["PDL"] is False
 

@@ -13,8 +13,8 @@ default table), ``no-<slot>`` (one slot of ``FUSIONS`` emptied); gate/up of the 
 ``mb-n<BN>-k<BK>-c<SK>.<SD>.<W>`` (the MoE block's tiles at every token count and its launch candidate, as
 ``bench_moe_block.py --configs``); ``qdown-bh2`` (with ``--experts-quant``: the stream down kernel on bf16's
 tile) and ``no-qprefetch`` (with ``--experts-quant int4``: the gate/up without its next-tile loads); ``stream-m8`` /
-``stream-m16`` (the stream experts up to 8 / 16 tokens, not the dot path); ``ls3`` / ``ls4`` / ``ls6`` (the stream
-FMA gate/up's loop pipelined into shared memory by Triton, ``LS`` stages); ``cublas-o`` (o_proj on cuBLAS again);
+``stream-m16`` (the stream experts up to 8 / 16 tokens, not the dot path); ``ls0`` (fp8's stream gate/up loop not
+pipelined, as int4's and bf16's); ``cublas-o`` (o_proj on cuBLAS again);
 ``router-gemv-m8`` (the router on our GEMV up to 8 tokens); ``no-q-fold`` (q_a's RMSNorm a launch of its own again,
 ``forward.model.FOLD_Q_NORM``); ``fold-m8`` (the fold up to 8 tokens, ``FOLD_Q_NORM_MAX_M``); ``no-early-kv``
 (the MLA attention's first prefix KV tile read after the PDL wait, not before); ``mla-m64`` (33-64 query rows a
@@ -73,10 +73,8 @@ VARIANTS.update({f"block-m{m}": dict(off=(), set={"moe_block_max_m": m}) for m i
 VARIANTS["qdown-bh2"] = dict(off=(), stream={"qBH": 2, "qTILE": 8192})
 #: quantised experts: the stream gate/up without the next tile's loads issued before this tile's arithmetic
 VARIANTS["no-qprefetch"] = dict(off=(), stream={"QPF": 0})
-#: the stream FMA gate/up loop pipelined by Triton into shared memory, 3 / 4 / 6 stages (``LS``; int4 without QPF)
-VARIANTS.update({f"ls{n}": dict(off=(), stream={"LS": n}) for n in (3, 4, 6)})
-VARIANTS["ls4-r4"] = dict(off=(), stream={"LS": 4, "small_R": 4})  # and 4 gate/up rows a program at 1-2 tokens
-VARIANTS["ls0"] = dict(off=(), stream={"LS": 0})  # the plain loop for every format (fp8 pipelines from 4 tokens)
+#: the stream gate/up's plain loop for fp8 too (``LS`` 0; fp8 pipelines its loop 4 stages from 4 tokens)
+VARIANTS["ls0"] = dict(off=(), stream={"LS": 0})
 #: the stream experts up to 8 / 16 tokens (``max_m``; the dot path above 6 tokens today)
 VARIANTS.update({f"stream-m{m}": dict(off=(), stream={"max_m": m}) for m in (8, 16)})
 #: module attributes read at each launch: (module, attribute, value)

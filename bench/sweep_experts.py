@@ -49,8 +49,6 @@ STREAM_GRID = [
     dict(q=0, R=4, BK=1024, num_warps=8),
     dict(q=0, R=1, BK=2048, num_warps=8),
     dict(q=0, R=2, num_warps=2, BK=512),
-    dict(q=1, LS=3),  # the FMA gate/up loop pipelined into shared memory by Triton (3 / 4 stages)
-    dict(q=1, LS=4),
     dict(q=1, BH=4, down_warps=4),
     dict(q=1, BH=1, down_warps=4),
     dict(q=0, BH=4, down_warps=8, TILE=16384),

@@ -251,7 +251,9 @@ def _moe_topk_sum_kernel(part_ptr, ids_ptr, out_ptr, stride_pm, stride_om, E: tl
 # Weight loads go through ``_load_w`` (quantised weights: int4 codes or fp8 values and their scales, dequantised in
 # registers; the FMA and the sums stay fp32). With ``QPF`` (int4: half a byte a weight, so a [R, BK] tile is few
 # bytes a thread) the gate/up loop issues the next tile's loads (``_load_w_raw``) before this tile's arithmetic
-# (``_dequant_w``), two tiles in flight a program.
+# (``_dequant_w``), two tiles in flight a program. With ``LSTAGES`` > 1 the plain loop is a ``tl.range`` of that many
+# stages: Triton's pipeliner copies each step's code, scale and activation tiles into shared memory LSTAGES - 1 steps
+# ahead (fp8 from 4 tokens; see ``LS`` in ``specverify.moe._STREAM_CONFIG``).
 # ------------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _stream_gate_up_step(w13_ptr, s13_ptr, ev, rows, rmask, a_base, k0, ok, acc_g, acc_u, stride_we, stride_wn,

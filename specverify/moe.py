@@ -816,6 +816,14 @@ _FAST_ROUTE_CONFIG: dict = {"one_max_slots": 16, "align_one_max_slots": 32, "one
 #: int4 gate/up loads its next tile before this tile's arithmetic (``QPF``: 8.695 against 8.849 ms at k = 4, equal at
 #: 1 and 2; fp8 lost with it, 10.458 against 10.272 ms at DeepSeek-V3 k = 1, so fp8 runs without). Above ``max_m``
 #: tokens (Kimi-K2 k = 8, DeepSeek-V3 b 4 k >= 2) the dot path runs and neither applies.
+#: ``LS`` > 1: the FMA gate/up loop as a ``tl.range`` of LS stages (Triton's pipeliner copies the code, scale and
+#: activation tiles into shared memory LS - 1 steps ahead; 0: a plain loop). fp8 takes ``fp8_LS`` from
+#: ``fp8_LS_min_m`` tokens. H100, 2026-12-07 (commits 6dcacc7 / 443761e, bench/results/HISTORY.md): fp8 alone 67.80
+#: against 72.27 us at M = 4; in the pass (``ab_verify_pass.py --experts-quant fp8``, both orders) DeepSeek-V3 b 4 /
+#: 16k k = 1 10.142 against 10.304 ms, Kimi-K2 k = 1 / 2 / 4 4.553 / 5.851 / 8.504 against 4.448 / 5.831 / 8.677.
+#: int4 and bf16 lost with it at every M (int4 alone 25.61 against 23.06 us at M = 1; bf16 at M = 4 / 6 119.28 /
+#: 176.15 against 117.41 / 169.28; in the pass int4 5.346 / 9.060 against 5.093 / 8.708 ms at k = 1 / 4, bf16
+#: 11.395 / 15.364 against 10.903 / 14.553 at k = 4 / 6): their loops stay plain.
 _STREAM_CONFIG: dict = {"max_m": 6, "small_m": 2, "small_R": 2, "R": 4, "BK": 512, "num_warps": 4, "num_stages": 1,
                         "BH": 2, "BI": 256, "TILE": 8192, "down_warps": 4, "PDL": True, "gate_up": "auto",
                         "splitk_max_m": 2, "SBN": 32, "SBK": 128, "split_stages": 3, "split_warps": 4,

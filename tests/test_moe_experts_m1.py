@@ -38,18 +38,16 @@ def _align(ids, e, block=16):
     return al
 
 
-@pytest.fixture(params=["fma", "fma-ls3", "splitk"])
+@pytest.fixture(params=["fma", "splitk"])
 def stream(monkeypatch, request):
     """The stream experts with interpreter-sized tiles, both gate/up kernels: FMA with R = 8 gate rows (I = 20 leaves
     a 4-row tail) and BK = 32 (H = 72 leaves an 8-column tail); split-K with 16-row MMA tiles (I = 20: a 4-row tail)
     over BK = 16 columns, H split 4-5 ways (64 programs wanted), so the ticket's last program sums several
-    partials; down: BI = 16 (I = 20: two I steps, the second mostly masked), BH = 16 (H = 72: a ragged last tile).
-    ``fma-ls3``: the FMA loop as a pipelined ``tl.range`` of 3 stages (``LS``)."""
+    partials; down: BI = 16 (I = 20: two I steps, the second mostly masked), BH = 16 (H = 72: a ragged last tile)."""
     monkeypatch.setitem(moe_mod._VARIANT, "experts", "stream")
-    gate_up, _, ls = request.param.partition("-ls")
     monkeypatch.setattr(moe_mod, "_STREAM_OVERRIDE", {"R": 8, "BK": 32, "BI": 16, "BH": 16, "TILE": 1 << 14,
-                                                      "gate_up": gate_up, "SBN": 16, "SBK": 16,
-                                                      "split_waves": 16, "LS": int(ls or 0)})
+                                                      "gate_up": request.param, "SBN": 16, "SBK": 16,
+                                                      "split_waves": 16})
     return moe_mod
 
 
@@ -138,7 +136,7 @@ def test_stream_config_shapes(monkeypatch):
     monkeypatch.setitem(moe_mod._STREAM_OVERRIDE, "BH", 1)  # a sweep's explicit down tile wins for them too
     assert moe_mod._stream_config(1, 7168, 256, 8, on_gpu=True, quant_format="int4")["BH"] == 1
     # fp8 takes the pipelined gate/up loop from fp8_LS_min_m tokens; int4 and bf16 never by default
-    fp8 = {m: moe_mod._stream_config(m, 7168, 256, 8, on_gpu=True, quant_format="fp8")["LS"] for m in (1, 4, 6)}
+    fp8 = {m: moe_mod._stream_config(m, 7168, 256, 8, on_gpu=True, quant_format="fp8")["LS"] for m in (4, 6)}
     low = base["fp8_LS_min_m"] - 1
     assert fp8[4] == fp8[6] == base["fp8_LS"] > 1 and moe_mod._stream_config(low, 7168, 256, 8, True, "fp8")["LS"] == 0
     assert moe_mod._stream_config(4, 7168, 256, 8, True, "int4")["LS"] == moe_mod._stream_config(4, 7168, 256, 8,

@@ -251,32 +251,16 @@ def _moe_topk_sum_kernel(part_ptr, ids_ptr, out_ptr, stride_pm, stride_om, E: tl
 # Weight loads go through ``_load_w`` (quantised weights: int4 codes or fp8 values and their scales, dequantised in
 # registers; the FMA and the sums stay fp32). With ``QPF`` (int4: half a byte a weight, so a [R, BK] tile is few
 # bytes a thread) the gate/up loop issues the next tile's loads (``_load_w_raw``) before this tile's arithmetic
-# (``_dequant_w``), two tiles in flight a program. With ``LSTAGES`` > 1 the plain loop is a ``tl.range`` of that many
-# stages: Triton's pipeliner copies each step's code, scale and activation tiles into shared memory LSTAGES - 1 steps
-# ahead (fp8 from 4 tokens; see ``LS`` in ``specverify.moe._STREAM_CONFIG``).
+# (``_dequant_w``), two tiles in flight a program. Otherwise the loop is a ``tl.range`` of ``LSTAGES`` stages (None: a
+# plain loop): Triton's pipeliner copies each step's code, scale and activation tiles into shared memory LSTAGES - 1
+# steps ahead (fp8 from 4 tokens; see ``LS`` in ``specverify.moe._STREAM_CONFIG``).
 # ------------------------------------------------------------------------------------------------------------------
-@triton.jit
-def _stream_gate_up_step(w13_ptr, s13_ptr, ev, rows, rmask, a_base, k0, ok, acc_g, acc_u, stride_we, stride_wn,
-                         stride_se, stride_sn, H: tl.constexpr, I: tl.constexpr, BK: tl.constexpr,
-                         QUANT: tl.constexpr, QG: tl.constexpr, QN: tl.constexpr):
-    """One [R, BK] step of the stream gate/up: the gate and up tiles of expert ``ev`` at columns k0.. times the
-    token's activations, added into the element-wise accumulators."""
-    kc = k0 + ok
-    kmask = kc < H
-    wg = _load_w(w13_ptr, s13_ptr, ev, rows, k0, ev >= 0, rmask, stride_we, stride_wn, stride_se, stride_sn, H, BK,
-                 QUANT, QG, QN)
-    wu = _load_w(w13_ptr, s13_ptr, ev, rows + I, k0, ev >= 0, rmask, stride_we, stride_wn, stride_se, stride_sn, H,
-                 BK, QUANT, QG, QN)
-    a = tl.load(a_base[:, None] + kc[None, :], mask=kmask[None, :], other=0.0).to(tl.float32)
-    return acc_g + a[:, None, :] * wg.to(tl.float32), acc_u + a[:, None, :] * wu.to(tl.float32)
-
-
 @triton.jit
 def _moe_stream_gate_up_kernel(hidden_ptr, w13_ptr, s13_ptr, act_ptr, ids_ptr, stride_hm, stride_we, stride_wn,
                                stride_se, stride_sn, stride_am, E: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                                TOP_K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
                                QUANT: tl.constexpr, QG: tl.constexpr, QN: tl.constexpr, QPF: tl.constexpr = False,
-                               LSTAGES: tl.constexpr = 0):
+                               LSTAGES: tl.constexpr = None):
     if PDL:  # wait for the routing (ids) and the norm (hidden) first: the down kernel reads ids and weights
         gdc_wait()  # before its own wait, so it may launch (and gather w2) only once the routing has finished
         gdc_launch_dependents()
@@ -314,14 +298,18 @@ def _moe_stream_gate_up_kernel(hidden_ptr, w13_ptr, s13_ptr, act_ptr, ids_ptr, s
             acc_g += a[:, None, :] * _dequant_w(pg, sg, BK, QUANT, QG).to(tl.float32)
             acc_u += a[:, None, :] * _dequant_w(pu, su, BK, QUANT, QG).to(tl.float32)
             pg, sg, pu, su = pg_n, sg_n, pu_n, su_n
-    elif LSTAGES > 1:  # a loop attribute: Triton's pipeliner copies every tile into shared memory LSTAGES - 1 ahead
+    else:  # LSTAGES, a loop attribute, lets Triton's pipeliner copy every tile into shared memory LSTAGES - 1 steps
+        # ahead; None: no attribute, the same code as a plain range
         for k0 in tl.range(0, H, BK, num_stages=LSTAGES):
-            acc_g, acc_u = _stream_gate_up_step(w13_ptr, s13_ptr, ev, rows, rmask, a_base, k0, ok, acc_g, acc_u,
-                                                stride_we, stride_wn, stride_se, stride_sn, H, I, BK, QUANT, QG, QN)
-    else:
-        for k0 in range(0, H, BK):
-            acc_g, acc_u = _stream_gate_up_step(w13_ptr, s13_ptr, ev, rows, rmask, a_base, k0, ok, acc_g, acc_u,
-                                                stride_we, stride_wn, stride_se, stride_sn, H, I, BK, QUANT, QG, QN)
+            kc = k0 + ok
+            kmask = kc < H
+            wg = _load_w(w13_ptr, s13_ptr, ev, rows, k0, ev >= 0, rmask, stride_we, stride_wn, stride_se, stride_sn,
+                         H, BK, QUANT, QG, QN)
+            wu = _load_w(w13_ptr, s13_ptr, ev, rows + I, k0, ev >= 0, rmask, stride_we, stride_wn, stride_se,
+                         stride_sn, H, BK, QUANT, QG, QN)
+            a = tl.load(a_base[:, None] + kc[None, :], mask=kmask[None, :], other=0.0).to(tl.float32)
+            acc_g += a[:, None, :] * wg.to(tl.float32)
+            acc_u += a[:, None, :] * wu.to(tl.float32)
     g = tl.sum(acc_g, axis=2)
     u = tl.sum(acc_u, axis=2)
     act = g / (1.0 + tl.exp(-g)) * u

@@ -1044,7 +1044,7 @@ def stream_gate_up(hidden, w13, ids32, cfg: dict, pdl: bool, quant: MoEQuant | N
         hidden, w13, q13[0], act, ids32, hidden.stride(0), w13.stride(0), w13.stride(1), q13[1], q13[2],
         act.stride(0), E=e, H=h, I=inter, TOP_K=top_k, R=cfg["R"], BK=cfg["BK"], PDL=pdl, **qc,
         QPF=bool(cfg["QPF"]) and cfg["LS"] <= 1 and quant is not None and quant.format == "int4",
-        LSTAGES=cfg["LS"], **launch)
+        LSTAGES=cfg["LS"] if cfg["LS"] > 1 else None, **launch)
     return act
 
 

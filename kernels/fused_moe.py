@@ -60,20 +60,33 @@ def _load_w_raw(w_ptr, s_ptr, e, rows, k0, e_mask, row_mask, stride_e, stride_ro
     len(rows), BK] in w's dtype (QUANT 1: [.., BK // 2] bytes, two codes each, 0x88 = two zeros past K and outside
     the masks); the scales [len(e), len(rows), BK // min(QG, BK)] (0 outside the masks; a zero scalar when QUANT is
     0)."""
-    base = w_ptr + e[:, None, None].to(tl.int64) * stride_e + rows[None, :, None].to(tl.int64) * stride_row
     m2 = e_mask[:, None, None] & row_mask[None, :, None]
-    if QUANT == 1:
+    if QUANT == 3:  # row quads: byte j of row n at (n // 4) * 4 * stride_row + (j // 4) * 16 + (n % 4) * 4 + j % 4
+        base = (w_ptr + e[:, None, None].to(tl.int64) * stride_e
+                + ((rows // 4) * 4 * stride_row + (rows % 4) * 4)[None, :, None].to(tl.int64))
+        pc = k0 // 2 + tl.arange(0, BK // 2)
+        p = tl.load(base + ((pc // 4) * 16 + pc % 4)[None, None, :], mask=m2 & (pc < K // 2)[None, None, :],
+                    other=0x88)
+    elif QUANT == 1:
+        base = w_ptr + e[:, None, None].to(tl.int64) * stride_e + rows[None, :, None].to(tl.int64) * stride_row
         pc = k0 // 2 + tl.arange(0, BK // 2)
         p = tl.load(base + pc[None, None, :], mask=m2 & (pc < K // 2)[None, None, :], other=0x88)
     else:
+        base = w_ptr + e[:, None, None].to(tl.int64) * stride_e + rows[None, :, None].to(tl.int64) * stride_row
         kc = k0 + tl.arange(0, BK)
         p = tl.load(base + kc[None, None, :], mask=m2 & (kc < K)[None, None, :], other=0.0)
     if QUANT != 0:
         GW: tl.constexpr = QG if QG < BK else BK  # columns of one group inside the tile
         NGT: tl.constexpr = BK // GW
         gc = (k0 + tl.arange(0, NGT) * GW) // QG
-        sb = s_ptr + e[:, None, None].to(tl.int64) * stride_se + (rows // QN)[None, :, None].to(tl.int64) * stride_srow
-        s = tl.load(sb + gc[None, None, :], mask=m2 & (gc < (K + QG - 1) // QG)[None, None, :], other=0.0)
+        if QUANT == 3:  # scales in row quads too: group g of row n at (n // 4) * 4 * stride_srow + g * 4 + n % 4
+            srow = (rows // 4) * 4 * stride_srow + rows % 4
+            goff = gc * 4
+        else:
+            srow = (rows // QN) * stride_srow
+            goff = gc
+        sb = s_ptr + e[:, None, None].to(tl.int64) * stride_se + srow[None, :, None].to(tl.int64)
+        s = tl.load(sb + goff[None, None, :], mask=m2 & (gc < (K + QG - 1) // QG)[None, None, :], other=0.0)
     else:
         s = 0.0
     return p, s
@@ -82,7 +95,7 @@ def _load_w_raw(w_ptr, s_ptr, e, rows, k0, e_mask, row_mask, stride_e, stride_ro
 @triton.jit
 def _dequant_w(p, s, BK: tl.constexpr, QUANT: tl.constexpr, QG: tl.constexpr):
     """The arithmetic of ``_load_w`` on what ``_load_w_raw`` loaded: the [len(e), len(rows), BK] tile."""
-    if QUANT == 1:
+    if QUANT == 1 or QUANT == 3:
         w = tl.interleave((p & 0xF).to(tl.float32), (p >> 4).to(tl.float32)) - 8.0
     else:
         w = p
@@ -315,6 +328,128 @@ def _moe_stream_gate_up_kernel(hidden_ptr, w13_ptr, s13_ptr, act_ptr, ids_ptr, s
     act = g / (1.0 + tl.exp(-g)) * u
     tl.store(act_ptr + slots[:, None].to(tl.int64) * stride_am + rows[None, :], act.to(act_ptr.dtype.element_ty),
              mask=rmask[None, :])
+
+
+def _q4_asm(f16: bool) -> str:
+    """PTX of one step of ``_moe_stream_gate_up_q4_kernel`` for 4 rows (a row quad) x one 32-bit code word (8
+    columns), gate and up: ``acc += scale * sum_j (q_j - 8) * x_j``. A code becomes the float ``128 + q`` in one
+    ``prmt`` (the nibble into the mantissa under the exponent of 128), so the sum is ``sum_j (128 + q_j) x_j - 136
+    sum_j x_j``, one FMA a weight. Operands: $0-$3 / $4-$7 the gate / up accumulators out; $8-$11 / $12-$15 the
+    gate / up code words of rows 0-3; $16-$19 the 8 activations as 4 pairs (bf16 or fp16, column 2j in the low
+    half); $20-$23 / $24-$27 the fp32 gate / up scales; $28-$31 / $32-$35 the accumulators in."""
+    a = ["{", ".reg .f32 e<4>, o<4>, xs, t;", ".reg .b32 mg, lo, hi, f;"]
+    if f16:
+        a.append(".reg .b16 hl, hh;")
+    for b in range(4):
+        if f16:
+            a.append(f"mov.b32 {{hl, hh}}, ${16 + b}; cvt.f32.f16 e{b}, hl; cvt.f32.f16 o{b}, hh;")
+        else:
+            a.append(f"shl.b32 e{b}, ${16 + b}, 16; and.b32 o{b}, ${16 + b}, 0xFFFF0000;")
+    a.append("add.f32 xs, e0, o0; add.f32 xs, xs, e1; add.f32 xs, xs, o1; add.f32 xs, xs, e2;")
+    a.append("add.f32 xs, xs, o2; add.f32 xs, xs, e3; add.f32 xs, xs, o3;")
+    a.append("mul.f32 xs, xs, 0fC3080000; mov.b32 mg, 0x43000000;")  # -136 * sum(x); 128.0's bits
+    for codes, scales, acc_in, acc_out in ((8, 20, 28, 0), (12, 24, 32, 4)):
+        for r in range(4):
+            a.append(f"and.b32 lo, ${codes + r}, 0x0F0F0F0F; shr.b32 hi, ${codes + r}, 4; and.b32 hi, hi, 0x0F0F0F0F;")
+            a.append("mov.f32 t, xs;")
+            for b in range(4):  # byte b of lo / hi into byte 2 of 0x43000000: the float 128 + q
+                sel = 0x7054 | (b << 8)
+                a.append(f"prmt.b32 f, lo, mg, {sel:#x}; fma.rn.f32 t, f, e{b}, t;")
+                a.append(f"prmt.b32 f, hi, mg, {sel:#x}; fma.rn.f32 t, f, o{b}, t;")
+            a.append(f"fma.rn.f32 ${acc_out + r}, t, ${scales + r}, ${acc_in + r};")
+    a.append("}")
+    return "\n".join(a)
+
+
+_Q4_ASM_BF16 = tl.constexpr(_q4_asm(False))
+_Q4_ASM_F16 = tl.constexpr(_q4_asm(True))
+_Q4_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 28))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# int4 experts in row quads (``MoEQuant(layout="quads")``, QUANT 3): the gate/up of the stream experts without a
+# layout change. A 16-byte load holds one 32-bit code word (8 columns) of 4 rows, and the same thread's 16-byte
+# activation load holds those 8 columns, so codes and activations meet in registers; the arithmetic is the PTX of
+# ``_q4_asm`` (about 3 instructions a weight: one prmt and one FMA a code, the masks, the activations' conversion
+# and sum shared by the 4 rows and by gate and up).
+#
+#   _moe_stream_gate_up_q4_kernel  grid (S * NT,), NT = ceil(I / (4 * RQ)). Program (s, t) streams row quads
+#       [t*RQ, (t+1)*RQ) of slot s's gate rows and the same quads of its up rows over all of H in [RQ, BKW, 4]
+#       code-word tiles (BKW words = 8 * BKW columns) and stores act[s, rows] as the stream gate/up does.
+#       Codes: w13 viewed as int32 words, word w of row n at (n // 4) * (H / 2) + 4 * w + n % 4 (words); scales
+#       group g of row n at (n // 4) * 4 * (H / QG) + 4 * g + n % 4. ASM False (the interpreter): the same sums in
+#       Triton arithmetic, codes read nibble by nibble.
+# ------------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _moe_stream_gate_up_q4_kernel(hidden_ptr, w13_ptr, s13_ptr, act_ptr, ids_ptr, stride_hm, stride_we, stride_wn,
+                                  stride_se, stride_sn, stride_am, E: tl.constexpr, H: tl.constexpr,
+                                  I: tl.constexpr, TOP_K: tl.constexpr, RQ: tl.constexpr, BKW: tl.constexpr,
+                                  PDL: tl.constexpr, QG: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr,
+                                  LSTAGES: tl.constexpr = None):
+    if PDL:  # as the stream gate/up: wait for the routing and the norm, then let the down kernel launch
+        gdc_wait()
+        gdc_launch_dependents()
+    pid = tl.program_id(0)
+    NQ: tl.constexpr = I // 4
+    NT: tl.constexpr = (NQ + RQ - 1) // RQ
+    HW: tl.constexpr = H // 8  # code words a row
+    WPG: tl.constexpr = QG // 8  # code words a scale group
+    slot = pid // NT
+    t = pid % NT
+    e = tl.load(ids_ptr + slot)
+    if (e < 0) | (e >= E):
+        return
+    q = t * RQ + tl.arange(0, RQ)
+    qmask = q < NQ
+    ow = tl.arange(0, BKW)
+    orr = tl.arange(0, 4)
+    tok = slot // TOP_K
+    wb = w13_ptr.to(tl.pointer_type(tl.int32)) + e.to(tl.int64) * (stride_we // 4)
+    sb = s13_ptr + e.to(tl.int64) * stride_se
+    xb = hidden_ptr + tok.to(tl.int64) * stride_hm
+    q_off = q[:, None, None] * stride_wn + orr[None, None, :]  # words: 4 rows of H / 2 bytes = stride_wn words
+    s_off = q[:, None, None] * (4 * stride_sn) + orr[None, None, :]
+    acc_g = tl.zeros([RQ, BKW, 4], tl.float32)
+    acc_u = tl.zeros([RQ, BKW, 4], tl.float32)
+    for w0 in tl.range(0, HW, BKW, num_stages=LSTAGES):
+        wc = w0 + ow
+        wmask = (wc < HW)[None, :, None]
+        m3 = wmask & qmask[:, None, None]
+        c_off = q_off + (wc * 4)[None, :, None]
+        cg = tl.load(wb + c_off, mask=m3, other=0)
+        cu = tl.load(wb + NQ * stride_wn + c_off, mask=m3, other=0)
+        g_off = s_off + ((wc // WPG) * 4)[None, :, None]
+        sg = tl.load(sb + g_off, mask=m3, other=0.0).to(tl.float32)
+        su = tl.load(sb + NQ * 4 * stride_sn + g_off, mask=m3, other=0.0).to(tl.float32)
+        if ASM:
+            xa = tl.load(xb.to(tl.pointer_type(tl.int32)) + (wc * 4)[None, :, None] + orr[None, None, :], mask=wmask,
+                         other=0)  # [1, BKW, 4]: the word's 8 activations as 4 pairs, the codes' register layout
+            xa = tl.broadcast_to(xa, [RQ, BKW, 4])
+            if F16:
+                acc_g, acc_u = tl.inline_asm_elementwise(_Q4_ASM_F16, _Q4_CONSTRAINTS, [cg, cu, xa, sg, su, acc_g, acc_u],
+                                                         dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+            else:
+                acc_g, acc_u = tl.inline_asm_elementwise(_Q4_ASM_BF16, _Q4_CONSTRAINTS,
+                                                         [cg, cu, xa, sg, su, acc_g, acc_u],
+                                                         dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+        else:  # [RQ, BKW, 4 rows, 4 bytes]: byte b of row r's word holds columns 8w + 2b (low) and 8w + 2b + 1
+            ob = tl.arange(0, 4)
+            col = (wc * 8)[None, :, None, None] + 2 * ob[None, None, None, :]
+            xm = (wc < HW)[None, :, None, None]
+            xe = tl.load(xb + col, mask=xm, other=0.0).to(tl.float32)
+            xo = tl.load(xb + col + 1, mask=xm, other=0.0).to(tl.float32)
+            sh = 8 * ob[None, None, None, :]
+            dg = tl.sum((((cg[:, :, :, None] >> sh) & 0xF).to(tl.float32) - 8.0) * xe
+                        + (((cg[:, :, :, None] >> (sh + 4)) & 0xF).to(tl.float32) - 8.0) * xo, axis=3)
+            du = tl.sum((((cu[:, :, :, None] >> sh) & 0xF).to(tl.float32) - 8.0) * xe
+                        + (((cu[:, :, :, None] >> (sh + 4)) & 0xF).to(tl.float32) - 8.0) * xo, axis=3)
+            acc_g += sg * dg
+            acc_u += su * du
+    g = tl.sum(acc_g, axis=1)  # [RQ, 4]: row 4q + r
+    u = tl.sum(acc_u, axis=1)
+    act = g / (1.0 + tl.exp(-g)) * u
+    rows = q[:, None] * 4 + orr[None, :]
+    tl.store(act_ptr + slot.to(tl.int64) * stride_am + rows, act.to(act_ptr.dtype.element_ty), mask=qmask[:, None])
 
 
 @triton.jit

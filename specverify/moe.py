@@ -76,8 +76,15 @@ class MoEQuant:
       (the checkpoints' ``weight_scale_inv``), ``(bn, bk) = block_shape``; the value is ``w * scale``. With gate and
       up stacked in ``w13``, I must be a multiple of bn (each block row is all gate or all up).
 
-    ``group_size`` and both ``block_shape`` entries are powers of two (>= 2). Checked by :func:`fused_moe`
-    (:meth:`dequantize` checks only the format).
+    ``layout`` (int4 only): ``"rows"`` (default, the layout above) or ``"quads"``: ``w13`` and ``w13_scale`` keep
+    their shapes but hold their bytes in row quads (:func:`specverify.reference.quant.int4_to_quads`; ``w2`` stays
+    in rows). Each 16 bytes then hold one 32-bit code word (8 columns) of 4 rows, which the gate/up of the stream
+    experts (up to 6 tokens, bf16 or fp16 hidden) reads with its activations without a layout change; every other
+    path reads it too. Our verify forward stores its int4 experts so (:data:`specverify.configs.EXPERTS_QUANT`);
+    weights shared with SGLang stay in rows.
+
+    ``group_size`` and both ``block_shape`` entries are powers of two (>= 2); quads need ``group_size`` >= 8 and
+    H and I multiples of 8. Checked by :func:`fused_moe` (:meth:`dequantize` checks only format and layout).
     """
 
     format: str
@@ -85,6 +92,7 @@ class MoEQuant:
     w2_scale: torch.Tensor
     group_size: int = 32
     block_shape: tuple[int, int] = (128, 128)
+    layout: str = "rows"
 
     def dequantize(self, w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype = torch.float32):
         """``(w13, w2)`` as plain ``dtype`` tensors ``[E, 2I, H]`` / ``[E, H, I]`` (the references use this)."""
@@ -92,8 +100,12 @@ class MoEQuant:
 
         if self.format not in ("int4", "fp8"):
             raise ValueError(f"MoEQuant.format must be 'int4' or 'fp8', got {self.format!r}")
+        _check_layout(self)
         if self.format == "int4":
-            return (q.dequantize_int4(w13, self.w13_scale, self.group_size, dtype),
+            s13 = self.w13_scale
+            if self.layout == "quads":
+                w13, s13 = q.int4_from_quads(w13, s13)
+            return (q.dequantize_int4(w13, s13, self.group_size, dtype),
                     q.dequantize_int4(w2, self.w2_scale, self.group_size, dtype))
         return (q.dequantize_fp8_block(w13, self.w13_scale, self.block_shape, dtype),
                 q.dequantize_fp8_block(w2, self.w2_scale, self.block_shape, dtype))
@@ -692,12 +704,21 @@ _QUANT_DTYPES = {"int4": (torch.uint8, "pass compressed-tensors int32 weight_pac
                  "fp8": (torch.float8_e4m3fn, "quantise with specverify.reference.quant.quantize_fp8_block")}
 
 
+def _check_layout(quant) -> None:
+    if quant.layout not in ("rows", "quads"):
+        raise ValueError(f"MoEQuant.layout must be 'rows' or 'quads', got {quant.layout!r}")
+    if quant.layout == "quads" and quant.format != "int4":
+        raise ValueError(f"MoEQuant.layout='quads' is an int4 layout, got format {quant.format!r}; use "
+                         "layout='rows'")
+
+
 def _check_quant_format(quant, w13, w2) -> None:
-    """The record's type and format and the weights' storage dtype (before any shape is read from them)."""
+    """The record's type, format and layout and the weights' storage dtype (before any shape is read from them)."""
     if not isinstance(quant, MoEQuant):
         raise TypeError(f"quant must be a specverify.moe.MoEQuant or None, got {type(quant).__name__}")
     if quant.format not in _QUANT_DTYPES:
         raise ValueError(f"MoEQuant.format must be 'int4' or 'fp8', got {quant.format!r}")
+    _check_layout(quant)
     want, fix = _QUANT_DTYPES[quant.format]
     if w13.dtype != want or w2.dtype != want:
         raise TypeError(f"{quant.format} experts must be {want}, got w13 {w13.dtype} and w2 {w2.dtype}; {fix}")
@@ -723,6 +744,15 @@ def _check_quant(quant: MoEQuant, hidden, w13, w2, e: int, h: int, inter: int) -
             raise ValueError(f"MoEQuant.group_size must be a power of two >= 2, got {g!r}")
         if h % g or inter % g:
             raise ValueError(f"int4 experts need H={h} and I={inter} to be multiples of group_size={g}")
+        if quant.layout == "quads" and (g < 8 or h % 8 or inter % 8):
+            raise ValueError(f"int4 experts in row quads need group_size >= 8 (got {g}) and H={h} and I={inter} "
+                             "multiples of 8 (a 32-bit code word of 8 columns, gate and up rows in whole quads); "
+                             "keep such weights in layout='rows'")
+        if quant.layout == "quads" and not (w13.is_contiguous() and quant.w13_scale.is_contiguous()
+                                            and w13.data_ptr() % 16 == 0):
+            raise ValueError("int4 experts in row quads must be the contiguous, 16-byte aligned tensors "
+                             "specverify.reference.quant.int4_to_quads returns (w13 and w13_scale): a view or a "
+                             "slice of them does not keep the quads; repack the slice you need")
         s13, s2 = (e, 2 * inter, h // g), (e, h, inter // g)
     else:
         bs = tuple(quant.block_shape) if isinstance(quant.block_shape, (tuple, list)) else ()
@@ -828,7 +858,7 @@ _STREAM_CONFIG: dict = {"max_m": 6, "small_m": 2, "small_R": 2, "R": 4, "BK": 51
                         "BH": 2, "BI": 256, "TILE": 8192, "down_warps": 4, "PDL": True, "gate_up": "auto",
                         "splitk_max_m": 2, "SBN": 32, "SBK": 128, "split_stages": 3, "split_warps": 4,
                         "split_waves": 4, "qBH": 8, "qTILE": 16384, "QPF": 1, "LS": 0,
-                        "fp8_LS": 4, "fp8_LS_min_m": 4}
+                        "fp8_LS": 4, "fp8_LS_min_m": 4, "q4RQ": 1, "q4BKW": 128, "q4_warps": 4, "q4LS": 0}
 #: Overrides merged into the stream config (benchmarks and sweeps only; empty in normal use).
 _STREAM_OVERRIDE: dict = {}
 #: Tile overrides for benchmarks and sweeps only: keys ``g1`` / ``g2`` (dicts merged into the gate/up and down
@@ -883,8 +913,8 @@ def _scale_operands(quant, w, which: str):
         return (w, 0, 0), dict(QUANT=0, QG=1, QN=1)
     sc = getattr(quant, f"{which}_scale")
     sc = sc if sc.stride(2) == 1 else sc.contiguous()
-    if quant.format == "int4":
-        consts = dict(QUANT=1, QG=quant.group_size, QN=1)
+    if quant.format == "int4":  # w13 in row quads: QUANT 3 (w2 is always in rows)
+        consts = dict(QUANT=3 if quant.layout == "quads" and which == "w13" else 1, QG=quant.group_size, QN=1)
     else:
         consts = dict(QUANT=2, QG=quant.block_shape[1], QN=quant.block_shape[0])
     return (sc, sc.stride(0), sc.stride(1)), consts
@@ -908,7 +938,7 @@ def _fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, alignment, out, q
     hidden, w13, w2, ids32, tw, m, h, e, inter, top_k, s, out = _expert_setup(hidden, w13, w2, topk_ids,
                                                                                topk_weights, out)
     q13, qc = _scale_operands(quant, w13, "w13")
-    q2, _ = _scale_operands(quant, w2, "w2")
+    q2, qc2 = _scale_operands(quant, w2, "w2")
     dev = hidden.device
     if alignment is None:
         bs = 16
@@ -935,7 +965,7 @@ def _fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, alignment, out, q
     launch_fitting(_moe_down_kernel, (nblocks * n2,), (
         act, w2, q2[0], part, tw, alignment.sorted_token_ids, alignment.expert_ids, alignment.num_tokens_post_padded,
         s, act.stride(0), w2.stride(0), w2.stride(1), q2[1], q2[2], part.stride(0)),
-        dict(H=h, I=inter, BLOCK_M=bs, **g2, **qc), what="fused_moe")
+        dict(H=h, I=inter, BLOCK_M=bs, **g2, **qc2), what="fused_moe")
     bn = min(1024, max(16, _next_pow2(h)))
     _moe_topk_sum_kernel[(m, -(-h // bn))](part, ids32, out, part.stride(0), out.stride(0), E=e, H=h, TOP_K=top_k,
                                           BLOCK_N=bn)
@@ -1035,16 +1065,40 @@ def stream_gate_up(hidden, w13, ids32, cfg: dict, pdl: bool, quant: MoEQuant | N
     if cfg["gate_up"] == "splitk" or (cfg["gate_up"] == "auto" and m <= cfg["splitk_max_m"] and quant is None):
         _splitk_gate_up(hidden, w13, act, ids32, s, h, e, inter, top_k, cfg, pdl, quant)
         return act
+    q13, qc = _scale_operands(quant, w13, "w13")
+    if qc["QUANT"] == 3:
+        return _stream_gate_up_quads(hidden, w13, q13, qc, act, ids32, e, inter, top_k, cfg, pdl)
     launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]} if hidden.is_cuda else {}
     if pdl:
         launch["launch_pdl"] = True
     nt = _cdiv(inter, cfg["R"])
-    q13, qc = _scale_operands(quant, w13, "w13")
     _moe_stream_gate_up_kernel[(s * nt,)](
         hidden, w13, q13[0], act, ids32, hidden.stride(0), w13.stride(0), w13.stride(1), q13[1], q13[2],
         act.stride(0), E=e, H=h, I=inter, TOP_K=top_k, R=cfg["R"], BK=cfg["BK"], PDL=pdl, **qc,
         QPF=bool(cfg["QPF"]) and cfg["LS"] <= 1 and quant is not None and quant.format == "int4",
         LSTAGES=cfg["LS"] if cfg["LS"] > 1 else None, **launch)
+    return act
+
+
+def _stream_gate_up_quads(hidden, w13, q13, qc, act, ids32, e, inter, top_k, cfg, pdl):
+    """``_moe_stream_gate_up_q4_kernel`` into ``act``: int4 gate/up rows in row quads (QUANT 3), ``q4RQ`` quads of
+    gate and of up rows a program over ``q4BKW`` code words a step, ``q4_warps`` warps, ``q4LS`` pipeline stages
+    (0: a plain loop)."""
+    from specverify.kernels.fused_moe import _moe_stream_gate_up_q4_kernel
+
+    if hidden.stride(0) % 8 or hidden.data_ptr() % 16:  # the kernel reads activations as 16-byte pairs of 4
+        hidden = hidden.clone()
+    m, h = hidden.shape
+    on_gpu = hidden.is_cuda
+    rq = max(1, min(cfg["q4RQ"], _next_pow2(inter // 4)))
+    bkw = max(16, min(cfg["q4BKW"], _next_pow2(h // 8)))
+    launch = {"num_warps": cfg["q4_warps"], "num_stages": 1} if on_gpu else {}
+    if pdl:
+        launch["launch_pdl"] = True
+    _moe_stream_gate_up_q4_kernel[(m * top_k * _cdiv(inter // 4, rq),)](
+        hidden, w13, q13[0], act, ids32, hidden.stride(0), w13.stride(0), w13.stride(1), q13[1], q13[2],
+        act.stride(0), E=e, H=h, I=inter, TOP_K=top_k, RQ=rq, BKW=bkw, PDL=pdl, QG=qc["QG"], ASM=on_gpu,
+        F16=hidden.dtype == torch.float16, LSTAGES=cfg["q4LS"] if cfg["q4LS"] > 1 else None, **launch)
     return act
 
 

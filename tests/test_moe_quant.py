@@ -3,6 +3,8 @@ and ``fused_moe(..., quant=MoEQuant(...))`` on every expert path, against the fp
 weights."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -11,8 +13,8 @@ from conftest import warm_up_for_capture
 import specverify.moe as moe_mod
 from specverify.moe import MoEQuant, fused_moe, moe_route
 from specverify.reference.moe import fused_moe_loop_reference, fused_moe_reference, random_expert_weights
-from specverify.reference.quant import (dequantize_fp8_block, dequantize_int4, quantize_fp8_block,
-                                        quantize_int4)
+from specverify.reference.quant import (dequantize_fp8_block, dequantize_int4, int4_from_quads, int4_to_quads,
+                                        quantize_fp8_block, quantize_int4)
 
 
 # ---------------------------------------------------------------------------------------------- the formats
@@ -37,6 +39,28 @@ def test_int4_is_compressed_tensors_int32_bytes():
     assert torch.equal(int32.view(torch.uint8), packed)
 
 
+def test_int4_quads_layout():
+    # quads: for rows 4i..4i+3, word w (bytes 4w..4w+3) of the 4 rows side by side, then word w + 1; the scales of
+    # a group side by side; the inverse gives the rows back
+    g = torch.Generator().manual_seed(4)
+    packed = torch.randint(0, 256, (3, 8, 12), generator=g, dtype=torch.uint8)  # E 3, N 8 rows, K 24 columns
+    scale = torch.rand(3, 8, 3, generator=g)
+    pq, sq = int4_to_quads(packed, scale)
+    assert pq.shape == packed.shape and sq.shape == scale.shape and pq.is_contiguous()
+    flat, sflat = pq.flatten(), sq.flatten()
+    for e in range(3):
+        for n in range(8):
+            for j in range(12):
+                at = e * 96 + (n // 4) * 48 + (j // 4) * 16 + (n % 4) * 4 + j % 4
+                assert flat[at] == packed[e, n, j]
+            for grp in range(3):
+                assert sflat[e * 24 + (n // 4) * 12 + grp * 4 + n % 4] == scale[e, n, grp]
+    back, sback = int4_from_quads(pq, sq)
+    assert torch.equal(back, packed) and torch.equal(sback, scale)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        int4_to_quads(packed[:, :6], scale[:, :6])
+
+
 def test_fp8_block_rounding():
     w = torch.randn(2, 40, 72, generator=torch.Generator().manual_seed(3))  # partial edge blocks both ways
     w8, scale = quantize_fp8_block(w, (16, 32))
@@ -49,10 +73,14 @@ def test_fp8_block_rounding():
 
 # ---------------------------------------------------------------------------------------------- the experts
 def _quantised(fmt, w13, w2, shape):
-    if fmt == "int4":
+    """``fmt`` "int4", "int4q" (int4 with w13 in row quads) or "fp8"."""
+    if fmt in ("int4", "int4q"):
         p13, s13 = quantize_int4(w13, shape)
         p2, s2 = quantize_int4(w2, shape)
-        return p13, p2, MoEQuant("int4", s13.to(torch.bfloat16), s2.to(torch.bfloat16), group_size=shape)
+        s13, s2 = s13.to(torch.bfloat16), s2.to(torch.bfloat16)
+        if fmt == "int4q":
+            p13, s13 = int4_to_quads(p13, s13)
+        return p13, p2, MoEQuant("int4", s13, s2, group_size=shape, layout="quads" if fmt == "int4q" else "rows")
     p13, s13 = quantize_fp8_block(w13, shape)
     p2, s2 = quantize_fp8_block(w2, shape)
     return p13, p2, MoEQuant("fp8", s13, s2, block_shape=shape)
@@ -76,7 +104,8 @@ def check_quant_experts(hidden, p13, p2, q, ids, w, **kw):
 # (format, group or block, H, I): H = 64 / I = 32 hold whole groups in every tile; H = 256 with 128-column groups
 # puts two groups in a stream tile and a dot tile inside one group; fp8 at H = 192 / I = 64 with (32, 128) blocks has
 # a partial last block column.
-QUANT_CASES = [("int4", 16, 64, 32), ("int4", 128, 256, 128), ("fp8", (16, 32), 64, 32), ("fp8", (32, 128), 192, 64)]
+QUANT_CASES = [("int4", 16, 64, 32), ("int4", 128, 256, 128), ("fp8", (16, 32), 64, 32), ("fp8", (32, 128), 192, 64),
+               ("int4q", 16, 64, 32), ("int4q", 128, 256, 128)]
 
 
 @pytest.mark.parametrize("path", ["fma", "splitk", "dot"])
@@ -94,7 +123,7 @@ def test_fused_moe_quant_paths(device, poison, monkeypatch, path, fmt, shape, h,
     ids = torch.tensor([[1, 5, 2], [5, -1, 7], [0, 3, 6]], dtype=torch.int32)
     w = torch.rand(m, 3, generator=g)
     p13, p2 = p13.to(device), p2.to(device)
-    q = MoEQuant(q.format, q.w13_scale.to(device), q.w2_scale.to(device), q.group_size, q.block_shape)
+    q = dataclasses.replace(q, w13_scale=q.w13_scale.to(device), w2_scale=q.w2_scale.to(device))
     out = poison(hidden.to(device))
     res = check_quant_experts(hidden.to(device), p13, p2, q, ids.to(device), w.to(device), out=out)
     assert res.data_ptr() == out.data_ptr()
@@ -123,14 +152,57 @@ def test_stream_gate_up_over_many_tiles(device, poison, monkeypatch, qpf, ls, fm
     check_quant_experts(hidden, p13.to(device), p2.to(device), q, ids, w, out=poison(hidden))
 
 
-@pytest.mark.parametrize("fmt, shape", [("int4", 16), ("fp8", (16, 32))])
+@pytest.mark.parametrize("rq, bkw, ls, group, h, inter", [(1, 16, 0, 16, 176, 32), (2, 16, 3, 16, 176, 32),
+                                                          (8, 16, 0, 16, 176, 48), (1, 16, 0, 256, 512, 256)])
+def test_int4_quads_stream_gate_up(device, poison, monkeypatch, rq, bkw, ls, group, h, inter):
+    # the row-quad gate/up over several steps of 16 code words (128 columns), the last one partly past H (176 = 22
+    # words); RQ 8 over I = 48 (12 quads) leaves the second tile half empty; a group of 256 columns spans two steps
+    # (H = 512); LS 3: pipelined by Triton on a GPU (a plain loop in the interpreter). 3 tokens x top-2, a -1 slot.
+    m, e = 3, 6
+    monkeypatch.setitem(moe_mod._VARIANT, "experts", "stream")
+    monkeypatch.setitem(moe_mod._STREAM_OVERRIDE, "gate_up", "fma")
+    for k, v in (("q4RQ", rq), ("q4BKW", bkw), ("q4LS", ls)):
+        monkeypatch.setitem(moe_mod._STREAM_OVERRIDE, k, v)
+    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.float32, seed=60 + rq + ls)
+    p13, p2, q = _quantised("int4q", w13, w2, group)
+    q = dataclasses.replace(q, w13_scale=q.w13_scale.to(device), w2_scale=q.w2_scale.to(device))
+    g = torch.Generator().manual_seed(61)
+    hidden = torch.randn(m, h, generator=g).bfloat16().to(device)
+    ids = torch.tensor([[4, 1], [1, -1], [0, 5]], dtype=torch.int32, device=device)
+    w = torch.rand(m, 2, generator=g).to(device)
+    check_quant_experts(hidden, p13.to(device), p2.to(device), q, ids, w, out=poison(hidden))
+
+
+def test_int4_quads_refuse_what_they_cannot_read(device):
+    e, h, inter = 2, 64, 32
+    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.float32, seed=62)
+    p13, p2, q = _quantised("int4q", w13, w2, 16)
+    hidden = torch.randn(1, h).bfloat16()
+    ids, w = torch.tensor([[1]], dtype=torch.int32), torch.ones(1, 1)
+    with pytest.raises(ValueError, match="layout must be 'rows' or 'quads'"):
+        fused_moe(hidden, p13, p2, ids, w, quant=dataclasses.replace(q, layout="cols"))
+    f13, fs = quantize_fp8_block(w13, (16, 32))
+    f2, fs2 = quantize_fp8_block(w2, (16, 32))
+    with pytest.raises(ValueError, match="int4 layout"):
+        fused_moe(hidden, f13, f2, ids, w, quant=MoEQuant("fp8", fs, fs2, block_shape=(16, 32), layout="quads"))
+    with pytest.raises(ValueError, match="group_size >= 8"):
+        r13, rs = quantize_int4(w13, 4)
+        r2, rs2 = quantize_int4(w2, 4)
+        fused_moe(hidden, r13, r2, ids, w, quant=MoEQuant("int4", rs, rs2, group_size=4, layout="quads"))
+    # gate and up rows 0..31 of each expert without the last column bytes: a view, not quads
+    view13 = torch.empty(e, 2 * inter, h // 2 + 4, dtype=torch.uint8)[..., :h // 2]
+    view13.copy_(p13)
+    with pytest.raises(ValueError, match="contiguous"):
+        fused_moe(hidden, view13, p2, ids, w, quant=q)
+
+
+@pytest.mark.parametrize("fmt, shape", [("int4", 16), ("fp8", (16, 32)), ("int4q", 16)])
 def test_fused_moe_quant_fp16_and_reference_impl(device, fmt, shape):
     # fp16 hidden states with fp32 scales; impl="reference" dequantises and agrees with the kernel's definition
     m, e, h, inter = 2, 4, 64, 32
     w13, w2 = random_expert_weights(e, h, inter, dtype=torch.float32, seed=42)
     p13, p2, q = _quantised(fmt, w13, w2, shape)
-    q = MoEQuant(q.format, q.w13_scale.float().to(device), q.w2_scale.float().to(device), q.group_size,
-                 q.block_shape)
+    q = dataclasses.replace(q, w13_scale=q.w13_scale.float().to(device), w2_scale=q.w2_scale.float().to(device))
     hidden = torch.randn(m, h, generator=torch.Generator().manual_seed(43)).half().to(device)
     ids, w = moe_route(torch.randn(m, e).to(device), top_k=2, impl="reference")
     check_quant_experts(hidden, p13.to(device), p2.to(device), q, ids, w)
@@ -156,7 +228,7 @@ def test_fused_moe_quant_reads_the_scales(device):
 # ---------------------------------------------------------------------------------------------- GPU, real sizes
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 16])  # split-K gate/up, FMA gate/up, then the dot path
-@pytest.mark.parametrize("fmt, shape", [("int4", 32), ("fp8", (128, 128))])
+@pytest.mark.parametrize("fmt, shape", [("int4", 32), ("fp8", (128, 128)), ("int4q", 32)])
 def test_fused_moe_quant_kimi_k2_rank_gpu(fmt, shape, m):
     # a Kimi-K2 rank at tp 8 (H 7168, I 256, top-8) over 64 experts: Kimi-K2.5's int4 and Kimi-K2's fp8 formats
     e, h, inter = 64, 7168, 256
@@ -175,7 +247,7 @@ def test_fused_moe_quant_kimi_k2_rank_gpu(fmt, shape, m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt, shape", [("int4", 32), ("fp8", (128, 128))])
+@pytest.mark.parametrize("fmt, shape", [("int4", 32), ("fp8", (128, 128)), ("int4q", 32)])
 @pytest.mark.parametrize("m", [1, 4, 12])
 def test_fused_moe_quant_cuda_graph_gpu(graph_replay, fmt, shape, m):
     # eager -> capture -> replay -> change the inputs in place -> replay -> compare with eager

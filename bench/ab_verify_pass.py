@@ -75,6 +75,8 @@ VARIANTS["qdown-bh2"] = dict(off=(), stream={"qBH": 2, "qTILE": 8192})
 VARIANTS["no-qprefetch"] = dict(off=(), stream={"QPF": 0})
 #: the stream gate/up's plain loop for fp8 too (``LS`` 0; fp8 pipelines its loop 4 stages from 4 tokens)
 VARIANTS["ls0"] = dict(off=(), stream={"LS": 0})
+#: int4 experts in the checkpoints' rows instead of row quads (the stream gate/up of rows, ``--experts-quant int4``)
+VARIANTS["i4-rows"] = dict(off=(), attrs=(("specverify.forward.model", "INT4_LAYOUT", "rows"),))
 #: the stream experts up to 8 / 16 tokens (``max_m``; the dot path above 6 tokens today)
 VARIANTS.update({f"stream-m{m}": dict(off=(), stream={"max_m": m}) for m in (8, 16)})
 #: module attributes read at each launch: (module, attribute, value)
@@ -153,7 +155,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
     names = [v for v in args.variants.split(",") if v]
-    quant_only = {"qdown-bh2": ("int4", "fp8"), "no-qprefetch": ("int4",)}
+    quant_only = {"qdown-bh2": ("int4", "fp8"), "no-qprefetch": ("int4",), "i4-rows": ("int4",)}
     idle = [v for v in names if v in quant_only and args.experts_quant not in quant_only[v]]
     if idle:
         print(f"ab_verify_pass: {idle} change nothing without --experts-quant "

@@ -1,8 +1,9 @@
 """Sweep: the quantised experts (``fused_moe(..., quant=...)``) by gate/up kernel and tile, against their bytes floor.
 
 Shape: Kimi-K2 per rank (tp 8: H 7168, I 256, 384 routed experts, top-8; ``--experts`` to draw fewer), routed
-experts only, M = 1, 2, 4, 8 tokens (``--ms``). Formats (``--formats``): int4 (group 32, bf16 scales; Kimi-K2.5) and
-fp8 (128 x 128 blocks, fp32 scales; Kimi-K2 / DeepSeek-V3), both from the same random bf16 weights.
+experts only, M = 1, 2, 4, 8 tokens (``--ms``). Formats (``--formats``): int4 (group 32, bf16 scales; Kimi-K2.5),
+int4q (the same with w13 in row quads, ``MoEQuant(layout="quads")``) and fp8 (128 x 128 blocks, fp32 scales; Kimi-K2 /
+DeepSeek-V3), all from the same random bf16 weights.
 
 Variants: the gate/up kernel the launcher picks (``auto``) and, up to M = 2, each stream gate/up (``fma`` /
 ``splitk``), or each of ``--configs`` (stream-config overrides). Every row is first checked against an fp64 loop
@@ -13,7 +14,7 @@ L2).
 ``floor_us = mean over the sets of distinct experts * stored bytes an expert (codes + scales) / copy_bw``; ``x``
 = us / floor_us.
 
-Usage: ``python bench/sweep_quant_experts.py [--ms 1,2,4,8] [--formats int4,fp8] [--experts 384] [--json PATH]``.
+Usage: ``python bench/sweep_quant_experts.py [--ms 1,2,4,8] [--formats int4,int4q,fp8] [--experts 384] [--json PATH]``.
 Needs a CUDA GPU (exit code 2 otherwise).
 """
 from __future__ import annotations
@@ -31,8 +32,8 @@ SETS = 20
 
 def _formats(text: str) -> list:
     got = [t.strip() for t in text.split(",") if t.strip()]
-    if not got or any(f not in ("int4", "fp8") for f in got):
-        raise argparse.ArgumentTypeError(f"--formats takes a comma-separated subset of int4,fp8, got {text!r}")
+    if not got or any(f not in ("int4", "int4q", "fp8") for f in got):
+        raise argparse.ArgumentTypeError(f"--formats takes a comma-separated subset of int4,int4q,fp8, got {text!r}")
     return got
 
 
@@ -40,7 +41,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ms", type=token_counts, default=[1, 2, 4, 8], help="token counts M (default: 1,2,4,8)")
     ap.add_argument("--formats", default="int4,fp8", type=_formats,
-                    help="comma-separated subset of int4,fp8 (default: both)")
+                    help="comma-separated subset of int4,int4q,fp8 (int4q: int4 with w13 in row quads, as our "
+                         "forward stores it; default: int4,fp8)")
     ap.add_argument("--experts", type=int, default=384, help="experts drawn (default: 384, Kimi-K2's)")
     ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     ap.add_argument("--configs", default=None,
@@ -55,16 +57,18 @@ def main(argv=None) -> int:
     import specverify.moe as moe
     from specverify.reference.moe import fused_moe_by_expert_reference as by_expert
     from specverify.reference.moe import random_expert_weights
-    from specverify.reference.quant import quantize_experts
+    from specverify.reference.quant import int4_to_quads, quantize_experts
 
     e, h, inter, top = args.experts, 7168, 256, 8
     bw = copy_bandwidth_gbps() * 1e9
     w13, w2 = random_expert_weights(e, h, inter, dtype=torch.bfloat16, device="cuda", seed=1)
     rows, failed = [], 0
     for fmt in args.formats:
-        p13, s13 = quantize_experts(w13, fmt)
-        p2, s2 = quantize_experts(w2, fmt)
-        q = moe.MoEQuant(fmt, s13, s2)
+        p13, s13 = quantize_experts(w13, fmt[:4] if fmt == "int4q" else fmt)
+        p2, s2 = quantize_experts(w2, fmt[:4] if fmt == "int4q" else fmt)
+        if fmt == "int4q":
+            p13, s13 = int4_to_quads(p13, s13)
+        q = moe.MoEQuant("int4" if fmt == "int4q" else fmt, s13, s2, layout="quads" if fmt == "int4q" else "rows")
         per_expert = sum(t[0].numel() * t.element_size() for t in (p13, p2, s13, s2))
         for m in args.ms:
             g = torch.Generator(device="cuda").manual_seed(m)

@@ -47,18 +47,23 @@ FOLD_Q_NORM = True
 FOLD_Q_NORM_MAX_M = 4
 
 
+#: The layout of int4 routed experts this forward stores (:class:`specverify.moe.MoEQuant` ``layout``): row quads
+#: for the stream gate/up's layout-free reads; ``"rows"`` keeps the checkpoints' layout (A/B only).
+INT4_LAYOUT = "quads"
+
+
 def quantise_experts(w: dict, e: int, fmt: str) -> dict:
     """Replace a MoE layer dict's expert weights by their ``fmt`` form (:data:`specverify.configs.EXPERTS_QUANT`) in
     place.
 
     After it: ``w13`` / ``w2`` hold the routed experts' stored values and ``quant`` their
     :class:`~specverify.moe.MoEQuant` (scales also as ``w13_scale`` / ``w2_scale``, so :meth:`VerifyModel.weight_bytes`
-    counts them). A shared expert stacked as expert ``e`` stays stacked when the format quantises it (``w13_all`` /
+    counts them); int4 routed experts in row quads (:data:`INT4_LAYOUT`). A shared expert stacked as expert ``e`` stays stacked when the format quantises it (``w13_all`` /
     ``w2_all`` quantised, ``quant_all`` their record; its slice also as ``shared_w13`` / ``shared_w2`` /
     ``quant_shared`` for tables without ``experts_with_shared``); otherwise it becomes the separate
     ``shared_gate_up`` / ``shared_down`` in the weights' dtype and the stacked tensors are dropped. Returns ``w``."""
     from specverify.moe import MoEQuant
-    from specverify.reference.quant import quantize_experts
+    from specverify.reference.quant import int4_to_quads, quantize_experts
 
     p = EXPERTS_QUANT[fmt]
     if fmt == "int4":
@@ -88,6 +93,9 @@ def quantise_experts(w: dict, e: int, fmt: str) -> dict:
             del w13_all, w2_all
         q13, s13 = quantise(w["w13"])
         q2, s2 = quantise(w["w2"])
+        if fmt == "int4" and INT4_LAYOUT == "quads":
+            q13, s13 = int4_to_quads(q13, s13)
+            extra["layout"] = "quads"
     w["w13"], w["w2"], w["w13_scale"], w["w2_scale"] = q13, q2, s13, s2
     w["quant"] = MoEQuant(fmt, s13, s2, **extra)
     return w

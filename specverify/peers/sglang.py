@@ -82,6 +82,8 @@ and never branch on tensor values. SGLang's kernels are launched with ``launch_p
 """
 from __future__ import annotations
 
+import dataclasses
+
 import importlib
 import importlib.util
 import sys
@@ -985,6 +987,11 @@ def prepare_fused_experts(hidden, w13, w2, topk_weights, topk_ids, *, quant=None
         _check_experts(hidden, w13, w2, topk_weights, topk_ids)
     else:
         _check_experts_quant(hidden, w13, w2, topk_weights, topk_ids, quant, act_quant)
+        if quant.layout == "quads":  # SGLang reads int4 in rows: a copy back, made here, outside the timed call
+            from specverify.reference.quant import int4_from_quads
+
+            w13, s13_rows = int4_from_quads(w13, quant.w13_scale)
+            quant = dataclasses.replace(quant, w13_scale=s13_rows, layout="rows")
     ex = _need("experts")
     import triton.language as tl
 

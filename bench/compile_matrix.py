@@ -17,8 +17,8 @@ batch 1 / 4k (latency) and batch 64 / 4k (bandwidth), on the ``tl.dot`` kernel a
 ``gate``); the Gluon wgmma MLA kernel (sm_90a only, skipped where this Triton lacks its Gluon API);
 GQA Llama 8:1 d 128 (8 q heads, 1 kv head per rank) at k 1, 4, 16; router 384 experts top-8 (sigmoid, bias) at
 M 1, 8, 64 with and without alignment, and at M 1 writing the shared expert's slot (id 384); MoE 384 experts h 7168
-inter 256 top-8 at M 1, 8, 64 (stream and aligned paths, the launcher decides), and with int4 (group 32) and fp8
-(128 x 128 blocks) experts at M 1, 4, 8, 64; acceptance (greedy and sampling,
+inter 256 top-8 at M 1, 8, 64 (stream and aligned paths, the launcher decides), and with int4 (group 32; in rows and in row
+quads) and fp8 (128 x 128 blocks) experts at M 1, 4, 8, 64; acceptance (greedy and sampling,
 vocab 163840, k 4 and 16, batch 1 and 64); fused ops (rmsnorm h 7168 with/without residual, MLA kv prep, GQA
 prep, silu_mul, absorb-q, up-v); KV compaction.
 
@@ -355,14 +355,16 @@ def scen_moe(quick: bool, target: str):
         yield f"moe e384 h7168 i256 top8 M{m}", run
     # the quantised experts (Kimi-K2.5's int4, group 32, bf16 scales; DeepSeek-V3 / Kimi-K2's fp8 128 x 128 blocks)
     # on each path the launcher picks: split-K gate/up at M 1, the FMA programs at M 4, the dot path at M 8 and 64
-    for fmt in ("int4", "fp8"):
+    # int4q: int4 with w13 in row quads (our forward's layout; the stream gate/up's PTX kernel up to M 6)
+    for fmt in ("int4", "int4q", "fp8"):
         for m in ((1, 8) if quick else (1, 4, 8, 64)):
             def run_q(m=m, fmt=fmt):
                 e, h, inter, top = 384, 7168, 256, 8
-                if fmt == "int4":
+                if fmt.startswith("int4"):
                     u8 = torch.uint8
                     w13, w2 = _cuda(e, 2 * inter, h // 2, dtype=u8), _cuda(e, h, inter // 2, dtype=u8)
-                    q = moe.MoEQuant("int4", _cuda(e, 2 * inter, h // 32), _cuda(e, h, inter // 32), group_size=32)
+                    q = moe.MoEQuant("int4", _cuda(e, 2 * inter, h // 32), _cuda(e, h, inter // 32), group_size=32,
+                                     layout="quads" if fmt == "int4q" else "rows")
                 else:
                     f8 = torch.float8_e4m3fn
                     w13, w2 = _cuda(e, 2 * inter, h, dtype=f8), _cuda(e, h, inter, dtype=f8)

@@ -749,7 +749,7 @@ def _check_quant(quant: MoEQuant, hidden, w13, w2, e: int, h: int, inter: int) -
                              "multiples of 8 (a 32-bit code word of 8 columns, gate and up rows in whole quads); "
                              "keep such weights in layout='rows'")
         if quant.layout == "quads" and not (w13.is_contiguous() and quant.w13_scale.is_contiguous()
-                                            and w13.data_ptr() % 16 == 0):
+                                            and w13.storage_offset() % 16 == 0):
             raise ValueError("int4 experts in row quads must be the contiguous, 16-byte aligned tensors "
                              "specverify.reference.quant.int4_to_quads returns (w13 and w13_scale): a view or a "
                              "slice of them does not keep the quads; repack the slice you need")
@@ -1086,7 +1086,8 @@ def _stream_gate_up_quads(hidden, w13, q13, qc, act, ids32, e, inter, top_k, cfg
     (0: a plain loop)."""
     from specverify.kernels.fused_moe import _moe_stream_gate_up_q4_kernel
 
-    if hidden.stride(0) % 8 or hidden.data_ptr() % 16:  # the kernel reads activations as 16-byte pairs of 4
+    if hidden.stride(0) % 8 or hidden.storage_offset() % 8:  # the kernel reads activations as 16-byte pairs of 4
+        # (torch's allocations are aligned: an offset of whole 16-byte units keeps the rows aligned)
         hidden = hidden.clone()
     m, h = hidden.shape
     on_gpu = hidden.is_cuda

@@ -2,7 +2,7 @@
 
 Shape: Kimi-K2 per rank (tp 8: H 7168, I 256, 384 routed experts, top-8; ``--experts`` to draw fewer), routed
 experts only, M = 1, 2, 4, 8 tokens (``--ms``). Formats (``--formats``): int4 (group 32, bf16 scales; Kimi-K2.5),
-int4q (the same with w13 in row quads, ``MoEQuant(layout="quads")``) and fp8 (128 x 128 blocks, fp32 scales; Kimi-K2 /
+int4q (the same in row quads, ``MoEQuant(layout="quads")``) and fp8 (128 x 128 blocks, fp32 scales; Kimi-K2 /
 DeepSeek-V3), all from the same random bf16 weights.
 
 Variants: the gate/up kernel the launcher picks (``auto``) and, up to M = 2, each stream gate/up (``fma`` /
@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ms", type=token_counts, default=[1, 2, 4, 8], help="token counts M (default: 1,2,4,8)")
     ap.add_argument("--formats", default="int4,fp8", type=_formats,
-                    help="comma-separated subset of int4,int4q,fp8 (int4q: int4 with w13 in row quads, as our "
+                    help="comma-separated subset of int4,int4q,fp8 (int4q: int4 in row quads, as our "
                          "forward stores it; default: int4,fp8)")
     ap.add_argument("--experts", type=int, default=384, help="experts drawn (default: 384, Kimi-K2's)")
     ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
@@ -68,6 +68,7 @@ def main(argv=None) -> int:
         p2, s2 = quantize_experts(w2, fmt[:4] if fmt == "int4q" else fmt)
         if fmt == "int4q":
             p13, s13 = int4_to_quads(p13, s13)
+            p2, s2 = int4_to_quads(p2, s2)
         q = moe.MoEQuant("int4" if fmt == "int4q" else fmt, s13, s2, layout="quads" if fmt == "int4q" else "rows")
         per_expert = sum(t[0].numel() * t.element_size() for t in (p13, p2, s13, s2))
         for m in args.ms:

@@ -330,25 +330,28 @@ def _moe_stream_gate_up_kernel(hidden_ptr, w13_ptr, s13_ptr, act_ptr, ids_ptr, s
              mask=rmask[None, :])
 
 
-def _q4_asm(f16: bool) -> str:
-    """PTX of one step of ``_moe_stream_gate_up_q4_kernel`` for 4 rows (a row quad) x one 32-bit code word (8
-    columns), gate and up: ``acc += scale * sum_j (q_j - 8) * x_j``. A code becomes the float ``128 + q`` in one
-    ``prmt`` (the nibble into the mantissa under the exponent of 128), so the sum is ``sum_j (128 + q_j) x_j - 136
-    sum_j x_j``, one FMA a weight. Operands: $0-$3 / $4-$7 the gate / up accumulators out; $8-$11 / $12-$15 the
-    gate / up code words of rows 0-3; $16-$19 the 8 activations as 4 pairs (bf16 or fp16, column 2j in the low
-    half); $20-$23 / $24-$27 the fp32 gate / up scales; $28-$31 / $32-$35 the accumulators in."""
+def _q4_asm(f16: bool, mats: int) -> str:
+    """PTX of one step of the row-quad int4 kernels for 4 rows (a row quad) x one 32-bit code word (8 columns) of
+    ``mats`` code matrices (2: gate and up; 1: down): ``acc += scale * sum_j (q_j - 8) * x_j``. A code becomes the
+    float ``128 + q`` in one ``prmt`` (the nibble into the mantissa under the exponent of 128), so the sum is
+    ``sum_j (128 + q_j) x_j - 136 sum_j x_j``, one FMA a weight; the activations' conversion and sum serve every row
+    and matrix. Operands, 4 registers each, in order: the accumulators out (one set a matrix), the code words of rows
+    0-3 (a set a matrix), the 8 activations as 4 pairs (bf16 or fp16, column 2j in the low half), the fp32 scales (a
+    set a matrix), the accumulators in (a set a matrix)."""
+    act = 8 * mats
     a = ["{", ".reg .f32 e<4>, o<4>, xs, t;", ".reg .b32 mg, lo, hi, f;"]
     if f16:
         a.append(".reg .b16 hl, hh;")
     for b in range(4):
         if f16:
-            a.append(f"mov.b32 {{hl, hh}}, ${16 + b}; cvt.f32.f16 e{b}, hl; cvt.f32.f16 o{b}, hh;")
+            a.append(f"mov.b32 {{hl, hh}}, ${act + b}; cvt.f32.f16 e{b}, hl; cvt.f32.f16 o{b}, hh;")
         else:
-            a.append(f"shl.b32 e{b}, ${16 + b}, 16; and.b32 o{b}, ${16 + b}, 0xFFFF0000;")
+            a.append(f"shl.b32 e{b}, ${act + b}, 16; and.b32 o{b}, ${act + b}, 0xFFFF0000;")
     a.append("add.f32 xs, e0, o0; add.f32 xs, xs, e1; add.f32 xs, xs, o1; add.f32 xs, xs, e2;")
     a.append("add.f32 xs, xs, o2; add.f32 xs, xs, e3; add.f32 xs, xs, o3;")
     a.append("mul.f32 xs, xs, 0fC3080000; mov.b32 mg, 0x43000000;")  # -136 * sum(x); 128.0's bits
-    for codes, scales, acc_in, acc_out in ((8, 20, 28, 0), (12, 24, 32, 4)):
+    for i in range(mats):
+        codes, scales, acc_in, acc_out = 4 * mats + 4 * i, act + 4 + 4 * i, act + 4 + 4 * mats + 4 * i, 4 * i
         for r in range(4):
             a.append(f"and.b32 lo, ${codes + r}, 0x0F0F0F0F; shr.b32 hi, ${codes + r}, 4; and.b32 hi, hi, 0x0F0F0F0F;")
             a.append("mov.f32 t, xs;")
@@ -361,9 +364,25 @@ def _q4_asm(f16: bool) -> str:
     return "\n".join(a)
 
 
-_Q4_ASM_BF16 = tl.constexpr(_q4_asm(False))
-_Q4_ASM_F16 = tl.constexpr(_q4_asm(True))
-_Q4_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 28))
+_Q4_ASM2_BF16 = tl.constexpr(_q4_asm(False, 2))
+_Q4_ASM2_F16 = tl.constexpr(_q4_asm(True, 2))
+_Q4_ASM1_BF16 = tl.constexpr(_q4_asm(False, 1))
+_Q4_ASM1_F16 = tl.constexpr(_q4_asm(True, 1))
+_Q4_CONSTRAINTS2 = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 28))
+_Q4_CONSTRAINTS1 = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 16))
+
+
+@triton.jit
+def _q4_sums(c, xb, col, xmask, ASM: tl.constexpr):
+    """The interpreter's form of the PTX: [.., 4 rows] code words ``c`` against the activations at ``xb + col`` (col
+    [.., 1, 4]: column 8w + 2b of byte b), ``sum_j (q_j - 8) x_j`` over each word's 8 columns, in fp32."""
+    ob = tl.arange(0, 4)
+    sh = 8 * ob
+    xe = tl.load(xb + col, mask=xmask, other=0.0).to(tl.float32)
+    xo = tl.load(xb + col + 1, mask=xmask, other=0.0).to(tl.float32)
+    c = tl.expand_dims(c, -1)
+    return tl.sum((((c >> sh) & 0xF).to(tl.float32) - 8.0) * xe + (((c >> (sh + 4)) & 0xF).to(tl.float32) - 8.0) * xo,
+                  axis=-1)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -425,31 +444,72 @@ def _moe_stream_gate_up_q4_kernel(hidden_ptr, w13_ptr, s13_ptr, act_ptr, ids_ptr
             xa = tl.load(xb.to(tl.pointer_type(tl.int32)) + (wc * 4)[None, :, None] + orr[None, None, :], mask=wmask,
                          other=0)  # [1, BKW, 4]: the word's 8 activations as 4 pairs, the codes' register layout
             xa = tl.broadcast_to(xa, [RQ, BKW, 4])
-            if F16:
-                acc_g, acc_u = tl.inline_asm_elementwise(_Q4_ASM_F16, _Q4_CONSTRAINTS, [cg, cu, xa, sg, su, acc_g, acc_u],
-                                                         dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
-            else:
-                acc_g, acc_u = tl.inline_asm_elementwise(_Q4_ASM_BF16, _Q4_CONSTRAINTS,
-                                                         [cg, cu, xa, sg, su, acc_g, acc_u],
-                                                         dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+            acc_g, acc_u = tl.inline_asm_elementwise(_Q4_ASM2_F16 if F16 else _Q4_ASM2_BF16, _Q4_CONSTRAINTS2,
+                                                     [cg, cu, xa, sg, su, acc_g, acc_u],
+                                                     dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
         else:  # [RQ, BKW, 4 rows, 4 bytes]: byte b of row r's word holds columns 8w + 2b (low) and 8w + 2b + 1
-            ob = tl.arange(0, 4)
-            col = (wc * 8)[None, :, None, None] + 2 * ob[None, None, None, :]
+            col = (wc * 8)[None, :, None, None] + 2 * tl.arange(0, 4)[None, None, None, :]
             xm = (wc < HW)[None, :, None, None]
-            xe = tl.load(xb + col, mask=xm, other=0.0).to(tl.float32)
-            xo = tl.load(xb + col + 1, mask=xm, other=0.0).to(tl.float32)
-            sh = 8 * ob[None, None, None, :]
-            dg = tl.sum((((cg[:, :, :, None] >> sh) & 0xF).to(tl.float32) - 8.0) * xe
-                        + (((cg[:, :, :, None] >> (sh + 4)) & 0xF).to(tl.float32) - 8.0) * xo, axis=3)
-            du = tl.sum((((cu[:, :, :, None] >> sh) & 0xF).to(tl.float32) - 8.0) * xe
-                        + (((cu[:, :, :, None] >> (sh + 4)) & 0xF).to(tl.float32) - 8.0) * xo, axis=3)
-            acc_g += sg * dg
-            acc_u += su * du
+            acc_g += sg * _q4_sums(cg, xb, col, xm, ASM)
+            acc_u += su * _q4_sums(cu, xb, col, xm, ASM)
     g = tl.sum(acc_g, axis=1)  # [RQ, 4]: row 4q + r
     u = tl.sum(acc_u, axis=1)
     act = g / (1.0 + tl.exp(-g)) * u
     rows = q[:, None] * 4 + orr[None, :]
     tl.store(act_ptr + slot.to(tl.int64) * stride_am + rows, act.to(act_ptr.dtype.element_ty), mask=qmask[:, None])
+
+
+#   _moe_stream_down_q4_kernel  grid (ceil(H / (4 * RQ)),). The stream down kernel's work on w2 in row quads:
+#       program p owns output row quads [p*RQ, (p+1)*RQ) and every slot (SP lanes) at once: [SP, RQ, BW, 4] code-word
+#       tiles over I (BW words a step, one step when I <= 8 * BW), gathered before ``gdc_wait`` as in the stream
+#       down kernel; the activations [SP, RQ, BW, 4] pairs (one load a row quad: the codes' register layout), then
+#           out[m, h] = sum_{s of token m} r_s * sum_i act[s, i] * w2[e_s][h, i]       (fixed order, no atomics)
+@triton.jit
+def _moe_stream_down_q4_kernel(act_ptr, w2_ptr, s2_ptr, ids_ptr, tw_ptr, out_ptr, stride_am, stride_we, stride_wn,
+                               stride_se, stride_sn, stride_om, E: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+                               TOP_K: tl.constexpr, MT: tl.constexpr, SP: tl.constexpr, RQ: tl.constexpr,
+                               BW: tl.constexpr, PDL: tl.constexpr, QG: tl.constexpr, ASM: tl.constexpr,
+                               F16: tl.constexpr):
+    pid = tl.program_id(0)
+    IW: tl.constexpr = I // 8  # code words a row
+    WPG: tl.constexpr = QG // 8
+    q = pid * RQ + tl.arange(0, RQ)
+    qmask = q < H // 4
+    sl = tl.arange(0, SP)
+    smask = sl < MT * TOP_K
+    e = tl.load(ids_ptr + sl, mask=smask, other=-1)  # the routing had finished before gate/up let this grid launch
+    use = smask & (e >= 0) & (e < E)
+    r = tl.load(tw_ptr + sl, mask=use, other=0.0).to(tl.float32)
+    e = tl.where(use, e, 0)
+    ow = tl.arange(0, BW)
+    orr = tl.arange(0, 4)
+    wb = w2_ptr.to(tl.pointer_type(tl.int32)) + e.to(tl.int64)[:, None, None, None] * (stride_we // 4)
+    sb = s2_ptr + e.to(tl.int64)[:, None, None, None] * stride_se
+    q_off = q[None, :, None, None] * stride_wn + orr[None, None, None, :]
+    s_off = q[None, :, None, None] * (4 * stride_sn) + orr[None, None, None, :]
+    a_rows = sl.to(tl.int64)[:, None, None, None] * stride_am
+    acc = tl.zeros([SP, RQ, BW, 4], tl.float32)
+    for w0 in range(0, IW, BW):  # one step when I <= 8 * BW (Kimi-K2: I = 256, 32 words)
+        wc = w0 + ow
+        m4 = use[:, None, None, None] & qmask[None, :, None, None] & (wc < IW)[None, None, :, None]
+        c = tl.load(wb + q_off + (wc * 4)[None, None, :, None], mask=m4, other=0)
+        sc = tl.load(sb + s_off + ((wc // WPG) * 4)[None, None, :, None], mask=m4, other=0.0).to(tl.float32)
+        if PDL:  # act is the gate/up kernel's output: wait for it (the w2 gather above is already in flight)
+            gdc_wait()
+        if ASM:  # the activation pairs in the codes' shape (a load a row quad), so in their register layout
+            xa = tl.load(act_ptr.to(tl.pointer_type(tl.int32)) + a_rows // 2 + (wc * 4)[None, None, :, None]
+                         + orr[None, None, None, :] + 0 * q[None, :, None, None], mask=m4, other=0)
+            acc = tl.inline_asm_elementwise(_Q4_ASM1_F16 if F16 else _Q4_ASM1_BF16, _Q4_CONSTRAINTS1, [c, xa, sc, acc],
+                                            dtype=tl.float32, is_pure=True, pack=4)
+        else:
+            col = (wc * 8)[None, None, :, None, None] + 2 * tl.arange(0, 4)[None, None, None, None, :]
+            acc += sc * _q4_sums(c, act_ptr + a_rows[:, :, :, :, None], col, m4[:, :, :, :, None], ASM)
+    part = tl.sum(acc, axis=2) * r[:, None, None]  # [SP, RQ, 4]
+    tok = sl // TOP_K
+    rows = q[:, None] * 4 + orr[None, :]
+    for m in tl.static_range(MT):  # the top-k sum of token m, in the fixed order of one reduction
+        y = tl.sum(tl.where((tok == m)[:, None, None], part, 0.0), axis=0)
+        tl.store(out_ptr + m * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=qmask[:, None])
 
 
 @triton.jit

@@ -76,12 +76,11 @@ class MoEQuant:
       (the checkpoints' ``weight_scale_inv``), ``(bn, bk) = block_shape``; the value is ``w * scale``. With gate and
       up stacked in ``w13``, I must be a multiple of bn (each block row is all gate or all up).
 
-    ``layout`` (int4 only): ``"rows"`` (default, the layout above) or ``"quads"``: ``w13`` and ``w13_scale`` keep
-    their shapes but hold their bytes in row quads (:func:`specverify.reference.quant.int4_to_quads`; ``w2`` stays
-    in rows). Each 16 bytes then hold one 32-bit code word (8 columns) of 4 rows, which the gate/up of the stream
-    experts (up to 6 tokens, bf16 or fp16 hidden) reads with its activations without a layout change; every other
-    path reads it too. Our verify forward stores its int4 experts so (:data:`specverify.configs.EXPERTS_QUANT`);
-    weights shared with SGLang stay in rows.
+    ``layout`` (int4 only): ``"rows"`` (default, the layout above) or ``"quads"``: both weights and their scales
+    keep their shapes but hold their bytes in row quads (:func:`specverify.reference.quant.int4_to_quads`). Each 16
+    bytes then hold one 32-bit code word (8 columns) of 4 rows, which the stream experts (up to 6 tokens) read with
+    their activations without a layout change; the other paths read it too. Our verify forward stores its int4
+    experts so (:data:`specverify.forward.model.INT4_LAYOUT`); weights shared with SGLang stay in rows.
 
     ``group_size`` and both ``block_shape`` entries are powers of two (>= 2); quads need ``group_size`` >= 8 and
     H and I multiples of 8. Checked by :func:`fused_moe` (:meth:`dequantize` checks only format and layout).
@@ -102,11 +101,12 @@ class MoEQuant:
             raise ValueError(f"MoEQuant.format must be 'int4' or 'fp8', got {self.format!r}")
         _check_layout(self)
         if self.format == "int4":
-            s13 = self.w13_scale
+            s13, s2 = self.w13_scale, self.w2_scale
             if self.layout == "quads":
                 w13, s13 = q.int4_from_quads(w13, s13)
+                w2, s2 = q.int4_from_quads(w2, s2)
             return (q.dequantize_int4(w13, s13, self.group_size, dtype),
-                    q.dequantize_int4(w2, self.w2_scale, self.group_size, dtype))
+                    q.dequantize_int4(w2, s2, self.group_size, dtype))
         return (q.dequantize_fp8_block(w13, self.w13_scale, self.block_shape, dtype),
                 q.dequantize_fp8_block(w2, self.w2_scale, self.block_shape, dtype))
 
@@ -748,11 +748,11 @@ def _check_quant(quant: MoEQuant, hidden, w13, w2, e: int, h: int, inter: int) -
             raise ValueError(f"int4 experts in row quads need group_size >= 8 (got {g}) and H={h} and I={inter} "
                              "multiples of 8 (a 32-bit code word of 8 columns, gate and up rows in whole quads); "
                              "keep such weights in layout='rows'")
-        if quant.layout == "quads" and not (w13.is_contiguous() and quant.w13_scale.is_contiguous()
-                                            and w13.storage_offset() % 16 == 0):
+        if quant.layout == "quads" and not all(t.is_contiguous() for t in (w13, w2, quant.w13_scale, quant.w2_scale)) \
+                or quant.layout == "quads" and (w13.storage_offset() % 16 or w2.storage_offset() % 16):
             raise ValueError("int4 experts in row quads must be the contiguous, 16-byte aligned tensors "
-                             "specverify.reference.quant.int4_to_quads returns (w13 and w13_scale): a view or a "
-                             "slice of them does not keep the quads; repack the slice you need")
+                             "specverify.reference.quant.int4_to_quads returns (weights and scales): a view or a "
+                             "slice of rows does not keep the quads (whole experts do); repack what you need")
         s13, s2 = (e, 2 * inter, h // g), (e, h, inter // g)
     else:
         bs = tuple(quant.block_shape) if isinstance(quant.block_shape, (tuple, list)) else ()
@@ -858,7 +858,8 @@ _STREAM_CONFIG: dict = {"max_m": 6, "small_m": 2, "small_R": 2, "R": 4, "BK": 51
                         "BH": 2, "BI": 256, "TILE": 8192, "down_warps": 4, "PDL": True, "gate_up": "auto",
                         "splitk_max_m": 2, "SBN": 32, "SBK": 128, "split_stages": 3, "split_warps": 4,
                         "split_waves": 4, "qBH": 8, "qTILE": 16384, "QPF": 1, "LS": 0,
-                        "fp8_LS": 4, "fp8_LS_min_m": 4, "q4RQ": 1, "q4BKW": 128, "q4_warps": 4, "q4LS": 0}
+                        "fp8_LS": 4, "fp8_LS_min_m": 4, "q4RQ": 1, "q4BKW": 128, "q4_warps": 4, "q4LS": 0,
+                        "q4dTILE": 2048}
 #: Overrides merged into the stream config (benchmarks and sweeps only; empty in normal use).
 _STREAM_OVERRIDE: dict = {}
 #: Tile overrides for benchmarks and sweeps only: keys ``g1`` / ``g2`` (dicts merged into the gate/up and down
@@ -913,8 +914,8 @@ def _scale_operands(quant, w, which: str):
         return (w, 0, 0), dict(QUANT=0, QG=1, QN=1)
     sc = getattr(quant, f"{which}_scale")
     sc = sc if sc.stride(2) == 1 else sc.contiguous()
-    if quant.format == "int4":  # w13 in row quads: QUANT 3 (w2 is always in rows)
-        consts = dict(QUANT=3 if quant.layout == "quads" and which == "w13" else 1, QG=quant.group_size, QN=1)
+    if quant.format == "int4":  # in row quads: QUANT 3
+        consts = dict(QUANT=3 if quant.layout == "quads" else 1, QG=quant.group_size, QN=1)
     else:
         consts = dict(QUANT=2, QG=quant.block_shape[1], QN=quant.block_shape[0])
     return (sc, sc.stride(0), sc.stride(1)), consts
@@ -1103,6 +1104,23 @@ def _stream_gate_up_quads(hidden, w13, q13, qc, act, ids32, e, inter, top_k, cfg
     return act
 
 
+def _stream_down_quads(act, w2, q2, qc, ids32, tw, out, e, h, inter, m, top_k, cfg, launch, pdl):
+    """``_moe_stream_down_q4_kernel`` into ``out``: int4 w2 in row quads, every slot's code words of as many row
+    quads a program as fit ``q4dTILE`` words ([SP, RQ, BW, 4], BW the words of I up to 64)."""
+    from specverify.kernels.fused_moe import _moe_stream_down_q4_kernel
+
+    bw = max(1, min(64, _next_pow2(inter // 8)))
+    sp = cfg["SP"]
+    rq = max(1, min(_next_pow2(h // 4), _next_pow2(max(cfg["q4dTILE"] // (sp * bw * 4), 1))))
+    if cfg["q4dTILE"] < sp * bw * 4 * rq:
+        rq = max(1, rq // 2)
+    _moe_stream_down_q4_kernel[(_cdiv(h // 4, rq),)](
+        act, w2, q2[0], ids32, tw, out, act.stride(0), w2.stride(0), w2.stride(1), q2[1], q2[2], out.stride(0), E=e,
+        H=h, I=inter, TOP_K=top_k, MT=m, SP=sp, RQ=rq, BW=bw, PDL=pdl, QG=qc["QG"], ASM=act.is_cuda,
+        F16=act.dtype == torch.float16, **launch)
+    return out
+
+
 def _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, out, quant=None):
     """The weight-streaming experts (the default at M <= ``_STREAM_CONFIG["max_m"]``, or
     ``_VARIANT["experts"] == "stream"``): two launches (see "Stream experts" in ``specverify.kernels.fused_moe``).
@@ -1129,6 +1147,8 @@ def _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, out, quant=None):
     if pdl:  # gate/up waits for the routing, down for gate/up
         launch2["launch_pdl"] = True
     q2, qc = _scale_operands(quant, w2, "w2")
+    if qc["QUANT"] == 3:
+        return _stream_down_quads(act, w2, q2, qc, ids32, tw, out, e, h, inter, m, top_k, cfg, launch2, pdl)
     _moe_stream_down_kernel[(_cdiv(h, cfg["BH"]),)](
         act, w2, q2[0], ids32, tw, out, act.stride(0), w2.stride(0), w2.stride(1), q2[1], q2[2], out.stride(0), E=e,
         H=h, I=inter, TOP_K=top_k, MT=m, SP=cfg["SP"], BH=cfg["BH"], BI=cfg["BI"], PDL=pdl, **qc, **launch2)

@@ -73,13 +73,14 @@ def test_fp8_block_rounding():
 
 # ---------------------------------------------------------------------------------------------- the experts
 def _quantised(fmt, w13, w2, shape):
-    """``fmt`` "int4", "int4q" (int4 with w13 in row quads) or "fp8"."""
+    """``fmt`` "int4", "int4q" (int4 in row quads) or "fp8"."""
     if fmt in ("int4", "int4q"):
         p13, s13 = quantize_int4(w13, shape)
         p2, s2 = quantize_int4(w2, shape)
         s13, s2 = s13.to(torch.bfloat16), s2.to(torch.bfloat16)
         if fmt == "int4q":
             p13, s13 = int4_to_quads(p13, s13)
+            p2, s2 = int4_to_quads(p2, s2)
         return p13, p2, MoEQuant("int4", s13, s2, group_size=shape, layout="quads" if fmt == "int4q" else "rows")
     p13, s13 = quantize_fp8_block(w13, shape)
     p2, s2 = quantize_fp8_block(w2, shape)

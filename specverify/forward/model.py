@@ -95,6 +95,7 @@ def quantise_experts(w: dict, e: int, fmt: str) -> dict:
         q2, s2 = quantise(w["w2"])
         if fmt == "int4" and INT4_LAYOUT == "quads":
             q13, s13 = int4_to_quads(q13, s13)
+            q2, s2 = int4_to_quads(q2, s2)
             extra["layout"] = "quads"
     w["w13"], w["w2"], w["w13_scale"], w["w2_scale"] = q13, q2, s13, s2
     w["quant"] = MoEQuant(fmt, s13, s2, **extra)

@@ -991,7 +991,8 @@ def prepare_fused_experts(hidden, w13, w2, topk_weights, topk_ids, *, quant=None
             from specverify.reference.quant import int4_from_quads
 
             w13, s13_rows = int4_from_quads(w13, quant.w13_scale)
-            quant = dataclasses.replace(quant, w13_scale=s13_rows, layout="rows")
+            w2, s2_rows = int4_from_quads(w2, quant.w2_scale)
+            quant = dataclasses.replace(quant, w13_scale=s13_rows, w2_scale=s2_rows, layout="rows")
     ex = _need("experts")
     import triton.language as tl
 

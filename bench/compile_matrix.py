@@ -17,8 +17,8 @@ batch 1 / 4k (latency) and batch 64 / 4k (bandwidth), on the ``tl.dot`` kernel a
 ``gate``); the Gluon wgmma MLA kernel (sm_90a only, skipped where this Triton lacks its Gluon API);
 GQA Llama 8:1 d 128 (8 q heads, 1 kv head per rank) at k 1, 4, 16; router 384 experts top-8 (sigmoid, bias) at
 M 1, 8, 64 with and without alignment, and at M 1 writing the shared expert's slot (id 384); MoE 384 experts h 7168
-inter 256 top-8 at M 1, 8, 64 (stream and aligned paths, the launcher decides), and with int4 (group 32; in rows and in row
-quads) and fp8 (128 x 128 blocks) experts at M 1, 4, 8, 64; acceptance (greedy and sampling,
+inter 256 top-8 at M 1, 8, 64 (stream and aligned paths, the launcher decides), and with int4 (group 32; in rows
+and in row quads) and fp8 (128 x 128 blocks) experts at M 1, 4, 8, 64; acceptance (greedy and sampling,
 vocab 163840, k 4 and 16, batch 1 and 64); fused ops (rmsnorm h 7168 with/without residual, MLA kv prep, GQA
 prep, silu_mul, absorb-q, up-v); KV compaction.
 

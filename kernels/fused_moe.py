@@ -23,9 +23,11 @@ top-k sum in one gather.
 Every weight tile comes from ``_load_w`` (or its two halves, ``_load_w_raw`` then ``_dequant_w``, where a loop loads
 one tile ahead), which also reads the two quantised formats (``QUANT``; definitions in
 ``specverify.reference.quant``) and dequantises in registers: int4 (W4A16, ``QUANT`` 1: two codes a byte along the
-reduced dimension, one scale per ``QG`` columns) and fp8 (W8A16, ``QUANT`` 2: float8_e4m3fn, one fp32 scale per
-``QN`` x ``QG`` block). The FMA kernels multiply in fp32; the tl.dot kernels round the dequantised tile to hidden's
-dtype first. Activations are never quantised.
+reduced dimension, one scale per ``QG`` columns; ``QUANT`` 3: the same codes and scales in row quads, see
+``_moe_stream_gate_up_q4_kernel``) and fp8 (W8A16, ``QUANT`` 2: float8_e4m3fn, one fp32 scale per ``QN`` x ``QG``
+block). The FMA kernels multiply in fp32; the tl.dot kernels round the dequantised tile to hidden's dtype first.
+Activations are never quantised. With int4 in row quads the stream experts are the two ``_q4`` kernels, whose
+arithmetic is inline PTX (``_q4_asm``; in the interpreter, Triton arithmetic: ``_q4_sums``).
 
 Tensors (S = M * TOP_K; NB = number of blocks; B = BLOCK_M):
 
@@ -57,9 +59,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 def _load_w_raw(w_ptr, s_ptr, e, rows, k0, e_mask, row_mask, stride_e, stride_row, stride_se, stride_srow,
                 K: tl.constexpr, BK: tl.constexpr, QUANT: tl.constexpr, QG: tl.constexpr, QN: tl.constexpr):
     """The loads of ``_load_w`` without its arithmetic: (stored tile, scales). The stored tile is [len(e),
-    len(rows), BK] in w's dtype (QUANT 1: [.., BK // 2] bytes, two codes each, 0x88 = two zeros past K and outside
-    the masks); the scales [len(e), len(rows), BK // min(QG, BK)] (0 outside the masks; a zero scalar when QUANT is
-    0)."""
+    len(rows), BK] in w's dtype (QUANT 1 and 3: [.., BK // 2] bytes, two codes each, 0x88 = two zeros past K and
+    outside the masks); the scales [len(e), len(rows), BK // min(QG, BK)] (0 outside the masks; a zero scalar when
+    QUANT is 0)."""
     m2 = e_mask[:, None, None] & row_mask[None, :, None]
     if QUANT == 3:  # row quads: byte j of row n at (n // 4) * 4 * stride_row + (j // 4) * 16 + (n % 4) * 4 + j % 4
         base = (w_ptr + e[:, None, None].to(tl.int64) * stride_e

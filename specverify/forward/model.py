@@ -58,10 +58,11 @@ def quantise_experts(w: dict, e: int, fmt: str) -> dict:
 
     After it: ``w13`` / ``w2`` hold the routed experts' stored values and ``quant`` their
     :class:`~specverify.moe.MoEQuant` (scales also as ``w13_scale`` / ``w2_scale``, so :meth:`VerifyModel.weight_bytes`
-    counts them); int4 routed experts in row quads (:data:`INT4_LAYOUT`). A shared expert stacked as expert ``e`` stays stacked when the format quantises it (``w13_all`` /
-    ``w2_all`` quantised, ``quant_all`` their record; its slice also as ``shared_w13`` / ``shared_w2`` /
-    ``quant_shared`` for tables without ``experts_with_shared``); otherwise it becomes the separate
-    ``shared_gate_up`` / ``shared_down`` in the weights' dtype and the stacked tensors are dropped. Returns ``w``."""
+    counts them); int4 routed experts in row quads (:data:`INT4_LAYOUT`). A shared expert stacked as expert ``e``
+    stays stacked when the format quantises it (``w13_all`` / ``w2_all`` quantised, ``quant_all`` their record; its
+    slice also as ``shared_w13`` / ``shared_w2`` / ``quant_shared`` for tables without ``experts_with_shared``);
+    otherwise it becomes the separate ``shared_gate_up`` / ``shared_down`` in the weights' dtype and the stacked
+    tensors are dropped. Returns ``w``."""
     from specverify.moe import MoEQuant
     from specverify.reference.quant import int4_to_quads, quantize_experts
 

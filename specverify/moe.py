@@ -859,7 +859,7 @@ _STREAM_CONFIG: dict = {"max_m": 6, "small_m": 2, "small_R": 2, "R": 4, "BK": 51
                         "splitk_max_m": 2, "SBN": 32, "SBK": 128, "split_stages": 3, "split_warps": 4,
                         "split_waves": 4, "qBH": 8, "qTILE": 16384, "QPF": 1, "LS": 0,
                         "fp8_LS": 4, "fp8_LS_min_m": 4, "q4RQ": 1, "q4BKW": 128, "q4_warps": 4, "q4LS": 0,
-                        "q4dTILE": 2048}
+                        "q4dTILE": 2048, "q4_maxnreg": 128}
 #: Overrides merged into the stream config (benchmarks and sweeps only; empty in normal use).
 _STREAM_OVERRIDE: dict = {}
 #: Tile overrides for benchmarks and sweeps only: keys ``g1`` / ``g2`` (dicts merged into the gate/up and down
@@ -1094,7 +1094,9 @@ def _stream_gate_up_quads(hidden, w13, q13, qc, act, ids32, e, inter, top_k, cfg
     on_gpu = hidden.is_cuda
     rq = max(1, min(cfg["q4RQ"], _next_pow2(inter // 4)))
     bkw = max(16, min(cfg["q4BKW"], _next_pow2(h // 8)))
-    launch = {"num_warps": cfg["q4_warps"], "num_stages": 1} if on_gpu else {}
+    # maxnreg: with it ptxas issues a step's loads together at the loop's top (without, it sinks the up rows' and
+    # the down's activation loads next to their arithmetic, a round trip each: offline sm_90a SASS)
+    launch = {"num_warps": cfg["q4_warps"], "num_stages": 1, "maxnreg": cfg["q4_maxnreg"]} if on_gpu else {}
     if pdl:
         launch["launch_pdl"] = True
     _moe_stream_gate_up_q4_kernel[(m * top_k * _cdiv(inter // 4, rq),)](
@@ -1114,6 +1116,8 @@ def _stream_down_quads(act, w2, q2, qc, ids32, tw, out, e, h, inter, m, top_k, c
     rq = max(1, min(_next_pow2(h // 4), _next_pow2(max(cfg["q4dTILE"] // (sp * bw * 4), 1))))
     if cfg["q4dTILE"] < sp * bw * 4 * rq:
         rq = max(1, rq // 2)
+    if act.is_cuda:
+        launch = dict(launch, maxnreg=cfg["q4_maxnreg"])
     _moe_stream_down_q4_kernel[(_cdiv(h // 4, rq),)](
         act, w2, q2[0], ids32, tw, out, act.stride(0), w2.stride(0), w2.stride(1), q2[1], q2[2], out.stride(0), E=e,
         H=h, I=inter, TOP_K=top_k, MT=m, SP=sp, RQ=rq, BW=bw, PDL=pdl, QG=qc["QG"], ASM=act.is_cuda,

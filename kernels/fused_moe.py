@@ -337,9 +337,10 @@ def _q4_asm(f16: bool, mats: int) -> str:
     ``mats`` code matrices (2: gate and up; 1: down): ``acc += scale * sum_j (q_j - 8) * x_j``. A code becomes the
     float ``128 + q`` in one ``prmt`` (the nibble into the mantissa under the exponent of 128), so the sum is
     ``sum_j (128 + q_j) x_j - 136 sum_j x_j``, one FMA a weight; the activations' conversion and sum serve every row
-    and matrix. Operands, 4 registers each, in order: the accumulators out (one set a matrix), the code words of rows
-    0-3 (a set a matrix), the 8 activations as 4 pairs (bf16 or fp16, column 2j in the low half), the fp32 scales (a
-    set a matrix), the accumulators in (a set a matrix)."""
+    and matrix. Operands, one 32-bit register each (``pack=1``: every operand is its own tensor, so the PTX is
+    elementwise whatever Triton's register layout), in order: the accumulators out (4 a matrix: rows 0-3), the code
+    words of rows 0-3 (4 a matrix), the 8 activations as 4 pairs (bf16 or fp16, column 2j in the low half), the
+    fp32 scales (4 a matrix), the accumulators in (4 a matrix)."""
     act = 8 * mats
     a = ["{", ".reg .f32 e<4>, o<4>, xs, t;", ".reg .b32 mg, lo, hi, f;"]
     if f16:
@@ -375,13 +376,19 @@ _Q4_CONSTRAINTS1 = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 16))
 
 
 @triton.jit
-def _q4_sums(c, xb, col, xmask, ASM: tl.constexpr):
-    """The interpreter's form of the PTX: [.., 4 rows] code words ``c`` against the activations at ``xb + col`` (col
-    [.., 1, 4]: column 8w + 2b of byte b), ``sum_j (q_j - 8) x_j`` over each word's 8 columns, in fp32."""
-    ob = tl.arange(0, 4)
-    sh = 8 * ob
-    xe = tl.load(xb + col, mask=xmask, other=0.0).to(tl.float32)
-    xo = tl.load(xb + col + 1, mask=xmask, other=0.0).to(tl.float32)
+def _split4(x):
+    """[..., 4] -> its 4 elements along the last axis as 4 tensors [...] (element i of x is the i-th result)."""
+    a, b = tl.split(tl.reshape(x, x.shape[:-1] + [2, 2]))  # a: elements 0 and 2, b: 1 and 3
+    x0, x2 = tl.split(a)
+    x1, x3 = tl.split(b)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _q4_sums(c, xe, xo):
+    """The interpreter's form of the PTX: code words ``c`` [...] of one row against their 8 activations ``xe`` /
+    ``xo`` [..., 4] (fp32; column 8w + 2b / 8w + 2b + 1 of byte b), ``sum_j (q_j - 8) x_j`` over each word."""
+    sh = 8 * tl.arange(0, 4)
     c = tl.expand_dims(c, -1)
     return tl.sum((((c >> sh) & 0xF).to(tl.float32) - 8.0) * xe + (((c >> (sh + 4)) & 0xF).to(tl.float32) - 8.0) * xo,
                   axis=-1)
@@ -401,6 +408,14 @@ def _q4_sums(c, xb, col, xmask, ASM: tl.constexpr):
 #       group g of row n at (n // 4) * 4 * (H / QG) + 4 * g + n % 4. ASM False (the interpreter): the same sums in
 #       Triton arithmetic, codes read nibble by nibble.
 # ------------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _q4_store_act(ptrs, g, u, mask):
+    """act = silu(g) * u of one row of each quad: the gate / up accumulators [RQ, BKW] summed over the words."""
+    g = tl.sum(g, axis=1)
+    u = tl.sum(u, axis=1)
+    tl.store(ptrs, (g / (1.0 + tl.exp(-g)) * u).to(ptrs.dtype.element_ty), mask=mask)
+
+
 @triton.jit
 def _moe_stream_gate_up_q4_kernel(hidden_ptr, w13_ptr, s13_ptr, act_ptr, ids_ptr, stride_hm, stride_we, stride_wn,
                                   stride_se, stride_sn, stride_am, E: tl.constexpr, H: tl.constexpr,
@@ -430,35 +445,53 @@ def _moe_stream_gate_up_q4_kernel(hidden_ptr, w13_ptr, s13_ptr, act_ptr, ids_ptr
     xb = hidden_ptr + tok.to(tl.int64) * stride_hm
     q_off = q[:, None, None] * stride_wn + orr[None, None, :]  # words: 4 rows of H / 2 bytes = stride_wn words
     s_off = q[:, None, None] * (4 * stride_sn) + orr[None, None, :]
-    acc_g = tl.zeros([RQ, BKW, 4], tl.float32)
-    acc_u = tl.zeros([RQ, BKW, 4], tl.float32)
+    # one accumulator a row of the quad (gate g0-g3, up u0-u3), [RQ, BKW] each: the PTX is elementwise over them
+    g0 = tl.zeros([RQ, BKW], tl.float32)
+    g1, g2, g3, u0, u1, u2, u3 = g0, g0, g0, g0, g0, g0, g0
     for w0 in tl.range(0, HW, BKW, num_stages=LSTAGES):
         wc = w0 + ow
         wmask = (wc < HW)[None, :, None]
         m3 = wmask & qmask[:, None, None]
         c_off = q_off + (wc * 4)[None, :, None]
-        cg = tl.load(wb + c_off, mask=m3, other=0)
-        cu = tl.load(wb + NQ * stride_wn + c_off, mask=m3, other=0)
+        cg0, cg1, cg2, cg3 = _split4(tl.load(wb + c_off, mask=m3, other=0))  # [RQ, BKW, 4 rows] -> 4 x [RQ, BKW]
+        cu0, cu1, cu2, cu3 = _split4(tl.load(wb + NQ * stride_wn + c_off, mask=m3, other=0))
         g_off = s_off + ((wc // WPG) * 4)[None, :, None]
-        sg = tl.load(sb + g_off, mask=m3, other=0.0).to(tl.float32)
-        su = tl.load(sb + NQ * 4 * stride_sn + g_off, mask=m3, other=0.0).to(tl.float32)
-        if ASM:
-            xa = tl.load(xb.to(tl.pointer_type(tl.int32)) + (wc * 4)[None, :, None] + orr[None, None, :], mask=wmask,
-                         other=0)  # [1, BKW, 4]: the word's 8 activations as 4 pairs, the codes' register layout
-            xa = tl.broadcast_to(xa, [RQ, BKW, 4])
-            acc_g, acc_u = tl.inline_asm_elementwise(_Q4_ASM2_F16 if F16 else _Q4_ASM2_BF16, _Q4_CONSTRAINTS2,
-                                                     [cg, cu, xa, sg, su, acc_g, acc_u],
-                                                     dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
-        else:  # [RQ, BKW, 4 rows, 4 bytes]: byte b of row r's word holds columns 8w + 2b (low) and 8w + 2b + 1
-            col = (wc * 8)[None, :, None, None] + 2 * tl.arange(0, 4)[None, None, None, :]
-            xm = (wc < HW)[None, :, None, None]
-            acc_g += sg * _q4_sums(cg, xb, col, xm, ASM)
-            acc_u += su * _q4_sums(cu, xb, col, xm, ASM)
-    g = tl.sum(acc_g, axis=1)  # [RQ, 4]: row 4q + r
-    u = tl.sum(acc_u, axis=1)
-    act = g / (1.0 + tl.exp(-g)) * u
-    rows = q[:, None] * 4 + orr[None, :]
-    tl.store(act_ptr + slot.to(tl.int64) * stride_am + rows, act.to(act_ptr.dtype.element_ty), mask=qmask[:, None])
+        sg0, sg1, sg2, sg3 = _split4(tl.load(sb + g_off, mask=m3, other=0.0).to(tl.float32))
+        su0, su1, su2, su3 = _split4(tl.load(sb + NQ * 4 * stride_sn + g_off, mask=m3, other=0.0).to(tl.float32))
+        if ASM:  # the word's 8 activations as 4 pairs, loaded in the codes' shape (so in their register layout)
+            x0, x1, x2, x3 = _split4(tl.load(xb.to(tl.pointer_type(tl.int32)) + (wc * 4)[None, :, None]
+                                             + orr[None, None, :] + 0 * q[:, None, None], mask=m3, other=0))
+            g0, g1, g2, g3, u0, u1, u2, u3 = tl.inline_asm_elementwise(
+                _Q4_ASM2_F16 if F16 else _Q4_ASM2_BF16, _Q4_CONSTRAINTS2,
+                [cg0, cg1, cg2, cg3, cu0, cu1, cu2, cu3, x0, x1, x2, x3, sg0, sg1, sg2, sg3, su0, su1, su2, su3,
+                 g0, g1, g2, g3, u0, u1, u2, u3],
+                dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32),
+                is_pure=True, pack=1)
+        else:  # [1, BKW, 4 bytes]: byte b of a row's word holds columns 8w + 2b (low nibble) and 8w + 2b + 1
+            col = (wc * 8)[None, :, None] + 2 * orr[None, None, :]
+            xe = tl.load(xb + col, mask=wmask, other=0.0).to(tl.float32)
+            xo = tl.load(xb + col + 1, mask=wmask, other=0.0).to(tl.float32)
+            g0 += sg0 * _q4_sums(cg0, xe, xo)
+            g1 += sg1 * _q4_sums(cg1, xe, xo)
+            g2 += sg2 * _q4_sums(cg2, xe, xo)
+            g3 += sg3 * _q4_sums(cg3, xe, xo)
+            u0 += su0 * _q4_sums(cu0, xe, xo)
+            u1 += su1 * _q4_sums(cu1, xe, xo)
+            u2 += su2 * _q4_sums(cu2, xe, xo)
+            u3 += su3 * _q4_sums(cu3, xe, xo)
+    a_row = act_ptr + slot.to(tl.int64) * stride_am + q * 4  # row 4q + r of the quads
+    _q4_store_act(a_row, g0, u0, qmask)
+    _q4_store_act(a_row + 1, g1, u1, qmask)
+    _q4_store_act(a_row + 2, g2, u2, qmask)
+    _q4_store_act(a_row + 3, g3, u3, qmask)
+
+
+@triton.jit
+def _q4_store_down(ptrs, acc, r, of_token, mask):
+    """One token's output on one row of each quad: ``sum_s r_s * acc[s]`` over its slots (``of_token``) and words."""
+    part = tl.sum(acc, axis=2) * r[:, None]  # [SP, RQ]
+    y = tl.sum(tl.where(of_token[:, None], part, 0.0), axis=0)
+    tl.store(ptrs, y.to(ptrs.dtype.element_ty), mask=mask)
 
 
 #   _moe_stream_down_q4_kernel  grid (ceil(H / (4 * RQ)),). The stream down kernel's work on w2 in row quads:
@@ -490,28 +523,41 @@ def _moe_stream_down_q4_kernel(act_ptr, w2_ptr, s2_ptr, ids_ptr, tw_ptr, out_ptr
     q_off = q[None, :, None, None] * stride_wn + orr[None, None, None, :]
     s_off = q[None, :, None, None] * (4 * stride_sn) + orr[None, None, None, :]
     a_rows = sl.to(tl.int64)[:, None, None, None] * stride_am
-    acc = tl.zeros([SP, RQ, BW, 4], tl.float32)
+    a0 = tl.zeros([SP, RQ, BW], tl.float32)  # one accumulator a row of the quad
+    a1, a2, a3 = a0, a0, a0
     for w0 in range(0, IW, BW):  # one step when I <= 8 * BW (Kimi-K2: I = 256, 32 words)
         wc = w0 + ow
         m4 = use[:, None, None, None] & qmask[None, :, None, None] & (wc < IW)[None, None, :, None]
-        c = tl.load(wb + q_off + (wc * 4)[None, None, :, None], mask=m4, other=0)
-        sc = tl.load(sb + s_off + ((wc // WPG) * 4)[None, None, :, None], mask=m4, other=0.0).to(tl.float32)
+        c0, c1, c2, c3 = _split4(tl.load(wb + q_off + (wc * 4)[None, None, :, None], mask=m4, other=0))
+        s0, s1, s2, s3 = _split4(tl.load(sb + s_off + ((wc // WPG) * 4)[None, None, :, None], mask=m4,
+                                         other=0.0).to(tl.float32))
         if PDL:  # act is the gate/up kernel's output: wait for it (the w2 gather above is already in flight)
             gdc_wait()
         if ASM:  # the activation pairs in the codes' shape (a load a row quad), so in their register layout
-            xa = tl.load(act_ptr.to(tl.pointer_type(tl.int32)) + a_rows // 2 + (wc * 4)[None, None, :, None]
-                         + orr[None, None, None, :] + 0 * q[None, :, None, None], mask=m4, other=0)
-            acc = tl.inline_asm_elementwise(_Q4_ASM1_F16 if F16 else _Q4_ASM1_BF16, _Q4_CONSTRAINTS1, [c, xa, sc, acc],
-                                            dtype=tl.float32, is_pure=True, pack=4)
+            x0, x1, x2, x3 = _split4(tl.load(act_ptr.to(tl.pointer_type(tl.int32)) + a_rows // 2
+                                             + (wc * 4)[None, None, :, None] + orr[None, None, None, :]
+                                             + 0 * q[None, :, None, None], mask=m4, other=0))
+            a0, a1, a2, a3 = tl.inline_asm_elementwise(_Q4_ASM1_F16 if F16 else _Q4_ASM1_BF16, _Q4_CONSTRAINTS1,
+                                                       [c0, c1, c2, c3, x0, x1, x2, x3, s0, s1, s2, s3,
+                                                        a0, a1, a2, a3],
+                                                       dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+                                                       is_pure=True, pack=1)
         else:
-            col = (wc * 8)[None, None, :, None, None] + 2 * tl.arange(0, 4)[None, None, None, None, :]
-            acc += sc * _q4_sums(c, act_ptr + a_rows[:, :, :, :, None], col, m4[:, :, :, :, None], ASM)
-    part = tl.sum(acc, axis=2) * r[:, None, None]  # [SP, RQ, 4]
+            col = a_rows + (wc * 8)[None, None, :, None] + 2 * orr[None, None, None, :]  # [SP, 1, BW, 4 bytes]
+            xm = use[:, None, None, None] & (wc < IW)[None, None, :, None]
+            xe = tl.load(act_ptr + col, mask=xm, other=0.0).to(tl.float32)
+            xo = tl.load(act_ptr + col + 1, mask=xm, other=0.0).to(tl.float32)
+            a0 += s0 * _q4_sums(c0, xe, xo)
+            a1 += s1 * _q4_sums(c1, xe, xo)
+            a2 += s2 * _q4_sums(c2, xe, xo)
+            a3 += s3 * _q4_sums(c3, xe, xo)
     tok = sl // TOP_K
-    rows = q[:, None] * 4 + orr[None, :]
+    o_row = out_ptr + q * 4  # row 4q + r of the quads
     for m in tl.static_range(MT):  # the top-k sum of token m, in the fixed order of one reduction
-        y = tl.sum(tl.where((tok == m)[:, None, None], part, 0.0), axis=0)
-        tl.store(out_ptr + m * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=qmask[:, None])
+        _q4_store_down(o_row + m * stride_om, a0, r, tok == m, qmask)
+        _q4_store_down(o_row + m * stride_om + 1, a1, r, tok == m, qmask)
+        _q4_store_down(o_row + m * stride_om + 2, a2, r, tok == m, qmask)
+        _q4_store_down(o_row + m * stride_om + 3, a3, r, tok == m, qmask)
 
 
 @triton.jit

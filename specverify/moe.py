@@ -1092,8 +1092,8 @@ def _stream_gate_up_quads(hidden, w13, q13, qc, act, ids32, e, inter, top_k, cfg
         hidden = hidden.clone()
     m, h = hidden.shape
     on_gpu = hidden.is_cuda
-    rq = max(1, min(cfg["q4RQ"], _next_pow2(inter // 4)))
-    bkw = max(16, min(cfg["q4BKW"], _next_pow2(h // 8)))
+    rq = max(1, min(_next_pow2(cfg["q4RQ"]), _next_pow2(inter // 4)))
+    bkw = max(16, min(_next_pow2(cfg["q4BKW"]), _next_pow2(h // 8)))
     # maxnreg: with it ptxas issues a step's loads together at the loop's top (without, it sinks the up rows' and
     # the down's activation loads next to their arithmetic, a round trip each: offline sm_90a SASS)
     launch = {"num_warps": cfg["q4_warps"], "num_stages": 1, "maxnreg": cfg["q4_maxnreg"]} if on_gpu else {}

@@ -14,7 +14,10 @@ L2).
 ``floor_us = mean over the sets of distinct experts * stored bytes an expert (codes + scales) / copy_bw``; ``x``
 = us / floor_us.
 
-Usage: ``python bench/sweep_quant_experts.py [--ms 1,2,4,8] [--formats int4,int4q,fp8] [--experts 384] [--json PATH]``.
+``--split``: also the stream gate/up alone (without PDL), so the down kernel's share shows.
+
+Usage: ``python bench/sweep_quant_experts.py [--ms 1,2,4,8] [--formats int4,int4q,fp8] [--experts 384] [--split]
+[--json PATH]``.
 Needs a CUDA GPU (exit code 2 otherwise).
 """
 from __future__ import annotations
@@ -50,6 +53,8 @@ def main(argv=None) -> int:
                          "of the gate/up choices, e.g. '[{}, {\"R\": 8}, {\"BK\": 1024}]' ({}: the defaults; the "
                          "down tile of quantised weights is qBH / qTILE unless BH / TILE are given; QPF: int4's "
                          "next-tile loads)")
+    ap.add_argument("--split", action="store_true",
+                    help="also time the stream gate/up alone (gate_up_us; the rest is the down kernel), M <= 6")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("sweep_quant_experts: needs a CUDA GPU", file=sys.stderr)
@@ -99,9 +104,20 @@ def main(argv=None) -> int:
                     for i in range(SETS):
                         moe.fused_moe(x[i], p13, p2, routed[i][0], routed[i][1], quant=q)
                 us = graph_us(calls, calls=1, replays=10, repeats=3) / SETS
-                rows.append(dict(format=fmt, gate_up=gu, m=m, us=us, floor_us=floor_us, x_floor=us / floor_us,
-                                 err=err, tol=tol))
-                print(f"{label:>18} M={m}: {us:8.2f} us  floor {floor_us:7.2f}  x{us / floor_us:5.2f}", flush=True)
+                row = dict(format=fmt, gate_up=gu, m=m, us=us, floor_us=floor_us, x_floor=us / floor_us, err=err,
+                           tol=tol)
+                split = ""
+                if args.split and m <= moe._STREAM_CONFIG["max_m"]:
+                    cfg = moe._stream_config(m, h, inter, top, True, q.format)
+
+                    def gate_up_calls():
+                        for i in range(SETS):
+                            moe.stream_gate_up(x[i], p13, routed[i][0].int(), cfg, False, q)
+                    row["gate_up_us"] = graph_us(gate_up_calls, calls=1, replays=10, repeats=3) / SETS
+                    split = f"  gate/up alone {row['gate_up_us']:7.2f}"
+                rows.append(row)
+                print(f"{label:>18} M={m}: {us:8.2f} us  floor {floor_us:7.2f}  x{us / floor_us:5.2f}{split}",
+                      flush=True)
     moe._STREAM_OVERRIDE.clear()
     if args.json:
         write_rows_json(args.json, __file__, rows, copy_bandwidth_gbps=bw / 1e9)

@@ -858,8 +858,8 @@ _STREAM_CONFIG: dict = {"max_m": 6, "small_m": 2, "small_R": 2, "R": 4, "BK": 51
                         "BH": 2, "BI": 256, "TILE": 8192, "down_warps": 4, "PDL": True, "gate_up": "auto",
                         "splitk_max_m": 2, "SBN": 32, "SBK": 128, "split_stages": 3, "split_warps": 4,
                         "split_waves": 4, "qBH": 8, "qTILE": 16384, "QPF": 1, "LS": 0,
-                        "fp8_LS": 4, "fp8_LS_min_m": 4, "q4RQ": 1, "q4BKW": 128, "q4_warps": 4, "q4LS": 0,
-                        "q4dTILE": 2048, "q4_maxnreg": 128}
+                        "fp8_LS": 4, "fp8_LS_min_m": 4, "q4RQ": 1, "q4RQ_m2": 2, "q4BKW": 128, "q4_warps": 4,
+                        "q4LS": 0, "q4dTILE": 4096, "q4_maxnreg": 128}
 #: Overrides merged into the stream config (benchmarks and sweeps only; empty in normal use).
 _STREAM_OVERRIDE: dict = {}
 #: Tile overrides for benchmarks and sweeps only: keys ``g1`` / ``g2`` (dicts merged into the gate/up and down
@@ -985,6 +985,8 @@ def _stream_config(m: int, h: int, inter: int, top_k: int, on_gpu: bool, quant_f
         cfg["R"] = cfg["small_R"]
     if quant_format == "fp8" and m >= cfg["fp8_LS_min_m"]:
         cfg["LS"] = cfg["fp8_LS"]
+    if m == 2:
+        cfg["q4RQ"] = cfg["q4RQ_m2"]
     cfg.update(_STREAM_OVERRIDE)
     if quant_format is not None:
         cfg["BH"] = _STREAM_OVERRIDE.get("BH", cfg["qBH"])

@@ -854,12 +854,20 @@ _FAST_ROUTE_CONFIG: dict = {"one_max_slots": 16, "align_one_max_slots": 32, "one
 #: int4 and bf16 lost with it at every M (int4 alone 25.61 against 23.06 us at M = 1; bf16 at M = 4 / 6 119.28 /
 #: 176.15 against 117.41 / 169.28; in the pass int4 5.346 / 9.060 against 5.093 / 8.708 ms at k = 1 / 4, bf16
 #: 11.395 / 15.364 against 10.903 / 14.553 at k = 4 / 6): their loops stay plain.
+#: int4 in row quads (``MoEQuant(layout="quads")``, the ``_q4`` kernels): ``q4RQ`` row quads of gate and of up rows a
+#: gate/up program (``q4RQ_m2`` at 2 tokens), ``q4BKW`` code words a step, ``q4_warps``, ``q4LS`` pipeline stages (0:
+#: plain loop), ``q4dTILE`` code words of the down tile (``q4dTILE_m1`` at one token: 4 row quads of 8 slots),
+#: ``q4_maxnreg`` (ptxas then issues a step's loads together). H100, 2026-12-07, commit 0c646be
+#: (``sweep_quant_experts.py --formats int4q --configs ...``, bench/RESULTS.md): defaults 17.76 / 32.84 / 59.03 us at
+#: M = 1 / 2 / 4 against rows 22.91 / 38.34 / 79.60; down tile 4096 17.19 / 33.89 / 58.99; 2 gate/up quads 18.58 /
+#: 29.60 / 59.52; 256 words a step 18.36 / 32.26 / 61.93; 3 stages 17.80 / 32.43 / 61.32; 64 words on 2 warps 20.49 /
+#: 30.80 / 60.94.
 _STREAM_CONFIG: dict = {"max_m": 6, "small_m": 2, "small_R": 2, "R": 4, "BK": 512, "num_warps": 4, "num_stages": 1,
                         "BH": 2, "BI": 256, "TILE": 8192, "down_warps": 4, "PDL": True, "gate_up": "auto",
                         "splitk_max_m": 2, "SBN": 32, "SBK": 128, "split_stages": 3, "split_warps": 4,
                         "split_waves": 4, "qBH": 8, "qTILE": 16384, "QPF": 1, "LS": 0,
                         "fp8_LS": 4, "fp8_LS_min_m": 4, "q4RQ": 1, "q4RQ_m2": 2, "q4BKW": 128, "q4_warps": 4,
-                        "q4LS": 0, "q4dTILE": 4096, "q4_maxnreg": 128}
+                        "q4LS": 0, "q4dTILE": 2048, "q4dTILE_m1": 4096, "q4_maxnreg": 128}
 #: Overrides merged into the stream config (benchmarks and sweeps only; empty in normal use).
 _STREAM_OVERRIDE: dict = {}
 #: Tile overrides for benchmarks and sweeps only: keys ``g1`` / ``g2`` (dicts merged into the gate/up and down
@@ -985,6 +993,8 @@ def _stream_config(m: int, h: int, inter: int, top_k: int, on_gpu: bool, quant_f
         cfg["R"] = cfg["small_R"]
     if quant_format == "fp8" and m >= cfg["fp8_LS_min_m"]:
         cfg["LS"] = cfg["fp8_LS"]
+    if m == 1:
+        cfg["q4dTILE"] = cfg["q4dTILE_m1"]
     if m == 2:
         cfg["q4RQ"] = cfg["q4RQ_m2"]
     cfg.update(_STREAM_OVERRIDE)

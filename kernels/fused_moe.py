@@ -487,9 +487,8 @@ def _moe_stream_gate_up_q4_kernel(hidden_ptr, w13_ptr, s13_ptr, act_ptr, ids_ptr
 
 
 @triton.jit
-def _q4_store_down(ptrs, acc, r, of_token, mask):
-    """One token's output on one row of each quad: ``sum_s r_s * acc[s]`` over its slots (``of_token``) and words."""
-    part = tl.sum(acc, axis=2) * r[:, None]  # [SP, RQ]
+def _q4_store_down(ptrs, part, of_token, mask):
+    """One token's output on one row of each quad: the sum of ``part`` [SP, RQ] over its slots (``of_token``)."""
     y = tl.sum(tl.where(of_token[:, None], part, 0.0), axis=0)
     tl.store(ptrs, y.to(ptrs.dtype.element_ty), mask=mask)
 
@@ -552,12 +551,16 @@ def _moe_stream_down_q4_kernel(act_ptr, w2_ptr, s2_ptr, ids_ptr, tw_ptr, out_ptr
             a2 += s2 * _q4_sums(c2, xe, xo)
             a3 += s3 * _q4_sums(c3, xe, xo)
     tok = sl // TOP_K
-    o_row = out_ptr + q * 4  # row 4q + r of the quads
+    p0 = tl.sum(a0, axis=2) * r[:, None]  # [SP, RQ]: each slot's weighted output on row 4q + r
+    p1 = tl.sum(a1, axis=2) * r[:, None]
+    p2 = tl.sum(a2, axis=2) * r[:, None]
+    p3 = tl.sum(a3, axis=2) * r[:, None]
+    o_row = out_ptr + q * 4
     for m in tl.static_range(MT):  # the top-k sum of token m, in the fixed order of one reduction
-        _q4_store_down(o_row + m * stride_om, a0, r, tok == m, qmask)
-        _q4_store_down(o_row + m * stride_om + 1, a1, r, tok == m, qmask)
-        _q4_store_down(o_row + m * stride_om + 2, a2, r, tok == m, qmask)
-        _q4_store_down(o_row + m * stride_om + 3, a3, r, tok == m, qmask)
+        _q4_store_down(o_row + m * stride_om, p0, tok == m, qmask)
+        _q4_store_down(o_row + m * stride_om + 1, p1, tok == m, qmask)
+        _q4_store_down(o_row + m * stride_om + 2, p2, tok == m, qmask)
+        _q4_store_down(o_row + m * stride_om + 3, p3, tok == m, qmask)
 
 
 @triton.jit

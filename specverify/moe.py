@@ -748,8 +748,9 @@ def _check_quant(quant: MoEQuant, hidden, w13, w2, e: int, h: int, inter: int) -
             raise ValueError(f"int4 experts in row quads need group_size >= 8 (got {g}) and H={h} and I={inter} "
                              "multiples of 8 (a 32-bit code word of 8 columns, gate and up rows in whole quads); "
                              "keep such weights in layout='rows'")
-        if quant.layout == "quads" and not all(t.is_contiguous() for t in (w13, w2, quant.w13_scale, quant.w2_scale)) \
-                or quant.layout == "quads" and (w13.storage_offset() % 16 or w2.storage_offset() % 16):
+        quads_kept = (all(t.is_contiguous() for t in (w13, w2, quant.w13_scale, quant.w2_scale))
+                      and w13.storage_offset() % 16 == 0 and w2.storage_offset() % 16 == 0)
+        if quant.layout == "quads" and not quads_kept:
             raise ValueError("int4 experts in row quads must be the contiguous, 16-byte aligned tensors "
                              "specverify.reference.quant.int4_to_quads returns (weights and scales): a view or a "
                              "slice of rows does not keep the quads (whole experts do); repack what you need")
@@ -1125,9 +1126,9 @@ def _stream_down_quads(act, w2, q2, qc, ids32, tw, out, e, h, inter, m, top_k, c
 
     bw = max(1, min(64, _next_pow2(inter // 8)))
     sp = cfg["SP"]
-    rq = max(1, min(_next_pow2(h // 4), _next_pow2(max(cfg["q4dTILE"] // (sp * bw * 4), 1))))
-    if cfg["q4dTILE"] < sp * bw * 4 * rq:
-        rq = max(1, rq // 2)
+    rq = 1  # the most row quads (a power of two, at most H / 4 rounded up) whose tile fits q4dTILE words
+    while 2 * rq <= _next_pow2(h // 4) and 2 * rq * sp * bw * 4 <= cfg["q4dTILE"]:
+        rq *= 2
     if act.is_cuda:
         launch = dict(launch, maxnreg=cfg["q4_maxnreg"])
     _moe_stream_down_q4_kernel[(_cdiv(h // 4, rq),)](

@@ -395,7 +395,7 @@ def _q4_sums(c, xe, xo):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# int4 experts in row quads (``MoEQuant(layout="quads")``, QUANT 3): the gate/up of the stream experts without a
+# int4 experts in row quads (``MoEQuant(layout="quads")``, QUANT 3): the stream experts' gate/up and down without a
 # layout change. A 16-byte load holds one 32-bit code word (8 columns) of 4 rows, and the same thread's 16-byte
 # activation load holds those 8 columns, so codes and activations meet in registers; the arithmetic is the PTX of
 # ``_q4_asm`` (about 3 instructions a weight: one prmt and one FMA a code, the masks, the activations' conversion

@@ -69,12 +69,13 @@ def main(argv=None) -> int:
     w13, w2 = random_expert_weights(e, h, inter, dtype=torch.bfloat16, device="cuda", seed=1)
     rows, failed = [], 0
     for fmt in args.formats:
-        p13, s13 = quantize_experts(w13, fmt[:4] if fmt == "int4q" else fmt)
-        p2, s2 = quantize_experts(w2, fmt[:4] if fmt == "int4q" else fmt)
+        stored = "int4" if fmt == "int4q" else fmt
+        p13, s13 = quantize_experts(w13, stored)
+        p2, s2 = quantize_experts(w2, stored)
         if fmt == "int4q":
             p13, s13 = int4_to_quads(p13, s13)
             p2, s2 = int4_to_quads(p2, s2)
-        q = moe.MoEQuant("int4" if fmt == "int4q" else fmt, s13, s2, layout="quads" if fmt == "int4q" else "rows")
+        q = moe.MoEQuant(stored, s13, s2, layout="quads" if fmt == "int4q" else "rows")
         per_expert = sum(t[0].numel() * t.element_size() for t in (p13, p2, s13, s2))
         for m in args.ms:
             g = torch.Generator(device="cuda").manual_seed(m)

@@ -64,17 +64,18 @@ def _load_w_raw(w_ptr, s_ptr, e, rows, k0, e_mask, row_mask, stride_e, stride_ro
     QUANT is 0)."""
     m2 = e_mask[:, None, None] & row_mask[None, :, None]
     if QUANT == 3:  # row quads: byte j of row n at (n // 4) * 4 * stride_row + (j // 4) * 16 + (n % 4) * 4 + j % 4
-        base = (w_ptr + e[:, None, None].to(tl.int64) * stride_e
-                + ((rows // 4) * 4 * stride_row + (rows % 4) * 4)[None, :, None].to(tl.int64))
-        pc = k0 // 2 + tl.arange(0, BK // 2)
-        p = tl.load(base + ((pc // 4) * 16 + pc % 4)[None, None, :], mask=m2 & (pc < K // 2)[None, None, :],
-                    other=0x88)
-    elif QUANT == 1:
-        base = w_ptr + e[:, None, None].to(tl.int64) * stride_e + rows[None, :, None].to(tl.int64) * stride_row
-        pc = k0 // 2 + tl.arange(0, BK // 2)
-        p = tl.load(base + pc[None, None, :], mask=m2 & (pc < K // 2)[None, None, :], other=0x88)
+        row_off = ((rows // 4) * 4 * stride_row + (rows % 4) * 4).to(tl.int64)
     else:
-        base = w_ptr + e[:, None, None].to(tl.int64) * stride_e + rows[None, :, None].to(tl.int64) * stride_row
+        row_off = rows.to(tl.int64) * stride_row
+    base = w_ptr + e[:, None, None].to(tl.int64) * stride_e + row_off[None, :, None]
+    if QUANT == 1 or QUANT == 3:
+        pc = k0 // 2 + tl.arange(0, BK // 2)
+        if QUANT == 3:
+            col = (pc // 4) * 16 + pc % 4
+        else:
+            col = pc
+        p = tl.load(base + col[None, None, :], mask=m2 & (pc < K // 2)[None, None, :], other=0x88)
+    else:
         kc = k0 + tl.arange(0, BK)
         p = tl.load(base + kc[None, None, :], mask=m2 & (kc < K)[None, None, :], other=0.0)
     if QUANT != 0:

@@ -516,7 +516,8 @@ def experts_quant_note(model) -> str:
     moe = next(w for w in model._sets.values() if not w["dense"])
     q = moe["quant"]
     if q.format == "int4":
-        what = f"routed experts int4 (group {q.group_size}, bf16 scales, {'row quads' if q.layout == 'quads' else 'rows'})"
+        layout = "row quads" if q.layout == "quads" else "rows"
+        what = f"routed experts int4 (group {q.group_size}, bf16 scales, {layout})"
     else:
         what = f"routed experts fp8 ({q.block_shape[0]} x {q.block_shape[1]} blocks, fp32 scales)"
         if tuple(q.block_shape) != (128, 128):

@@ -49,17 +49,22 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, group_size: int =
     return (q * s).to(dtype)
 
 
+def _quads_shapes(name: str, packed: torch.Tensor, scale: torch.Tensor) -> tuple[int, ...]:
+    """``(*lead, N, K / 2, groups)`` of int4 weights going to or from row quads, or a ValueError."""
+    *lead, n, kb = packed.shape
+    if n % 4 or kb % 4 or scale.shape[-2] != n:
+        raise ValueError(f"{name}: need N a multiple of 4 and K a multiple of 8, with scales of N rows; got packed "
+                         f"{list(packed.shape)} and scale {list(scale.shape)}")
+    return (*lead, n, kb, scale.shape[-1])
+
+
 def int4_to_quads(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int4 ``packed`` uint8 ``[..., N, K / 2]`` and ``scale [..., N, K / group]`` in rows to row quads
     (``MoEQuant(layout="quads")``): new contiguous tensors of the same shapes whose memory holds, for each quad of
     rows ``4i..4i+3``, code word ``w`` (bytes ``4w..4w+3``, columns ``8w..8w+7``) of the 4 rows one after the other
     (16 bytes), then word ``w + 1``; the scales likewise, group ``g`` of the 4 rows side by side. N must be a
     multiple of 4 and K of 8."""
-    *lead, n, kb = packed.shape
-    if n % 4 or kb % 4 or scale.shape[-2] != n:
-        raise ValueError(f"int4_to_quads: need N a multiple of 4 and K a multiple of 8, with scales of N rows; got "
-                         f"packed {list(packed.shape)} and scale {list(scale.shape)}")
-    g = scale.shape[-1]
+    *lead, n, kb, g = _quads_shapes("int4_to_quads", packed, scale)
     q = packed.reshape(*lead, n // 4, 4, kb // 4, 4).transpose(-3, -2).reshape(*lead, n, kb)
     s = scale.reshape(*lead, n // 4, 4, g).transpose(-2, -1).reshape(*lead, n, g)
     return q.contiguous(), s.contiguous()
@@ -67,11 +72,7 @@ def int4_to_quads(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tens
 
 def int4_from_quads(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of :func:`int4_to_quads`: row-quad tensors back to rows (new contiguous tensors)."""
-    *lead, n, kb = packed.shape
-    if n % 4 or kb % 4 or scale.shape[-2] != n:
-        raise ValueError(f"int4_from_quads: need N a multiple of 4 and K a multiple of 8, with scales of N rows; "
-                         f"got packed {list(packed.shape)} and scale {list(scale.shape)}")
-    g = scale.shape[-1]
+    *lead, n, kb, g = _quads_shapes("int4_from_quads", packed, scale)
     q = packed.reshape(*lead, n // 4, kb // 4, 4, 4).transpose(-3, -2).reshape(*lead, n, kb)
     s = scale.reshape(*lead, n // 4, g, 4).transpose(-2, -1).reshape(*lead, n, g)
     return q.contiguous(), s.contiguous()

@@ -64,7 +64,7 @@ import sys
 from specverify import verify_wall as vw
 from specverify.gemv import gemv_config
 
-FUSIONS = ("mla_prep_absorb", "route_shared", "moe_block")
+FUSIONS = ("mla_prep_absorb", "route_shared", "moe_block", "experts_plus_shared")
 VARIANTS = {"chain": dict(off=FUSIONS), "fused": dict(off=()), "fma": dict(off=(), stream={"splitk_max_m": 0})}
 VARIANTS.update({f"no-{slot}": dict(off=(slot,)) for slot in FUSIONS})
 VARIANTS.update({f"splitk-m{m}": dict(off=(), stream={"splitk_max_m": m}) for m in (4, 6)})

@@ -355,8 +355,9 @@ def scen_moe(quick: bool, target: str):
         yield f"moe e384 h7168 i256 top8 M{m}", run
     # the quantised experts (Kimi-K2.5's int4, group 32, bf16 scales; DeepSeek-V3 / Kimi-K2's fp8 128 x 128 blocks)
     # on each path the launcher picks: split-K gate/up at M 1, the FMA programs at M 4, the dot path at M 8 and 64
-    # int4q: int4 with w13 in row quads (our forward's layout; the stream gate/up's PTX kernel up to M 6)
-    for fmt in ("int4", "int4q", "fp8"):
+    # int4q: int4 in row quads (our forward's layout; the q4 stream kernels up to M 8); int4q+shared: with Kimi-K2.5's
+    # bf16 shared expert in the same launches
+    for fmt in ("int4", "int4q", "int4q+shared", "fp8"):
         for m in ((1, 8) if quick else (1, 4, 8, 64)):
             def run_q(m=m, fmt=fmt):
                 e, h, inter, top = 384, 7168, 256, 8
@@ -364,14 +365,15 @@ def scen_moe(quick: bool, target: str):
                     u8 = torch.uint8
                     w13, w2 = _cuda(e, 2 * inter, h // 2, dtype=u8), _cuda(e, h, inter // 2, dtype=u8)
                     q = moe.MoEQuant("int4", _cuda(e, 2 * inter, h // 32), _cuda(e, h, inter // 32), group_size=32,
-                                     layout="quads" if fmt == "int4q" else "rows")
+                                     layout="quads" if fmt.startswith("int4q") else "rows")
                 else:
                     f8 = torch.float8_e4m3fn
                     w13, w2 = _cuda(e, 2 * inter, h, dtype=f8), _cuda(e, h, inter, dtype=f8)
                     f32 = torch.float32
                     q = moe.MoEQuant("fp8", _cuda(e, 4, 56, dtype=f32), _cuda(e, 56, 2, dtype=f32))
                 ids, w = _cuda(m, top, dtype=torch.int32), _cuda(m, top, dtype=torch.float32)
-                moe.fused_moe(_cuda(m, h), w13, w2, ids, w, quant=q, impl="triton")
+                shared = (_cuda(2 * inter, h), _cuda(h, inter)) if fmt.endswith("+shared") else None
+                moe.fused_moe(_cuda(m, h), w13, w2, ids, w, quant=q, shared_expert=shared, impl="triton")
             yield f"moe {fmt} e384 h7168 i256 top8 M{m}", run_q
 
 

@@ -16,8 +16,13 @@ L2).
 
 ``--split``: also the stream gate/up alone (without PDL), so the down kernel's share shows.
 
+``--shared``: with Kimi-K2.5's unquantised (bf16) shared expert (I 256, its own weights for each of the ``SETS``
+calls), passed as ``fused_moe(..., shared_expert=...)``; the floor counts its bytes. The config key ``"apart":
+true`` (the sweep's, not the launcher's) runs it instead as our forward did before: the routed experts, then two
+matmuls and an add.
+
 Usage: ``python bench/sweep_quant_experts.py [--ms 1,2,4,8] [--formats int4,int4q,fp8] [--experts 384] [--split]
-[--json PATH]``.
+[--shared] [--configs JSON] [--json PATH]``.
 Needs a CUDA GPU (exit code 2 otherwise).
 """
 from __future__ import annotations
@@ -53,6 +58,9 @@ def main(argv=None) -> int:
                          "of the gate/up choices, e.g. '[{}, {\"R\": 8}, {\"BK\": 1024}]' ({}: the defaults; the "
                          "down tile of quantised weights is qBH / qTILE unless BH / TILE are given; QPF: int4's "
                          "next-tile loads)")
+    ap.add_argument("--shared", action="store_true",
+                    help="with a bf16 shared expert (fused_moe's shared_expert; config key \"apart\": true runs it "
+                         "as two matmuls and an add after the experts)")
     ap.add_argument("--split", action="store_true",
                     help="also time the stream gate/up alone (gate_up_us; the rest is the down kernel), M <= 6")
     args = ap.parse_args(argv)
@@ -61,12 +69,25 @@ def main(argv=None) -> int:
         return 2
     import specverify.moe as moe
     from specverify.reference.moe import fused_moe_by_expert_reference as by_expert
-    from specverify.reference.moe import random_expert_weights
+    from specverify.reference.moe import random_expert_weights, shared_expert_reference
     from specverify.reference.quant import int4_to_quads, quantize_experts
 
     e, h, inter, top = args.experts, 7168, 256, 8
     bw = copy_bandwidth_gbps() * 1e9
     w13, w2 = random_expert_weights(e, h, inter, dtype=torch.bfloat16, device="cuda", seed=1)
+    shared = [None] * SETS
+    if args.shared:  # a shared expert a set (so each call reads its own from HBM)
+        sh13, sh2 = random_expert_weights(SETS, h, inter, dtype=torch.bfloat16, device="cuda", seed=2)
+        shared = [(sh13[i], sh2[i]) for i in range(SETS)]
+    shared_bytes = 0 if not args.shared else (sh13[0].numel() + sh2[0].numel()) * 2
+
+    def experts(xi, p13, p2, ids, w, q, sh, apart):
+        if sh is None or not apart:
+            return moe.fused_moe(xi, p13, p2, ids, w, quant=q, shared_expert=sh)
+        out = moe.fused_moe(xi, p13, p2, ids, w, quant=q)
+        g_u = xi @ sh[0].t()
+        return out + (torch.nn.functional.silu(g_u[:, :inter]) * g_u[:, inter:]) @ sh[1].t()
+
     rows, failed = [], 0
     for fmt in args.formats:
         stored = "int4" if fmt == "int4q" else fmt
@@ -81,21 +102,26 @@ def main(argv=None) -> int:
             g = torch.Generator(device="cuda").manual_seed(m)
             x = torch.randn(SETS, m, h, device="cuda", generator=g).bfloat16()
             routed = [moe.moe_route(torch.randn(m, e, device="cuda", generator=g), top_k=top) for _ in range(SETS)]
-            floor_us = sum(len(torch.unique(i)) for i, _ in routed) / SETS * per_expert / bw * 1e6
+            floor_us = (sum(len(torch.unique(i)) for i, _ in routed) / SETS * per_expert + shared_bytes) / bw * 1e6
             if args.configs:
                 gus = [json.dumps(c, sort_keys=True) for c in json.loads(args.configs)]
             else:
                 gus = ("auto", "fma", "splitk") if m <= 2 else ("auto",)
             for gu in gus:
                 over = json.loads(gu) if args.configs else ({} if gu == "auto" else {"gate_up": gu})
+                apart = bool(over.pop("apart", False))
                 moe._STREAM_OVERRIDE.clear()
                 moe._STREAM_OVERRIDE.update(over)
                 ids, w = routed[0]
-                out = moe.fused_moe(x[0], p13, p2, ids, w, quant=q)
+                out = experts(x[0], p13, p2, ids, w, q, shared[0], apart)
                 want = by_expert(x[0], p13, p2, ids, w, torch.float64, quant=q)
-                tol = 2 * (by_expert(x[0], p13, p2, ids, w, torch.bfloat16, quant=q) - want).abs().max().item() + 1e-6
+                got_bf16 = by_expert(x[0], p13, p2, ids, w, torch.bfloat16, quant=q)
+                if args.shared:  # + the shared expert, in fp64 and (for the tolerance) in bf16
+                    want = want + shared_expert_reference(x[0], *shared[0], compute_dtype=torch.float64)
+                    got_bf16 = got_bf16 + shared_expert_reference(x[0], *shared[0], compute_dtype=torch.bfloat16)
+                tol = 2 * (got_bf16 - want).abs().max().item() + 2 ** -8 * want.abs().max().item() * args.shared + 1e-6
                 err = (out.double() - want).abs().max().item()
-                label = f"{fmt} {gu}"
+                label = f"{fmt}{'+shared' * args.shared} {gu}"
                 if not err <= tol:
                     print(f"FAIL {label} M={m}: error {err:.3g} > tolerance {tol:.3g}")
                     failed += 1
@@ -103,12 +129,12 @@ def main(argv=None) -> int:
 
                 def calls():
                     for i in range(SETS):
-                        moe.fused_moe(x[i], p13, p2, routed[i][0], routed[i][1], quant=q)
+                        experts(x[i], p13, p2, routed[i][0], routed[i][1], q, shared[i], apart)
                 us = graph_us(calls, calls=1, replays=10, repeats=3) / SETS
-                row = dict(format=fmt, gate_up=gu, m=m, us=us, floor_us=floor_us, x_floor=us / floor_us, err=err,
-                           tol=tol)
+                row = dict(format=fmt + "+shared" * args.shared, gate_up=gu, m=m, us=us, floor_us=floor_us,
+                           x_floor=us / floor_us, err=err, tol=tol)
                 split = ""
-                if args.split and m <= moe._STREAM_CONFIG["max_m"]:
+                if args.split and m <= moe._stream_max_m(q):
                     cfg = moe._stream_config(m, h, inter, top, True, q.format)
 
                     def gate_up_calls():

@@ -408,7 +408,37 @@ def _q4_sums(c, xe, xo):
 #       Codes: w13 viewed as int32 words, word w of row n at (n // 4) * (H / 2) + 4 * w + n % 4 (words); scales
 #       group g of row n at (n // 4) * 4 * (H / QG) + 4 * g + n % 4. ASM False (the interpreter): the same sums in
 #       Triton arithmetic, codes read nibble by nibble.
+#       SHARED: an unquantised shared expert (w13 [2I, H] in hidden's dtype, weight 1) rides in the same grid: its
+#       M * ceil(I / SR) programs come first (``_shared_gate_up_rows``: SR gate + SR up rows, SBK columns a step)
+#       and store act rows S + token; the down kernel then adds its output to every token's.
 # ------------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _shared_gate_up_rows(hidden_ptr, sw_ptr, act_ptr, tok, t, S, stride_hm, stride_sw, stride_am, H: tl.constexpr,
+                         I: tl.constexpr, SR: tl.constexpr, SBK: tl.constexpr):
+    """One program of the shared expert in the q4 gate/up grid: gate rows [t*SR, (t+1)*SR) and the same up rows of
+    the unquantised shared w13 [2I, H] (hidden's dtype) against token ``tok``, FMA over all of H in SBK columns a
+    step; act[S + tok, rows] = silu(gate) * up."""
+    rows = t * SR + tl.arange(0, SR)
+    rmask = rows < I
+    oc = tl.arange(0, SBK)
+    xb = hidden_ptr + tok.to(tl.int64) * stride_hm
+    wg = sw_ptr + rows[:, None].to(tl.int64) * stride_sw
+    wu = wg + I * stride_sw
+    ag = tl.zeros([SR, SBK], tl.float32)
+    au = tl.zeros([SR, SBK], tl.float32)
+    for k0 in range(0, H, SBK):
+        c = k0 + oc
+        cm = c < H
+        x = tl.load(xb + c, mask=cm, other=0.0).to(tl.float32)[None, :]
+        m2 = rmask[:, None] & cm[None, :]
+        ag += tl.load(wg + c[None, :], mask=m2, other=0.0).to(tl.float32) * x
+        au += tl.load(wu + c[None, :], mask=m2, other=0.0).to(tl.float32) * x
+    g = tl.sum(ag, axis=1)
+    u = tl.sum(au, axis=1)
+    tl.store(act_ptr + (S + tok).to(tl.int64) * stride_am + rows, (g / (1.0 + tl.exp(-g)) * u).to(
+        act_ptr.dtype.element_ty), mask=rmask)
+
+
 @triton.jit
 def _q4_store_act(ptrs, g, u, mask):
     """act = silu(g) * u of one row of each quad: the gate / up accumulators [RQ, BKW] summed over the words."""
@@ -422,11 +452,19 @@ def _moe_stream_gate_up_q4_kernel(hidden_ptr, w13_ptr, s13_ptr, act_ptr, ids_ptr
                                   stride_se, stride_sn, stride_am, E: tl.constexpr, H: tl.constexpr,
                                   I: tl.constexpr, TOP_K: tl.constexpr, RQ: tl.constexpr, BKW: tl.constexpr,
                                   PDL: tl.constexpr, QG: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr,
-                                  LSTAGES: tl.constexpr = None):
+                                  LSTAGES: tl.constexpr = None, sw_ptr=None, stride_sw=0, S=0,
+                                  SHARED: tl.constexpr = False, SR: tl.constexpr = 2, SBK: tl.constexpr = 512):
     if PDL:  # as the stream gate/up: wait for the routing and the norm, then let the down kernel launch
         gdc_wait()
         gdc_launch_dependents()
     pid = tl.program_id(0)
+    if SHARED:  # programs [0, M * ceil(I / SR)): the unquantised shared expert, into act rows S + token
+        NTS: tl.constexpr = (I + SR - 1) // SR
+        if pid < (S // TOP_K) * NTS:
+            _shared_gate_up_rows(hidden_ptr, sw_ptr, act_ptr, pid // NTS, pid % NTS, S, stride_hm, stride_sw,
+                                 stride_am, H, I, SR, SBK)
+            return
+        pid -= (S // TOP_K) * NTS
     NQ: tl.constexpr = I // 4
     NT: tl.constexpr = (NQ + RQ - 1) // RQ
     HW: tl.constexpr = H // 8  # code words a row
@@ -488,9 +526,10 @@ def _moe_stream_gate_up_q4_kernel(hidden_ptr, w13_ptr, s13_ptr, act_ptr, ids_ptr
 
 
 @triton.jit
-def _q4_store_down(ptrs, part, of_token, mask):
-    """One token's output on one row of each quad: the sum of ``part`` [SP, RQ] over its slots (``of_token``)."""
-    y = tl.sum(tl.where(of_token[:, None], part, 0.0), axis=0)
+def _q4_store_down(ptrs, part, of_token, mask, shared):
+    """One token's output on one row of each quad: the sum of ``part`` [SP, RQ] over its slots (``of_token``), plus
+    ``shared`` (the shared expert's output on those rows [RQ], or 0.0)."""
+    y = tl.sum(tl.where(of_token[:, None], part, 0.0), axis=0) + shared
     tl.store(ptrs, y.to(ptrs.dtype.element_ty), mask=mask)
 
 
@@ -499,12 +538,15 @@ def _q4_store_down(ptrs, part, of_token, mask):
 #       tiles over I (BW words a step, one step when I <= 8 * BW), gathered before ``gdc_wait`` as in the stream
 #       down kernel; the activations [SP, RQ, BW, 4] pairs (one load a row quad: the codes' register layout), then
 #           out[m, h] = sum_{s of token m} r_s * sum_i act[s, i] * w2[e_s][h, i]       (fixed order, no atomics)
+#       SHARED: + sum_i act[S + m, i] * shared_w2[h, i] (the program's [RQ, 4, BIS] rows of the unquantised shared
+#       w2, read before the wait like the codes).
 @triton.jit
 def _moe_stream_down_q4_kernel(act_ptr, w2_ptr, s2_ptr, ids_ptr, tw_ptr, out_ptr, stride_am, stride_we, stride_wn,
                                stride_se, stride_sn, stride_om, E: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                                TOP_K: tl.constexpr, MT: tl.constexpr, SP: tl.constexpr, RQ: tl.constexpr,
                                BW: tl.constexpr, PDL: tl.constexpr, QG: tl.constexpr, ASM: tl.constexpr,
-                               F16: tl.constexpr):
+                               F16: tl.constexpr, sw2_ptr=None, stride_sw2=0, SHARED: tl.constexpr = False,
+                               BIS: tl.constexpr = 16):
     pid = tl.program_id(0)
     IW: tl.constexpr = I // 8  # code words a row
     WPG: tl.constexpr = QG // 8
@@ -523,6 +565,11 @@ def _moe_stream_down_q4_kernel(act_ptr, w2_ptr, s2_ptr, ids_ptr, tw_ptr, out_ptr
     q_off = q[None, :, None, None] * stride_wn + orr[None, None, None, :]
     s_off = q[None, :, None, None] * (4 * stride_sn) + orr[None, None, None, :]
     a_rows = sl.to(tl.int64)[:, None, None, None] * stride_am
+    if SHARED:  # the unquantised shared w2 [H, I] on this program's rows [RQ, 4, BIS], read before the wait
+        oi = tl.arange(0, BIS)
+        s_rows = (q[:, None] * 4 + orr[None, :]).to(tl.int64)
+        ws = tl.load(sw2_ptr + s_rows[:, :, None] * stride_sw2 + oi[None, None, :],
+                     mask=qmask[:, None, None] & (oi < I)[None, None, :], other=0.0)
     a0 = tl.zeros([SP, RQ, BW], tl.float32)  # one accumulator a row of the quad
     a1, a2, a3 = a0, a0, a0
     for w0 in range(0, IW, BW):  # one step when I <= 8 * BW (Kimi-K2: I = 256, 32 words)
@@ -558,10 +605,15 @@ def _moe_stream_down_q4_kernel(act_ptr, w2_ptr, s2_ptr, ids_ptr, tw_ptr, out_ptr
     p3 = tl.sum(a3, axis=2) * r[:, None]
     o_row = out_ptr + q * 4
     for m in tl.static_range(MT):  # the top-k sum of token m, in the fixed order of one reduction
-        _q4_store_down(o_row + m * stride_om, p0, tok == m, qmask)
-        _q4_store_down(o_row + m * stride_om + 1, p1, tok == m, qmask)
-        _q4_store_down(o_row + m * stride_om + 2, p2, tok == m, qmask)
-        _q4_store_down(o_row + m * stride_om + 3, p3, tok == m, qmask)
+        if SHARED:  # act row MT * TOP_K + m: the shared expert's (after the loop's wait)
+            xs = tl.load(act_ptr + (MT * TOP_K + m) * stride_am + oi, mask=oi < I, other=0.0).to(tl.float32)
+            y0, y1, y2, y3 = _split4(tl.sum(ws.to(tl.float32) * xs[None, None, :], axis=2))
+        else:
+            y0, y1, y2, y3 = 0.0, 0.0, 0.0, 0.0
+        _q4_store_down(o_row + m * stride_om, p0, tok == m, qmask, y0)
+        _q4_store_down(o_row + m * stride_om + 1, p1, tok == m, qmask, y1)
+        _q4_store_down(o_row + m * stride_om + 2, p2, tok == m, qmask, y2)
+        _q4_store_down(o_row + m * stride_om + 3, p3, tok == m, qmask, y3)
 
 
 @triton.jit

@@ -620,6 +620,30 @@ def append_shared_expert(topk_ids, topk_weights, shared_id: int, *, impl: str = 
     return ids, w
 
 
+def _check_shared_expert(hidden, shared) -> None:
+    """fused_moe's ``shared_expert``: a pair (w13 [2I', H], w2 [H, I']) in hidden's dtype on its device, rows
+    contiguous."""
+    if not isinstance(shared, (tuple, list)) or len(shared) != 2 or not all(
+            isinstance(t, torch.Tensor) for t in shared):
+        raise TypeError(f"shared_expert must be a pair of tensors (w13 [2I, H], w2 [H, I]), got "
+                        f"{type(shared).__name__}")
+    w13, w2 = shared
+    h = hidden.shape[1]
+    if w13.dim() != 2 or w2.dim() != 2 or w13.shape[0] % 2 or w13.shape[1] != h or tuple(w2.shape) != (
+            h, w13.shape[0] // 2):
+        raise ValueError(f"shared_expert must be (w13 [2I, H={h}], w2 [H={h}, I]) with the same I, got "
+                         f"{list(w13.shape)} and {list(w2.shape)}")
+    if w13.dtype != hidden.dtype or w2.dtype != hidden.dtype:
+        raise TypeError(f"shared_expert's weights must have hidden's dtype {hidden.dtype} (an unquantised shared "
+                        f"expert), got {w13.dtype} and {w2.dtype}; cast them with .to({hidden.dtype})")
+    if w13.device != hidden.device or w2.device != hidden.device:
+        raise ValueError(f"shared_expert's weights must be on hidden's device {hidden.device}, got {w13.device} "
+                         f"and {w2.device}")
+    if w13.stride(1) != 1 or w2.stride(1) != 1:
+        raise ValueError(f"shared_expert's weights need contiguous rows (stride 1 on the last dimension), got "
+                         f"strides {w13.stride()} and {w2.stride()}; pass .contiguous() copies")
+
+
 def _check_moe_args(hidden, w13, w2, topk_ids, topk_weights, alignment, activation, out, quant):
     for name, t in (("hidden", hidden), ("w13", w13), ("w2", w2), ("topk_ids", topk_ids),
                     ("topk_weights", topk_weights)):
@@ -862,13 +886,20 @@ _FAST_ROUTE_CONFIG: dict = {"one_max_slots": 16, "align_one_max_slots": 32, "one
 #: (``sweep_quant_experts.py --formats int4q --configs ...``, bench/RESULTS.md): defaults 17.76 / 32.84 / 59.03 us at
 #: M = 1 / 2 / 4 against rows 22.91 / 38.34 / 79.60; down tile 4096 17.19 / 33.89 / 58.99; 2 gate/up quads 18.58 /
 #: 29.60 / 59.52; 256 words a step 18.36 / 32.26 / 61.93; 3 stages 17.80 / 32.43 / 61.32; 64 words on 2 warps 20.49 /
-#: 30.80 / 60.94.
+#: 30.80 / 60.94. ``q4_max_m``: the stream path for int4 quads up to 8 tokens (the dot path reads quads with 4-byte
+#: loads): H100, commit 3d5f7ed, alone 127.58 against 162.96 us at M = 8 (98.93 / 98.76 at M = 6), in the pass (Kimi-K2
+#: int4, ``ab_verify_pass.py --variants fused,stream-m8``) 12.146 against 14.082 ms at k = 8; fp8 lost with it (150.53
+#: against 135.90 us at M = 8; 15.365 against 11.697 ms), so fp8 and rows keep ``max_m``. ``q4d_warps_sp64``: the q4
+#: down kernel's warps at 64 slot lanes (M 5-8; 4 warps spill 32 B a thread at 128 registers, offline sm_90a). An
+#: unquantised shared expert in the q4 gate/up grid (``fused_moe(..., shared_expert=)``): ``q4sR`` gate + up rows a
+#: program (1: a program reads 28 KB, as a q4 program of one row quad does), ``q4sBK`` columns a step.
 _STREAM_CONFIG: dict = {"max_m": 6, "small_m": 2, "small_R": 2, "R": 4, "BK": 512, "num_warps": 4, "num_stages": 1,
                         "BH": 2, "BI": 256, "TILE": 8192, "down_warps": 4, "PDL": True, "gate_up": "auto",
                         "splitk_max_m": 2, "SBN": 32, "SBK": 128, "split_stages": 3, "split_warps": 4,
                         "split_waves": 4, "qBH": 8, "qTILE": 16384, "QPF": 1, "LS": 0,
                         "fp8_LS": 4, "fp8_LS_min_m": 4, "q4RQ": 1, "q4RQ_m2": 2, "q4BKW": 128, "q4_warps": 4,
-                        "q4LS": 0, "q4dTILE": 2048, "q4dTILE_m1": 4096, "q4_maxnreg": 128}
+                        "q4LS": 0, "q4dTILE": 2048, "q4dTILE_m1": 4096, "q4_maxnreg": 128, "q4_max_m": 8,
+                        "q4d_warps_sp64": 8, "q4sR": 1, "q4sBK": 512}
 #: Overrides merged into the stream config (benchmarks and sweeps only; empty in normal use).
 _STREAM_OVERRIDE: dict = {}
 #: Tile overrides for benchmarks and sweeps only: keys ``g1`` / ``g2`` (dicts merged into the gate/up and down
@@ -982,6 +1013,13 @@ def _fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, alignment, out, q
     return out
 
 
+def _stream_max_m(quant=None) -> int:
+    """The most tokens the stream experts take (above them the dot path): ``q4_max_m`` for int4 in row quads, else
+    ``max_m``; ``_STREAM_OVERRIDE["max_m"]`` wins (sweeps)."""
+    quads = quant is not None and quant.layout == "quads"
+    return _STREAM_OVERRIDE.get("max_m", _STREAM_CONFIG["q4_max_m" if quads else "max_m"])
+
+
 def _stream_config(m: int, h: int, inter: int, top_k: int, on_gpu: bool, quant_format: str | None = None) -> dict:
     """Tiles of the stream experts for ``m`` tokens: ``_STREAM_CONFIG`` with ``_STREAM_OVERRIDE`` merged, clamped to
     the shapes. The down tile [SP, BH, BI] is kept to at most ``TILE`` elements by lowering BH (M = 2 at top-9 needs
@@ -1060,28 +1098,33 @@ def _splitk_gate_up(hidden, w13, act, ids32, s, h, e, inter, top_k, cfg, pdl, qu
         SPLIT_PAD=max(2, _next_pow2(split)), DOT_FP32=not on_gpu, PDL=pdl, **qc, **launch)
 
 
-def stream_gate_up(hidden, w13, ids32, cfg: dict, pdl: bool, quant: MoEQuant | None = None) -> torch.Tensor:
+def stream_gate_up(hidden, w13, ids32, cfg: dict, pdl: bool, quant: MoEQuant | None = None,
+                   shared_w13: torch.Tensor | None = None) -> torch.Tensor:
     """Launch 1 of the stream experts alone: ``act`` [M * top_k, I] = silu(gate) * up of every routed slot, by the
     kernel ``cfg["gate_up"]`` names (``"auto"``: split-K up to ``splitk_max_m`` tokens, else the FMA programs).
     Operands as :func:`_expert_setup` leaves them (int32 ids [M, top_k]); ``cfg`` from :func:`_stream_config`. Used
     by the stream experts and by ``bench/sweep_experts.py --gate-up-only``. ``quant``: the weights' format and
-    scales (:class:`MoEQuant`, as checked by :func:`fused_moe`), or None."""
+    scales (:class:`MoEQuant`, as checked by :func:`fused_moe`), or None. ``shared_w13`` (int4 quads only): the
+    unquantised shared expert's [2I, H], its act in M more rows (act [M * top_k + M, I])."""
     from specverify.kernels.fused_moe import _moe_stream_gate_up_kernel
 
     m, h = hidden.shape
     e, two_i, _ = w13.shape
     inter, top_k = two_i // 2, ids32.shape[1]
     s = m * top_k
-    act = torch.empty((s, inter), dtype=hidden.dtype, device=hidden.device)
+    act = torch.empty((s + (0 if shared_w13 is None else m), inter), dtype=hidden.dtype, device=hidden.device)
     # quantised weights take the FMA programs at every M: split-K's MMA tiles lost to them at M = 1 and 2 (H100,
     # sweep_quant_experts.py, 2026-12-07: int4 23.1 / 40.0 us against 37.6 / 66.5, fp8 21.2 / 39.1 against 26.5 /
     # 46.3)
+    if shared_w13 is not None and (quant is None or quant.layout != "quads"):
+        raise ValueError("stream_gate_up runs a shared expert beside int4 experts in row quads only (quant layout "
+                         f"'quads'), got {None if quant is None else (quant.format, quant.layout)}")
     if cfg["gate_up"] == "splitk" or (cfg["gate_up"] == "auto" and m <= cfg["splitk_max_m"] and quant is None):
         _splitk_gate_up(hidden, w13, act, ids32, s, h, e, inter, top_k, cfg, pdl, quant)
         return act
     q13, qc = _scale_operands(quant, w13, "w13")
     if qc["QUANT"] == 3:
-        return _stream_gate_up_quads(hidden, w13, q13, qc, act, ids32, e, inter, top_k, cfg, pdl)
+        return _stream_gate_up_quads(hidden, w13, q13, qc, act, ids32, e, inter, top_k, cfg, pdl, shared_w13)
     launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]} if hidden.is_cuda else {}
     if pdl:
         launch["launch_pdl"] = True
@@ -1094,10 +1137,11 @@ def stream_gate_up(hidden, w13, ids32, cfg: dict, pdl: bool, quant: MoEQuant | N
     return act
 
 
-def _stream_gate_up_quads(hidden, w13, q13, qc, act, ids32, e, inter, top_k, cfg, pdl):
+def _stream_gate_up_quads(hidden, w13, q13, qc, act, ids32, e, inter, top_k, cfg, pdl, shared_w13=None):
     """``_moe_stream_gate_up_q4_kernel`` into ``act``: int4 gate/up rows in row quads (QUANT 3), ``q4RQ`` quads of
     gate and of up rows a program over ``q4BKW`` code words a step, ``q4_warps`` warps, ``q4LS`` pipeline stages
-    (0: a plain loop)."""
+    (0: a plain loop). ``shared_w13`` [2I, H] (hidden's dtype): the shared expert's programs ride in the same grid
+    (``q4sR`` gate and up rows a program, ``q4sBK`` columns a step) into act rows M * top_k + token."""
     from specverify.kernels.fused_moe import _moe_stream_gate_up_q4_kernel
 
     if hidden.stride(0) % 8 or hidden.storage_offset() % 8:  # the kernel reads activations as 16-byte pairs of 4
@@ -1112,16 +1156,23 @@ def _stream_gate_up_quads(hidden, w13, q13, qc, act, ids32, e, inter, top_k, cfg
     launch = {"num_warps": cfg["q4_warps"], "num_stages": 1, "maxnreg": cfg["q4_maxnreg"]} if on_gpu else {}
     if pdl:
         launch["launch_pdl"] = True
-    _moe_stream_gate_up_q4_kernel[(m * top_k * _cdiv(inter // 4, rq),)](
+    programs = m * top_k * _cdiv(inter // 4, rq)
+    if shared_w13 is not None:
+        sr = max(1, min(cfg["q4sR"], _next_pow2(inter)))
+        sbk = max(16, min(cfg["q4sBK"], _next_pow2(h)))
+        programs += m * _cdiv(inter, sr)
+        launch.update(sw_ptr=shared_w13, stride_sw=shared_w13.stride(0), S=m * top_k, SHARED=True, SR=sr, SBK=sbk)
+    _moe_stream_gate_up_q4_kernel[(programs,)](
         hidden, w13, q13[0], act, ids32, hidden.stride(0), w13.stride(0), w13.stride(1), q13[1], q13[2],
         act.stride(0), E=e, H=h, I=inter, TOP_K=top_k, RQ=rq, BKW=bkw, PDL=pdl, QG=qc["QG"], ASM=on_gpu,
         F16=hidden.dtype == torch.float16, LSTAGES=cfg["q4LS"] if cfg["q4LS"] > 1 else None, **launch)
     return act
 
 
-def _stream_down_quads(act, w2, q2, qc, ids32, tw, out, e, h, inter, m, top_k, cfg, launch, pdl):
+def _stream_down_quads(act, w2, q2, qc, ids32, tw, out, e, h, inter, m, top_k, cfg, launch, pdl, shared_w2=None):
     """``_moe_stream_down_q4_kernel`` into ``out``: int4 w2 in row quads, every slot's code words of as many row
-    quads a program as fit ``q4dTILE`` words ([SP, RQ, BW, 4], BW the words of I up to 64)."""
+    quads a program as fit ``q4dTILE`` words ([SP, RQ, BW, 4], BW the words of I up to 64). ``shared_w2`` [H, I]
+    (act's dtype): the shared expert's output (act rows M * top_k + token) added on the program's rows."""
     from specverify.kernels.fused_moe import _moe_stream_down_q4_kernel
 
     bw = max(1, min(64, _next_pow2(inter // 8)))
@@ -1131,6 +1182,11 @@ def _stream_down_quads(act, w2, q2, qc, ids32, tw, out, e, h, inter, m, top_k, c
         rq *= 2
     if act.is_cuda:
         launch = dict(launch, maxnreg=cfg["q4_maxnreg"])
+        if sp >= 64:  # 64 slot lanes (M 5-8): 4 warps spill at 128 registers (sm_90a, sm_120), 8 do not
+            launch["num_warps"] = cfg["q4d_warps_sp64"]
+    if shared_w2 is not None:
+        launch = dict(launch, sw2_ptr=shared_w2, stride_sw2=shared_w2.stride(0), SHARED=True,
+                      BIS=max(16, _next_pow2(inter)))
     _moe_stream_down_q4_kernel[(_cdiv(h // 4, rq),)](
         act, w2, q2[0], ids32, tw, out, act.stride(0), w2.stride(0), w2.stride(1), q2[1], q2[2], out.stride(0), E=e,
         H=h, I=inter, TOP_K=top_k, MT=m, SP=sp, RQ=rq, BW=bw, PDL=pdl, QG=qc["QG"], ASM=act.is_cuda,
@@ -1138,7 +1194,7 @@ def _stream_down_quads(act, w2, q2, qc, ids32, tw, out, e, h, inter, m, top_k, c
     return out
 
 
-def _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, out, quant=None):
+def _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, out, quant=None, shared=None):
     """The weight-streaming experts (the default at M <= ``_STREAM_CONFIG["max_m"]``, or
     ``_VARIANT["experts"] == "stream"``): two launches (see "Stream experts" in ``specverify.kernels.fused_moe``).
 
@@ -1149,6 +1205,8 @@ def _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, out, quant=None):
     programmatic dependents: launch 1 waits for the routing, then lets launch 2 start, which issues its w2 gather
     before waiting for ``act``.
     CUDA-graph capturable: grids depend only on shapes, slots without an expert exit at once, no host sync.
+    ``shared`` (int4 in row quads only): the unquantised shared expert's (w13 [2I, H], w2 [H, I]) in the same two
+    launches.
     """
     from specverify.kernels.fused_moe import _moe_stream_down_kernel
 
@@ -1159,13 +1217,14 @@ def _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, out, quant=None):
         return out
     cfg = _stream_config(m, h, inter, top_k, dev.type == "cuda", None if quant is None else quant.format)
     pdl = _pdl(cfg["PDL"], dev)
-    act = stream_gate_up(hidden, w13, ids32, cfg, pdl, quant)
+    act = stream_gate_up(hidden, w13, ids32, cfg, pdl, quant, None if shared is None else shared[0])
     launch2 = {"num_warps": cfg["down_warps"], "num_stages": 1} if dev.type == "cuda" else {}
     if pdl:  # gate/up waits for the routing, down for gate/up
         launch2["launch_pdl"] = True
     q2, qc = _scale_operands(quant, w2, "w2")
     if qc["QUANT"] == 3:
-        return _stream_down_quads(act, w2, q2, qc, ids32, tw, out, e, h, inter, m, top_k, cfg, launch2, pdl)
+        return _stream_down_quads(act, w2, q2, qc, ids32, tw, out, e, h, inter, m, top_k, cfg, launch2, pdl,
+                                  None if shared is None else shared[1])
     _moe_stream_down_kernel[(_cdiv(h, cfg["BH"]),)](
         act, w2, q2[0], ids32, tw, out, act.stride(0), w2.stride(0), w2.stride(1), q2[1], q2[2], out.stride(0), E=e,
         H=h, I=inter, TOP_K=top_k, MT=m, SP=cfg["SP"], BH=cfg["BH"], BI=cfg["BI"], PDL=pdl, **qc, **launch2)
@@ -1173,7 +1232,7 @@ def _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, out, quant=None):
 
 
 def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activation="silu", out=None,
-              quant=None, impl="auto"):
+              quant=None, shared_expert=None, impl="auto"):
     """SwiGLU mixture of experts: ``out[m] = sum_k w[m,k] * w2[e] @ (silu(gate) * up)``, ``e = topk_ids[m, k]``.
 
     Built for the verify pass (1–64 tokens per rank), where the cost is reading the activated experts' weights:
@@ -1207,6 +1266,11 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
         Quantised weights (int4 group-wise, as Kimi-K2.5 ships its experts, or block fp8, as DeepSeek-V3 and
         Kimi-K2 do): the format and the scales of ``w13`` / ``w2``. hidden must then be bf16 or fp16; every path
         dequantises the weight tiles in registers (W4A16 / W8A16: activations are not quantised).
+    shared_expert : tuple of torch.Tensor, optional
+        ``(w13 [2I', H], w2 [H, I'])`` in hidden's dtype, last dimension contiguous: an unquantised shared expert
+        every token takes with weight 1, added to the routed output (Kimi-K2.5 keeps its shared expert in bf16
+        beside INT4 routed experts). With int4 experts in row quads and I' = I it runs inside the stream experts'
+        two launches (M <= 8); elsewhere as two matmuls and an add after the routed experts.
     impl : {"auto", "triton", "reference"}
 
     Returns
@@ -1227,7 +1291,7 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
 
     Notes
     -----
-    Triton path, M <= 6 (``_STREAM_CONFIG["max_m"]``): two weight-streaming launches: small FMA programs each
+    Triton path, M <= 6 (``_STREAM_CONFIG["max_m"]``; 8 for int4 in row quads, ``q4_max_m``): two weight-streaming launches: small FMA programs each
     compute a few rows of one slot's gate/up over all of H, then one gather per output tile does the down projection
     of every slot and the top-k sum, on sm_90+ as a programmatic dependent launch; each slot reads its expert's
     weights (at M <= 6 and top-8 of 384 nearly every slot has its own expert). Other M: three launches (gate/up
@@ -1247,6 +1311,8 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
     """
     _check_impl(impl, "fused_moe")
     _check_moe_args(hidden, w13, w2, topk_ids, topk_weights, alignment, activation, out, quant)
+    if shared_expert is not None:
+        _check_shared_expert(hidden, shared_expert)
     which = _choose(impl, hidden, "fused_moe")
     if which == "triton" and hidden.dtype == torch.float32:
         if impl == "triton":
@@ -1259,12 +1325,23 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
     if which == "reference":
         from specverify.reference.moe import fused_moe_reference
 
-        res = fused_moe_reference(hidden, w13, w2, topk_ids, topk_weights, quant=quant)
+        res = fused_moe_reference(hidden, w13, w2, topk_ids, topk_weights, quant=quant, shared_expert=shared_expert)
         if out is None:
             return res
         out.copy_(res)
         return out
     m = hidden.shape[0]
-    if _VARIANT["experts"] in ("stream", "auto") and 0 < m <= _STREAM_OVERRIDE.get("max_m", _STREAM_CONFIG["max_m"]):
-        return _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, out, quant)
-    return _fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, alignment, out, quant)
+    if _VARIANT["experts"] in ("stream", "auto") and 0 < m <= _stream_max_m(quant):
+        fuse = (shared_expert is not None and quant is not None and quant.layout == "quads"
+                and shared_expert[1].shape[1] == w13.shape[1] // 2)
+        out = _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, out, quant, shared_expert if fuse else None)
+        if fuse or shared_expert is None:
+            return out
+    else:
+        out = _fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, alignment, out, quant)
+        if shared_expert is None:
+            return out
+    # the shared expert beside the routed launches: two matmuls (cuBLAS) and an add
+    g_u = hidden @ shared_expert[0].t()
+    inter = shared_expert[0].shape[0] // 2
+    return out.add_((torch.nn.functional.silu(g_u[:, :inter]) * g_u[:, inter:]) @ shared_expert[1].t())

@@ -526,7 +526,8 @@ def experts_quant_note(model) -> str:
     if "quant_shared" in moe:
         what += "; the shared expert stacked with them, fp8 too"
     elif moe.get("shared_gate_up") is not None:
-        what += "; the shared expert unquantised, apart (torch matmuls)"
+        what += ("; the shared expert unquantised, in the stream experts' two launches with int4 quads (up to 8 "
+                 "tokens; else two matmuls beside the experts)")
     return (f"experts: {what}. The pieces line's one-launch MoE block and fused shared expert do not apply: "
             "quantised MoE layers run the router, the routing and the expert kernels at every k")
 

@@ -12,7 +12,8 @@ from conftest import warm_up_for_capture
 
 import specverify.moe as moe_mod
 from specverify.moe import MoEQuant, fused_moe, moe_route
-from specverify.reference.moe import fused_moe_loop_reference, fused_moe_reference, random_expert_weights
+from specverify.reference.moe import (fused_moe_loop_reference, fused_moe_reference, random_expert_weights,
+                                      shared_expert_reference)
 from specverify.reference.quant import (dequantize_fp8_block, dequantize_int4, int4_from_quads, int4_to_quads,
                                         quantize_fp8_block, quantize_int4)
 
@@ -88,13 +89,22 @@ def _quantised(fmt, w13, w2, shape):
 
 
 def check_quant_experts(hidden, p13, p2, q, ids, w, **kw):
-    """The kernel against the fp64 loop over the dequantised weights; tolerance: twice what torch errs computing in
-    hidden's dtype from the dequantised weights rounded to it, plus a floor."""
+    """The kernel against the fp64 loop over the dequantised weights (plus the shared expert's in fp64 with
+    ``shared_expert=``); tolerance: twice what torch errs computing in hidden's dtype from the dequantised weights
+    rounded to it, plus a floor; with a shared expert also what a one-ulp flip of each rounded activation (bf16:
+    2^-7 of it) moves the output, and half an ulp of the output (its rounding may go the other way than torch's)."""
     d13, d2 = q.dequantize(p13, p2, torch.float64)
     want = fused_moe_loop_reference(hidden, d13, d2, ids, w)
+    shared = kw.get("shared_expert")
+    if shared is not None:
+        want = want + shared_expert_reference(hidden, *shared, compute_dtype=torch.float64)
     torch_out = fused_moe_reference(hidden, d13.to(hidden.dtype), d2.to(hidden.dtype), ids, w,
-                                    compute_dtype=hidden.dtype)
+                                    compute_dtype=hidden.dtype, shared_expert=shared)
     tol = 2 * (torch_out.double() - want).abs().max().item() + 2 ** -8 * 1e-2 * want.abs().max().item() + 1e-6
+    if shared is not None:
+        gu = hidden.double() @ shared[0].double().t()
+        act = torch.nn.functional.silu(gu[:, :gu.shape[1] // 2]) * gu[:, gu.shape[1] // 2:]
+        tol += ((act.abs() * 2 ** -7) @ shared[1].double().abs().t()).max().item() + 2 ** -8 * want.abs().max().item()
     out = fused_moe(hidden, p13, p2, ids, w, quant=q, impl="triton", **kw)
     err = (out.double() - want).abs().max().item()
     assert out.dtype == hidden.dtype and out.shape == hidden.shape
@@ -174,6 +184,54 @@ def test_int4_quads_stream_gate_up(device, poison, monkeypatch, rq, bkw, ls, gro
     check_quant_experts(hidden, p13.to(device), p2.to(device), q, ids, w, out=poison(hidden))
 
 
+@pytest.mark.parametrize("fmt, path, m, r, bk, tile, si", [
+    ("int4q", "stream", 1, 2, 32, 4096, 1), ("int4q", "stream", 3, 4, 64, 512, 1), ("int4q", "stream", 2, 1, 512, 64, 1),
+    ("int4q", "stream", 2, 2, 32, 4096, 2), ("int4q", "dot", 3, 2, 32, 4096, 1), ("int4", "stream", 2, 2, 32, 4096, 1),
+    ("fp8", "stream", 2, 2, 32, 4096, 1)])
+def test_fused_moe_shared_expert(device, poison, monkeypatch, fmt, path, m, r, bk, tile, si):
+    # an unquantised shared expert beside quantised routed experts: inside the q4 stream launches (int4 quads with
+    # the shared I equal to the routed I: its gate/up programs of R rows over H = 176 in BK-column steps, the last
+    # one partial; the down tile of 1 to 8 row quads, I = 48 padded to 64), else two matmuls and an add (I' = 2I,
+    # the dot path, rows, fp8). A -1 slot; the output poisoned.
+    e, h, inter = 6, 176 if fmt != "fp8" else 192, 48 if fmt != "fp8" else 32
+    monkeypatch.setitem(moe_mod._VARIANT, "experts", path)
+    monkeypatch.setitem(moe_mod._STREAM_OVERRIDE, "gate_up", "fma")
+    for k, v in (("q4sR", r), ("q4sBK", bk), ("q4dTILE", tile), ("q4dTILE_m1", tile)):
+        monkeypatch.setitem(moe_mod._STREAM_OVERRIDE, k, v)
+    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.float32, seed=70 + m + r)
+    p13, p2, q = _quantised(fmt, w13, w2, (16, 32) if fmt == "fp8" else 16)
+    q = dataclasses.replace(q, w13_scale=q.w13_scale.to(device), w2_scale=q.w2_scale.to(device))
+    g = torch.Generator().manual_seed(71 + m)
+    s13, s2 = random_expert_weights(1, h, si * inter, dtype=torch.float32, seed=72 + si)
+    shared = (s13[0].bfloat16().to(device), s2[0].bfloat16().to(device))
+    hidden = torch.randn(m, h, generator=g).bfloat16().to(device)
+    ids = torch.tensor([[4, 1], [1, -1], [0, 5]][:m], dtype=torch.int32, device=device)
+    w = torch.rand(m, 2, generator=g).to(device)
+    out = poison(hidden)
+    res = check_quant_experts(hidden, p13.to(device), p2.to(device), q, ids, w, out=out, shared_expert=shared)
+    assert res.data_ptr() == out.data_ptr()
+    ref = fused_moe(hidden, p13.to(device), p2.to(device), ids, w, quant=q, shared_expert=shared, impl="reference")
+    d13, d2 = q.dequantize(p13.to(device), p2.to(device))
+    assert torch.equal(ref, fused_moe_reference(hidden, d13, d2, ids, w, shared_expert=shared))
+
+
+def test_fused_moe_shared_expert_refuses_bad_weights(device):
+    e, h, inter = 2, 64, 32
+    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.float32, seed=73)
+    p13, p2, q = _quantised("int4q", w13, w2, 16)
+    hidden = torch.randn(1, h).bfloat16()
+    ids, w = torch.tensor([[1]], dtype=torch.int32), torch.ones(1, 1)
+    s13, s2 = w13[0].bfloat16(), w2[0].bfloat16()
+    with pytest.raises(TypeError, match="pair of tensors"):
+        fused_moe(hidden, p13, p2, ids, w, quant=q, shared_expert=s13)
+    with pytest.raises(ValueError, match="same I"):
+        fused_moe(hidden, p13, p2, ids, w, quant=q, shared_expert=(s13, s2[:, :16]))
+    with pytest.raises(TypeError, match="hidden's dtype"):
+        fused_moe(hidden, p13, p2, ids, w, quant=q, shared_expert=(s13.float(), s2))
+    with pytest.raises(ValueError, match="contiguous rows"):
+        fused_moe(hidden, p13, p2, ids, w, quant=q, shared_expert=(s13, s2.t().contiguous().t()))
+
+
 def test_int4_quads_refuse_what_they_cannot_read(device):
     e, h, inter = 2, 64, 32
     w13, w2 = random_expert_weights(e, h, inter, dtype=torch.float32, seed=62)
@@ -248,19 +306,36 @@ def test_fused_moe_quant_kimi_k2_rank_gpu(fmt, shape, m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt, shape", [("int4", 32), ("fp8", (128, 128)), ("int4q", 32)])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 12])  # the q4 stream launches with the shared expert, then beside them
+def test_fused_moe_shared_expert_kimi_k2_rank_gpu(poison, m):
+    # Kimi-K2.5 at tp 8: int4 routed experts in row quads (group 32) with the bf16 shared expert (I 256), 64 experts
+    e, h, inter = 64, 7168, 256
+    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.float32, device="cuda", seed=49)
+    p13, p2, q = _quantised("int4q", w13, w2, 32)
+    s13, s2 = random_expert_weights(1, h, inter, dtype=torch.float32, device="cuda", seed=50)
+    del w13, w2
+    g = torch.Generator().manual_seed(51 + m)
+    hidden = torch.randn(m, h, generator=g).bfloat16().cuda()
+    ids, w = moe_route(torch.randn(m, e, generator=g).cuda(), top_k=8, routed_scaling_factor=2.827)
+    check_quant_experts(hidden, p13, p2, q, ids, w, out=poison(hidden),
+                        shared_expert=(s13[0].bfloat16(), s2[0].bfloat16()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, shape", [("int4", 32), ("fp8", (128, 128)), ("int4q", 32), ("int4q+shared", 32)])
 @pytest.mark.parametrize("m", [1, 4, 12])
 def test_fused_moe_quant_cuda_graph_gpu(graph_replay, fmt, shape, m):
     # eager -> capture -> replay -> change the inputs in place -> replay -> compare with eager
     e, h, inter = 32, 512, 128
     w13, w2 = random_expert_weights(e, h, inter, dtype=torch.float32, device="cuda", seed=48)
-    p13, p2, q = _quantised(fmt, w13, w2, shape)
+    p13, p2, q = _quantised(fmt.removesuffix("+shared"), w13, w2, shape)
+    shared = (w13[0].bfloat16(), w2[0].bfloat16()) if fmt.endswith("+shared") else None
     logits = torch.randn(m, e, device="cuda")
     hidden = torch.randn(m, h, device="cuda").bfloat16()
 
     def step():
         ids, w, al = moe_route(logits, top_k=4, block_size=16)
-        return ids, fused_moe(hidden, p13, p2, ids, w, alignment=al, quant=q)
+        return ids, fused_moe(hidden, p13, p2, ids, w, alignment=al, quant=q, shared_expert=shared)
 
     warm_up_for_capture(step)
     graph_replay(step, (logits, hidden))

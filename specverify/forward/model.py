@@ -484,7 +484,8 @@ class VerifyModel:
         With ``w13_all`` and ``experts_with_shared``, the shared expert is expert ``E`` of the stacked weights: with
         ``route_shared`` too the router writes its slot (ids [M, top_k + 1]) and ``experts`` runs over the stacks;
         otherwise ``route`` then ``experts_with_shared`` (which appends the slot). With ``w13_all`` and
-        ``moe_block`` all of it is one op up to ``ops.moe_block_max_m`` tokens.
+        ``moe_block`` all of it is one op up to ``ops.moe_block_max_m`` tokens. Quantised routed experts with an
+        unquantised shared expert (``shared_gate_up``) run both through ``experts_plus_shared`` where the table has it.
         """
         ops = self.ops
         flat = h.reshape(-1, h.shape[-1])
@@ -512,6 +513,10 @@ class VerifyModel:
         with self.section("experts"):
             if "experts_fn" in w:  # the layer's own experts (see the docstring)
                 out = w["experts_fn"](flat, ids, weights, logits)
+            elif quant is not None and "shared_gate_up" in w and ops.experts_plus_shared is not None:
+                # the unquantised shared expert in the quantised experts' launches
+                return ops.experts_plus_shared(flat, w["w13"], w["w2"], ids, weights, quant, w["shared_gate_up"],
+                                               w["shared_down"]).view_as(h)
             elif quant is not None:
                 out = ops.experts(flat, w["w13"], w["w2"], ids, weights, quant=quant)
             else:

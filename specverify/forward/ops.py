@@ -22,6 +22,9 @@ experts              hidden [M, H], w13 [E, 2I, H], w2 [E, H, I], ids, weights, 
                      them refuse the model at build time)
 experts_with_shared  as ``experts`` over ``[E + 1, ...]`` weights whose expert E is the shared one; None: the
                      shared expert runs as a separate MLP
+experts_plus_shared  hidden, w13, w2, ids, weights, quant, shared_w13 [2I, H], shared_w2 [H, I] -> [M, H]:
+                     quantised routed experts plus an unquantised shared expert (weight 1, hidden's dtype) in the
+                     experts' own launches (a fusion; None: the shared expert runs as a separate MLP after them)
 route_shared         logits [M, E], :class:`RouteParams`, shared_id -> (ids [M, top_k + 1], weights [M, top_k + 1]):
                      ``route`` with the shared expert's slot (shared_id, weight 1) written by the router; with
                      ``experts_with_shared`` set, the forward then runs ``experts`` over the ``[E + 1, ...]`` weights
@@ -118,6 +121,8 @@ class Ops:
     silu_mul: Callable = silu_mul_reference
     # (hidden, w13_all, w2_all, ids, weights, quant=None): expert E is the shared one
     experts_with_shared: Callable = None
+    # a fusion; None: the forward runs the unquantised shared expert of quantised layers as a separate MLP
+    experts_plus_shared: Callable = None  # (hidden, w13, w2, ids, weights, quant, shared_w13, shared_w2)
     # a fusion; None: the forward composes route and experts_with_shared
     route_shared: Callable = None  # (logits, config, shared_id) -> (ids, weights) [M, top_k + 1]
     mla_absorb_q: Callable = mla_absorb_q_reference  # (q, w_uk, nope) -> q_latent [b, k, h, R]
@@ -226,8 +231,13 @@ def specverify_ops(model):
             ids, weights = append_shared_expert(ids, weights, w13_all.shape[0] - 1, impl="triton")
             return fused_moe(hidden, w13_all, w2_all, ids, weights, quant=quant, impl="triton")
 
+        def experts_plus_shared(hidden, w13, w2, ids, weights, quant, shared_w13, shared_w2):
+            # the unquantised shared expert inside the quantised experts' launches (int4 quads; else beside them)
+            return fused_moe(hidden, w13, w2, ids, weights, quant=quant, shared_expert=(shared_w13, shared_w2),
+                             impl="triton")
+
         ops.route, ops.experts, ops.experts_with_shared = route, experts, experts_with_shared
-        ops.route_shared = route_shared
+        ops.route_shared, ops.experts_plus_shared = route_shared, experts_plus_shared
         ops.pieces["shared_expert"] = "triton (fused into the expert pass)"
         ops.pieces["moe_route"] = "triton"
         ops.pieces["experts"] = "triton"

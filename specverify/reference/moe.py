@@ -107,11 +107,23 @@ def _experts_as(w13, w2, idx, quant, dtype):
     return picked.dequantize(w13[idx], w2[idx], dtype)
 
 
-def fused_moe_reference(hidden, w13, w2, topk_ids, topk_weights, compute_dtype=torch.float32, quant=None):
+def shared_expert_reference(hidden, w13, w2, compute_dtype=torch.float32):
+    """An unquantised SwiGLU expert every token takes with weight 1 (a shared expert): hidden [M, H], w13 [2I, H]
+    (gate rows then up rows), w2 [H, I]; returns [M, H] in ``compute_dtype``."""
+    x = hidden.to(compute_dtype)
+    gate_up = x @ w13.to(compute_dtype).t()
+    inter = w13.shape[0] // 2
+    return (torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]) @ w2.to(compute_dtype).t()
+
+
+def fused_moe_reference(hidden, w13, w2, topk_ids, topk_weights, compute_dtype=torch.float32, quant=None,
+                        shared_expert=None):
     """SwiGLU experts. hidden [M, H]; returns [M, H] in hidden's dtype. Slots with id -1 add nothing.
 
     Gathers each slot's expert weights (fixed shapes, no host sync: capturable), computes in ``compute_dtype``.
     Quantised weights (``quant``, a :class:`specverify.moe.MoEQuant`) are dequantised slot by slot, as gathered.
+    ``shared_expert``: (w13 [2I', H], w2 [H, I']) of an unquantised shared expert added to every token
+    (:func:`shared_expert_reference`) before the one rounding.
     """
     if hidden.dtype == torch.float64:
         compute_dtype = torch.float64
@@ -129,7 +141,10 @@ def fused_moe_reference(hidden, w13, w2, topk_ids, topk_weights, compute_dtype=t
     w = torch.where(valid, topk_weights.reshape(-1).to(compute_dtype), torch.zeros((), dtype=compute_dtype,
                                                                                     device=hidden.device))
     y = y * w.unsqueeze(-1)
-    return y.view(m, top_k, h).sum(1).to(hidden.dtype)
+    y = y.view(m, top_k, h).sum(1)
+    if shared_expert is not None:
+        y = y + shared_expert_reference(hidden, *shared_expert, compute_dtype=compute_dtype)
+    return y.to(hidden.dtype)
 
 
 def fused_moe_by_expert_reference(hidden, w13, w2, topk_ids, topk_weights, dtype=torch.float64, quant=None):

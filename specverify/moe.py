@@ -78,7 +78,7 @@ class MoEQuant:
 
     ``layout`` (int4 only): ``"rows"`` (default, the layout above) or ``"quads"``: both weights and their scales
     keep their shapes but hold their bytes in row quads (:func:`specverify.reference.quant.int4_to_quads`). Each 16
-    bytes then hold one 32-bit code word (8 columns) of 4 rows, which the stream experts (up to 6 tokens) read with
+    bytes then hold one 32-bit code word (8 columns) of 4 rows, which the stream experts (up to 8 tokens) read with
     their activations without a layout change; the other paths read it too. Our verify forward stores its int4
     experts so (:data:`specverify.forward.model.INT4_LAYOUT`); weights shared with SGLang stay in rows.
 

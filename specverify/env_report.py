@@ -139,5 +139,6 @@ def kernel_choices() -> dict[str, str]:
             if attention._small_shared_memory(dev) else ""
         out["MLA tree attention"] = f"tl.dot kernel of kernels/tree_attention.py{rows}: {here}; Gluon kernel off: {why}"
     out["fused experts"] = (f"Triton kernels of kernels/fused_moe.py (weight streaming at M <= "
-                            f"{moe._STREAM_CONFIG['max_m']} tokens, block-aligned tl.dot GEMMs above): {here}")
+                            f"{moe._STREAM_CONFIG['max_m']} tokens, {moe._STREAM_CONFIG['q4_max_m']} for int4 in row "
+                            f"quads, block-aligned tl.dot GEMMs above): {here}")
     return out

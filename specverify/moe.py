@@ -258,7 +258,8 @@ def _check_shared_expert_id(shared_expert_id, block_size):
     # with block_size the alignment counts every expert in the per-device workspace (_MAX_EXPERTS counters)
     limit = _MAX_EXPERTS if block_size is not None else 2 ** 31
     if not 0 <= shared_expert_id < limit:
-        why = f" with block_size (the alignment counts at most {_MAX_EXPERTS} experts)" if block_size is not None else ""
+        why = (f" with block_size (the alignment counts at most {_MAX_EXPERTS} experts)" if block_size is not None
+               else "")
         raise ValueError(f"shared_expert_id must be an int in [0, {limit - 1}]{why}, got {shared_expert_id}; pass the "
                          "shared expert's index in the stacked expert weights")
 
@@ -1119,7 +1120,8 @@ def stream_gate_up(hidden, w13, ids32, cfg: dict, pdl: bool, quant: MoEQuant | N
     if shared_w13 is not None and (quant is None or quant.layout != "quads"):
         raise ValueError("stream_gate_up runs a shared expert beside int4 experts in row quads only (quant layout "
                          f"'quads'), got {None if quant is None else (quant.format, quant.layout)}")
-    if cfg["gate_up"] == "splitk" or (cfg["gate_up"] == "auto" and m <= cfg["splitk_max_m"] and quant is None):
+    splitk = cfg["gate_up"] == "splitk" or (cfg["gate_up"] == "auto" and m <= cfg["splitk_max_m"] and quant is None)
+    if splitk and shared_w13 is None:  # a shared expert rides in the q4 grid only (the FMA programs)
         _splitk_gate_up(hidden, w13, act, ids32, s, h, e, inter, top_k, cfg, pdl, quant)
         return act
     q13, qc = _scale_operands(quant, w13, "w13")
@@ -1158,8 +1160,8 @@ def _stream_gate_up_quads(hidden, w13, q13, qc, act, ids32, e, inter, top_k, cfg
         launch["launch_pdl"] = True
     programs = m * top_k * _cdiv(inter // 4, rq)
     if shared_w13 is not None:
-        sr = max(1, min(cfg["q4sR"], _next_pow2(inter)))
-        sbk = max(16, min(cfg["q4sBK"], _next_pow2(h)))
+        sr = max(1, min(_next_pow2(cfg["q4sR"]), _next_pow2(inter)))
+        sbk = max(16, min(_next_pow2(cfg["q4sBK"]), _next_pow2(h)))
         programs += m * _cdiv(inter, sr)
         launch.update(sw_ptr=shared_w13, stride_sw=shared_w13.stride(0), S=m * top_k, SHARED=True, SR=sr, SBK=sbk)
     _moe_stream_gate_up_q4_kernel[(programs,)](
@@ -1195,7 +1197,7 @@ def _stream_down_quads(act, w2, q2, qc, ids32, tw, out, e, h, inter, m, top_k, c
 
 
 def _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, out, quant=None, shared=None):
-    """The weight-streaming experts (the default at M <= ``_STREAM_CONFIG["max_m"]``, or
+    """The weight-streaming experts (the default at M <= ``_STREAM_CONFIG["max_m"]``, ``q4_max_m`` for int4 quads, or
     ``_VARIANT["experts"] == "stream"``): two launches (see "Stream experts" in ``specverify.kernels.fused_moe``).
 
     Launch 1: program = (routed slot, R gate rows + the same R up rows) over all of H with an FMA loop, SiLU·up
@@ -1291,13 +1293,13 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
 
     Notes
     -----
-    Triton path, M <= 6 (``_STREAM_CONFIG["max_m"]``; 8 for int4 in row quads, ``q4_max_m``): two weight-streaming launches: small FMA programs each
-    compute a few rows of one slot's gate/up over all of H, then one gather per output tile does the down projection
-    of every slot and the top-k sum, on sm_90+ as a programmatic dependent launch; each slot reads its expert's
-    weights (at M <= 6 and top-8 of 384 nearly every slot has its own expert). Other M: three launches (gate/up
-    GEMM with fused SiLU·up into a [M·top_k, I] buffer; down GEMM with the routed weight applied into a fp32
-    [M·top_k, H] buffer; a sum over top_k in fixed order). Every path is deterministic. bf16/fp16 inputs, fp32 accumulation, the SwiGLU
-    output rounded to the input dtype. CUDA-graph capturable: grids depend only on shapes (at most one block per
+    Triton path, M <= 6 (``_STREAM_CONFIG["max_m"]``; 8 for int4 in row quads, ``q4_max_m``): two weight-streaming
+    launches: small FMA programs each compute a few rows of one slot's gate/up over all of H, then one gather per
+    output tile does the down projection of every slot and the top-k sum, on sm_90+ as a programmatic dependent
+    launch; each slot reads its expert's weights (at M <= 6 and top-8 of 384 nearly every slot has its own expert).
+    Other M: three launches (gate/up GEMM with fused SiLU·up into a [M·top_k, I] buffer; down GEMM with the routed
+    weight applied into a fp32 [M·top_k, H] buffer; a sum over top_k in fixed order). Every path is deterministic.
+    bf16/fp16 inputs, fp32 accumulation, the SwiGLU output rounded to the input dtype. CUDA-graph capturable: grids depend only on shapes (at most one block per
     routed slot), unused blocks exit early, no host sync. The reference path is capturable too but computes in
     fp32 with gathered weight copies (slow, memory-hungry).
 
@@ -1331,17 +1333,17 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
         out.copy_(res)
         return out
     m = hidden.shape[0]
-    if _VARIANT["experts"] in ("stream", "auto") and 0 < m <= _stream_max_m(quant):
-        fuse = (shared_expert is not None and quant is not None and quant.layout == "quads"
-                and shared_expert[1].shape[1] == w13.shape[1] // 2)
+    stream = _VARIANT["experts"] in ("stream", "auto") and 0 < m <= _stream_max_m(quant)
+    fuse = (stream and shared_expert is not None and quant is not None and quant.layout == "quads"
+            and shared_expert[1].shape[1] == w13.shape[1] // 2)
+    apart = None
+    if shared_expert is not None and not fuse:  # beside the routed launches: two matmuls (cuBLAS), then an add;
+        # computed first, so an ``out`` that aliases ``hidden`` cannot change its input
+        g_u = hidden @ shared_expert[0].t()
+        inter = shared_expert[0].shape[0] // 2
+        apart = (torch.nn.functional.silu(g_u[:, :inter]) * g_u[:, inter:]) @ shared_expert[1].t()
+    if stream:
         out = _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, out, quant, shared_expert if fuse else None)
-        if fuse or shared_expert is None:
-            return out
     else:
         out = _fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, alignment, out, quant)
-        if shared_expert is None:
-            return out
-    # the shared expert beside the routed launches: two matmuls (cuBLAS) and an add
-    g_u = hidden @ shared_expert[0].t()
-    inter = shared_expert[0].shape[0] // 2
-    return out.add_((torch.nn.functional.silu(g_u[:, :inter]) * g_u[:, inter:]) @ shared_expert[1].t())
+    return out if apart is None else out.add_(apart)

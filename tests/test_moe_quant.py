@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import warm_up_for_capture
+from conftest import spy_launches, warm_up_for_capture
 
 import specverify.moe as moe_mod
 from specverify.moe import MoEQuant, fused_moe, moe_route
@@ -184,16 +184,22 @@ def test_int4_quads_stream_gate_up(device, poison, monkeypatch, rq, bkw, ls, gro
     check_quant_experts(hidden, p13.to(device), p2.to(device), q, ids, w, out=poison(hidden))
 
 
-@pytest.mark.parametrize("fmt, path, m, r, bk, tile, si", [
-    ("int4q", "stream", 1, 2, 32, 4096, 1), ("int4q", "stream", 3, 4, 64, 512, 1), ("int4q", "stream", 2, 1, 512, 64, 1),
-    ("int4q", "stream", 2, 2, 32, 4096, 2), ("int4q", "dot", 3, 2, 32, 4096, 1), ("int4", "stream", 2, 2, 32, 4096, 1),
-    ("fp8", "stream", 2, 2, 32, 4096, 1)])
+_SHARED_CASES = [("int4q", "stream", 1, 2, 32, 4096, 1), ("int4q", "stream", 3, 4, 64, 512, 1),
+                 ("int4q", "stream", 2, 1, 512, 64, 1), ("int4q", "stream", 2, 32, 64, 4096, 1),
+                 ("int4q", "stream", 2, 2, 32, 4096, 2), ("int4q", "dot", 3, 2, 32, 4096, 1),
+                 ("int4", "stream", 2, 2, 32, 4096, 1), ("fp8", "stream", 2, 2, 32, 4096, 1)]
+
+
+@pytest.mark.parametrize("fmt, path, m, r, bk, tile, si", _SHARED_CASES)
 def test_fused_moe_shared_expert(device, poison, monkeypatch, fmt, path, m, r, bk, tile, si):
     # an unquantised shared expert beside quantised routed experts: inside the q4 stream launches (int4 quads with
     # the shared I equal to the routed I: its gate/up programs of R rows over H = 176 in BK-column steps, the last
-    # one partial; the down tile of 1 to 8 row quads, I = 48 padded to 64), else two matmuls and an add (I' = 2I,
-    # the dot path, rows, fp8). A -1 slot; the output poisoned.
+    # one partial, R 32 over I = 48 a second program half past I; the down tile of 1 to 8 row quads, I = 48 padded
+    # to 64), else two matmuls and an add (I' = 2I, the dot path, rows, fp8). A -1 slot; the output poisoned.
     e, h, inter = 6, 176 if fmt != "fp8" else 192, 48 if fmt != "fp8" else 32
+    import specverify.kernels.fused_moe as kern
+    spies = [spy_launches(monkeypatch, kern, n)
+             for n in ("_moe_stream_gate_up_q4_kernel", "_moe_stream_down_q4_kernel")]
     monkeypatch.setitem(moe_mod._VARIANT, "experts", path)
     monkeypatch.setitem(moe_mod._STREAM_OVERRIDE, "gate_up", "fma")
     for k, v in (("q4sR", r), ("q4sBK", bk), ("q4dTILE", tile), ("q4dTILE_m1", tile)):
@@ -210,9 +216,54 @@ def test_fused_moe_shared_expert(device, poison, monkeypatch, fmt, path, m, r, b
     out = poison(hidden)
     res = check_quant_experts(hidden, p13.to(device), p2.to(device), q, ids, w, out=out, shared_expert=shared)
     assert res.data_ptr() == out.data_ptr()
+    # fused exactly where it should be: both q4 launches with SHARED and the shared programs in the gate/up grid
+    fused = fmt == "int4q" and path == "stream" and si == 1
+    shared_kw = [kw.get("SHARED", False) for spy in spies for kw in spy.kwargs]
+    assert shared_kw == ([True, True] if fused else [False] * len(shared_kw))
+    if fused:
+        kw = spies[0].kwargs[0]
+        assert spies[0].grids[0][0] == m * 2 * -(-inter // (4 * kw["RQ"])) + m * -(-inter // kw["SR"])
     ref = fused_moe(hidden, p13.to(device), p2.to(device), ids, w, quant=q, shared_expert=shared, impl="reference")
     d13, d2 = q.dequantize(p13.to(device), p2.to(device))
     assert torch.equal(ref, fused_moe_reference(hidden, d13, d2, ids, w, shared_expert=shared))
+
+
+@pytest.mark.parametrize("m, r, bk", [(1, 2, 32), (2, 32, 64), (3, 1, 512)])
+def test_int4_quads_shared_expert_rows_exact(device, monkeypatch, m, r, bk):
+    # the shared expert's own rows, tightly: its act rows (M * top_k + token) within one rounding of the fp64
+    # SwiGLU, and with every routed weight 0 the output within one rounding of those act rows times its w2, so a
+    # dropped row of I, a dropped column or a scaled term cannot hide under the whole layer's tolerance
+    e, h, inter, top = 6, 176, 48, 2
+    for k, v in (("q4sR", r), ("q4sBK", bk)):
+        monkeypatch.setitem(moe_mod._STREAM_OVERRIDE, k, v)
+    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.float32, seed=74 + m)
+    p13, p2, q = _quantised("int4q", w13, w2, 16)
+    q = dataclasses.replace(q, w13_scale=q.w13_scale.to(device), w2_scale=q.w2_scale.to(device))
+    s13, s2 = random_expert_weights(1, h, inter, dtype=torch.float32, seed=75)
+    s13, s2 = s13[0].bfloat16().to(device), s2[0].bfloat16().to(device)
+    g = torch.Generator().manual_seed(76 + m)
+    hidden = torch.randn(m, h, generator=g).bfloat16().to(device)
+    ids = torch.tensor([[4, 1], [1, -1], [0, 5]][:m], dtype=torch.int32, device=device)
+    cfg = moe_mod._stream_config(m, h, inter, top, device == "cuda", "int4")
+    act = moe_mod.stream_gate_up(hidden, p13.to(device), ids, cfg, False, q, s13)
+    assert act.shape == (m * top + m, inter)
+    # bounds: one ulp of the bf16 result (the interpreter's fp32 -> bf16 truncates; a GPU rounds to nearest, half
+    # of it), plus fp32 summation over n terms (n 2^-24 sum |terms|) carried through silu(g) * u (|silu'| <= 1.1)
+    x = hidden.double()
+    gu, gu_abs = x @ s13.double().t(), x.abs() @ s13.double().abs().t()
+    g, u = gu[:, :inter], gu[:, inter:]
+    want = torch.nn.functional.silu(g) * u
+    eg, eu = h * 2 ** -24 * gu_abs[:, :inter], h * 2 ** -24 * gu_abs[:, inter:]
+    bound = want.abs() * 2 ** -7 + 1.1 * u.abs() * eg + torch.nn.functional.silu(g).abs() * eu + 1e-30
+    err = (act[m * top:].double() - want).abs()
+    assert (err <= bound).all(), (err / bound).max()
+    out = fused_moe(hidden, p13.to(device), p2.to(device), ids, torch.zeros(m, top, device=device), quant=q,
+                    shared_expert=(s13, s2))
+    a = act[m * top:].double()
+    y = a @ s2.double().t()
+    bound = y.abs() * 2 ** -7 + inter * 2 ** -24 * (a.abs() @ s2.double().abs().t()) + 1e-30
+    err = (out.double() - y).abs()
+    assert (err <= bound).all(), (err / bound).max()
 
 
 def test_fused_moe_shared_expert_refuses_bad_weights(device):

@@ -386,6 +386,12 @@ def _split4(x):
 
 
 @triton.jit
+def _join4(x0, x1, x2, x3):
+    """The inverse of :func:`_split4`: 4 tensors [...] -> [..., 4] (x_i is element i)."""
+    return tl.reshape(tl.join(tl.join(x0, x2), tl.join(x1, x3)), x0.shape + [4])
+
+
+@triton.jit
 def _q4_sums(c, xe, xo):
     """The interpreter's form of the PTX: code words ``c`` [...] of one row against their 8 activations ``xe`` /
     ``xo`` [..., 4] (fp32; column 8w + 2b / 8w + 2b + 1 of byte b), ``sum_j (q_j - 8) x_j`` over each word."""
@@ -546,7 +552,7 @@ def _moe_stream_down_q4_kernel(act_ptr, w2_ptr, s2_ptr, ids_ptr, tw_ptr, out_ptr
                                TOP_K: tl.constexpr, MT: tl.constexpr, SP: tl.constexpr, RQ: tl.constexpr,
                                BW: tl.constexpr, PDL: tl.constexpr, QG: tl.constexpr, ASM: tl.constexpr,
                                F16: tl.constexpr, sw2_ptr=None, stride_sw2=0, SHARED: tl.constexpr = False,
-                               BIS: tl.constexpr = 16):
+                               BIS: tl.constexpr = 16, ONE_SUM: tl.constexpr = False):
     pid = tl.program_id(0)
     IW: tl.constexpr = I // 8  # code words a row
     WPG: tl.constexpr = QG // 8
@@ -603,17 +609,28 @@ def _moe_stream_down_q4_kernel(act_ptr, w2_ptr, s2_ptr, ids_ptr, tw_ptr, out_ptr
     p1 = tl.sum(a1, axis=2) * r[:, None]
     p2 = tl.sum(a2, axis=2) * r[:, None]
     p3 = tl.sum(a3, axis=2) * r[:, None]
-    o_row = out_ptr + q * 4
-    for m in tl.static_range(MT):  # the top-k sum of token m, in the fixed order of one reduction
-        if SHARED:  # act row MT * TOP_K + m: the shared expert's (after the loop's wait)
-            xs = tl.load(act_ptr + (MT * TOP_K + m) * stride_am + oi, mask=oi < I, other=0.0).to(tl.float32)
-            y0, y1, y2, y3 = _split4(tl.sum(ws.to(tl.float32) * xs[None, None, :], axis=2))
-        else:
-            y0, y1, y2, y3 = 0.0, 0.0, 0.0, 0.0
-        _q4_store_down(o_row + m * stride_om, p0, tok == m, qmask, y0)
-        _q4_store_down(o_row + m * stride_om + 1, p1, tok == m, qmask, y1)
-        _q4_store_down(o_row + m * stride_om + 2, p2, tok == m, qmask, y2)
-        _q4_store_down(o_row + m * stride_om + 3, p3, tok == m, qmask, y3)
+    if ONE_SUM:  # TOP_K a power of two: slot s = m * TOP_K + k, so one reduction over k serves every token and row
+        MTP: tl.constexpr = SP // TOP_K
+        mt = tl.arange(0, MTP)
+        y = tl.sum(tl.reshape(_join4(p0, p1, p2, p3), [MTP, TOP_K, RQ, 4]), axis=1)  # [MTP, RQ, 4 rows]
+        if SHARED:  # act rows MT * TOP_K + m: the shared expert's (after the loop's wait)
+            xs = tl.load(act_ptr + (MT * TOP_K + mt).to(tl.int64)[:, None] * stride_am + oi[None, :],
+                         mask=(mt < MT)[:, None] & (oi < I)[None, :], other=0.0).to(tl.float32)  # [MTP, BIS]
+            y += tl.sum(ws.to(tl.float32)[None, :, :, :] * xs[:, None, None, :], axis=3)
+        o_ptrs = out_ptr + mt[:, None, None] * stride_om + (q[:, None] * 4 + orr[None, :])[None, :, :]
+        tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=(mt < MT)[:, None, None] & qmask[None, :, None])
+    else:
+        o_row = out_ptr + q * 4
+        for m in tl.static_range(MT):  # the top-k sum of token m, in the fixed order of one reduction
+            if SHARED:  # act row MT * TOP_K + m: the shared expert's (after the loop's wait)
+                xs = tl.load(act_ptr + (MT * TOP_K + m) * stride_am + oi, mask=oi < I, other=0.0).to(tl.float32)
+                y0, y1, y2, y3 = _split4(tl.sum(ws.to(tl.float32) * xs[None, None, :], axis=2))
+            else:
+                y0, y1, y2, y3 = 0.0, 0.0, 0.0, 0.0
+            _q4_store_down(o_row + m * stride_om, p0, tok == m, qmask, y0)
+            _q4_store_down(o_row + m * stride_om + 1, p1, tok == m, qmask, y1)
+            _q4_store_down(o_row + m * stride_om + 2, p2, tok == m, qmask, y2)
+            _q4_store_down(o_row + m * stride_om + 3, p3, tok == m, qmask, y3)
 
 
 @triton.jit

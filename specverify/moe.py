@@ -900,7 +900,7 @@ _STREAM_CONFIG: dict = {"max_m": 6, "small_m": 2, "small_R": 2, "R": 4, "BK": 51
                         "split_waves": 4, "qBH": 8, "qTILE": 16384, "QPF": 1, "LS": 0,
                         "fp8_LS": 4, "fp8_LS_min_m": 4, "q4RQ": 1, "q4RQ_m2": 2, "q4BKW": 128, "q4_warps": 4,
                         "q4LS": 0, "q4dTILE": 2048, "q4dTILE_m1": 4096, "q4_maxnreg": 128, "q4_max_m": 8,
-                        "q4d_warps_sp64": 8, "q4sR": 1, "q4sBK": 512}
+                        "q4d_warps_sp64": 8, "q4sR": 1, "q4sBK": 512, "q4d_one_sum": 1}
 #: Overrides merged into the stream config (benchmarks and sweeps only; empty in normal use).
 _STREAM_OVERRIDE: dict = {}
 #: Tile overrides for benchmarks and sweeps only: keys ``g1`` / ``g2`` (dicts merged into the gate/up and down
@@ -1189,10 +1189,12 @@ def _stream_down_quads(act, w2, q2, qc, ids32, tw, out, e, h, inter, m, top_k, c
     if shared_w2 is not None:
         launch = dict(launch, sw2_ptr=shared_w2, stride_sw2=shared_w2.stride(0), SHARED=True,
                       BIS=max(16, _next_pow2(inter)))
+    # one reduction for every token's top-k sum where slot m * top_k + k folds as [SP / top_k, top_k]
+    one_sum = bool(cfg["q4d_one_sum"]) and top_k & (top_k - 1) == 0 and top_k <= sp
     _moe_stream_down_q4_kernel[(_cdiv(h // 4, rq),)](
         act, w2, q2[0], ids32, tw, out, act.stride(0), w2.stride(0), w2.stride(1), q2[1], q2[2], out.stride(0), E=e,
         H=h, I=inter, TOP_K=top_k, MT=m, SP=sp, RQ=rq, BW=bw, PDL=pdl, QG=qc["QG"], ASM=act.is_cuda,
-        F16=act.dtype == torch.float16, **launch)
+        F16=act.dtype == torch.float16, ONE_SUM=one_sum, **launch)
     return out
 
 

@@ -228,13 +228,14 @@ def test_fused_moe_shared_expert(device, poison, monkeypatch, fmt, path, m, r, b
     assert torch.equal(ref, fused_moe_reference(hidden, d13, d2, ids, w, shared_expert=shared))
 
 
-@pytest.mark.parametrize("m, r, bk", [(1, 2, 32), (2, 32, 64), (3, 1, 512)])
-def test_int4_quads_shared_expert_rows_exact(device, monkeypatch, m, r, bk):
+@pytest.mark.parametrize("m, r, bk, one_sum", [(1, 2, 32, 1), (2, 32, 64, 1), (3, 1, 512, 1), (3, 2, 64, 0)])
+def test_int4_quads_shared_expert_rows_exact(device, monkeypatch, m, r, bk, one_sum):
     # the shared expert's own rows, tightly: its act rows (M * top_k + token) within one rounding of the fp64
     # SwiGLU, and with every routed weight 0 the output within one rounding of those act rows times its w2, so a
-    # dropped row of I, a dropped column or a scaled term cannot hide under the whole layer's tolerance
+    # dropped row of I, a dropped column or a scaled term cannot hide under the whole layer's tolerance; the down
+    # kernel's top-k sums as one reduction (top_k a power of two) and token by token
     e, h, inter, top = 6, 176, 48, 2
-    for k, v in (("q4sR", r), ("q4sBK", bk)):
+    for k, v in (("q4sR", r), ("q4sBK", bk), ("q4d_one_sum", one_sum)):
         monkeypatch.setitem(moe_mod._STREAM_OVERRIDE, k, v)
     w13, w2 = random_expert_weights(e, h, inter, dtype=torch.float32, seed=74 + m)
     p13, p2, q = _quantised("int4q", w13, w2, 16)

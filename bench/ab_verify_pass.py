@@ -64,7 +64,7 @@ import sys
 from specverify import verify_wall as vw
 from specverify.gemv import gemv_config
 
-FUSIONS = ("mla_prep_absorb", "route_shared", "moe_block", "experts_plus_shared")
+FUSIONS = ("mla_prep_absorb", "route_shared", "moe_block")
 VARIANTS = {"chain": dict(off=FUSIONS), "fused": dict(off=()), "fma": dict(off=(), stream={"splitk_max_m": 0})}
 VARIANTS.update({f"no-{slot}": dict(off=(slot,)) for slot in FUSIONS})
 VARIANTS.update({f"splitk-m{m}": dict(off=(), stream={"splitk_max_m": m}) for m in (4, 6)})
@@ -77,8 +77,12 @@ VARIANTS["no-qprefetch"] = dict(off=(), stream={"QPF": 0})
 VARIANTS["ls0"] = dict(off=(), stream={"LS": 0})
 #: int4 experts in the checkpoints' rows instead of row quads (the stream gate/up of rows, ``--experts-quant int4``)
 VARIANTS["i4-rows"] = dict(off=(), attrs=(("specverify.forward.model", "INT4_LAYOUT", "rows"),))
-#: int4 quads: the q4 down kernel's top-k sum token by token (the one-reduction epilogue off)
-VARIANTS["q4-loop-sum"] = dict(off=(), stream={"q4d_one_sum": 0})
+#: int4 quads: the q4 down kernel's top-k sums as one reduction (``q4d_one_sum``; token by token by default)
+VARIANTS["q4-one-sum"] = dict(off=(), stream={"q4d_one_sum": 1})
+#: quantised layers' bf16 shared expert inside the q4 stream launches (``ops.experts_plus_shared``)
+VARIANTS["shared-in-experts"] = dict(off=(), attrs=(("specverify.forward.model", "SHARED_IN_EXPERTS", True),))
+VARIANTS["shared-in-experts-one-sum"] = dict(off=(), stream={"q4d_one_sum": 1},
+                                             attrs=(("specverify.forward.model", "SHARED_IN_EXPERTS", True),))
 #: the stream experts up to 8 / 16 tokens (``max_m``; the dot path above 6 tokens today)
 VARIANTS.update({f"stream-m{m}": dict(off=(), stream={"max_m": m}) for m in (8, 16)})
 #: module attributes read at each launch: (module, attribute, value)

@@ -894,13 +894,17 @@ _FAST_ROUTE_CONFIG: dict = {"one_max_slots": 16, "align_one_max_slots": 32, "one
 #: down kernel's warps at 64 slot lanes (M 5-8; 4 warps spill 32 B a thread at 128 registers, offline sm_90a). An
 #: unquantised shared expert in the q4 gate/up grid (``fused_moe(..., shared_expert=)``): ``q4sR`` gate + up rows a
 #: program (1: a program reads 28 KB, as a q4 program of one row quad does), ``q4sBK`` columns a step.
+#: ``q4d_one_sum``: the q4 down kernel's top-k sums (and the shared expert's rows) as one reduction over [tokens,
+#: top_k] where top_k is a power of two, instead of one masked reduction a token and row (4 x M cross-warp sums). The
+#: shared expert's tiles, the warps at 64 lanes and this epilogue are not yet timed on a GPU (compiled offline for
+#: sm_90a / sm_120 without spills; the next device call's sweeps decide them).
 _STREAM_CONFIG: dict = {"max_m": 6, "small_m": 2, "small_R": 2, "R": 4, "BK": 512, "num_warps": 4, "num_stages": 1,
                         "BH": 2, "BI": 256, "TILE": 8192, "down_warps": 4, "PDL": True, "gate_up": "auto",
                         "splitk_max_m": 2, "SBN": 32, "SBK": 128, "split_stages": 3, "split_warps": 4,
                         "split_waves": 4, "qBH": 8, "qTILE": 16384, "QPF": 1, "LS": 0,
                         "fp8_LS": 4, "fp8_LS_min_m": 4, "q4RQ": 1, "q4RQ_m2": 2, "q4BKW": 128, "q4_warps": 4,
                         "q4LS": 0, "q4dTILE": 2048, "q4dTILE_m1": 4096, "q4_maxnreg": 128, "q4_max_m": 8,
-                        "q4d_warps_sp64": 8, "q4sR": 1, "q4sBK": 512, "q4d_one_sum": 1}
+                        "q4d_warps_sp64": 8, "q4sR": 1, "q4sBK": 512, "q4d_one_sum": 0}
 #: Overrides merged into the stream config (benchmarks and sweeps only; empty in normal use).
 _STREAM_OVERRIDE: dict = {}
 #: Tile overrides for benchmarks and sweeps only: keys ``g1`` / ``g2`` (dicts merged into the gate/up and down

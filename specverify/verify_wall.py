@@ -526,8 +526,10 @@ def experts_quant_note(model) -> str:
     if "quant_shared" in moe:
         what += "; the shared expert stacked with them, fp8 too"
     elif moe.get("shared_gate_up") is not None:
+        from specverify.forward import model as fm
         what += ("; the shared expert unquantised, in the stream experts' two launches with int4 quads (up to 8 "
-                 "tokens; else two matmuls beside the experts)")
+                 "tokens; else two matmuls beside the experts)" if fm.SHARED_IN_EXPERTS else
+                 "; the shared expert unquantised, apart (two matmuls and an add)")
     return (f"experts: {what}. The pieces line's one-launch MoE block and fused shared expert do not apply: "
             "quantised MoE layers run the router, the routing and the expert kernels at every k")
 

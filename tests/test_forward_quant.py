@@ -7,6 +7,7 @@ import torch
 
 from specverify import gemv as gemv_mod
 from specverify.configs import expert_param_bytes, per_rank_shapes, verify_bytes
+from specverify.forward import model as model_mod
 from specverify.forward.model import VerifyModel
 from specverify.forward.ops import Ops, specverify_ops
 
@@ -67,11 +68,15 @@ def _fp64_twin(model, name, seed):
     return ref
 
 
-@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+@pytest.mark.parametrize("fmt", ["int4", "int4+shared-in-experts", "fp8"])
 @pytest.mark.parametrize("name", ["tiny-mla-moe", "tiny-mla-grouped"])
 @pytest.mark.parametrize("b, k", [(1, 1), (2, 3)])  # M = 1 (the MoE block would serve unquantised) and M = 6
 def test_quantised_forward_matches_dequantised_truth(device, monkeypatch, fmt, name, b, k):
     monkeypatch.setattr(gemv_mod, "LINEAR_RULES", _ALL)
+    # int4's bf16 shared expert in the q4 stream launches (ops.experts_plus_shared), or apart
+    shared_in = fmt.endswith("+shared-in-experts")
+    monkeypatch.setattr(model_mod, "SHARED_IN_EXPERTS", shared_in)
+    fmt = fmt.removesuffix("+shared-in-experts")
     page_size, seed = 4, 13
     model = VerifyModel(name, dtype=torch.bfloat16, seed=seed, device=device, experts_quant=fmt)
     moe_sets = [w for w in model._sets.values() if not w["dense"]]
@@ -94,10 +99,10 @@ def test_quantised_forward_matches_dequantised_truth(device, monkeypatch, fmt, n
             _replay_routing(ref_ops, routed["specverify"])
         model.ops = ops
         out[tag] = model.forward(ids, pos, _caches(model, pool, page_size, seed=5), pt, prefix)
-    # the one-launch MoE block has no quantised path: every MoE layer ran the expert kernels with its format, int4's
-    # with the bf16 shared expert in their launches
+    # the one-launch MoE block has no quantised path: every MoE layer ran the expert kernels with its format (int4's
+    # with the bf16 shared expert in their launches where set)
     layers = sum(not w["dense"] for w in model.layers)
-    plus = layers if fmt == "int4" else 0
+    plus = layers if shared_in else 0
     assert calls["moe_block"] == 0 and calls["experts_with_shared"] == 0, calls
     assert calls["experts"] == layers - plus and calls["experts_plus_shared"] == plus, calls
     twin = _fp64_twin(model, name, seed)

@@ -190,8 +190,9 @@ _SHARED_CASES = [("int4q", "stream", 1, 2, 32, 4096, 1), ("int4q", "stream", 3, 
                  ("int4", "stream", 2, 2, 32, 4096, 1), ("fp8", "stream", 2, 2, 32, 4096, 1)]
 
 
+@pytest.mark.parametrize("one_sum", [0, 1])  # the q4 down kernel's top-k sums token by token or as one reduction
 @pytest.mark.parametrize("fmt, path, m, r, bk, tile, si", _SHARED_CASES)
-def test_fused_moe_shared_expert(device, poison, monkeypatch, fmt, path, m, r, bk, tile, si):
+def test_fused_moe_shared_expert(device, poison, monkeypatch, fmt, path, m, r, bk, tile, si, one_sum):
     # an unquantised shared expert beside quantised routed experts: inside the q4 stream launches (int4 quads with
     # the shared I equal to the routed I: its gate/up programs of R rows over H = 176 in BK-column steps, the last
     # one partial, R 32 over I = 48 a second program half past I; the down tile of 1 to 8 row quads, I = 48 padded
@@ -202,7 +203,7 @@ def test_fused_moe_shared_expert(device, poison, monkeypatch, fmt, path, m, r, b
              for n in ("_moe_stream_gate_up_q4_kernel", "_moe_stream_down_q4_kernel")]
     monkeypatch.setitem(moe_mod._VARIANT, "experts", path)
     monkeypatch.setitem(moe_mod._STREAM_OVERRIDE, "gate_up", "fma")
-    for k, v in (("q4sR", r), ("q4sBK", bk), ("q4dTILE", tile), ("q4dTILE_m1", tile)):
+    for k, v in (("q4sR", r), ("q4sBK", bk), ("q4dTILE", tile), ("q4dTILE_m1", tile), ("q4d_one_sum", one_sum)):
         monkeypatch.setitem(moe_mod._STREAM_OVERRIDE, k, v)
     w13, w2 = random_expert_weights(e, h, inter, dtype=torch.float32, seed=70 + m + r)
     p13, p2, q = _quantised(fmt, w13, w2, (16, 32) if fmt == "fp8" else 16)

@@ -51,6 +51,12 @@ FOLD_Q_NORM_MAX_M = 4
 #: for the stream gate/up's layout-free reads; ``"rows"`` keeps the checkpoints' layout (A/B only).
 INT4_LAYOUT = "quads"
 
+#: Run the unquantised shared expert of quantised MoE layers inside the expert launches (``ops.experts_plus_shared``:
+#: int4 quads' q4 stream kernels up to 8 tokens) instead of two matmuls and an add after them. Off until the GPU
+#: A/B of the eighth session of 2026-12-07 runs (``ab_verify_pass.py --experts-quant int4 --variants
+#: fused,shared-in-experts``): checked on the CPU (interpreter) and compiled offline only. Read at each forward.
+SHARED_IN_EXPERTS = False
+
 
 def quantise_experts(w: dict, e: int, fmt: str) -> dict:
     """Replace a MoE layer dict's expert weights by their ``fmt`` form (:data:`specverify.configs.EXPERTS_QUANT`) in
@@ -485,7 +491,8 @@ class VerifyModel:
         ``route_shared`` too the router writes its slot (ids [M, top_k + 1]) and ``experts`` runs over the stacks;
         otherwise ``route`` then ``experts_with_shared`` (which appends the slot). With ``w13_all`` and
         ``moe_block`` all of it is one op up to ``ops.moe_block_max_m`` tokens. Quantised routed experts with an
-        unquantised shared expert (``shared_gate_up``) run both through ``experts_plus_shared`` where the table has it.
+        unquantised shared expert (``shared_gate_up``) run both through ``experts_plus_shared`` where the table has it
+        and :data:`SHARED_IN_EXPERTS` is set.
         """
         ops = self.ops
         flat = h.reshape(-1, h.shape[-1])
@@ -513,7 +520,8 @@ class VerifyModel:
         with self.section("experts"):
             if "experts_fn" in w:  # the layer's own experts (see the docstring)
                 out = w["experts_fn"](flat, ids, weights, logits)
-            elif quant is not None and "shared_gate_up" in w and ops.experts_plus_shared is not None:
+            elif (quant is not None and "shared_gate_up" in w and SHARED_IN_EXPERTS
+                  and ops.experts_plus_shared is not None):
                 # the unquantised shared expert in the quantised experts' launches
                 return ops.experts_plus_shared(flat, w["w13"], w["w2"], ids, weights, quant, w["shared_gate_up"],
                                                w["shared_down"]).view_as(h)

@@ -268,12 +268,16 @@ def test_int4_quads_shared_expert_rows_exact(device, monkeypatch, m, r, bk, one_
     assert (err <= bound).all(), (err / bound).max()
 
 
-def test_fused_moe_shared_expert_refuses_bad_weights(device):
-    e, h, inter = 2, 64, 32
-    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.float32, seed=73)
+def _one_token_int4q(seed):
+    """A token routed to expert 1 of 2 int4 experts in row quads (H 64, I 32): the fp32 weights, the stored ones,
+    their MoEQuant, hidden, ids and weights (CPU)."""
+    w13, w2 = random_expert_weights(2, 64, 32, dtype=torch.float32, seed=seed)
     p13, p2, q = _quantised("int4q", w13, w2, 16)
-    hidden = torch.randn(1, h).bfloat16()
-    ids, w = torch.tensor([[1]], dtype=torch.int32), torch.ones(1, 1)
+    return w13, w2, p13, p2, q, torch.randn(1, 64).bfloat16(), torch.tensor([[1]], dtype=torch.int32), torch.ones(1, 1)
+
+
+def test_fused_moe_shared_expert_refuses_bad_weights(device):
+    w13, w2, p13, p2, q, hidden, ids, w = _one_token_int4q(73)
     s13, s2 = w13[0].bfloat16(), w2[0].bfloat16()
     with pytest.raises(TypeError, match="pair of tensors"):
         fused_moe(hidden, p13, p2, ids, w, quant=q, shared_expert=s13)
@@ -287,10 +291,7 @@ def test_fused_moe_shared_expert_refuses_bad_weights(device):
 
 def test_int4_quads_refuse_what_they_cannot_read(device):
     e, h, inter = 2, 64, 32
-    w13, w2 = random_expert_weights(e, h, inter, dtype=torch.float32, seed=62)
-    p13, p2, q = _quantised("int4q", w13, w2, 16)
-    hidden = torch.randn(1, h).bfloat16()
-    ids, w = torch.tensor([[1]], dtype=torch.int32), torch.ones(1, 1)
+    w13, w2, p13, p2, q, hidden, ids, w = _one_token_int4q(62)
     with pytest.raises(ValueError, match="layout must be 'rows' or 'quads'"):
         fused_moe(hidden, p13, p2, ids, w, quant=dataclasses.replace(q, layout="cols"))
     f13, fs = quantize_fp8_block(w13, (16, 32))

@@ -1290,12 +1290,14 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
     ------
     TypeError
         Non-tensor inputs, unsupported or mismatched dtypes (quantised weights of the wrong storage dtype, or uint8 /
-        fp8 weights without ``quant``), a wrong ``alignment`` or ``quant`` type.
+        fp8 weights without ``quant``), a wrong ``alignment`` or ``quant`` type, a ``shared_expert`` that is not a pair
+        of tensors in hidden's dtype.
     ValueError
         Shapes that do not fit ``[E, 2I, H]`` / ``[E, H, I]`` / ``[M, top_k]``, scales of the wrong shape, group or
         block sizes that are not powers of two, an int4 group that does not divide H and I, an fp8 block row that
         does not divide I (edge blocks along H and I are fine), too-small alignment buffers, a wrong ``out``,
-        unknown ``activation``, ``impl`` or quantised format.
+        unknown ``activation``, ``impl`` or quantised format, ``shared_expert`` weights of the wrong shape, on
+        another device or without contiguous rows.
 
     Notes
     -----

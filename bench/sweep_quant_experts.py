@@ -84,9 +84,7 @@ def main(argv=None) -> int:
     def experts(xi, p13, p2, ids, w, q, sh, apart):
         if sh is None or not apart:
             return moe.fused_moe(xi, p13, p2, ids, w, quant=q, shared_expert=sh)
-        out = moe.fused_moe(xi, p13, p2, ids, w, quant=q)
-        g_u = xi @ sh[0].t()
-        return out + (torch.nn.functional.silu(g_u[:, :inter]) * g_u[:, inter:]) @ sh[1].t()
+        return moe.fused_moe(xi, p13, p2, ids, w, quant=q) + shared_expert_reference(xi, *sh, compute_dtype=xi.dtype)
 
     rows, failed = [], 0
     for fmt in args.formats:

@@ -1307,9 +1307,9 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
     launch; each slot reads its expert's weights (at M <= 6 and top-8 of 384 nearly every slot has its own expert).
     Other M: three launches (gate/up GEMM with fused SiLU·up into a [M·top_k, I] buffer; down GEMM with the routed
     weight applied into a fp32 [M·top_k, H] buffer; a sum over top_k in fixed order). Every path is deterministic.
-    bf16/fp16 inputs, fp32 accumulation, the SwiGLU output rounded to the input dtype. CUDA-graph capturable: grids depend only on shapes (at most one block per
-    routed slot), unused blocks exit early, no host sync. The reference path is capturable too but computes in
-    fp32 with gathered weight copies (slow, memory-hungry).
+    bf16/fp16 inputs, fp32 accumulation, the SwiGLU output rounded to the input dtype. CUDA-graph capturable: grids
+    depend only on shapes (at most one block per routed slot), unused blocks exit early, no host sync. The reference
+    path is capturable too but computes in fp32 with gathered weight copies (slow, memory-hungry).
 
     Examples
     --------
@@ -1345,11 +1345,11 @@ def fused_moe(hidden, w13, w2, topk_ids, topk_weights, *, alignment=None, activa
     fuse = (stream and shared_expert is not None and quant is not None and quant.layout == "quads"
             and shared_expert[1].shape[1] == w13.shape[1] // 2)
     apart = None
-    if shared_expert is not None and not fuse:  # beside the routed launches: two matmuls (cuBLAS), then an add;
-        # computed first, so an ``out`` that aliases ``hidden`` cannot change its input
-        g_u = hidden @ shared_expert[0].t()
-        inter = shared_expert[0].shape[0] // 2
-        apart = (torch.nn.functional.silu(g_u[:, :inter]) * g_u[:, inter:]) @ shared_expert[1].t()
+    if shared_expert is not None and not fuse:  # beside the routed launches: two matmuls (cuBLAS) in hidden's
+        # dtype, then an add; computed first, so an ``out`` that aliases ``hidden`` cannot change its input
+        from specverify.reference.moe import shared_expert_reference
+
+        apart = shared_expert_reference(hidden, *shared_expert, compute_dtype=hidden.dtype)
     if stream:
         out = _fused_moe_stream(hidden, w13, w2, topk_ids, topk_weights, out, quant, shared_expert if fuse else None)
     else:
